@@ -1,0 +1,1 @@
+"""Pallas (Mosaic GPU) kernels, each beside its pure-jnp reference; nothing here imports the engine."""

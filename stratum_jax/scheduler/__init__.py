@@ -1,0 +1,1 @@
+"""Schedulers that decide which requests run in the next engine step."""
