@@ -1,0 +1,86 @@
+"""One frozen dataclass of every runtime tunable, built from CLI flags, validated once at construction."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+PAGE_SIZE_CLASSES = (8, 16, 32, 64, 128, 256)   # tokens per page: 8 * 2^k
+ATTENTION_BACKENDS = ("reference", "kernel")
+CACHE_POLICIES = ("lru", "dmlp")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything the engine can be tuned by. Invalid values raise ValueError naming the flag to fix."""
+
+    model: str = "tiny"              # preset name or HF checkpoint directory
+    dtype: str | None = None         # override the model's dtype: "float32" or "bfloat16"
+    max_batch_size: int = 32         # running sequences per decode step
+    max_context: int = 2048          # prompt + generated tokens per request
+    max_tokens_cap: int = 1024       # the largest max_tokens a request may ask for
+    max_queue: int = 256             # waiting requests before add_request raises QueueFullError
+    kv_pool_tokens: int = 65536      # KV capacity in token slots (rounded up to a multiple of 256)
+    prefill_chunk: int = 256         # prompt tokens per prefill step (long prompts are split)
+    page_size: int | None = None     # force one page size for every request; None = adaptive rule
+    attention: str = "reference"     # "reference" (pure jnp) or "kernel" (Pallas Mosaic GPU)
+    interpret_kernels: bool = False  # run Pallas kernels in the Mosaic GPU interpreter (CPU tests)
+    cache_policy: str = "lru"        # eviction policy for cached prefix pages
+    enable_prefix_caching: bool = True
+    seed: int = 0                    # seeds requests that bring no seed of their own
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        need(self.dtype in (None, "float32", "bfloat16"),
+             f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        for name in ("max_batch_size", "max_context", "max_tokens_cap", "max_queue", "kv_pool_tokens",
+                     "prefill_chunk"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0,
+                 f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        need(self.max_batch_size <= 1024, f"--max-batch-size must be <= 1024, got {self.max_batch_size}")
+        need(self.prefill_chunk >= 8 and self.prefill_chunk & (self.prefill_chunk - 1) == 0,
+             f"--prefill-chunk must be a power of two >= 8, got {self.prefill_chunk}")
+        need(self.page_size is None or self.page_size in PAGE_SIZE_CLASSES,
+             f"--page-size must be one of {PAGE_SIZE_CLASSES}, got {self.page_size!r}")
+        need(self.attention in ATTENTION_BACKENDS,
+             f"--attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+        need(self.cache_policy in CACHE_POLICIES,
+             f"--cache-policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
+        need(self.kv_pool_tokens >= self.max_context,
+             f"--kv-pool-tokens ({self.kv_pool_tokens}) must hold at least one full context "
+             f"(--max-context {self.max_context})")
+
+    @property
+    def kv_pool_slots(self) -> int:
+        """Token slots in each layer's pool: a multiple of the largest page so the buddy tree is whole."""
+        top = PAGE_SIZE_CLASSES[-1]
+        return -(-self.kv_pool_tokens // top) * top
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = RuntimeConfig()
+        g = parser.add_argument_group("runtime")
+        g.add_argument("--model", default=d.model, help="preset name (tiny, llama-1b, llama-8b) or HF dir")
+        g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+        g.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
+        g.add_argument("--max-context", type=int, default=d.max_context)
+        g.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap)
+        g.add_argument("--max-queue", type=int, default=d.max_queue)
+        g.add_argument("--kv-pool-tokens", type=int, default=d.kv_pool_tokens)
+        g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
+        g.add_argument("--page-size", type=int, default=d.page_size,
+                       help=f"force one page size {PAGE_SIZE_CLASSES}; default: adaptive per request")
+        g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS)
+        g.add_argument("--interpret-kernels", action="store_true",
+                       help="run Pallas kernels in the Mosaic GPU interpreter (for CPU)")
+        g.add_argument("--cache-policy", default=d.cache_policy, choices=CACHE_POLICIES)
+        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        g.add_argument("--seed", type=int, default=d.seed)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "RuntimeConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,94 @@
+"""The jit-compiled model step: one forward over a [seqs, chunk] batch on the paged cache, then sampling.
+
+The same function serves prefill chunks (chunk > 1) and decode (chunk == 1). Its shapes are bucketed by the
+engine (seqs, chunk and the context bound are powers of two), so each bucket compiles once. The KV cache
+is donated: XLA updates the pools in place instead of copying every layer each step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from stratum_jax.attention import AttentionMetadata, paged_attention_for_step
+from stratum_jax.model import llama
+from stratum_jax.sampling import SamplingArrays, sample, token_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """tokens [S]; logprob [S]; top_ids/top_logprobs [S, K]; prompt_* are [S, C] / [S, C, K] or empty."""
+
+    tokens: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    prompt_logprob: jax.Array
+    prompt_top_ids: jax.Array
+    prompt_top_logprobs: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    StepResult, data_fields=[f.name for f in dataclasses.fields(StepResult)], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """The static part of a step: each distinct value compiles its own program."""
+
+    max_context: int            # gather bound of the reference attention (a power of two)
+    backend: str = "reference"
+    interpret: bool = False
+    greedy_only: bool = True
+    top_logprobs: int = 0       # K of the top-K logprobs for sampled tokens
+    prompt_logprobs: int = -1   # -1: no prompt logprobs; else K for every position of the chunk
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts"), donate_argnames=("kv_cache",))
+def model_step(params, kv_cache, token_ids, write_slots, meta: AttentionMetadata, sample_cols,
+               sampling: SamplingArrays, next_token_ids, *, cfg, opts: StepOptions):
+    """One engine step.
+
+    token_ids, write_slots, next_token_ids: [S, C] int32 (write slot >= num_slots = padding, dropped;
+    next_token_ids is the prompt token after each position, for prompt logprobs, -1 where none).
+    sample_cols: [S] int32, the chunk column whose logits are sampled (the sequence's last new token).
+    Returns (StepResult, new kv_cache).
+    """
+    seqs, chunk = token_ids.shape
+
+    def attend(layer, q, k_pool, v_pool):
+        q = q.reshape(seqs, chunk, *q.shape[1:])
+        out = paged_attention_for_step(q, k_pool, v_pool, meta, max_context=opts.max_context,
+                                       backend=opts.backend, interpret=opts.interpret)
+        return out.reshape(seqs * chunk, *out.shape[2:])
+
+    positions = jnp.maximum(meta.q_positions, 0).reshape(-1)
+    with jax.named_scope("forward"):
+        hidden, kv_cache = llama.forward(params, cfg, token_ids.reshape(-1), positions, kv_cache,
+                                         write_slots.reshape(-1), attend)
+    hidden = hidden.reshape(seqs, chunk, -1)
+    with jax.named_scope("sampling"):
+        last = jnp.take_along_axis(hidden, sample_cols[:, None, None], axis=1)[:, 0]
+        logits = llama.compute_logits(params, cfg, last)
+        tokens = sample(logits, sampling, greedy_only=opts.greedy_only)
+        logprob, top_ids, top_lp = token_logprobs(logits, tokens, top_k=opts.top_logprobs)
+    if opts.prompt_logprobs >= 0:
+        all_logits = llama.compute_logits(params, cfg, hidden.reshape(seqs * chunk, -1))
+        p_lp, p_ids, p_top = token_logprobs(all_logits, next_token_ids.reshape(-1), top_k=opts.prompt_logprobs)
+        p_lp = p_lp.reshape(seqs, chunk)
+        p_ids = p_ids.reshape(seqs, chunk, -1)
+        p_top = p_top.reshape(seqs, chunk, -1)
+    else:
+        p_lp = jnp.zeros((0, 0))
+        p_ids = jnp.zeros((0, 0, 0), jnp.int32)
+        p_top = jnp.zeros((0, 0, 0))
+    return StepResult(tokens, logprob, top_ids, top_lp, p_lp, p_ids, p_top), kv_cache
+
+
+def init_kv_cache(cfg, num_slots: int) -> list[tuple[jax.Array, jax.Array]]:
+    """One (k_pool, v_pool) per layer, each [num_kv_heads, num_slots, head_dim] in the model dtype."""
+    shape = (cfg.num_kv_heads, num_slots, cfg.head_dim)
+    dtype = jnp.dtype(cfg.dtype)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]

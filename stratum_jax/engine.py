@@ -1,0 +1,359 @@
+"""The engine loop: admit -> prefill/decode step -> sample -> stream -> free.
+
+`Engine` is the narrow interface every driver uses (the CLI, the gRPC servicer, the benchmarks):
+`add_request`, `cancel`, `step`, `stats`, plus `generate` for offline use. It is not thread-safe; a server
+runs it on one thread. Each `step` returns, per request, what it produced; exactly one output per accepted
+request ever has `finished=True`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stratum_jax.attention import AttentionMetadata
+from stratum_jax.config import RuntimeConfig
+from stratum_jax.decode import StepOptions, init_kv_cache, model_step
+from stratum_jax.kv.page_pool import PagePool
+from stratum_jax.kv.page_size import DefaultPageSizeRule, FixedPageSize
+from stratum_jax.model.loader import LoadedModel, load_model
+from stratum_jax.model.tokenizer import IncrementalDetokenizer
+from stratum_jax.request import (FinishReason, InvalidRequestError, QueueFullError, RequestState,
+                                 SamplingParams, StepOutput, TokenLogprob)
+from stratum_jax.sampling import SamplingArrays
+from stratum_jax.scheduler.fcfs import FcfsScheduler, ScheduledBatch
+from stratum_jax.sequence import Sequence
+
+
+@dataclasses.dataclass
+class EngineStats:
+    queued: int
+    running: int
+    kv_pages_total: int           # in 8-token base pages
+    kv_pages_free: int
+    kv_tokens_total: int
+    kv_tokens_used: int
+    prefix_cache_hits: int        # full pages served from the prefix cache
+    prefix_cache_queries: int
+    preemptions: int
+    steps: int
+    decode_step_ms: float         # moving average of decode step wall time
+    prefill_tokens_per_s: float   # moving average over prefill steps
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    kind: str            # "prefill" or "decode"
+    seconds: float       # wall time of the step, inputs to sampled tokens on the host
+    num_seqs: int
+    num_tokens: int      # new tokens processed (prompt tokens for prefill)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[list[TokenLogprob]] | None
+    prompt_logprobs: list[list[TokenLogprob]] | None
+    prompt_tokens: int
+    cached_prompt_tokens: int
+
+
+def _pow2_at_least(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+class Engine:
+    def __init__(self, config: RuntimeConfig, model: LoadedModel | None = None):
+        self.config = config
+        self.model = model if model is not None else load_model(config.model, dtype=config.dtype,
+                                                                seed=config.seed)
+        self.model_config = self.model.config
+        self.tokenizer = self.model.tokenizer
+        if config.max_context > self.model_config.max_position_embeddings:
+            raise ValueError(f"--max-context {config.max_context} exceeds the model's "
+                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        if config.attention == "kernel" and not config.interpret_kernels and jax.default_backend() != "gpu":
+            raise ValueError("--attention kernel needs an NVIDIA GPU; on CPU add --interpret-kernels "
+                             "(slow, for tests) or use --attention reference")
+        self.num_slots = config.kv_pool_slots
+        self.kv_cache = init_kv_cache(self.model_config, self.num_slots)
+        self.pool = PagePool(self.num_slots, enable_prefix_caching=config.enable_prefix_caching)
+        rule = FixedPageSize(config.page_size) if config.page_size else DefaultPageSizeRule()
+        self.scheduler = FcfsScheduler(config, self.pool, rule)
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self._steps = 0
+        self._decode_ms = 0.0
+        self._prefill_tps = 0.0
+        self.last_step: StepTiming | None = None      # what the latest step ran, for benchmarks/metrics
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        params.validate(max_tokens_cap=self.config.max_tokens_cap)
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab})")
+        if len(prompt_ids) + params.max_tokens > self.config.max_context:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"limit of {self.config.max_context} tokens: shorten the prompt or lower max_tokens")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        if len(self.scheduler.waiting) >= self.config.max_queue:
+            raise QueueFullError(f"the queue is full ({self.config.max_queue} waiting requests); retry later")
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
+        seq = Sequence(request_id=request_id, prompt_ids=prompt_ids, params=params, seed=seed,
+                       detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids))
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def cancel(self, request_id: str) -> bool:
+        """Marks a request cancelled; the next step frees its pages and emits its final output."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return False
+        seq.cancel_requested = True
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs: dict[str, StepOutput] = {}
+        with jax.profiler.TraceAnnotation("scheduler"):
+            for seq in [s for s in self._requests.values() if s.cancel_requested]:
+                self._finish(seq, FinishReason.CANCELLED, outputs)
+            batch = self.scheduler.schedule()
+        if batch is not None:
+            with jax.profiler.TraceAnnotation(batch.kind):
+                self._run_batch(batch, outputs)
+            self._steps += 1
+        return list(outputs.values())
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[GenerationResult]:
+        """Offline: runs every prompt as one continuous batch; results in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        results = {i: GenerationResult(i, [], "", FinishReason.LENGTH, None, None, 0, 0) for i in ids}
+        while any(r for r in ids if r in self._requests):
+            for out in self.step():
+                res = results.get(out.request_id)
+                if res is None:
+                    continue
+                res.token_ids += out.new_token_ids
+                res.text += out.text_delta
+                if out.logprobs is not None:
+                    res.logprobs = (res.logprobs or []) + out.logprobs
+                if out.prompt_logprobs is not None:
+                    res.prompt_logprobs = out.prompt_logprobs
+                res.prompt_tokens = out.prompt_tokens
+                res.cached_prompt_tokens = out.cached_prompt_tokens
+                if out.finished:
+                    res.finish_reason = out.finish_reason
+        return [results[i] for i in ids]
+
+    def warmup(self) -> None:
+        """Compiles the smallest prefill and decode buckets."""
+        self.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+
+    def stats(self) -> EngineStats:
+        free = self.pool.free_slots
+        return EngineStats(
+            queued=len(self.scheduler.waiting), running=len(self.scheduler.running),
+            kv_pages_total=self.num_slots // 8, kv_pages_free=free // 8,
+            kv_tokens_total=self.num_slots, kv_tokens_used=self.num_slots - free,
+            prefix_cache_hits=self.pool.prefix_hits, prefix_cache_queries=self.pool.prefix_queries,
+            preemptions=self.scheduler.preemptions, steps=self._steps,
+            decode_step_ms=self._decode_ms, prefill_tokens_per_s=self._prefill_tps)
+
+    # -- one batch ----------------------------------------------------------------------------------
+    def _run_batch(self, batch: ScheduledBatch, outputs: dict[str, StepOutput]) -> None:
+        t0 = time.perf_counter()
+        inputs, opts = self._build_inputs(batch)
+        result, self.kv_cache = model_step(self.model.params, self.kv_cache, *inputs,
+                                           cfg=self.model_config, opts=opts)
+        result = jax.device_get(result)
+        elapsed = time.perf_counter() - t0
+        self.last_step = StepTiming(batch.kind, elapsed, len(batch.seqs), sum(batch.chunk_lens))
+        if batch.kind == "decode":
+            self._decode_ms = elapsed * 1e3 if not self._decode_ms else 0.9 * self._decode_ms + 0.1 * elapsed * 1e3
+        else:
+            tps = sum(batch.chunk_lens) / elapsed
+            self._prefill_tps = tps if not self._prefill_tps else 0.9 * self._prefill_tps + 0.1 * tps
+        with jax.profiler.TraceAnnotation("postprocess"):
+            self._apply_result(batch, result, opts, outputs)
+
+    def _build_inputs(self, batch: ScheduledBatch):
+        seqs = batch.seqs
+        # At least 8 rows: a decode step is memory-bound, so padding a small batch costs ~nothing, and
+        # fewer buckets mean fewer compilations.
+        rows = _pow2_at_least(len(seqs), floor=8)
+        chunk = 1 if batch.kind == "decode" else _pow2_at_least(max(batch.chunk_lens), floor=8)
+        tokens = np.zeros((rows, chunk), np.int32)
+        slots = np.full((rows, chunk), self.num_slots, np.int32)        # out of range = dropped write
+        q_pos = np.full((rows, chunk), -1, np.int32)
+        next_tok = np.full((rows, chunk), -1, np.int32)
+        ctx = np.zeros(rows, np.int32)
+        # The gather bound and the block-table width follow one bucket, so shapes add no compile axis.
+        max_ctx = _pow2_at_least(max(s.num_computed + n for s, n in zip(seqs, batch.chunk_lens)), floor=64)
+        page_starts = np.zeros((rows, max_ctx // 8), np.int32)
+        page_sizes = np.full(rows, 8, np.int32)
+        sample_cols = np.zeros(rows, np.int32)
+        temp = np.zeros(rows, np.float32)
+        top_p = np.ones(rows, np.float32)
+        top_k = np.zeros(rows, np.int32)
+        seed_hi = np.zeros(rows, np.uint32)
+        seed_lo = np.zeros(rows, np.uint32)
+        tok_idx = np.zeros(rows, np.int32)
+        for r, (seq, n) in enumerate(zip(seqs, batch.chunk_lens)):
+            all_ids = seq.all_token_ids
+            start = seq.num_computed
+            pos = np.arange(start, start + n)
+            tokens[r, :n] = all_ids[start:start + n]
+            slots[r, :n] = seq.blocks.slots(pos)
+            q_pos[r, :n] = pos
+            if seq.wants_prompt_logprobs:
+                nxt = pos + 1
+                ok = nxt < len(seq.prompt_ids)
+                next_tok[r, :n][ok] = np.asarray(seq.prompt_ids)[nxt[ok]]
+            ctx[r] = start + n
+            starts = seq.blocks.page_starts()
+            page_starts[r, :len(starts)] = starts
+            page_sizes[r] = seq.blocks.page_size
+            sample_cols[r] = n - 1
+            p = seq.params
+            temp[r], top_p[r], top_k[r] = p.temperature, p.top_p, p.top_k
+            seed_hi[r], seed_lo[r] = seq.seed >> 32, seq.seed & 0xFFFFFFFF
+            tok_idx[r] = len(seq.output_ids)
+        want_prompt_lp = [s.params.prompt_logprobs for s in seqs if s.wants_prompt_logprobs]
+        opts = StepOptions(
+            max_context=max_ctx, backend=self.config.attention, interpret=self.config.interpret_kernels,
+            greedy_only=bool((temp == 0).all()),
+            top_logprobs=max((s.params.logprobs for s in seqs), default=0),
+            prompt_logprobs=max(want_prompt_lp) if want_prompt_lp else -1)
+        meta = AttentionMetadata(jnp.asarray(q_pos), jnp.asarray(ctx), jnp.asarray(page_starts),
+                                 jnp.asarray(page_sizes))
+        sampling = SamplingArrays(jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(top_k),
+                                  jnp.asarray(seed_hi), jnp.asarray(seed_lo), jnp.asarray(tok_idx))
+        inputs = (jnp.asarray(tokens), jnp.asarray(slots), meta, jnp.asarray(sample_cols), sampling,
+                  jnp.asarray(next_tok))
+        return inputs, opts
+
+    def _apply_result(self, batch: ScheduledBatch, result, opts: StepOptions,
+                      outputs: dict[str, StepOutput]) -> None:
+        for r, (seq, n) in enumerate(zip(batch.seqs, batch.chunk_lens)):
+            if seq.wants_prompt_logprobs:
+                self._collect_prompt_logprobs(seq, r, n, result)
+            seq.num_computed += n
+            seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed)
+            if seq.num_computed < seq.num_tokens:
+                seq.state = RequestState.PREFILLING
+                continue                     # a middle prefill chunk: nothing sampled
+            seq.state = RequestState.DECODING
+            token = int(result.tokens[r])
+            lps = None
+            if seq.params.logprobs > 0 or opts.top_logprobs:
+                k = seq.params.logprobs
+                lps = [[TokenLogprob(token, float(result.logprob[r]))] + [
+                    TokenLogprob(int(i), float(v))
+                    for i, v in zip(result.top_ids[r, :k], result.top_logprobs[r, :k])]]
+            self._append_token(seq, token, lps, outputs)
+
+    def _collect_prompt_logprobs(self, seq: Sequence, r: int, n: int, result) -> None:
+        """Prompt position p gets the logprob of token p given tokens < p; position 0 gets []."""
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [[]]
+        k = seq.params.prompt_logprobs
+        for c in range(n):
+            nxt = seq.num_computed + c + 1
+            if nxt >= len(seq.prompt_ids):
+                break
+            seq.prompt_logprobs.append(
+                [TokenLogprob(seq.prompt_ids[nxt], float(result.prompt_logprob[r, c]))] + [
+                    TokenLogprob(int(i), float(v))
+                    for i, v in zip(result.prompt_top_ids[r, c, :k], result.prompt_top_logprobs[r, c, :k])])
+
+    def _append_token(self, seq: Sequence, token: int, lps, outputs: dict[str, StepOutput]) -> None:
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        seq.output_ids.append(token)
+        out = self._output_for(seq, outputs)
+        out.new_token_ids.append(token)
+        if lps is not None:
+            out.logprobs = (out.logprobs or []) + lps
+        p = seq.params
+        reason = None
+        if token in p.stop_token_ids:
+            reason = FinishReason.STOP_TOKEN
+        elif token in self._eos and not p.ignore_eos:
+            reason = FinishReason.EOS
+        else:
+            seq.pending_text += seq.detokenizer.push(token)
+            reason = self._check_stop_strings(seq)
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_context):
+            reason = FinishReason.LENGTH
+        if reason is None:
+            # Hold back text that might be the start of a stop string.
+            hold = max((len(s) for s in p.stop_strings), default=1) - 1
+            cut = len(seq.pending_text) - hold if hold else len(seq.pending_text)
+            if cut > 0:
+                out.text_delta += seq.pending_text[:cut]
+                seq.emitted_text += seq.pending_text[:cut]
+                seq.pending_text = seq.pending_text[cut:]
+        else:
+            self._finish(seq, reason, outputs)
+
+    def _check_stop_strings(self, seq: Sequence) -> FinishReason | None:
+        if not seq.params.stop_strings:
+            return None
+        text = seq.emitted_text + seq.pending_text
+        longest = max(len(s) for s in seq.params.stop_strings)
+        search_from = max(0, len(seq.emitted_text) - longest + 1)
+        hits = [i for i in (text.find(s, search_from) for s in seq.params.stop_strings) if i >= 0]
+        if not hits:
+            return None
+        seq.pending_text = text[len(seq.emitted_text):min(hits)]
+        return FinishReason.STOP_STRING
+
+    def _finish(self, seq: Sequence, reason: FinishReason, outputs: dict[str, StepOutput]) -> None:
+        out = self._output_for(seq, outputs)
+        if reason not in (FinishReason.STOP_STRING, FinishReason.CANCELLED):
+            seq.pending_text += seq.detokenizer.flush()
+        if reason != FinishReason.CANCELLED:
+            out.text_delta += seq.pending_text
+            seq.emitted_text += seq.pending_text
+        seq.pending_text = ""
+        seq.finish_reason = reason
+        seq.state = RequestState.CANCELLED if reason == FinishReason.CANCELLED else RequestState.FINISHED
+        out.finished = True
+        out.finish_reason = reason
+        self.scheduler.remove(seq)
+        del self._requests[seq.request_id]
+
+    def _output_for(self, seq: Sequence, outputs: dict[str, StepOutput]) -> StepOutput:
+        out = outputs.get(seq.request_id)
+        if out is None:
+            out = StepOutput(request_id=seq.request_id, new_token_ids=[], text_delta="",
+                             prompt_tokens=len(seq.prompt_ids), cached_prompt_tokens=seq.cached_prompt_tokens)
+            if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent and not seq.is_prefilling:
+                out.prompt_logprobs = seq.prompt_logprobs
+                seq.prompt_logprobs_sent = True
+            outputs[seq.request_id] = out
+        out.output_tokens = len(seq.output_ids)
+        return out

@@ -1,0 +1,63 @@
+"""One sequence's view of the KV cache: its pages in order (its block table), at one page size."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from stratum_jax.kv.page_pool import Page, PagePool
+
+
+class BlockTable:
+    """The pages of one sequence. Token t lives at slot `pages[t // page_size].start_slot + t % page_size`."""
+
+    def __init__(self, pool: PagePool, page_size: int):
+        self.pool = pool
+        self.page_size = page_size
+        self.pages: list[Page] = []
+        self._hashes: list[bytes] = []       # chain hashes of the leading full pages registered so far
+
+    @property
+    def capacity(self) -> int:
+        return len(self.pages) * self.page_size
+
+    def adopt_prefix(self, pages: list[Page]) -> None:
+        """Starts the table with cached prefix pages (already acquired from the pool)."""
+        assert not self.pages
+        self.pages = list(pages)
+        self._hashes = [p.content_hash for p in pages]
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.page_size) - len(self.pages))
+
+    def ensure_capacity(self, num_tokens: int) -> bool:
+        """Allocates pages until `num_tokens` fit. On failure keeps what it got and returns False."""
+        while self.capacity < num_tokens:
+            page = self.pool.allocate(self.page_size)
+            if page is None:
+                return False
+            self.pages.append(page)
+        return True
+
+    def register_full_pages(self, token_ids: Sequence[int], num_written: int) -> None:
+        """Registers every page whose tokens are all written (< num_written) in the prefix cache."""
+        full = num_written // self.page_size
+        while len(self._hashes) < full:
+            i = len(self._hashes)
+            parent = self._hashes[-1] if self._hashes else None
+            chunk = token_ids[i * self.page_size:(i + 1) * self.page_size]
+            self._hashes.append(self.pool.register_full_page(self.pages[i], parent, chunk))
+
+    def release(self) -> None:
+        for page in self.pages:
+            self.pool.release(page)
+        self.pages = []
+        self._hashes = []
+
+    def slots(self, positions: np.ndarray) -> np.ndarray:
+        """Cache slot of each position ([n] int -> [n] int32); positions must be within capacity."""
+        starts = np.fromiter((p.start_slot for p in self.pages), dtype=np.int64, count=len(self.pages))
+        return (starts[positions // self.page_size] + positions % self.page_size).astype(np.int32)
+
+    def page_starts(self) -> list[int]:
+        return [p.start_slot for p in self.pages]

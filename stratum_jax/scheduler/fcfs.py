@@ -1,0 +1,174 @@
+"""First-come-first-served continuous batching with chunked prefill and recompute preemption.
+
+Each call to `schedule` returns one batch: either prefill chunks (a token budget shared by sequences that
+still have prompt to process, new admissions last) or one decode token for every running sequence that is
+ready. When both kinds of work wait, the two alternate, so a long prompt is chunked in between decode
+steps instead of stalling them. When the KV pool runs dry, the most recently admitted sequence is
+preempted: its pages are released and it re-enters the queue to be recomputed (its prefix pages usually
+survive in the prefix cache, so little is recomputed).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from stratum_jax.config import PAGE_SIZE_CLASSES, RuntimeConfig
+from stratum_jax.kv.block_table import BlockTable
+from stratum_jax.kv.page_pool import PagePool
+from stratum_jax.kv.page_size import PageSizeHints, PageSizeRule
+from stratum_jax.request import RequestState
+from stratum_jax.sequence import Sequence
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    kind: str                       # "prefill" or "decode"
+    seqs: list[Sequence]
+    chunk_lens: list[int]           # new tokens per sequence (1 for decode)
+
+
+class FcfsScheduler:
+    def __init__(self, config: RuntimeConfig, pool: PagePool, page_rule: PageSizeRule):
+        self.config = config
+        self.pool = pool
+        self.page_rule = page_rule
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+        self._admitted = 0
+        self._last_kind = "decode"
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Takes a sequence out of the queues and gives back its pages (finish or cancel)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.blocks is not None:
+            seq.blocks.release()
+            seq.blocks = None
+
+    def schedule(self) -> ScheduledBatch | None:
+        decode_ready = any(not s.is_prefilling for s in self.running)
+        prefill_waiting = self.waiting or any(s.is_prefilling for s in self.running)
+        if prefill_waiting and (not decode_ready or self._last_kind == "decode"):
+            batch = self._schedule_prefill()
+            if batch is not None:
+                self._last_kind = "prefill"
+                return batch
+        if decode_ready:
+            batch = self._schedule_decode()
+            if batch is not None:
+                self._last_kind = "decode"
+                return batch
+        return None
+
+    # -- prefill ------------------------------------------------------------------------------------
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.config.prefill_chunk
+        seqs, lens = [], []
+        for seq in [s for s in self.running if s.is_prefilling]:
+            if budget == 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                continue
+            seqs.append(seq)
+            lens.append(n)
+            budget -= n
+        while budget and self.waiting and len(self.running) < self.config.max_batch_size:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.num_computed == seq.num_tokens - 1:
+                continue            # the prefix cache covered all but the last token: ready to decode
+            if not self._grow(seq, seq.num_computed + n):
+                break               # it was preempted back to the queue: the pool is full
+            seqs.append(seq)
+            lens.append(n)
+            budget -= n
+        # Making room may have preempted a sequence picked earlier in this loop.
+        picked = [(s, n) for s, n in zip(seqs, lens) if s in self.running]
+        if not picked:
+            return None
+        return ScheduledBatch("prefill", [s for s, _ in picked], [n for _, n in picked])
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Picks the page size, takes cached prefix pages, and checks the first chunk fits."""
+        tokens = seq.all_token_ids
+        use_cache = not seq.wants_prompt_logprobs      # cached positions would have no prompt logprobs
+        max_pages_for = {ps: (len(tokens) - 1) // ps for ps in PAGE_SIZE_CLASSES}
+        best_size, best_hit = None, []
+        if use_cache:
+            for ps in PAGE_SIZE_CLASSES:
+                hit = self.pool.match_prefix(tokens, ps, max_pages_for[ps])
+                if len(hit) * ps > len(best_hit) * (best_size or 1):
+                    best_size, best_hit = ps, hit
+        if self.config.page_size is not None:
+            page_size = self.config.page_size
+            if best_size != page_size:
+                best_hit = []
+        elif best_hit:
+            page_size = best_size       # prefix caching across page sizes: follow the cached prefix
+        else:
+            page_size = self.page_rule(PageSizeHints(
+                expected_tokens=len(seq.prompt_ids) + seq.params.max_tokens))
+        first_chunk = min(len(tokens) - len(best_hit) * page_size, self.config.prefill_chunk)
+        if not self.pool.can_allocate(page_size, -(-first_chunk // page_size) + 1):
+            return False
+        blocks = BlockTable(self.pool, page_size)
+        if use_cache:
+            self.pool.acquire_prefix(best_hit, queried_pages=max(1, max_pages_for[page_size]))
+        blocks.adopt_prefix(best_hit)
+        seq.blocks = blocks
+        seq.num_computed = len(best_hit) * page_size
+        if seq.preemptions == 0:
+            seq.cached_prompt_tokens = seq.num_computed
+        seq.state = RequestState.PREFILLING
+        self._admitted += 1
+        seq.admit_order = self._admitted
+        return True
+
+    # -- decode -------------------------------------------------------------------------------------
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        ready = [s for s in self.running if not s.is_prefilling]
+        scheduled = []
+        for seq in sorted(ready, key=lambda s: s.admit_order):
+            if seq not in self.running:
+                continue                     # preempted while making room for an earlier one
+            if self._grow(seq, seq.num_tokens):
+                scheduled.append(seq)
+        if not scheduled:
+            return None
+        return ScheduledBatch("decode", scheduled, [1] * len(scheduled))
+
+    # -- memory -------------------------------------------------------------------------------------
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Makes room for `num_tokens` in seq's table, preempting later-admitted sequences if needed.
+
+        Returns False if seq itself had to be preempted.
+        """
+        while not seq.blocks.ensure_capacity(num_tokens):
+            victim = max(self.running, key=lambda s: s.admit_order)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.blocks.release()
+        seq.blocks = None
+        seq.num_computed = 0
+        seq.state = RequestState.QUEUED
+        seq.preemptions += 1
+        if not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs = None
+        self.preemptions += 1
+        self.waiting.appendleft(seq)

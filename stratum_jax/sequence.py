@@ -1,0 +1,50 @@
+"""A request in flight: its tokens, sampling state, KV block table and streamed-text state."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from stratum_jax.kv.block_table import BlockTable
+from stratum_jax.request import FinishReason, RequestState, SamplingParams, TokenLogprob
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int                                   # effective seed (the request's, or one the engine drew)
+    detokenizer: object                         # IncrementalDetokenizer
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    admit_order: int = 0                        # larger = admitted later (preempted first)
+    state: RequestState = RequestState.QUEUED
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    blocks: BlockTable | None = None
+    num_computed: int = 0                       # tokens whose K/V are in the cache
+    cached_prompt_tokens: int = 0               # prompt tokens served by the prefix cache
+    cancel_requested: bool = False
+    finish_reason: FinishReason | None = None
+    preemptions: int = 0
+    # Streaming text: what was emitted, and text held back because it may begin a stop string.
+    emitted_text: str = ""
+    pending_text: str = ""
+    prompt_logprobs: list[list[TokenLogprob]] | None = None
+    prompt_logprobs_sent: bool = False
+    first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while tokens other than the last one still need their K/V computed."""
+        return self.num_computed < self.num_tokens - 1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs > 0 and not self.prompt_logprobs_sent
