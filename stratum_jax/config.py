@@ -78,7 +78,8 @@ class RuntimeConfig:
                        help="run Pallas kernels in the Mosaic GPU interpreter (for CPU)")
         g.add_argument("--cache-policy", default=d.cache_policy, choices=CACHE_POLICIES)
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-        g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--engine-seed", dest="seed", type=int, default=d.seed,
+                       help="seeds preset weights and requests that bring no seed")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "RuntimeConfig":

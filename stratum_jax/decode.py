@@ -85,10 +85,3 @@ def model_step(params, kv_cache, token_ids, write_slots, meta: AttentionMetadata
         p_ids = jnp.zeros((0, 0, 0), jnp.int32)
         p_top = jnp.zeros((0, 0, 0))
     return StepResult(tokens, logprob, top_ids, top_lp, p_lp, p_ids, p_top), kv_cache
-
-
-def init_kv_cache(cfg, num_slots: int) -> list[tuple[jax.Array, jax.Array]]:
-    """One (k_pool, v_pool) per layer, each [num_kv_heads, num_slots, head_dim] in the model dtype."""
-    shape = (cfg.num_kv_heads, num_slots, cfg.head_dim)
-    dtype = jnp.dtype(cfg.dtype)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]

@@ -17,9 +17,10 @@ import numpy as np
 
 from stratum_jax.attention import AttentionMetadata
 from stratum_jax.config import RuntimeConfig
-from stratum_jax.decode import StepOptions, init_kv_cache, model_step
+from stratum_jax.decode import StepOptions, model_step
 from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.kv.page_size import DefaultPageSizeRule, FixedPageSize
+from stratum_jax.model.llama import init_kv_cache
 from stratum_jax.model.loader import LoadedModel, load_model
 from stratum_jax.model.tokenizer import IncrementalDetokenizer
 from stratum_jax.request import (FinishReason, InvalidRequestError, QueueFullError, RequestState,

@@ -1,0 +1,290 @@
+"""The Llama-family decoder (Llama 3.x, Qwen2/2.5, Mistral): flax.linen modules behind a functional API.
+
+The model knows nothing about paging. `forward` writes each token's K/V into the per-layer pools at the
+slots it is given and hands the updated pools to an `attend` closure that the caller supplies (the
+engine's paged kernels, or `attend_dense_causal` for one contiguous sequence).
+
+Parameters are a plain nested dict that mirrors HF's names, in HF's (torch) layout, so that checkpoint
+loading is a renaming with no transposes:
+
+    embed_tokens/weight [vocab, hidden]
+    layers_{i}/input_layernorm/weight [hidden]
+    layers_{i}/self_attn/{q,k,v}_proj/weight [heads * head_dim, hidden]   (+ bias [heads * head_dim])
+    layers_{i}/self_attn/o_proj/weight [hidden, num_heads * head_dim]
+    layers_{i}/post_attention_layernorm/weight [hidden]
+    layers_{i}/mlp/{gate,up}_proj/weight [intermediate, hidden]
+    layers_{i}/mlp/down_proj/weight [hidden, intermediate]
+    norm/weight [hidden]
+    lm_head/weight [vocab, hidden]   (absent when cfg.tie_word_embeddings)
+
+Numerics follow HF: RMSNorm in float32 cast back before the weight multiply, RoPE angles in float32,
+attention scores and softmax in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stratum_jax.model.config import ModelConfig
+
+Params = dict[str, Any]
+# One (k_pool, v_pool) per layer, each [num_kv_heads, num_slots, head_dim] in cfg.dtype.
+KVCache = list[tuple[jax.Array, jax.Array]]
+# attend(layer, q [T, num_heads, head_dim], k_pool, v_pool) -> [T, num_heads, head_dim]
+Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+
+_INIT_STD = 0.02  # HF's default initializer_range
+
+
+def _normal_init(key, shape, dtype):
+    # Drawn in float32, then cast: jax.random.normal drawn directly in bfloat16 has a truncated tail
+    # (|x| < 3 sigma, 128 distinct values). Inside the jitted init the float32 draw is a transient.
+    return (jax.random.normal(key, shape, jnp.float32) * _INIT_STD).astype(dtype)
+
+
+@functools.cache
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies [head_dim // 2] float32, computed step by step as HF does in float32.
+
+    Scaling: "linear" divides every frequency by `factor`; "llama3" (HF `_compute_llama3_parameters`)
+    divides the low frequencies (wavelength > original_max / low_freq_factor) by `factor`, keeps the high
+    ones (wavelength < original_max / high_freq_factor), and interpolates smoothly in between.
+    """
+    dim = cfg.head_dim
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2).astype(np.float32) / dim))).astype(
+        np.float32)
+    scaling = cfg.rope_scaling_dict()
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return (inv_freq / np.float32(factor)).astype(np.float32)
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
+    wavelen = (2 * np.pi / inv_freq).astype(np.float32)
+    inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq)
+    smooth = (np.float32(old_context_len) / wavelen - np.float32(low)) / np.float32(high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / np.float32(factor) + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, inv_freq_llama).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates x [T, heads, head_dim] by the angles positions [T] * inv_freq, in HF's rotate_half layout.
+
+    Dimension i pairs with i + head_dim/2 (not with i+1): that is how Llama/Qwen2 HF checkpoints store
+    q_proj/k_proj. Computed in float32, returned in x.dtype.
+    """
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attend_dense_causal(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, q_positions: jax.Array,
+                        kv_slots: jax.Array | None = None) -> jax.Array:
+    """Plain causal GQA attention over one sequence whose K/V sit in a pool (a reference, not a kernel).
+
+    q: [T, num_heads, head_dim]; k_pool, v_pool: [num_kv_heads, num_slots, head_dim];
+    q_positions: [T] int32, the absolute position of each query (it sees positions 0..q_position);
+    kv_slots: [S] int32, the pool slot holding position s (default: position s lives in slot s).
+    Query head h uses kv head h // (num_heads / num_kv_heads), HF's repeat_kv order.
+    Returns [T, num_heads, head_dim] in q.dtype; scores and softmax are float32.
+    """
+    if kv_slots is not None:
+        k_pool, v_pool = k_pool[:, kv_slots], v_pool[:, kv_slots]
+    t, num_heads, head_dim = q.shape
+    num_kv_heads, s = k_pool.shape[:2]
+    qg = q.reshape(t, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = jnp.einsum("tkgd,ksd->tkgs", qg, k_pool, preferred_element_type=jnp.float32) * head_dim**-0.5
+    visible = jnp.arange(s)[None, :] <= q_positions[:, None]  # [T, S]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("tkgs,ksd->tkgd", probs, v_pool.astype(jnp.float32))
+    return out.reshape(t, num_heads, head_dim).astype(q.dtype)
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T (+ bias), weight [features, in] in torch's layout; y in out_dtype (default: dtype)."""
+
+    features: int
+    use_bias: bool
+    dtype: Any
+    out_dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("weight", _normal_init, (self.features, x.shape[-1]), self.dtype)
+        y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=self.out_dtype)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return w * x32.astype(x.dtype)  # HF casts back before the weight multiply
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, positions, cache, write_slots, attend: Attend):
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        t = x.shape[0]
+        q = Linear(cfg.num_heads * cfg.head_dim, cfg.attention_bias, dtype, name="q_proj")(x)
+        k = Linear(cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias, dtype, name="k_proj")(x)
+        v = Linear(cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias, dtype, name="v_proj")(x)
+        inv_freq = rope_inv_freq(cfg)
+        q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
+        k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        k_pool, v_pool = cache
+        # Slots >= num_slots are padding tokens: mode="drop" discards their writes.
+        k_pool = k_pool.at[:, write_slots, :].set(k.transpose(1, 0, 2), mode="drop")
+        v_pool = v_pool.at[:, write_slots, :].set(v.transpose(1, 0, 2), mode="drop")
+        o = attend(self.layer, q, k_pool, v_pool).astype(dtype)
+        o = Linear(cfg.hidden_size, False, dtype, name="o_proj")(o.reshape(t, cfg.num_heads * cfg.head_dim))
+        return o, (k_pool, v_pool)
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        gate = Linear(cfg.intermediate_size, False, dtype, name="gate_proj")(x)
+        up = Linear(cfg.intermediate_size, False, dtype, name="up_proj")(x)
+        return Linear(cfg.hidden_size, False, dtype, name="down_proj")(jax.nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, positions, cache, write_slots, attend: Attend):
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        h = RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x)
+        h, cache = Attention(cfg, self.layer, name="self_attn")(h, positions, cache, write_slots, attend)
+        x = x + h
+        h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
+        return x + MLP(cfg, name="mlp")(h), cache
+
+
+class Embedding(nn.Module):
+    num_embeddings: int
+    features: int
+    dtype: Any
+
+    def setup(self):
+        self.weight = self.param("weight", _normal_init, (self.num_embeddings, self.features),
+                                 self.dtype)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight, ids, axis=0)
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        """Tied output projection: h [N, hidden] -> float32 logits [N, vocab]."""
+        return jnp.einsum("nh,vh->nv", h, self.weight, preferred_element_type=jnp.float32)
+
+
+class Decoder(nn.Module):
+    cfg: ModelConfig
+
+    def setup(self):
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_layers)]  # named layers_0, layers_1, ...
+        self.norm = RMSNorm(cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.vocab_size, False, dtype, out_dtype=jnp.float32)
+
+    def __call__(self, token_ids, positions, kv_cache: KVCache, write_slots, attend: Attend):
+        x = self.embed_tokens(token_ids)
+        new_cache = []
+        for layer, cache in zip(self.layers, kv_cache, strict=True):  # unrolled: the cache stays per layer
+            x, cache = layer(x, positions, cache, write_slots, attend)
+            new_cache.append(cache)
+        return self.norm(x), new_cache
+
+    def logits(self, hidden):
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens.attend(hidden)
+        return self.lm_head(hidden)
+
+    def init_all(self, token_ids, positions, kv_cache, write_slots, attend):
+        """Touches every parameter (lm_head is only used by `logits`); for `Module.init`."""
+        hidden, _ = self(token_ids, positions, kv_cache, write_slots, attend)
+        return self.logits(hidden)
+
+
+def init_kv_cache(cfg: ModelConfig, num_slots: int) -> KVCache:
+    """Zeroed pools: per layer (k_pool, v_pool), each [num_kv_heads, num_slots, head_dim] in cfg.dtype."""
+    shape = (cfg.num_kv_heads, num_slots, cfg.head_dim)
+    return [(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)) for _ in range(cfg.num_layers)]
+
+
+@functools.cache
+def _jitted_init(cfg: ModelConfig):
+    def init(key):
+        one = jnp.zeros((1,), jnp.int32)
+        cache = init_kv_cache(cfg, 1)
+        # Only the parameters leave the jit, so XLA drops this dummy forward pass.
+        return Decoder(cfg).init(key, one, one, cache, one, lambda layer, q, k, v: q,
+                                 method=Decoder.init_all)["params"]
+
+    return jax.jit(init)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
+    """Random parameters, deterministic in seed: N(0, 0.02) matrices, unit norms, zero biases.
+
+    Created on the default device directly in cfg.dtype inside one jit, so llama-8b never exists as
+    float32 host arrays.
+    """
+    return _jitted_init(cfg)(jax.random.key(seed))
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The parameter tree as jax.ShapeDtypeStruct leaves, without allocating anything."""
+    return jax.eval_shape(_jitted_init(cfg), jax.random.key(0))
+
+
+def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
+            write_slots: jax.Array, attend: Attend) -> tuple[jax.Array, KVCache]:
+    """Runs the decoder over a flat (ragged) batch of T tokens.
+
+    token_ids, positions, write_slots: [T] int32. positions are absolute (they drive RoPE); write_slots
+    is the pool slot receiving each token's K/V, and a slot >= num_slots marks a padding token whose
+    K/V is dropped (negative slots are not padding: they index from the end).
+    kv_cache: per layer (k_pool, v_pool) [num_kv_heads, num_slots, head_dim]; donate it when jitting.
+    attend(layer, q [T, num_heads, head_dim], k_pool, v_pool) -> [T, num_heads, head_dim] is called
+    once per layer with that layer's pools after this batch's writes.
+    Returns (hidden [T, hidden_size] after the final RMSNorm, in cfg.dtype; the updated cache).
+    """
+    return Decoder(cfg).apply({"params": params}, token_ids, positions, kv_cache, write_slots, attend)
+
+
+def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """hidden [N, hidden_size] -> float32 logits [N, vocab_size] (lm_head, or the tied embedding)."""
+    return Decoder(cfg).apply({"params": params}, hidden, method=Decoder.logits)

@@ -1,0 +1,103 @@
+"""Builds tiny random HF models and records what HF transformers computes on them.
+
+Runs under the side interpreter that has torch + transformers (Python 3.11; see .ci/hf_env.sh), not the
+project venv. tests/test_hf_parity.py runs it live when STRATUM_HF_PYTHON is set, and always compares
+against the committed copy in tests/hf_reference/golden/. Regenerate that copy (after changing this
+script, or to follow a new transformers release) with:
+
+    source .ci/hf_env.sh && "$STRATUM_HF_PYTHON" tests/hf_reference/make_hf_reference.py tests/hf_reference/golden
+
+Output, under OUT_DIR:
+    llama/   LlamaForCausalLM, llama3 RoPE scaling, untied, head_dim != hidden/heads, saved in shards
+    qwen2/   Qwen2ForCausalLM, q/k/v biases, tied embeddings, 1 kv head
+    reference.json  per model and prompt: the prompt ids, HF's log-probability of each prompt token
+                    given its prefix, the full log_softmax after the last prompt token, and 32 greedy
+                    tokens from `generate`.
+All in float32 on CPU, eager attention.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 272  # >= 259, so the byte tokenizer also fits these checkpoints
+PROMPT_LENGTHS = (1, 6, 23, 57)
+NEW_TOKENS = 32
+
+
+
+def build_models():
+    common = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=256, bos_token_id=None,
+                  eos_token_id=None, pad_token_id=None, attn_implementation="eager")
+    llama = LlamaConfig(
+        hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        # original_max_position_embeddings=32 puts the 8 RoPE frequencies of head_dim 16 in all three llama3
+        # bands (kept, smoothed, divided by 8), and the prompts run past position 32.
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=32),
+        **common)
+    qwen2 = Qwen2Config(
+        hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0), **common)
+    return {"llama": (LlamaForCausalLM, llama, 1), "qwen2": (Qwen2ForCausalLM, qwen2, 2)}
+
+
+@torch.no_grad()
+def randomize(model, seed):
+    """HF's init (std 0.02, zero biases, unit norms) makes near-uniform attention and logits that would
+    hide RoPE, bias and norm mistakes; use O(1) activations instead: 1/sqrt(fan_in) matrices (x2 on q/k
+    for peaked attention), random biases and norm weights, and small embeddings (std 0.15) so that the
+    tied Qwen2 head does not just predict the last token again."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=g)
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.2 * noise)
+        elif name.endswith(".bias"):
+            p.copy_(0.5 * noise)
+        elif name.endswith("embed_tokens.weight"):
+            p.copy_(0.15 * noise)
+        else:
+            gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
+            p.copy_(gain * noise / math.sqrt(p.shape[1]))
+
+
+@torch.no_grad()
+def reference_for(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in PROMPT_LENGTHS:
+        ids = torch.randint(0, VOCAB, (1, n), generator=g)
+        logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        prompt_lp = logprobs[:-1].gather(1, ids[0, 1:, None])[:, 0]
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        out.append({"ids": ids[0].tolist(), "prompt_logprobs": prompt_lp.tolist(),
+                    "last_logprobs": logprobs[-1].tolist(), "greedy": gen[0, n:].tolist()})
+    return out
+
+
+def main(out_dir: str) -> None:
+    out = Path(out_dir)
+    torch.manual_seed(0)
+    ref = {"transformers": transformers.__version__, "torch": torch.__version__, "models": {}}
+    for name, (cls, cfg, seed) in build_models().items():
+        model = cls(cfg).eval()
+        randomize(model, seed)
+        model.generation_config.eos_token_id = None
+        # Shards exercise the loader's model.safetensors.index.json path.
+        model.save_pretrained(out / name, max_shard_size="100KB" if name == "llama" else "10MB")
+        ref["models"][name] = reference_for(model, seed)
+    (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: {sys.argv[0]} OUT_DIR")
+    main(sys.argv[1])

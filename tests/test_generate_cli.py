@@ -1,0 +1,55 @@
+"""`python -m stratum_jax.generate`: JSON output shape, batching of several prompts, clear errors."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from stratum_jax import generate
+
+
+def test_json_output_with_logprobs(capsys):
+    rc = generate.main(["--model", "tiny", "--max-context", "256", "--kv-pool-tokens", "1024",
+                        "--prompt-ids", "5,6,7,8", "--prompt-ids", "9,10", "--max-tokens", "4",
+                        "--ignore-eos", "--logprobs", "2", "--prompt-logprobs", "1", "--json"])
+    assert rc == 0
+    lines = [json.loads(l) for l in capsys.readouterr().out.strip().splitlines()]
+    assert len(lines) == 2
+    for obj, n_prompt in zip(lines, (4, 2)):
+        assert set(obj) >= {"token_ids", "text", "logprobs", "prompt_logprobs"}
+        assert len(obj["token_ids"]) == 4 and len(obj["logprobs"]) == 4
+        assert all(len(step) == 3 for step in obj["logprobs"])
+        assert obj["logprobs"][0][0]["token_id"] == obj["token_ids"][0]
+        assert len(obj["prompt_logprobs"]) == n_prompt
+
+
+def test_text_prompt_prints_text(capsys):
+    assert generate.main(["--model", "tiny", "--max-context", "256", "--kv-pool-tokens", "1024",
+                          "--prompt", "hello", "--max-tokens", "3", "--ignore-eos"]) == 0
+    assert capsys.readouterr().out.strip("\n") != ""
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["--prompt", "x", "--max-tokens", "0"], "max_tokens"),
+    (["--prompt", "x", "--top-p", "0"], "top_p"),
+    (["--prompt", "x", "--model", "no-such-preset-or-dir"], "no-such-preset-or-dir"),
+    (["--prompt", "x", "--page-size", "12"], "page-size"),
+])
+def test_bad_flags_exit_nonzero_with_message(argv, msg, capsys):
+    rc = generate.main(["--max-context", "256", "--kv-pool-tokens", "1024"] + argv)
+    assert rc != 0
+    assert msg in capsys.readouterr().err
+
+
+def test_unreadable_checkpoint_dir(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    assert generate.main(["--model", str(tmp_path), "--prompt", "x"]) != 0
+    err = capsys.readouterr().err
+    assert "config.json" in err
+
+
+def test_prompt_ids_parse_error():
+    proc = subprocess.run([sys.executable, "-m", "stratum_jax.generate", "--prompt-ids", "1,a"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "comma-separated" in proc.stderr
