@@ -37,7 +37,8 @@ class EngineStats:
     kv_pages_total: int           # in 8-token base pages
     kv_pages_free: int
     kv_tokens_total: int
-    kv_tokens_used: int
+    kv_tokens_used: int           # slots in pages that running requests own (allocated)
+    kv_tokens_written: int        # of those, slots holding a token (allocated - written = fragmentation)
     prefix_cache_hits: int        # full pages served from the prefix cache
     prefix_cache_queries: int
     preemptions: int
@@ -83,6 +84,9 @@ class Engine:
         if config.attention == "kernel" and not config.interpret_kernels and jax.default_backend() != "gpu":
             raise ValueError("--attention kernel needs an NVIDIA GPU; on CPU add --interpret-kernels "
                              "(slow, for tests) or use --attention reference")
+        if config.attention == "kernel" and self.model_config.dtype != "bfloat16":
+            raise ValueError("--attention kernel reads bfloat16 KV pages; add --dtype bfloat16 "
+                             f"(the model is {self.model_config.dtype})")
         self.num_slots = config.kv_pool_slots
         self.kv_cache = init_kv_cache(self.model_config, self.num_slots)
         self.pool = PagePool(self.num_slots, enable_prefix_caching=config.enable_prefix_caching)
@@ -175,10 +179,17 @@ class Engine:
 
     def stats(self) -> EngineStats:
         free = self.pool.free_slots
+        written: dict[int, int] = {}            # page start slot -> tokens written in it (shared pages once)
+        for seq in self.scheduler.running:
+            ps = seq.blocks.page_size
+            for i, page in enumerate(seq.blocks.pages):
+                n = min(ps, max(0, seq.num_computed - i * ps))
+                written[page.start_slot] = max(written.get(page.start_slot, 0), n)
         return EngineStats(
             queued=len(self.scheduler.waiting), running=len(self.scheduler.running),
             kv_pages_total=self.num_slots // 8, kv_pages_free=free // 8,
             kv_tokens_total=self.num_slots, kv_tokens_used=self.num_slots - free,
+            kv_tokens_written=sum(written.values()),
             prefix_cache_hits=self.pool.prefix_hits, prefix_cache_queries=self.pool.prefix_queries,
             preemptions=self.scheduler.preemptions, steps=self._steps,
             decode_step_ms=self._decode_ms, prefill_tokens_per_s=self._prefill_tps)

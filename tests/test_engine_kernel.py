@@ -1,0 +1,57 @@
+"""`--attention kernel`: the engine's greedy output equals the reference backend's. On CPU the Pallas
+Mosaic GPU kernel runs in the interpreter; on an H200 the GPU-marked test runs the compiled kernel."""
+import dataclasses
+
+import jax
+import pytest
+
+from stratum_jax.config import RuntimeConfig
+from stratum_jax.engine import Engine
+from stratum_jax.model.config import PRESETS
+from stratum_jax.model.llama import init_params
+from stratum_jax.model.loader import LoadedModel
+from stratum_jax.model.tokenizer import ByteTokenizer
+from stratum_jax.request import SamplingParams
+
+on_gpu = jax.default_backend() == "gpu"
+
+
+def _tiny_d64():
+    """The tiny preset with head_dim 64 and bf16 KV, as the kernel serves."""
+    cfg = dataclasses.replace(PRESETS["tiny"], head_dim=64, dtype="bfloat16")
+    return LoadedModel(config=cfg, params=init_params(cfg, seed=0), tokenizer=ByteTokenizer(cfg.vocab_size),
+                       name="tiny-d64")
+
+
+def _run(model, attention, interpret, prompts, page_size=None, max_tokens=6):
+    engine = Engine(RuntimeConfig(model="tiny", max_context=256, kv_pool_tokens=4096, max_batch_size=8,
+                                  prefill_chunk=64, attention=attention, interpret_kernels=interpret,
+                                  page_size=page_size), model=model)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [r.token_ids for r in engine.generate(prompts, sp)]
+
+
+PROMPTS = [[5, 6, 7], list(range(20, 61)), [9] * 17, list(range(100, 110))]
+
+
+def test_engine_kernel_interpret_matches_reference():
+    model = _tiny_d64()
+    prompts = [[5, 6, 7], list(range(20, 45))]          # the interpreter is slow: a small batch
+    assert (_run(model, "kernel", True, prompts, page_size=8, max_tokens=3)
+            == _run(model, "reference", False, prompts, page_size=8, max_tokens=3))
+
+
+def test_kernel_on_cpu_without_interpret_is_refused():
+    if on_gpu:
+        pytest.skip("on a GPU the compiled kernel is allowed")
+    with pytest.raises(ValueError, match="interpret-kernels"):
+        Engine(RuntimeConfig(attention="kernel"), model=_tiny_d64())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_gpu, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("page_size", [None, 16, 128])
+def test_engine_kernel_on_gpu_matches_reference(page_size):
+    model = _tiny_d64()
+    prompts = PROMPTS + [list(range(1, 200))]
+    assert _run(model, "kernel", False, prompts, page_size) == _run(model, "reference", False, prompts, page_size)
