@@ -19,9 +19,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 
 from stratum_jax.config import RuntimeConfig
 from stratum_jax.engine import Engine
+from stratum_jax.model.loader import load_model
 from stratum_jax.request import SamplingParams
 
 
@@ -42,74 +44,83 @@ def param_bytes(params) -> int:
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(params))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--attention", default="reference", choices=["reference", "kernel"])
-    ap.add_argument("--page-size", type=int, default=None)
-    ap.add_argument("--copy-gb", type=float, default=2.0)
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/e2e_decode_<model>_<attention>.json)")
-    args = ap.parse_args(argv)
-
+def run_one(model, args, attention: str, bw: float) -> dict:
     ctx = args.prompt_len + args.new_tokens
     config = RuntimeConfig(model=args.model, max_batch_size=args.batch, max_context=max(ctx, 256),
                            kv_pool_tokens=args.batch * (ctx + 256), prefill_chunk=512,
-                           max_tokens_cap=args.new_tokens, attention=args.attention, page_size=args.page_size)
-    engine = Engine(config)
+                           max_tokens_cap=args.new_tokens, attention=attention, page_size=args.page_size)
+    engine = Engine(config, model=model)
     cfg = engine.model_config
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size - 1, args.prompt_len).tolist() for _ in range(args.batch)]
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
 
-    # Warm-up: one full pass compiles every bucket this run will touch.
-    engine.generate(prompts[:1] * args.batch, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    engine.generate([[1] + p[1:] for p in prompts], sp)        # distinct first token: no prefix reuse
+    # Warm-up: a full pass compiles every bucket the timed pass touches. Distinct first tokens per
+    # pass keep the prefix cache from serving the timed prompts.
+    engine.generate([[1] + p[1:] for p in prompts], sp)
     for p in prompts:
         engine.add_request([2] + p[1:], sp)
     timings = []
     t_all = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-        if engine.last_step is not None:
-            timings.append(engine.last_step)
+    with tqdm.tqdm(total=args.batch * args.new_tokens, desc=f"{attention} decode", unit="tok",
+                   disable=not sys.stderr.isatty()) as bar:
+        while engine.has_unfinished():
+            outs = engine.step()
+            bar.update(sum(len(o.new_token_ids) for o in outs))
+            if engine.last_step is not None:
+                timings.append(engine.last_step)
     wall = time.perf_counter() - t_all
     decode = [t for t in timings if t.kind == "decode"]
     prefill = [t for t in timings if t.kind == "prefill"]
     full_decode = [t for t in decode if t.num_seqs == args.batch]
     decode_s = sum(t.seconds for t in decode)
-    decode_tokens = sum(t.num_seqs for t in decode)
     step_ms = statistics.median(t.seconds for t in full_decode) * 1e3 if full_decode else float("nan")
 
-    bw = measure_copy_bandwidth(int(args.copy_gb * (1 << 30)))
-    w_bytes = param_bytes(engine.model.params)
+    w_bytes = param_bytes(model.params)
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
     mean_ctx = args.prompt_len + args.new_tokens / 2
-    step_bytes = w_bytes + args.batch * mean_ctx * kv_per_token
-    roofline_ms = step_bytes / bw * 1e3
-    result = {
+    roofline_ms = (w_bytes + args.batch * mean_ctx * kv_per_token) / bw * 1e3
+    return {
         "model": args.model, "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "attention": args.attention, "page_size": args.page_size or "adaptive",
+        "attention": attention, "page_size": args.page_size or "adaptive",
         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "date": datetime.date.today().isoformat(),
-        "decode_tokens_per_s": decode_tokens / decode_s, "decode_step_ms_median": step_ms,
-        "decode_steps": len(decode), "prefill_tokens": sum(t.num_tokens for t in prefill),
+        "decode_tokens_per_s": sum(t.num_seqs for t in decode) / decode_s,
+        "decode_step_ms_median": step_ms, "decode_steps": len(decode),
+        "prefill_tokens": sum(t.num_tokens for t in prefill),
         "prefill_seconds": sum(t.seconds for t in prefill),
         "wall_seconds": wall, "copy_bandwidth_gbps": bw / 1e9, "weight_bytes": w_bytes,
         "kv_bytes_per_token": kv_per_token, "roofline_step_ms": roofline_ms,
         "roofline_tokens_per_s": args.batch / (roofline_ms / 1e3),
         "fraction_of_roofline": roofline_ms / step_ms if step_ms == step_ms else None,
     }
-    out = pathlib.Path(args.out or f"benchmarks/results/e2e_decode_{args.model}_{args.attention}.json")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--attention", nargs="+", default=["reference"], choices=["reference", "kernel"])
+    ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--copy-gb", type=float, default=2.0)
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/e2e_decode_<model>.json)")
+    args = ap.parse_args(argv)
+
+    model = load_model(args.model, seed=0)
+    bw = measure_copy_bandwidth(int(args.copy_gb * (1 << 30)))
+    runs = [run_one(model, args, attention, bw) for attention in args.attention]
+    out = pathlib.Path(args.out or f"benchmarks/results/e2e_decode_{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"{'model':10} {'batch':>5} {'attn':>9} {'tok/s':>10} {'step ms':>8} {'roof ms':>8} {'of roof':>7} {'prefill tok/s':>13}")
-    print(f"{args.model:10} {args.batch:5d} {args.attention:>9} {result['decode_tokens_per_s']:10.0f} "
-          f"{step_ms:8.2f} {roofline_ms:8.2f} {result['fraction_of_roofline'] or 0:7.1%} "
-          f"{result['prefill_tokens'] / max(result['prefill_seconds'], 1e-9):13.0f}")
-    print(f"wrote {out}")
+    out.write_text(json.dumps(runs, indent=2))
+    print(f"{'model':10} {'batch':>5} {'attn':>9} {'tok/s':>10} {'step ms':>8} {'roof ms':>8} {'of roof':>7} "
+          f"{'prefill tok/s':>13}")
+    for r in runs:
+        print(f"{r['model']:10} {r['batch']:5d} {r['attention']:>9} {r['decode_tokens_per_s']:10.0f} "
+              f"{r['decode_step_ms_median']:8.2f} {r['roofline_step_ms']:8.2f} {r['fraction_of_roofline'] or 0:7.1%} "
+              f"{r['prefill_tokens'] / max(r['prefill_seconds'], 1e-9):13.0f}")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s on {runs[0]['device']}; wrote {out}")
     return 0
 
 

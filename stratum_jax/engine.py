@@ -213,9 +213,9 @@ class Engine:
 
     def _build_inputs(self, batch: ScheduledBatch):
         seqs = batch.seqs
-        # At least 8 rows: a decode step is memory-bound, so padding a small batch costs ~nothing, and
-        # fewer buckets mean fewer compilations.
-        rows = _pow2_at_least(len(seqs), floor=8)
+        # Decode pads to at least 8 rows: the step is memory-bound, so padding a small batch costs almost
+        # nothing, and fewer buckets mean fewer compilations. Prefill rows are compute, so no floor.
+        rows = _pow2_at_least(len(seqs), floor=8 if batch.kind == "decode" else 1)
         chunk = 1 if batch.kind == "decode" else _pow2_at_least(max(batch.chunk_lens), floor=8)
         tokens = np.zeros((rows, chunk), np.int32)
         slots = np.full((rows, chunk), self.num_slots, np.int32)        # out of range = dropped write
@@ -255,7 +255,10 @@ class Engine:
             tok_idx[r] = len(seq.output_ids)
         want_prompt_lp = [s.params.prompt_logprobs for s in seqs if s.wants_prompt_logprobs]
         opts = StepOptions(
-            max_context=max_ctx, backend=self.config.attention, interpret=self.config.interpret_kernels,
+            # The kernel serves decode; prefill chunks take the reference path whatever the backend, so
+            # the backend only keys decode compilations.
+            max_context=max_ctx, backend=self.config.attention if chunk == 1 else "reference",
+            interpret=self.config.interpret_kernels and chunk == 1,
             greedy_only=bool((temp == 0).all()),
             top_logprobs=max((s.params.logprobs for s in seqs), default=0),
             prompt_logprobs=max(want_prompt_lp) if want_prompt_lp else -1)
