@@ -12,7 +12,6 @@ import itertools
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from stratum_jax.attention import AttentionMetadata
@@ -234,14 +233,12 @@ class Engine:
         seed_lo = np.zeros(rows, np.uint32)
         tok_idx = np.zeros(rows, np.int32)
         for r, (seq, n) in enumerate(zip(seqs, batch.chunk_lens)):
-            all_ids = seq.all_token_ids
             start = seq.num_computed
-            pos = np.arange(start, start + n)
-            tokens[r, :n] = all_ids[start:start + n]
-            slots[r, :n] = seq.blocks.slots(pos)
-            q_pos[r, :n] = pos
+            tokens[r, :n] = seq.token_slice(start, start + n)
+            slots[r, :n] = seq.blocks.slots(start, n)
+            q_pos[r, :n] = np.arange(start, start + n)
             if seq.wants_prompt_logprobs:
-                nxt = pos + 1
+                nxt = np.arange(start + 1, start + n + 1)
                 ok = nxt < len(seq.prompt_ids)
                 next_tok[r, :n][ok] = np.asarray(seq.prompt_ids)[nxt[ok]]
             ctx[r] = start + n
@@ -262,12 +259,10 @@ class Engine:
             greedy_only=bool((temp == 0).all()),
             top_logprobs=max((s.params.logprobs for s in seqs), default=0),
             prompt_logprobs=max(want_prompt_lp) if want_prompt_lp else -1)
-        meta = AttentionMetadata(jnp.asarray(q_pos), jnp.asarray(ctx), jnp.asarray(page_starts),
-                                 jnp.asarray(page_sizes))
-        sampling = SamplingArrays(jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(top_k),
-                                  jnp.asarray(seed_hi), jnp.asarray(seed_lo), jnp.asarray(tok_idx))
-        inputs = (jnp.asarray(tokens), jnp.asarray(slots), meta, jnp.asarray(sample_cols), sampling,
-                  jnp.asarray(next_tok))
+        # Host numpy arrays go straight into the jitted call, which transfers them in its C++ path.
+        meta = AttentionMetadata(q_pos, ctx, page_starts, page_sizes)
+        sampling = SamplingArrays(temp, top_p, top_k, seed_hi, seed_lo, tok_idx)
+        inputs = (tokens, slots, meta, sample_cols, sampling, next_tok)
         return inputs, opts
 
     def _apply_result(self, batch: ScheduledBatch, result, opts: StepOptions,
@@ -276,7 +271,8 @@ class Engine:
             if seq.wants_prompt_logprobs:
                 self._collect_prompt_logprobs(seq, r, n, result)
             seq.num_computed += n
-            seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed)
+            if seq.blocks.has_unregistered_full_pages(seq.num_computed):
+                seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed)
             if seq.num_computed < seq.num_tokens:
                 seq.state = RequestState.PREFILLING
                 continue                     # a middle prefill chunk: nothing sampled

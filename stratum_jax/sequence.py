@@ -36,6 +36,15 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (the decode hot path)."""
+        n_prompt = len(self.prompt_ids)
+        if start >= n_prompt:
+            return self.output_ids[start - n_prompt:end - n_prompt]
+        if end <= n_prompt:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[:end - n_prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -87,7 +87,7 @@ def test_block_table_slots_mixed_sizes():
         t = BlockTable(pool, page_size)
         assert t.ensure_capacity(300)
         pos = np.arange(300)
-        slots = t.slots(pos)
+        slots = t.slots(0, 300)
         assert len(set(slots.tolist())) == 300
         for p, s in zip(pos[::37], slots[::37]):
             page = t.pages[p // page_size]

@@ -15,6 +15,7 @@ class BlockTable:
         self.pool = pool
         self.page_size = page_size
         self.pages: list[Page] = []
+        self._starts: list[int] = []         # pages[i].start_slot, kept beside pages for the hot path
         self._hashes: list[bytes] = []       # chain hashes of the leading full pages registered so far
 
     @property
@@ -25,6 +26,7 @@ class BlockTable:
         """Starts the table with cached prefix pages (already acquired from the pool)."""
         assert not self.pages
         self.pages = list(pages)
+        self._starts = [p.start_slot for p in pages]
         self._hashes = [p.content_hash for p in pages]
 
     def pages_needed(self, num_tokens: int) -> int:
@@ -37,7 +39,11 @@ class BlockTable:
             if page is None:
                 return False
             self.pages.append(page)
+            self._starts.append(page.start_slot)
         return True
+
+    def has_unregistered_full_pages(self, num_written: int) -> bool:
+        return num_written // self.page_size > len(self._hashes)
 
     def register_full_pages(self, token_ids: Sequence[int], num_written: int) -> None:
         """Registers every page whose tokens are all written (< num_written) in the prefix cache."""
@@ -52,12 +58,18 @@ class BlockTable:
         for page in self.pages:
             self.pool.release(page)
         self.pages = []
+        self._starts = []
         self._hashes = []
 
-    def slots(self, positions: np.ndarray) -> np.ndarray:
-        """Cache slot of each position ([n] int -> [n] int32); positions must be within capacity."""
-        starts = np.fromiter((p.start_slot for p in self.pages), dtype=np.int64, count=len(self.pages))
-        return (starts[positions // self.page_size] + positions % self.page_size).astype(np.int32)
+    def slots(self, start: int, count: int) -> np.ndarray:
+        """Cache slots of positions [start, start + count): [count] int32 (within capacity)."""
+        ps = self.page_size
+        if count == 1:
+            return np.asarray([self._starts[start // ps] + start % ps], np.int32)
+        positions = np.arange(start, start + count)
+        starts = np.asarray(self._starts, np.int64)
+        return (starts[positions // ps] + positions % ps).astype(np.int32)
 
     def page_starts(self) -> list[int]:
-        return [p.start_slot for p in self.pages]
+        """First slot of each page, in order (the sequence's row of the block table). Do not mutate."""
+        return self._starts
