@@ -1,0 +1,548 @@
+"""Paged decode attention for adaptive (mixed-size) KV pages: a Pallas Mosaic GPU kernel for Hopper.
+
+One decode query per sequence attends over that sequence's KV cache, which lives in one layer's slot
+pool `k_pool/v_pool [num_kv_heads, num_slots, head_dim]`. A sequence owns pages of one size
+P in {8, 16, 32, 64, 128, 256} tokens (its own choice; sizes mix freely within a batch); a page of
+size P occupies slots [s, s + P) with s a multiple of P (a buddy allocator over 8-token base pages).
+Token t of sequence b is at slot `page_starts[b, t // P_b] + t % P_b`.
+
+Design
+------
+*Grid.* One CTA (one Pallas thread = one warpgroup) per (sequence b, kv head h, split k). The CTA
+handles every q head of its kv-head group at once (GQA), so each K/V byte is read from HBM once.
+
+*Mixed page sizes: static token tiles, per-page TMA copies.* The kernel walks the sequence in tiles
+of a static `block_kv` = T tokens (64/128/256, a multiple of 64 because WGMMA wants it). Because a
+page of size P starts at a multiple of P, a tile is always either
+  - part of one page (P >= T): one TMA copy of T contiguous slots, or
+  - exactly T / P whole pages (P < T): T / P TMA copies of P slots, into consecutive rows of the tile.
+So the compute stage never sees pages at all: it always gets a dense [T, head_dim] K tile and V
+tile in SMEM. The copy count per tile depends on the sequence's page size, which is a runtime value;
+each copy arrives once on its stage barrier, and a barrier's arrival count is fixed when it is
+allocated, so there is one barrier array per "copies per tile" group (T/8, T/16, ..., 1) and the
+CTA branches (uniformly, a scalar `pl.when` chain) on its page-size class when it issues or awaits a
+tile. The alternatives were worse: sorting the batch into per-size launches costs extra launches,
+a gather and a scatter; a `lax.switch` over whole specialised loops multiplies code size by the
+number of classes; always copying 8-token pieces issues 8-32x more TMA copies for big pages.
+The copies that would run past the last page of the sequence (P < T, last tile) are clamped to
+the last page (a cheap L2 re-read) rather than predicated off, so page-table entries beyond the
+sequence are never read and the arrival count stays static.
+
+*Pipeline (single warpgroup, software pipelined).* The page-table window of the CTA is brought
+into SMEM with one bulk copy; q rows are brought in with one TMA copy. `num_stages` K/V tiles are
+in flight in a ring of SMEM buffers; the loop awaits tile i, computes on it, and re-issues the
+freed slot for tile i + num_stages. Per tile:
+    fetch(tile, slot)      -> issue TMA copies (this file: plain bf16 pages)
+    materialize(slot)      -> bf16 K and V tiles in SMEM, ready for WGMMA (here: zero V rows past
+                              the end of the sequence, so stale/NaN slots can't poison P @ V)
+    attend(state, K, V)    -> S = q K^T (WGMMA, fp32), soft cap, mask, online softmax (base 2),
+                              acc += P V (WGMMA)
+The q tile has 64 rows (WGMMA's M); rows beyond the group's q heads are don't-care rows.
+
+*Delta-KV variant (DKVC) plugs in at `materialize`.* Its `fetch` issues copies of the anchor block
+(once per CTA, resident) and of the fp16/fp8 delta pages plus their per-page scales into the same
+ring (delta pages of 1 byte/elem halve the bytes per tile); its `materialize` loads anchor + delta
+from SMEM into registers, rebuilds K = anchor + scale * delta in fp32, casts to bf16 and stores into
+a bf16 staging tile (WGMMA's B operand must live in SMEM), then `commit_smem()`. `attend` is
+unchanged. See `_materialize_bf16` for the hook's contract.
+
+*Split-K (flash-decoding).* With few (sequence, kv head) pairs, the tiles of each sequence are split
+over `num_splits` CTAs; each writes a normalised partial output and its log2-sum-exp, and a small
+jnp combine (`_combine_splits`) merges them.
+
+Numerics: fp32 scores, fp32 online softmax in base 2 (exp2 with log2(e) folded into the scale),
+fp32 accumulation, bf16 P for the second WGMMA (standard flash-attention practice). Rows with
+length 0 produce zeros.
+
+*Occupancy beats pipeline depth.* The default (block_kv=64, 2 stages, ~100 KB SMEM) lets two CTAs
+share an SM, so one CTA's softmax overlaps the other's loads; on the H200 it beat 3-4-stage
+single-CTA pipelines by 5-30%. Measured 2026-11-29 (B=64, Hq=32, Hkv=8, D=128, every page size):
+4.1-4.2 TB/s at 16K context, 3.5-3.8 TB/s at 4K, 2.9-3.1 TB/s at 1K, against a 4.14 TB/s
+device copy. Details and the sweep: benchmarks/KERNEL_NOTES.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
+
+PAGE_SIZES = (8, 16, 32, 64, 128, 256)
+_LOG2E = math.log2(math.e)
+_Q_ROWS = 64          # WGMMA M: the q tile has 64 rows, the first q_per_kv of which are real.
+_NUM_SMS_H100 = 132   # for the split heuristic only; H100 SXM and H200 both have 132 SMs.
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """Static knobs of the kernel (each distinct config compiles its own kernel).
+
+    Attributes:
+      block_kv: tokens per pipeline tile T (64, 128 or 256). A tile holds T/P whole pages for P < T,
+        or a T-token piece of one page for P >= T.
+      num_stages: K/V tiles in flight per CTA (SMEM ring depth), >= 2. SMEM per CTA is about
+        num_stages * block_kv * head_dim * 4 bytes, plus 32-48 KB for the q and output tiles and
+        the page-table window (see `smem_bytes`).
+      num_splits: split-K factor (CTAs per (sequence, kv head)); None picks one from the grid size.
+      approx_math: use the fast approximate exp2/tanh (MUFU) instructions.
+      p_via_smem: stage the softmax probabilities P through SMEM for the P @ V WGMMA instead of
+        feeding them from registers (always on in the interpreter, which lacks register operands).
+      no_auto_barriers: drop the warpgroup barrier Pallas puts before every TMA issue (one per
+        page copy); the kernel then syncs the warpgroup once per refilled tile instead.
+    """
+
+    block_kv: int = 64
+    num_stages: int = 2
+    num_splits: int | None = None
+    approx_math: bool = True
+    p_via_smem: bool = False
+    no_auto_barriers: bool = True
+
+    def __post_init__(self):
+        if self.block_kv not in (64, 128, 256):
+            raise ValueError(f"block_kv must be 64, 128 or 256, got {self.block_kv}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 2:
+            raise ValueError(f"num_stages must be an int >= 2, got {self.num_stages!r}")
+        if self.num_splits is not None and (not isinstance(self.num_splits, int) or not 1 <= self.num_splits <= 64):
+            raise ValueError(f"num_splits must be None or an int in [1, 64], got {self.num_splits!r}")
+
+    def smem_bytes(self, head_dim: int, max_pages: int, out_itemsize: int = 4) -> int:
+        """Approximate SMEM footprint of one CTA, for picking configs that fit (227 KB max)."""
+        ring = 2 * self.num_stages * self.block_kv * head_dim * 2
+        q_o = _Q_ROWS * head_dim * (2 + out_itemsize) + _Q_ROWS * 4
+        table = 4 * _table_window(max_pages, self.num_splits or 1, self.block_kv)
+        return ring + q_o + table + 1024
+
+
+def default_num_splits(batch: int, num_kv_heads: int) -> int:
+    """Split-K factor: enough CTAs to fill about two waves of the GPU's SMs."""
+    ctas = batch * num_kv_heads
+    if ctas >= _NUM_SMS_H100:
+        return 1
+    return int(min(16, -(-2 * _NUM_SMS_H100 // ctas)))
+
+
+def _table_window(max_pages: int, num_splits: int, block_kv: int) -> int:
+    """Page-table entries one CTA copies to SMEM (static bound, multiple of 32 = 128 bytes).
+
+    A split covers ceil(n_tiles / S) tiles, i.e. at most max_pages / S + 2 * T / 8 + 2 page entries
+    (rounding at both ends), plus 3 for aligning the bulk copy's start to 16 bytes.
+    """
+    need = -(-max_pages // num_splits) + block_kv // 4 + 5
+    need = min(need, max_pages + 3)
+    return -(-need // 32) * 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+def paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, page_sizes, *,
+                              sm_scale=None, soft_cap=None):
+    """Pure-jnp paged decode attention with fp32 math (same contract as `paged_attention`).
+
+    Gathers each sequence's tokens to a dense [batch, num_kv_heads, max_tokens, head_dim] view, where
+    max_tokens = max_pages * max(PAGE_SIZES), so it is for tests and small shapes, not for speed.
+    """
+    _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[0]
+    group = num_q_heads // num_kv_heads
+    max_pages = page_starts.shape[1]
+    scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
+
+    n_tok = max_pages * max(PAGE_SIZES)
+    t = jnp.arange(n_tok, dtype=jnp.int32)
+    psz = jnp.maximum(page_sizes.astype(jnp.int32), 1)[:, None]                   # [B, 1]
+    page_idx = jnp.minimum(t[None, :] // psz, max_pages - 1)                      # [B, T]
+    slot = jnp.take_along_axis(page_starts.astype(jnp.int32), page_idx, axis=1) + t[None, :] % psz
+    valid = t[None, :] < jnp.minimum(lengths.astype(jnp.int32)[:, None], max_pages * psz)
+    slot = jnp.where(valid, jnp.clip(slot, 0, k_pool.shape[1] - 1), 0)
+
+    k = k_pool[:, slot].astype(jnp.float32)                                      # [Hkv, B, T, D]
+    v = v_pool[:, slot].astype(jnp.float32)
+    qf = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_dim)
+    s = jnp.einsum("bhgd,hbtd->bhgt", qf, k) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(valid[:, None, None, :], jnp.exp(s - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    v = jnp.where(valid[None, :, :, None], v, 0.0)    # stale slots may hold NaN; 0 * NaN = NaN
+    o = jnp.einsum("bhgt,hbtd->bhgd", p, v) / jnp.where(l == 0, 1.0, l)
+    return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+def _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes):
+    def fail(msg):
+        raise ValueError(f"paged_attention: {msg}")
+    if q.ndim != 3:
+        fail(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
+    if k_pool.ndim != 3 or v_pool.shape != k_pool.shape:
+        fail(f"k_pool and v_pool must both be [num_kv_heads, num_slots, head_dim], got {k_pool.shape} "
+             f"and {v_pool.shape}")
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_slots, kv_dim = k_pool.shape
+    if kv_dim != head_dim:
+        fail(f"head_dim mismatch: q has {head_dim}, k_pool/v_pool have {kv_dim}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        fail(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if num_slots % 256:
+        fail(f"num_slots ({num_slots}) must be a multiple of 256 (the largest page)")
+    if q.dtype not in (jnp.bfloat16, jnp.float32):
+        fail(f"q must be bfloat16 or float32, got {q.dtype}")
+    if k_pool.dtype != jnp.bfloat16 or v_pool.dtype != jnp.bfloat16:
+        fail(f"k_pool/v_pool must be bfloat16, got {k_pool.dtype}/{v_pool.dtype}")
+    if lengths.shape != (batch,) or page_sizes.shape != (batch,):
+        fail(f"lengths and page_sizes must be [batch={batch}], got {lengths.shape} and {page_sizes.shape}")
+    if page_starts.ndim != 2 or page_starts.shape[0] != batch or page_starts.shape[1] < 1:
+        fail(f"page_starts must be [batch={batch}, max_pages>=1], got {page_starts.shape}")
+    for name, a in (("lengths", lengths), ("page_starts", page_starts), ("page_sizes", page_sizes)):
+        if a.dtype != jnp.int32:
+            fail(f"{name} must be int32, got {a.dtype}")
+
+
+def paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *,
+                    sm_scale: float | None = None, soft_cap: float | None = None,
+                    config: TuningConfig | None = None, interpret: bool = False) -> jax.Array:
+    """Decode attention over a paged KV pool with per-sequence page sizes (Mosaic GPU kernel).
+
+    Args:
+      q: [batch, num_q_heads, head_dim], bf16 or fp32 (fp32 is rounded to bf16 for the MMA).
+      k_pool, v_pool: [num_kv_heads, num_slots, head_dim] bf16, one layer's KV slot pool.
+      lengths: [batch] int32 context length per sequence; 0 marks a padding row (output zeros).
+      page_starts: [batch, max_pages] int32, first slot of each page of each sequence; entries past
+        a sequence's last page are never read.
+      page_sizes: [batch] int32, each sequence's page size, one of PAGE_SIZES.
+      sm_scale: score scale, default 1/sqrt(head_dim).
+      soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
+      config: TuningConfig; the default (block_kv=64, 2 stages, split from the grid size) was the
+        fastest swept config, or within 7% of it, at every measured H200 shape (KERNEL_NOTES.md).
+      interpret: run the kernel in the Mosaic GPU interpreter on CPU (tests).
+
+    Returns:
+      [batch, num_q_heads, head_dim] in q.dtype. GQA: q head j uses kv head j // (num_q_heads //
+      num_kv_heads). Head dims 64 and 128 are supported; num_q_heads // num_kv_heads <= 64.
+    """
+    _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes)
+    head_dim = q.shape[2]
+    if head_dim not in (64, 128):
+        raise ValueError(f"paged_attention: head_dim must be 64 or 128, got {head_dim}")
+    group = q.shape[1] // k_pool.shape[0]
+    if group > _Q_ROWS:
+        raise ValueError(f"paged_attention: num_q_heads // num_kv_heads = {group} > {_Q_ROWS} is not supported")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"paged_attention: soft_cap must be > 0, got {soft_cap}")
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"paged_attention: sm_scale must be > 0, got {sm_scale}")
+    config = config or TuningConfig()
+    if config.num_splits is None:
+        config = dataclasses.replace(config, num_splits=default_num_splits(q.shape[0], k_pool.shape[0]))
+    scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
+    cap = None if soft_cap is None else float(soft_cap)
+    if interpret:
+        with mosaic_gpu_interpret():
+            return _paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
+                                    scale=scale, soft_cap=cap, config=config, p_via_smem=True)
+    # `interpret_mode_active()` is also a static jit argument so interpreted and compiled traces
+    # never share a cache entry.
+    return _paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, scale=scale,
+                            soft_cap=cap, config=config, p_via_smem=interpret_mode_active())
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "config", "p_via_smem"))
+def _paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, scale, soft_cap, config,
+                     p_via_smem):
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[0]
+    group = num_q_heads // num_kv_heads
+    splits = config.num_splits
+    out_dtype = q.dtype
+
+    # q rows: the kernel TMA-copies an 8-row-aligned block of rows of a 2-D q that contains the
+    # group's rows; when the group's rows can't sit inside such a block (group neither divides nor is
+    # a multiple of 8, or batch * num_q_heads isn't a multiple of 8), pad each group to 8k rows.
+    q_mma = q.astype(jnp.bfloat16)
+    aligned = (group % 8 == 0 or 8 % group == 0) and (batch * num_q_heads) % 8 == 0
+    if aligned:
+        rows_per_b, rows_per_h = num_q_heads, group
+        copy_rows = max(8, group)
+        q2 = q_mma.reshape(batch * num_q_heads, head_dim)
+    else:
+        gp = -(-group // 8) * 8
+        rows_per_b, rows_per_h = num_kv_heads * gp, gp
+        copy_rows = gp
+        q2 = jnp.pad(q_mma.reshape(batch * num_kv_heads, group, head_dim),
+                     ((0, 0), (0, gp - group), (0, 0))).reshape(-1, head_dim)
+
+    # Page table, flattened so one contiguous bulk copy brings a CTA's window into SMEM.
+    max_pages = page_starts.shape[1]
+    window = _table_window(max_pages, splits, config.block_kv)
+    table = page_starts.reshape(-1)
+    if table.shape[0] % 4 or table.shape[0] < window:
+        table = jnp.pad(table, (0, (-table.shape[0]) % 4 + max(0, window - table.shape[0])))
+
+    kernel = _build_kernel(
+        batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
+        table_len=table.shape[0], rows_per_b=rows_per_b,
+        rows_per_h=rows_per_h, copy_rows=copy_rows, out_dtype=jnp.dtype(out_dtype if splits == 1 else jnp.float32),
+        scale=scale, soft_cap=soft_cap, config=config, p_via_smem=p_via_smem or config.p_via_smem)
+    res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool)
+
+    if splits == 1:
+        out = res[0].reshape(batch, num_kv_heads, rows_per_h, head_dim)[:, :, :group]
+        return out.reshape(batch, num_q_heads, head_dim)
+    o_part, lse = res
+    o_part = o_part.reshape(batch, splits, num_kv_heads, rows_per_h, head_dim)[:, :, :, :group]
+    # lse rows start at the 8-aligned q row block; the group's rows start at row_off (static).
+    rows = np.arange(batch)[:, None] * rows_per_b + np.arange(num_kv_heads)[None, :] * rows_per_h
+    idx = (rows % 8)[:, None, :, None] + np.arange(group)[None, None, None, :]     # [B, 1, Hkv, G]
+    lse = jnp.take_along_axis(lse.reshape(batch, splits, num_kv_heads, -1),
+                              jnp.asarray(np.broadcast_to(idx, (batch, splits, num_kv_heads, group))), axis=3)
+    return _combine_splits(o_part, lse).reshape(batch, num_q_heads, head_dim).astype(out_dtype)
+
+
+def _combine_splits(o_part, lse):
+    """Merge split-K partials. o_part [B, S, Hkv, G, D] fp32 (normalised per split), lse [B, S, Hkv, G]
+    base-2 log-sum-exp (-inf for an empty split). Returns [B, Hkv, G, D] fp32 (zeros if all empty)."""
+    m = jnp.max(lse, axis=1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp2(lse - m)                                            # [B, S, Hkv, G], 0 for empty
+    denom = jnp.sum(w, axis=1)
+    o = jnp.sum(w[..., None] * jnp.where(w[..., None] > 0, o_part, 0.0), axis=1)
+    return o / jnp.where(denom == 0, 1.0, denom)[..., None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------
+
+def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len, rows_per_b,
+                  rows_per_h, copy_rows, out_dtype, scale, soft_cap, config, p_via_smem):
+    """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or (o_part, lse)."""
+    T = config.block_kv
+    stages = config.num_stages
+    splits = config.num_splits
+    window = _table_window(max_pages, splits, T)
+    log2_t = T.bit_length() - 1
+    # The lse of the q tile's first `copy_rows` rows (a multiple of 8, so a 16-byte-aligned bulk copy
+    # from SMEM row 0) goes out; the wrapper picks the group's rows at row_off.
+    lse_cols = copy_rows
+    # Copy groups: copies per tile for each page-size class (P < T: T/P pages; P >= T: 1 piece).
+    small_classes = [(p.bit_length() - 1, T // p) for p in PAGE_SIZES if p < T]   # (log2 P, copies)
+    groups = [n for _, n in small_classes] + [1]
+    # S is computed as fp32 q.k; fold the softmax scale and log2(e) into one multiply (exp2 below).
+    qk_scale = scale * _LOG2E
+    mma_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def body(lengths_ref, psizes_ref, table_ref, q_ref, k_ref, v_ref, *rest):
+        if splits == 1:
+            (o_ref,), scratch = rest[:1], rest[1:]
+            lse_ref = None
+        else:
+            (o_ref, lse_ref), scratch = rest[:2], rest[2:]
+        (table_smem, q_smem, k_ring, v_ring, o_smem, lse_smem, meta_bar, k_bars, v_bars, *p_smem) = scratch
+        p_smem = p_smem[0] if p_smem else None
+        b = lax.axis_index("b")
+        h = lax.axis_index("h")
+        k_split = lax.axis_index("k") if splits > 1 else 0
+
+        # --- per-sequence scalars -----------------------------------------------------------
+        p_size = psizes_ref[b]
+        log2_p = 3
+        for c in range(5):   # log2(P) for P in 8..256 (anything else rounds up; never hangs)
+            log2_p = log2_p + jnp.where(p_size > (8 << c), 1, 0).astype(jnp.int32)
+        page = lax.shift_left(jnp.int32(1), log2_p)
+        # Clamp the length to what the page table can address, so bad input can't read past it.
+        length = jnp.clip(lengths_ref[b], 0, max_pages * page)
+        n_pages = lax.shift_right_logical(length + page - 1, log2_p)
+        n_tiles = lax.shift_right_logical(length + (T - 1), jnp.int32(log2_t))
+        if splits > 1:
+            per_split = lax.div(n_tiles + (splits - 1), jnp.int32(splits))
+            tile_lo = jnp.minimum(k_split * per_split, n_tiles)
+            tile_hi = jnp.minimum(tile_lo + per_split, n_tiles)
+        else:
+            tile_lo, tile_hi = jnp.int32(0), n_tiles
+        num_steps = tile_hi - tile_lo
+
+        # --- page-table window and q rows -> SMEM --------------------------------------------
+        page_lo = jnp.minimum(lax.shift_right_logical(tile_lo * T, log2_p), max_pages - 1)
+        first = b * max_pages + page_lo
+        win_start = pl.multiple_of(jnp.minimum(first - lax.rem(first, 4), table_len - window), 4)
+        plgpu.copy_gmem_to_smem(table_ref.at[pl.ds(win_start, window)], table_smem, meta_bar.at[0],
+                                oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+        q_row = b * rows_per_b + h * rows_per_h
+        q_row0 = pl.multiple_of(q_row - lax.rem(q_row, 8), 8)   # tiled TMA wants 8-row alignment
+        row_off = q_row - q_row0                     # where the group's rows start in the q tile
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0, copy_rows)], q_smem.at[pl.ds(0, copy_rows)],
+                                meta_bar.at[1])
+        plgpu.barrier_wait(meta_bar.at[0])
+
+        def page_entry(p):   # slot of page p of this sequence (p must be in this CTA's window)
+            return table_smem[b * max_pages + p - win_start]
+
+        # --- fetch: TMA copies of one K and V tile -----------------------------------------
+        def fetch(tile, slot):
+            t0 = tile * T
+            for gi, (lp, n) in enumerate(small_classes):
+                @pl.when(log2_p == lp)
+                def _():
+                    p = 1 << lp
+                    first_page = lax.shift_right_logical(t0, lp)
+                    for i in range(n):
+                        # Page starts are multiples of P >= 8, which the tiled TMA needs.
+                        src = pl.multiple_of(page_entry(jnp.minimum(first_page + i, n_pages - 1)), 8)
+                        plgpu.copy_gmem_to_smem(k_ref.at[h, pl.ds(src, p)],
+                                                k_ring.at[slot, pl.ds(i * p, p)], k_bars[gi].at[slot])
+                        plgpu.copy_gmem_to_smem(v_ref.at[h, pl.ds(src, p)],
+                                                v_ring.at[slot, pl.ds(i * p, p)], v_bars[gi].at[slot])
+
+            @pl.when(log2_p >= log2_t)
+            def _():
+                src = page_entry(lax.shift_right_logical(t0, log2_p)) + (t0 & (page - 1))
+                src = pl.multiple_of(src, 8)
+                plgpu.copy_gmem_to_smem(k_ref.at[h, pl.ds(src, T)], k_ring.at[slot], k_bars[-1].at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[h, pl.ds(src, T)], v_ring.at[slot], v_bars[-1].at[slot])
+
+        def wait(bars, slot):
+            for gi, (lp, _) in enumerate(small_classes):
+                pl.when(log2_p == lp)(lambda gi=gi: plgpu.barrier_wait(bars[gi].at[slot]))
+            pl.when(log2_p >= log2_t)(lambda: plgpu.barrier_wait(bars[-1].at[slot]))
+
+        # --- materialize: the K/V tiles WGMMA reads ---------------------------------------
+        def _materialize_bf16(slot, n_valid):
+            """Hook for the delta-KV variant: returns (k_tile_ref, v_tile_ref) [T, D] bf16 SMEM refs
+            that hold this tile's K and V once the copies have landed. Rows >= n_valid are past the
+            end of the sequence; their K scores are masked, but their V rows must be finite
+            (P = 0 there, and 0 * NaN = NaN inside the MMA), so they are zeroed here."""
+            wait(k_bars, slot)
+            wait(v_bars, slot)
+
+            @pl.when(n_valid < T)
+            def _():
+                v = v_ring[slot]
+                rows = plgpu.broadcasted_iota(jnp.int32, (T, head_dim), 0, layout=wgmma_layout)
+                v_ring[slot] = jnp.where(rows < n_valid, v, jnp.zeros_like(v))
+                plgpu.commit_smem()     # make the stores visible to the async proxy (WGMMA)
+            return k_ring.at[slot], v_ring.at[slot]
+
+        # --- attend: online softmax update with one tile ----------------------------------
+        def attend(carry, k_tile, v_tile, n_valid):
+            acc, m_i, l_i = carry
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+                return acc_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((_Q_ROWS, T), jnp.float32))
+            if soft_cap is not None:
+                s = jnp.tanh(s * (scale / soft_cap)) * (soft_cap * _LOG2E)
+            else:
+                s = s * qk_scale
+            cols = plgpu.broadcasted_iota(jnp.int32, (_Q_ROWS, T), 1, layout=wgmma_layout)
+            s = jnp.where(cols < n_valid, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(jnp.bfloat16)
+            if p_smem is None:
+                # P is WGMMA's A operand straight from registers; accumulate in place.
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_tile)
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            else:
+                # Interpreter-friendly variant (no register A operand, no run_state): P goes through
+                # a swizzled SMEM tile and the product into a fresh accumulator. Same math.
+                p_smem[...] = p16
+                plgpu.commit_smem()
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_tile)
+                    return acc_ref[...]
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((_Q_ROWS, head_dim), jnp.float32))
+            return acc, m_new, l_i
+
+        # --- pipeline ---------------------------------------------------------------------
+        for s_ in range(stages):
+            pl.when(s_ < num_steps)(functools.partial(fetch, tile_lo + s_, s_))
+        plgpu.barrier_wait(meta_bar.at[1])
+
+        def step(i, carry):
+            slot = lax.rem(i, stages)
+            tile = tile_lo + i
+            n_valid = length - tile * T
+            k_tile, v_tile = _materialize_bf16(slot, n_valid)
+            carry = attend(carry, k_tile, v_tile, n_valid)
+            # attend() awaited its WGMMAs, so the slot is free: refill it. Each warp awaits only its
+            # own share of a WGMMA, so all four must be past it before the TMA overwrites the slot;
+            # Pallas' automatic barriers do that per copy, otherwise one sync per tile here.
+            @pl.when(i + stages < num_steps)
+            def _():
+                if config.no_auto_barriers:
+                    plgpu.commit_smem()
+                fetch(tile + stages, slot)
+            return carry
+
+        acc0 = plgpu.layout_cast(jnp.zeros((_Q_ROWS, head_dim), jnp.float32), wgmma_layout)
+        m0 = plgpu.layout_cast(jnp.full((_Q_ROWS,), -jnp.inf, jnp.float32), row_layout)
+        l0 = plgpu.layout_cast(jnp.zeros((_Q_ROWS,), jnp.float32), row_layout)
+        acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc0, m0, l0))
+
+        # --- epilogue: normalise, write the group's rows ----------------------------------
+        l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+        o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(out_dtype)
+        if lse_ref is not None:
+            lse_smem[...] = m_i + jnp.log2(l_i)      # -inf for an empty split
+        plgpu.commit_smem()
+        if splits == 1:
+            out_row = q_row
+        else:
+            out_row = (b * splits + k_split) * rows_per_b + h * rows_per_h
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row_off, group)], o_ref.at[pl.ds(out_row, group)])
+        if lse_ref is not None:
+            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, lse_cols)], lse_ref.at[b * splits + k_split, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    out_rows = batch * rows_per_b * splits
+    out_type = [jax.ShapeDtypeStruct((out_rows, head_dim), out_dtype)]
+    if splits > 1:
+        out_type.append(jax.ShapeDtypeStruct((batch * splits, num_kv_heads, lse_cols), jnp.float32))
+    scratch = [
+        plgpu.SMEM((window,), jnp.int32),
+        plgpu.SMEM((_Q_ROWS, head_dim), jnp.bfloat16, transforms=mma_transforms),
+        plgpu.SMEM((stages, T, head_dim), jnp.bfloat16, transforms=mma_transforms),
+        plgpu.SMEM((stages, T, head_dim), jnp.bfloat16, transforms=mma_transforms),
+        plgpu.SMEM((_Q_ROWS, head_dim), out_dtype),
+        plgpu.SMEM((_Q_ROWS,), jnp.float32),
+        plgpu.Barrier(num_barriers=2),
+        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in groups],
+        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in groups],
+    ]
+    if p_via_smem:
+        scratch.append(plgpu.SMEM((_Q_ROWS, T), jnp.bfloat16, transforms=mma_transforms))
+    grid, names = (batch, num_kv_heads), ("b", "h")
+    if splits > 1:
+        grid, names = (batch, num_kv_heads, splits), ("b", "h", "k")
+    return plgpu.kernel(
+        body, out_type=out_type, grid=grid, grid_names=names, scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(approx_math=config.approx_math,
+                                             unsafe_no_auto_barriers=config.no_auto_barriers))

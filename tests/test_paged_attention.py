@@ -1,0 +1,245 @@
+"""Paged decode attention: the Mosaic GPU kernel (run in the Mosaic GPU interpreter on CPU) and its
+jnp reference, both against a float64 numpy computation on random ragged, mixed-page-size batches.
+
+Interpret mode simulates every thread, barrier and TMA copy, so shapes here are small; the file's
+budget is about 4 minutes on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._interpret import mosaic_gpu_interpret
+from pallas_kernels.paged_attention import (
+    PAGE_SIZES, TuningConfig, paged_attention, paged_attention_reference)
+
+BF16_TOL = 2e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs: a buddy-style pool (pages of size P at P-aligned slots), random placement, NaN elsewhere.
+# ---------------------------------------------------------------------------------------------
+
+def _alloc_pages(rng, num_slots, lengths, page_sizes):
+    """Random buddy allocation: returns page_starts [B, max_pages] (garbage past each sequence's
+    pages) and a bool mask [num_slots] of the slots that hold live tokens."""
+    free = {p: [] for p in PAGE_SIZES}
+    free[256] = list(rng.permutation(np.arange(0, num_slots, 256)))
+
+    def take(p):
+        if not free[p]:
+            if p == 256:
+                raise RuntimeError("pool too small for this test batch")
+            big = take(2 * p)
+            halves = [big, big + p]
+            rng.shuffle(halves)
+            free[p].extend(halves)
+        return int(free[p].pop(rng.integers(len(free[p]))))
+
+    max_pages = max(1, max(-(-int(L) // int(P)) for L, P in zip(lengths, page_sizes)) + 1)
+    # Garbage (huge, negative, unaligned) entries past the end must never be read.
+    starts = rng.choice([-12345, 10**8 + 3, num_slots * 7 + 1], size=(len(lengths), max_pages)).astype(np.int32)
+    live = np.zeros(num_slots, bool)
+    for b, (L, P) in enumerate(zip(lengths, page_sizes)):
+        for i in range(-(-int(L) // int(P))):
+            s = take(int(P))
+            starts[b, i] = s
+            n = min(int(P), int(L) - i * int(P))
+            live[s:s + n] = True
+    return starts, live
+
+
+def make_case(seed, *, lengths, page_sizes, num_q_heads, num_kv_heads, head_dim, num_slots=None,
+              q_dtype=jnp.bfloat16, nan_outside=True):
+    rng = np.random.default_rng(seed)
+    need = sum(-(-L // P) * P for L, P in zip(lengths, page_sizes))
+    num_slots = num_slots or max(256, -(-(2 * need + 256) // 256) * 256)
+    starts, live = _alloc_pages(rng, num_slots, lengths, page_sizes)
+    k = rng.standard_normal((num_kv_heads, num_slots, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_kv_heads, num_slots, head_dim)).astype(np.float32)
+    if nan_outside:
+        k[:, ~live] = np.nan
+        v[:, ~live] = np.nan
+    q = (rng.standard_normal((len(lengths), num_q_heads, head_dim)) * 1.5).astype(np.float32)
+    return dict(q=jnp.asarray(q, q_dtype), k_pool=jnp.asarray(k, jnp.bfloat16),
+                v_pool=jnp.asarray(v, jnp.bfloat16), lengths=jnp.asarray(lengths, jnp.int32),
+                page_starts=jnp.asarray(starts), page_sizes=jnp.asarray(page_sizes, jnp.int32))
+
+
+def numpy_attention(case, *, sm_scale=None, soft_cap=None):
+    """float64 ground truth, computed from the bf16-rounded inputs the kernel sees."""
+    q = np.asarray(case["q"].astype(jnp.float32), np.float64)
+    k = np.asarray(case["k_pool"].astype(jnp.float32), np.float64)
+    v = np.asarray(case["v_pool"].astype(jnp.float32), np.float64)
+    lengths, starts, sizes = (np.asarray(case[n]) for n in ("lengths", "page_starts", "page_sizes"))
+    B, Hq, D = q.shape
+    group = Hq // k.shape[0]
+    scale = 1.0 / np.sqrt(D) if sm_scale is None else sm_scale
+    out = np.zeros((B, Hq, D))
+    for b in range(B):
+        L, P = int(lengths[b]), int(sizes[b])
+        if L == 0:
+            continue
+        slots = np.array([starts[b, t // P] + t % P for t in range(L)])
+        for hq in range(Hq):
+            kk, vv = k[hq // group, slots], v[hq // group, slots]
+            s = kk @ q[b, hq] * scale
+            if soft_cap is not None:
+                s = soft_cap * np.tanh(s / soft_cap)
+            p = np.exp(s - s.max())
+            out[b, hq] = p @ vv / p.sum()
+    return out
+
+
+def check(out, want, tol=BF16_TOL):
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32))
+    assert not np.isnan(out).any(), "NaN in the output"
+    err = np.abs(out - want).max()
+    assert err <= tol, f"max abs err {err:.3g} > {tol}"
+    return err
+
+
+def run_kernel(case, **kw):
+    return paged_attention(**case, interpret=True, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+def test_reference_matches_float64():
+    case = make_case(0, lengths=[1, 37, 300, 64, 0, 129], page_sizes=[8, 16, 32, 64, 128, 256],
+                     num_q_heads=8, num_kv_heads=2, head_dim=64)
+    want = numpy_attention(case)
+    out = paged_attention_reference(**{**case, "q": case["q"].astype(jnp.float32)})
+    check(out, want, tol=2e-5)     # fp32 math on bf16 inputs, fp32 output
+    capped = paged_attention_reference(**{**case, "q": case["q"].astype(jnp.float32)}, soft_cap=5.0,
+                                       sm_scale=0.3)
+    check(capped, numpy_attention(case, soft_cap=5.0, sm_scale=0.3), tol=2e-5)
+    assert np.all(np.asarray(out)[4] == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel (interpret mode)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads", [(128, 8, 2), (64, 2, 2), (64, 16, 2)])
+def test_kernel_every_page_size_in_one_batch(head_dim, num_q_heads, num_kv_heads):
+    """q_per_kv 4, 1, 8; every page size mixed in one batch; lengths 1, P-1, P+1, ragged; the
+    block_kv=64 tile then holds 8, 4, 2 whole pages or a piece of one page."""
+    case = make_case(1 + head_dim + num_q_heads, lengths=[1, 15, 33, 65, 127, 300],
+                     page_sizes=[8, 16, 32, 64, 128, 256], num_q_heads=num_q_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim)
+    out = run_kernel(case, config=TuningConfig(block_kv=64, num_stages=2, num_splits=1))
+    check(out, numpy_attention(case))
+
+
+def test_kernel_block128_small_pages_and_nan_padding_rows():
+    """block_kv=128 (16 copies per tile for 8-token pages); length-0 padding rows give zeros; every
+    slot outside a live token is NaN and must not leak."""
+    case = make_case(2, lengths=[0, 9, 200, 0, 129], page_sizes=[8, 8, 16, 64, 256],
+                     num_q_heads=4, num_kv_heads=1, head_dim=64)
+    out = run_kernel(case, config=TuningConfig(block_kv=128, num_stages=3, num_splits=1))
+    check(out, numpy_attention(case))
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.all(out[0] == 0) and np.all(out[3] == 0)
+
+
+def test_kernel_split_k_and_soft_cap():
+    """Split-K over 3 CTAs per (sequence, kv head) incl. splits with no tiles, plus the soft cap."""
+    case = make_case(3, lengths=[700, 5, 0, 190], page_sizes=[32, 256, 8, 64], num_q_heads=4,
+                     num_kv_heads=2, head_dim=64)
+    cfg = TuningConfig(block_kv=64, num_stages=3, num_splits=3)
+    check(run_kernel(case, config=cfg, soft_cap=8.0, sm_scale=0.2),
+          numpy_attention(case, soft_cap=8.0, sm_scale=0.2))
+
+
+def test_kernel_unaligned_group_and_fp32_q():
+    """q_per_kv 3 (groups padded to 8 rows in the wrapper) and an fp32 query (fp32 output)."""
+    case = make_case(4, lengths=[40, 257], page_sizes=[16, 128], num_q_heads=6, num_kv_heads=2,
+                     head_dim=64, q_dtype=jnp.float32)
+    out = run_kernel(case, config=TuningConfig(block_kv=64, num_stages=2, num_splits=2))
+    assert out.dtype == jnp.float32
+    check(out, numpy_attention(case))
+
+
+def test_kernel_random_permutations():
+    """Random ragged batch, random page sizes, pages scattered at random over a larger pool."""
+    rng = np.random.default_rng(5)
+    sizes = [int(s) for s in rng.choice(PAGE_SIZES, size=4)]
+    lengths = [int(x) for x in rng.integers(1, 260, size=4)]
+    case = make_case(6, lengths=lengths, page_sizes=sizes, num_q_heads=4, num_kv_heads=1,
+                     head_dim=64, num_slots=4096)
+    check(run_kernel(case, config=TuningConfig(block_kv=64, num_stages=4, num_splits=1, no_auto_barriers=True)),
+          numpy_attention(case))
+
+
+def test_kernel_default_config_auto_split():
+    """The default config at a tiny grid picks a large split (16 CTAs per sequence here), so most
+    splits are empty; the combine must ignore them."""
+    case = make_case(10, lengths=[300, 3], page_sizes=[32, 8], num_q_heads=4, num_kv_heads=1, head_dim=64)
+    check(run_kernel(case), numpy_attention(case))
+
+
+def test_interpret_context_manager():
+    """`with mosaic_gpu_interpret():` runs the kernel without interpret=True (engine use)."""
+    case = make_case(7, lengths=[20], page_sizes=[16], num_q_heads=2, num_kv_heads=1, head_dim=64)
+    with mosaic_gpu_interpret():
+        out = paged_attention(**case, config=TuningConfig(num_splits=1, num_stages=2))
+    check(out, numpy_attention(case))
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point validation
+# ---------------------------------------------------------------------------------------------
+
+def test_entry_point_shape_errors():
+    case = make_case(8, lengths=[5], page_sizes=[8], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                     nan_outside=False)
+    bad = [
+        (dict(q=case["q"][0]), "q must be"),
+        (dict(q=jnp.zeros((1, 3, 64), jnp.bfloat16)), "multiple of num_kv_heads"),
+        (dict(q=jnp.zeros((1, 4, 32), jnp.bfloat16)), "head_dim mismatch"),
+        (dict(k_pool=case["k_pool"].astype(jnp.float32)), "bfloat16"),
+        (dict(v_pool=case["v_pool"][:, :128]), "k_pool and v_pool"),
+        (dict(k_pool=case["k_pool"][:, :100], v_pool=case["v_pool"][:, :100]), "multiple of 256"),
+        (dict(lengths=jnp.zeros((2,), jnp.int32)), "lengths and page_sizes"),
+        (dict(page_starts=case["page_starts"][0]), "page_starts must be"),
+        (dict(page_sizes=case["page_sizes"].astype(jnp.float32)), "page_sizes must be int32"),
+        (dict(q=case["q"].astype(jnp.float16)), "bfloat16 or float32"),
+    ]
+    for override, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            paged_attention(**{**case, **override}, interpret=True)
+        if "q" not in override or override["q"].ndim == 3 and override["q"].shape[-1] == 64:
+            with pytest.raises(ValueError, match=msg):
+                paged_attention_reference(**{**case, **override})
+    with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
+        paged_attention(**{**case, "q": jnp.zeros((1, 4, 32), jnp.bfloat16),
+                           "k_pool": jnp.zeros((2, 256, 32), jnp.bfloat16),
+                           "v_pool": jnp.zeros((2, 256, 32), jnp.bfloat16)})
+    with pytest.raises(ValueError, match="soft_cap"):
+        paged_attention(**case, soft_cap=0.0)
+
+
+def test_tuning_config_validation():
+    for kw in (dict(block_kv=32), dict(num_stages=1), dict(num_splits=0), dict(block_kv=100)):
+        with pytest.raises(ValueError):
+            TuningConfig(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (compiled) - skipped on CPU
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("config", [TuningConfig(), TuningConfig(block_kv=128, num_stages=2, num_splits=2),
+                                    TuningConfig(p_via_smem=True, num_splits=1)])
+def test_kernel_compiled_on_gpu(config):
+    case = make_case(9, lengths=[1, 15, 33, 65, 127, 300, 0, 1000], page_sizes=[8, 16, 32, 64, 128, 256, 8, 32],
+                     num_q_heads=32, num_kv_heads=8, head_dim=128)
+    check(paged_attention(**case, config=config), numpy_attention(case))
