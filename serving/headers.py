@@ -1,0 +1,49 @@
+"""The request headers (gRPC metadata) stratum.v1 reads: x-stratum-weight, x-stratum-route, x-api-key.
+
+The weight and route are validated and recorded now; the traffic split and the long-context engine that
+act on them come later.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from stratum_jax.request import InvalidRequestError
+
+WEIGHT_HEADER = "x-stratum-weight"
+ROUTE_HEADER = "x-stratum-route"
+API_KEY_HEADER = "x-api-key"
+ROUTES = ("default", "long-context")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestHeaders:
+    weight: float | None = None   # share of traffic for the Stratum stack; None = the server's default
+    route: str = "default"
+
+
+def metadata_dict(metadata) -> dict[str, str]:
+    """gRPC metadata as a dict. Binary (-bin) headers are skipped: none of ours are binary."""
+    out: dict[str, str] = {}
+    for key, value in metadata or ():
+        if isinstance(value, str):
+            out[key.lower()] = value
+    return out
+
+
+def parse_headers(metadata) -> RequestHeaders:
+    """Validates the routing headers; raises InvalidRequestError naming the header and what to send."""
+    headers = metadata_dict(metadata)
+    weight = None
+    raw = headers.get(WEIGHT_HEADER)
+    if raw is not None:
+        try:
+            weight = float(raw.strip())
+        except ValueError:
+            weight = math.nan
+        if not (math.isfinite(weight) and 0.0 <= weight <= 1.0):
+            raise InvalidRequestError(f"{WEIGHT_HEADER} must be a number in [0, 1], got {raw!r}")
+    route = headers.get(ROUTE_HEADER, "default").strip()
+    if route not in ROUTES:
+        raise InvalidRequestError(f"{ROUTE_HEADER} must be one of {', '.join(ROUTES)}, got {route!r}")
+    return RequestHeaders(weight=weight, route=route)

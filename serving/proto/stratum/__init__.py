@@ -1,0 +1,1 @@
+"""The stratum proto package."""

@@ -1,0 +1,196 @@
+"""The gRPC server: builds it, loads and warms the model, and drains it on shutdown.
+
+Start-up order: the port opens first, with grpc.health.v1 answering NOT_SERVING and Messages answering
+UNAVAILABLE; then the model loads and warms on a worker thread, the memory bandwidth is measured, and only
+then does health turn SERVING. Draining reverses it: health turns NOT_SERVING, new requests get
+UNAVAILABLE, in-flight ones may finish within the grace period, and the rest end with UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import pathlib
+
+import grpc
+import jax
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from serving import cost
+from serving.auth import MESSAGES_METHOD, ApiKeyInterceptor, load_keys
+from serving.hardware import device_info, measure_copy_bandwidth_gbps
+from serving.options import ServerOptions
+from serving.proto.stratum.v1 import stratum_pb2 as pb
+from serving.proto.stratum.v1 import stratum_pb2_grpc as pb_grpc
+from serving.runner import EngineRunner
+from serving.servicer import DRAINING, Served, StratumServicer
+from serving.translate import Limits, Translator
+from stratum_jax.config import RuntimeConfig
+from stratum_jax.metrics import ServingMetrics
+from stratum_jax.request import SamplingParams
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Stratum"].full_name   # "stratum.v1.Stratum"
+_LAST_STREAMS_S = 10.0   # after the grace period: time for cancelled streams to send their status
+
+
+class StratumServer:
+    """One served model behind one gRPC server (plus its Prometheus endpoint)."""
+
+    def __init__(self, config: RuntimeConfig, options: ServerOptions, engine=None) -> None:
+        self.config = config
+        self.options = options
+        self._engine = engine            # None: built from config at start-up
+        self.metrics = ServingMetrics()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.servicer: StratumServicer | None = None
+        self.runner: EngineRunner | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = HealthServicer()
+        self._metrics_httpd = None
+        self._profiler_started = False
+        self._drained: asyncio.Event | None = None
+
+    # ---- start-up ----
+
+    async def start(self, load: bool = True) -> None:
+        """Opens the port, then (when `load`) loads and warms the model; returns once it is SERVING."""
+        opts = self.options
+        if not opts.is_loopback and opts.keys_file is None:
+            log.warning("binding %s without --keys-file: anyone who can reach it can use it", opts.host)
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.servicer = StratumServicer(self.metrics, device_info(), opts.prices, opts.profile_dir)
+        interceptors = []
+        if opts.keys_file is not None:
+            interceptors.append(ApiKeyInterceptor(load_keys(opts.keys_file), on_reject=self._on_auth_reject))
+        self._server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", opts.max_message_bytes),
+            ("grpc.so_reuseport", 0),   # a port in use is an error, not a silent second server
+        ])
+        pb_grpc.add_StratumServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._server)
+        address = f"[{opts.host}]:{opts.port}" if ":" in opts.host else f"{opts.host}:{opts.port}"
+        if opts.tls_cert:
+            credentials = grpc.ssl_server_credentials(
+                [(pathlib.Path(opts.tls_key).read_bytes(), pathlib.Path(opts.tls_cert).read_bytes())])
+            self.port = self._server.add_secure_port(address, credentials)
+        else:
+            self.port = self._server.add_insecure_port(address)
+        await self._server.start()
+        if opts.metrics_port >= 0:
+            self._metrics_httpd, self.metrics_port = self.metrics.start_http_server(opts.metrics_host,
+                                                                                    opts.metrics_port)
+        if opts.profile_port > 0:
+            log.warning("profiler server on port %d: jax binds it on every interface", opts.profile_port)
+            jax.profiler.start_server(opts.profile_port)
+            self._profiler_started = True
+        log.info("listening on %s:%d (%s); metrics %s", opts.host, self.port,
+                 "TLS" if opts.tls_cert else "plaintext",
+                 f"on http://{opts.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "off")
+        if load:
+            await self.load()
+
+    async def load(self) -> None:
+        """Loads and warms the model off the event loop, then turns the server SERVING."""
+        served, bandwidth = await asyncio.to_thread(self._load_blocking)
+        if self._drained is not None:        # told to stop while loading: never turn SERVING
+            return
+        self.runner = served.runner
+        self.metrics.hbm_bandwidth.set(bandwidth)
+        self.servicer.set_served(served, bandwidth)
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.runner.start()
+        log.info("serving %s on %s (%s), memory bandwidth %.1f GB/s", served.model_info.name,
+                 self.servicer.device.device, self.servicer.device.platform, bandwidth)
+
+    def _load_blocking(self) -> tuple[Served, float]:
+        engine = self._engine
+        if engine is None:
+            from stratum_jax.engine import Engine   # the heavy import only when a real model is served
+            log.info("loading model %s", self.config.model)
+            engine = Engine(self.config)
+        log.info("warming up (compiling the step functions)")
+        engine.warmup()
+        _calibrate(engine, self.config)
+        bandwidth = measure_copy_bandwidth_gbps()
+        name = _model_name(self.config.model)
+        mc = engine.model_config
+        kv_bytes = cost.kv_bytes_per_token(mc)
+        info = pb.ModelInfo(name=name, dtype=str(self.config.dtype or getattr(mc, "dtype", "")),
+                            num_layers=mc.num_layers, hidden_size=mc.hidden_size, num_heads=mc.num_heads,
+                            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
+                            max_context=self.config.max_context, max_tokens_cap=self.config.max_tokens_cap,
+                            kv_bytes_per_token=kv_bytes)
+        translator = Translator(engine.tokenizer, Limits(name, self.config.max_context, self.config.max_tokens_cap))
+        runner = EngineRunner(engine, self.metrics)
+        return Served(runner, translator, info, kv_bytes), bandwidth
+
+    def _on_auth_reject(self, method: str) -> None:
+        if method == MESSAGES_METHOD:
+            self.metrics.request_ended("unauthenticated")
+
+    # ---- shutdown ----
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Stops taking requests, lets in-flight ones finish within the grace period, then shuts down."""
+        if self._drained is not None:        # a second SIGTERM (or stop) waits for the first drain
+            await self._drained.wait()
+            return
+        self._drained = asyncio.Event()
+        grace = self.options.drain_grace_s if grace_s is None else grace_s
+        servicer = self.servicer
+        log.info("draining: %d requests in flight, grace %.1f s", len(servicer.active), grace)
+        servicer.state = DRAINING
+        await self._health.enter_graceful_shutdown()
+        if self.runner is not None:
+            self.runner.close("the server is draining")
+        try:
+            await asyncio.wait_for(servicer.idle.wait(), grace)
+        except TimeoutError:
+            log.info("grace period over: cancelling %d requests", len(servicer.active))
+            servicer.shutdown_streams()
+            try:
+                await asyncio.wait_for(servicer.idle.wait(), _LAST_STREAMS_S)
+            except TimeoutError:
+                log.warning("%d streams did not end after cancellation", len(servicer.active))
+        await self._server.stop(grace=1.0)
+        if self.runner is not None:
+            await asyncio.to_thread(self.runner.stop)
+        self._stop_side_servers()
+        self._drained.set()
+        log.info("drained")
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
+
+    def _stop_side_servers(self) -> None:
+        if self._metrics_httpd is not None:
+            self._metrics_httpd.shutdown()
+            self._metrics_httpd.server_close()
+            self._metrics_httpd = None
+        if self._profiler_started:
+            jax.profiler.stop_server()
+            self._profiler_started = False
+
+
+def _model_name(model: str) -> str:
+    """The name clients send in `model`: the preset, or the checkpoint directory's name."""
+    return pathlib.Path(model).name if ("/" in model or pathlib.Path(model).is_dir()) else model
+
+
+def _calibrate(engine, config: RuntimeConfig) -> None:
+    """Runs one short request if warm-up left no measured step times (the cost model needs them)."""
+    stats = engine.stats()
+    if stats.decode_step_ms > 0 and stats.prefill_tokens_per_s > 0:
+        return
+    ids = engine.tokenizer.encode("Calibrating the step time of this server. " * 8)
+    ids = ids[: max(1, min(len(ids), config.max_context // 2))]
+    engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0))

@@ -1,0 +1,228 @@
+"""The Prometheus registry of a server and the name of every metric it exports.
+
+The engine never imports this module: the serving layer feeds it with `Engine.stats()` snapshots (from
+the engine thread, after each step) and with per-request figures (from the gRPC handlers, when a
+request ends). Each server owns its own `CollectorRegistry`, so several servers can live in one process.
+
+`python -m stratum_jax.metrics` prints the table of names that the README quotes.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+import prometheus_client as prom
+
+# name -> (type, help). The single source of the exported names; the README table is printed from it.
+METRICS: dict[str, tuple[str, str]] = {
+    "stratum_ttft_seconds": ("histogram", "Time to first token: arrival of the request until its first token."),
+    "stratum_tpot_seconds": ("histogram", "Time per output token after the first, per request."),
+    "stratum_e2e_latency_seconds": ("histogram", "Arrival of the request until its last token."),
+    "stratum_queue_length": ("gauge", "Requests waiting in the engine's queue."),
+    "stratum_running_requests": ("gauge", "Requests being prefilled or decoded."),
+    "stratum_in_flight_requests": ("gauge", "Accepted streams that have not ended yet."),
+    "stratum_kv_pages_used": ("gauge", "KV cache pages in use, by memory tier."),
+    "stratum_kv_pages_free": ("gauge", "KV cache pages free, by memory tier."),
+    "stratum_kv_tokens_used": ("gauge", "KV token slots in use, by memory tier."),
+    "stratum_kv_tokens_total": ("gauge", "KV token slots in all, by memory tier."),
+    "stratum_prefix_cache_hits_total": ("counter", "Full prompt pages found in the prefix cache."),
+    "stratum_prefix_cache_queries_total": ("counter", "Full prompt pages looked up in the prefix cache."),
+    "stratum_cache_hit_rate": ("gauge", "stratum_prefix_cache_hits_total / stratum_prefix_cache_queries_total."),
+    "stratum_preemptions_total": ("counter", "Running requests preempted because the KV pool was full."),
+    "stratum_engine_steps_total": ("counter", "Engine steps run."),
+    "stratum_decode_step_seconds": ("gauge", "Recent decode step wall time (moving average)."),
+    "stratum_prefill_tokens_per_second": ("gauge", "Recent prefill throughput (moving average)."),
+    "stratum_requests_total": ("counter", "Messages requests by terminal gRPC status (ok, invalid_argument, ...)."),
+    "stratum_stop_reasons_total": ("counter", "Completed Messages requests by stop reason."),
+    "stratum_input_tokens_total": ("counter", "Prompt tokens of requests that ended."),
+    "stratum_cached_input_tokens_total": ("counter", "Prompt tokens served from the prefix cache."),
+    "stratum_output_tokens_total": ("counter", "Tokens generated for requests that ended."),
+    "stratum_routed_requests_total": ("counter", "Messages requests by their x-stratum-route header value."),
+    "stratum_request_weight": ("histogram", "x-stratum-weight header values of Messages requests that sent one."),
+    "stratum_hbm_bandwidth_gbps": ("gauge", "Device memory copy bandwidth measured at start-up (GB/s)."),
+}
+
+# name -> its one label, for the metrics that have one.
+LABELS = {"stratum_kv_pages_used": "tier", "stratum_kv_pages_free": "tier", "stratum_kv_tokens_used": "tier",
+          "stratum_kv_tokens_total": "tier", "stratum_requests_total": "status", "stratum_stop_reasons_total": "reason",
+          "stratum_routed_requests_total": "route"}
+
+KV_TIER = "device"   # the only tier until the host tier of DKVC lands
+_RECENT = 2048       # requests kept for the percentiles of GetMetrics
+
+_TTFT_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
+_TPOT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5)
+_WEIGHT_BUCKETS = (0, .1, .2, .3, .4, .5, .6, .7, .8, .9, 1)
+_E2E_BUCKETS = (.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencySummary:
+    count: int
+    mean_s: float
+    p50_s: float
+    p95_s: float
+    p99_s: float
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+class _Recent:
+    """A bounded window of recent observations, for percentiles that Prometheus histograms can't give."""
+
+    def __init__(self) -> None:
+        self._values: collections.deque[float] = collections.deque(maxlen=_RECENT)
+        self._count = 0
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, value: float) -> None:
+        with self._lock:
+            self._values.append(value)
+            self._count += 1
+            self._sum += value
+
+    def summary(self) -> LatencySummary:
+        with self._lock:
+            values = sorted(self._values)
+            count, total = self._count, self._sum
+        return LatencySummary(count, total / count if count else 0.0,
+                              _percentile(values, .50), _percentile(values, .95), _percentile(values, .99))
+
+
+class ServingMetrics:
+    """Every metric of one server, in its own registry. Safe to call from any thread."""
+
+    def __init__(self, registry: prom.CollectorRegistry | None = None) -> None:
+        self.registry = registry or prom.CollectorRegistry()
+        r = self.registry
+
+        def help_of(name: str) -> str:
+            return METRICS[name][1]
+
+        def labels_of(name: str) -> tuple[str, ...]:
+            return (LABELS[name],) if name in LABELS else ()
+
+        def counter(name: str) -> prom.Counter:
+            # prometheus_client appends the _total suffix itself.
+            return prom.Counter(name.removesuffix("_total"), help_of(name), labels_of(name), registry=r)
+
+        def gauge(name: str) -> prom.Gauge:
+            return prom.Gauge(name, help_of(name), labels_of(name), registry=r)
+
+        def histogram(name: str, buckets: tuple[float, ...]) -> prom.Histogram:
+            return prom.Histogram(name, help_of(name), buckets=buckets, registry=r)
+
+        self.ttft = histogram("stratum_ttft_seconds", _TTFT_BUCKETS)
+        self.tpot = histogram("stratum_tpot_seconds", _TPOT_BUCKETS)
+        self.e2e = histogram("stratum_e2e_latency_seconds", _E2E_BUCKETS)
+        self.queue_length = gauge("stratum_queue_length")
+        self.running = gauge("stratum_running_requests")
+        self.in_flight = gauge("stratum_in_flight_requests")
+        self.kv_pages_used = gauge("stratum_kv_pages_used")
+        self.kv_pages_free = gauge("stratum_kv_pages_free")
+        self.kv_tokens_used = gauge("stratum_kv_tokens_used")
+        self.kv_tokens_total = gauge("stratum_kv_tokens_total")
+        self.cache_hits = counter("stratum_prefix_cache_hits_total")
+        self.cache_queries = counter("stratum_prefix_cache_queries_total")
+        self.cache_hit_rate = gauge("stratum_cache_hit_rate")
+        self.preemptions = counter("stratum_preemptions_total")
+        self.steps = counter("stratum_engine_steps_total")
+        self.decode_step = gauge("stratum_decode_step_seconds")
+        self.prefill_tps = gauge("stratum_prefill_tokens_per_second")
+        self.requests = counter("stratum_requests_total")
+        self.stop_reasons = counter("stratum_stop_reasons_total")
+        self.input_tokens = counter("stratum_input_tokens_total")
+        self.cached_input_tokens = counter("stratum_cached_input_tokens_total")
+        self.output_tokens = counter("stratum_output_tokens_total")
+        self.routes = counter("stratum_routed_requests_total")
+        self.weights = histogram("stratum_request_weight", _WEIGHT_BUCKETS)
+        self.hbm_bandwidth = gauge("stratum_hbm_bandwidth_gbps")
+
+        # The engine reports cumulative counts; Prometheus counters only go up by increments.
+        self._last_engine_counts: dict[str, int] = {}
+        self._status_counts: collections.Counter[str] = collections.Counter()
+        self._tokens = collections.Counter()
+        self._lock = threading.Lock()
+        self.recent_ttft, self.recent_tpot, self.recent_e2e = _Recent(), _Recent(), _Recent()
+
+    # ---- engine side (engine thread, after each step) ----
+
+    def observe_engine(self, stats) -> None:
+        """Copies an `EngineStats` snapshot into the gauges and counters."""
+        self.queue_length.set(stats.queued)
+        self.running.set(stats.running)
+        self.kv_pages_used.labels(KV_TIER).set(stats.kv_pages_total - stats.kv_pages_free)
+        self.kv_pages_free.labels(KV_TIER).set(stats.kv_pages_free)
+        self.kv_tokens_used.labels(KV_TIER).set(stats.kv_tokens_used)
+        self.kv_tokens_total.labels(KV_TIER).set(stats.kv_tokens_total)
+        self.decode_step.set(stats.decode_step_ms / 1e3)
+        self.prefill_tps.set(stats.prefill_tokens_per_s)
+        for name, metric in (("prefix_cache_hits", self.cache_hits), ("prefix_cache_queries", self.cache_queries),
+                             ("preemptions", self.preemptions), ("steps", self.steps)):
+            value = int(getattr(stats, name))
+            delta = value - self._last_engine_counts.get(name, 0)
+            if delta > 0:
+                metric.inc(delta)
+            self._last_engine_counts[name] = value
+        queries = stats.prefix_cache_queries
+        self.cache_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
+
+    # ---- request side (gRPC handlers) ----
+
+    def request_ended(self, status: str) -> None:
+        """Counts one Messages request by its terminal status ("ok", "invalid_argument", ...)."""
+        self.requests.labels(status).inc()
+        with self._lock:
+            self._status_counts[status] += 1
+
+    def request_completed(self, *, stop_reason: str, output_tokens: int, ttft_s: float | None,
+                          e2e_s: float) -> None:
+        """Records the latencies of a request that ran to a stop reason (its status is counted separately)."""
+        self.stop_reasons.labels(stop_reason).inc()
+        self.e2e.observe(e2e_s)
+        self.recent_e2e.add(e2e_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            self.recent_ttft.add(ttft_s)
+            if output_tokens > 1:
+                tpot = (e2e_s - ttft_s) / (output_tokens - 1)
+                self.tpot.observe(tpot)
+                self.recent_tpot.add(tpot)
+
+    def record_tokens(self, input_tokens: int, cached_input_tokens: int, output_tokens: int) -> None:
+        """Counts the tokens of an accepted request, from its final StepOutput, however it ended."""
+        self.input_tokens.inc(input_tokens)
+        self.cached_input_tokens.inc(cached_input_tokens)
+        self.output_tokens.inc(output_tokens)
+        with self._lock:
+            self._tokens["input"] += input_tokens
+            self._tokens["output"] += output_tokens
+
+    def status_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._status_counts)
+
+    def token_counts(self) -> tuple[int, int]:
+        with self._lock:
+            return self._tokens["input"], self._tokens["output"]
+
+    def start_http_server(self, host: str, port: int) -> tuple[object, int]:
+        """Serves the exposition format on http://host:port/metrics; port 0 picks a free one."""
+        httpd, _thread = prom.start_http_server(port, addr=host, registry=self.registry)
+        return httpd, httpd.server_port
+
+
+def markdown_table() -> str:
+    rows = ["| metric | type | labels | meaning |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{name}` | {kind} | {LABELS.get(name, '')} | {text} |" for name, (kind, text) in METRICS.items()]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

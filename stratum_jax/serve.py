@@ -1,0 +1,67 @@
+"""`python -m stratum_jax.serve`: the gRPC server (thin: the work is in serving/).
+
+    python -m stratum_jax.serve --model tiny --host 127.0.0.1 --port 50051 --metrics-port 9400
+
+SIGTERM (or Ctrl-C) drains: health turns NOT_SERVING, new requests get UNAVAILABLE, in-flight requests
+may finish within --drain-grace-s, and the rest end with UNAVAILABLE. A second signal does not cut the
+drain short; it is already bounded.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from serving.options import ServerOptions
+from serving.server import StratumServer
+from stratum_jax.config import RuntimeConfig
+
+log = logging.getLogger("stratum_jax.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m stratum_jax.serve",
+                                     description="Serve a model over gRPC (stratum.v1).")
+    RuntimeConfig.add_cli_args(parser)
+    ServerOptions.add_cli_args(parser)
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+async def serve(config: RuntimeConfig, options: ServerOptions) -> int:
+    server = StratumServer(config, options)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start(load=False)
+    load = asyncio.create_task(server.load())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if load.done() and load.exception() is not None:
+        log.error("could not load the model: %s", load.exception())
+        await server.drain(grace_s=0)
+        return 1
+    await stopped
+    if not load.done():
+        log.info("stopping before the model finished loading")
+    await server.drain()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = RuntimeConfig.from_cli_args(args)
+        options = ServerOptions.from_cli_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(config, options))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
