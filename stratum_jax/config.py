@@ -21,6 +21,7 @@ class RuntimeConfig:
     max_queue: int = 256             # waiting requests before add_request raises QueueFullError
     kv_pool_tokens: int = 65536      # KV capacity in token slots (rounded up to a multiple of 256)
     prefill_chunk: int = 256         # prompt tokens per prefill step (long prompts are split)
+    decode_steps: int = 4            # decode steps per device call (tokens reach the host in bursts of this)
     page_size: int | None = None     # force one page size for every request; None = adaptive rule
     attention: str = "reference"     # "reference" (pure jnp) or "kernel" (Pallas Mosaic GPU)
     interpret_kernels: bool = False  # run Pallas kernels in the Mosaic GPU interpreter (CPU tests)
@@ -36,13 +37,14 @@ class RuntimeConfig:
         need(self.dtype in (None, "float32", "bfloat16"),
              f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
         for name in ("max_batch_size", "max_context", "max_tokens_cap", "max_queue", "kv_pool_tokens",
-                     "prefill_chunk"):
+                     "prefill_chunk", "decode_steps"):
             value = getattr(self, name)
             need(isinstance(value, int) and value > 0,
                  f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         need(self.max_batch_size <= 1024, f"--max-batch-size must be <= 1024, got {self.max_batch_size}")
         need(self.prefill_chunk >= 8 and self.prefill_chunk & (self.prefill_chunk - 1) == 0,
              f"--prefill-chunk must be a power of two >= 8, got {self.prefill_chunk}")
+        need(self.decode_steps <= 64, f"--decode-steps must be <= 64, got {self.decode_steps}")
         need(self.page_size is None or self.page_size in PAGE_SIZE_CLASSES,
              f"--page-size must be one of {PAGE_SIZE_CLASSES}, got {self.page_size!r}")
         need(self.attention in ATTENTION_BACKENDS,
@@ -71,6 +73,8 @@ class RuntimeConfig:
         g.add_argument("--max-queue", type=int, default=d.max_queue)
         g.add_argument("--kv-pool-tokens", type=int, default=d.kv_pool_tokens)
         g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
+        g.add_argument("--decode-steps", type=int, default=d.decode_steps,
+                       help="decode steps per device call: more = less host overhead, burstier streams")
         g.add_argument("--page-size", type=int, default=d.page_size,
                        help=f"force one page size {PAGE_SIZE_CLASSES}; default: adaptive per request")
         g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS)

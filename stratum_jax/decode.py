@@ -1,8 +1,10 @@
 """The jit-compiled model step: one forward over a [seqs, chunk] batch on the paged cache, then sampling.
 
-The same function serves prefill chunks (chunk > 1) and decode (chunk == 1). Its shapes are bucketed by the
-engine (seqs, chunk and the context bound are powers of two), so each bucket compiles once. The KV cache
-is donated: XLA updates the pools in place instead of copying every layer each step.
+`model_step` serves prefill chunks (and single decode tokens); `decode_steps` runs several decode steps
+in one call with `lax.fori_loop`, feeding each sampled token back on device, so the host's per-step work
+(building inputs, reading tokens back, detokenizing) is paid once per call instead of once per token.
+Shapes are bucketed by the engine (rows, chunk, context bound and step count are powers of two), so each
+bucket compiles once. The KV cache is donated: XLA updates the pools in place.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from stratum_jax.attention import AttentionMetadata, paged_attention_for_step
 from stratum_jax.model import llama
@@ -46,8 +49,7 @@ class StepOptions:
     prompt_logprobs: int = -1   # -1: no prompt logprobs; else K for every position of the chunk
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts"), donate_argnames=("kv_cache",))
-def model_step(params, kv_cache, token_ids, write_slots, meta: AttentionMetadata, sample_cols,
+def _model_step(params, kv_cache, token_ids, write_slots, meta: AttentionMetadata, sample_cols,
                sampling: SamplingArrays, next_token_ids, *, cfg, opts: StepOptions):
     """One engine step.
 
@@ -85,3 +87,59 @@ def model_step(params, kv_cache, token_ids, write_slots, meta: AttentionMetadata
         p_ids = jnp.zeros((0, 0, 0), jnp.int32)
         p_top = jnp.zeros((0, 0, 0))
     return StepResult(tokens, logprob, top_ids, top_lp, p_lp, p_ids, p_top), kv_cache
+
+
+model_step = jax.jit(_model_step, static_argnames=("cfg", "opts"), donate_argnames=("kv_cache",))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeResult:
+    """tokens, logprob: [steps, rows]; top_ids, top_logprobs: [steps, rows, K]."""
+
+    tokens: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    DecodeResult, data_fields=["tokens", "logprob", "top_ids", "top_logprobs"], meta_fields=[])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "num_steps"), donate_argnames=("kv_cache",))
+def decode_steps(params, kv_cache, last_tokens, positions, steps_allowed, page_starts, page_sizes,
+                 sampling: SamplingArrays, *, cfg, opts: StepOptions, num_steps: int):
+    """Up to `num_steps` decode steps for every row, in one device call.
+
+    last_tokens, positions: [rows] int32, each row's newest token and its position (its K/V is not yet
+    in the cache). steps_allowed: [rows] int32, how many steps each row may take (0 for padding rows);
+    once a row has used them its writes are dropped and its attention sees an empty context, so a row
+    that must stop early never writes past its pages. page_starts [rows, max_pages], page_sizes [rows]:
+    the block tables (pages for positions + steps_allowed - 1 must already exist).
+    Returns (DecodeResult, new kv_cache); entries past a row's steps_allowed are meaningless.
+    """
+    rows = last_tokens.shape[0]
+    num_slots = kv_cache[0][0].shape[1]
+    k = opts.top_logprobs
+    batch_rows = jnp.arange(rows)
+
+    def body(i, carry):
+        kv, tokens, pos, out = carry
+        active = i < steps_allowed
+        page = jnp.minimum(pos // page_sizes, page_starts.shape[1] - 1)
+        slot = jnp.where(active, page_starts[batch_rows, page] + pos % page_sizes, num_slots)
+        meta = AttentionMetadata(q_positions=jnp.where(active, pos, -1)[:, None],
+                                 context_lens=jnp.where(active, pos + 1, 0),
+                                 page_starts=page_starts, page_sizes=page_sizes)
+        step_sampling = dataclasses.replace(sampling, token_index=sampling.token_index + i)
+        result, kv = _model_step(
+            params, kv, tokens[:, None], slot[:, None], meta, jnp.zeros(rows, jnp.int32), step_sampling,
+            jnp.full((rows, 1), -1, jnp.int32), cfg=cfg, opts=opts)
+        out = DecodeResult(out.tokens.at[i].set(result.tokens), out.logprob.at[i].set(result.logprob),
+                           out.top_ids.at[i].set(result.top_ids), out.top_logprobs.at[i].set(result.top_logprobs))
+        return kv, result.tokens, pos + 1, out
+
+    out = DecodeResult(jnp.zeros((num_steps, rows), jnp.int32), jnp.zeros((num_steps, rows), jnp.float32),
+                       jnp.zeros((num_steps, rows, k), jnp.int32), jnp.zeros((num_steps, rows, k), jnp.float32))
+    kv_cache, _, _, out = lax.fori_loop(0, num_steps, body, (kv_cache, last_tokens, positions, out))
+    return out, kv_cache

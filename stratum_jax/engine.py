@@ -7,8 +7,10 @@ request ever has `finished=True`.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import statistics
 import time
 
 import jax
@@ -16,7 +18,7 @@ import numpy as np
 
 from stratum_jax.attention import AttentionMetadata
 from stratum_jax.config import RuntimeConfig
-from stratum_jax.decode import StepOptions, model_step
+from stratum_jax.decode import StepOptions, decode_steps, model_step
 from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.kv.page_size import DefaultPageSizeRule, FixedPageSize
 from stratum_jax.model.llama import init_kv_cache
@@ -42,8 +44,8 @@ class EngineStats:
     prefix_cache_queries: int
     preemptions: int
     steps: int
-    decode_step_ms: float         # moving average of decode step wall time
-    prefill_tokens_per_s: float   # moving average over prefill steps
+    decode_step_ms: float         # median wall time per decode step (per token) over recent calls
+    prefill_tokens_per_s: float   # median over recent prefill steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +98,8 @@ class Engine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._steps = 0
-        self._decode_ms = 0.0
-        self._prefill_tps = 0.0
+        self._recent_decode_ms: collections.deque[float] = collections.deque(maxlen=64)   # per token step
+        self._recent_prefill_tps: collections.deque[float] = collections.deque(maxlen=64)
         self.last_step: StepTiming | None = None      # what the latest step ran, for benchmarks/metrics
 
     # -- requests -----------------------------------------------------------------------------------
@@ -191,47 +193,106 @@ class Engine:
             kv_tokens_written=sum(written.values()),
             prefix_cache_hits=self.pool.prefix_hits, prefix_cache_queries=self.pool.prefix_queries,
             preemptions=self.scheduler.preemptions, steps=self._steps,
-            decode_step_ms=self._decode_ms, prefill_tokens_per_s=self._prefill_tps)
+            decode_step_ms=statistics.median(self._recent_decode_ms) if self._recent_decode_ms else 0.0,
+            prefill_tokens_per_s=(statistics.median(self._recent_prefill_tps)
+                                  if self._recent_prefill_tps else 0.0))
 
     # -- one batch ----------------------------------------------------------------------------------
     def _run_batch(self, batch: ScheduledBatch, outputs: dict[str, StepOutput]) -> None:
         t0 = time.perf_counter()
-        inputs, opts = self._build_inputs(batch)
-        result, self.kv_cache = model_step(self.model.params, self.kv_cache, *inputs,
-                                           cfg=self.model_config, opts=opts)
-        result = jax.device_get(result)
-        elapsed = time.perf_counter() - t0
-        self.last_step = StepTiming(batch.kind, elapsed, len(batch.seqs), sum(batch.chunk_lens))
         if batch.kind == "decode":
-            self._decode_ms = elapsed * 1e3 if not self._decode_ms else 0.9 * self._decode_ms + 0.1 * elapsed * 1e3
+            self._run_decode(batch, outputs, t0)
         else:
-            tps = sum(batch.chunk_lens) / elapsed
-            self._prefill_tps = tps if not self._prefill_tps else 0.9 * self._prefill_tps + 0.1 * tps
-        with jax.profiler.TraceAnnotation("postprocess"):
-            self._apply_result(batch, result, opts, outputs)
+            self._run_prefill(batch, outputs, t0)
 
-    def _build_inputs(self, batch: ScheduledBatch):
-        seqs = batch.seqs
-        # Decode pads to at least 8 rows: the step is memory-bound, so padding a small batch costs almost
-        # nothing, and fewer buckets mean fewer compilations. Prefill rows are compute, so no floor.
-        rows = _pow2_at_least(len(seqs), floor=8 if batch.kind == "decode" else 1)
-        chunk = 1 if batch.kind == "decode" else _pow2_at_least(max(batch.chunk_lens), floor=8)
-        tokens = np.zeros((rows, chunk), np.int32)
-        slots = np.full((rows, chunk), self.num_slots, np.int32)        # out of range = dropped write
-        q_pos = np.full((rows, chunk), -1, np.int32)
-        next_tok = np.full((rows, chunk), -1, np.int32)
-        ctx = np.zeros(rows, np.int32)
-        # The gather bound and the block-table width follow one bucket, so shapes add no compile axis.
-        max_ctx = _pow2_at_least(max(s.num_computed + n for s, n in zip(seqs, batch.chunk_lens)), floor=64)
+    def _record(self, batch: ScheduledBatch, t0: float, tokens: int) -> None:
+        elapsed = time.perf_counter() - t0
+        self.last_step = StepTiming(batch.kind, elapsed, len(batch.seqs), tokens)
+        # Medians over recent steps: a step that compiled a new shape must not skew the estimate.
+        if batch.kind == "decode":
+            self._recent_decode_ms.append(elapsed * 1e3 / max(1, max(batch.chunk_lens)))
+        else:
+            self._recent_prefill_tps.append(tokens / elapsed)
+
+    def _common_inputs(self, batch: ScheduledBatch, rows: int, max_ctx: int):
+        """Block tables and sampling arrays for the batch's sequences, padded to `rows`."""
         page_starts = np.zeros((rows, max_ctx // 8), np.int32)
         page_sizes = np.full(rows, 8, np.int32)
-        sample_cols = np.zeros(rows, np.int32)
         temp = np.zeros(rows, np.float32)
         top_p = np.ones(rows, np.float32)
         top_k = np.zeros(rows, np.int32)
         seed_hi = np.zeros(rows, np.uint32)
         seed_lo = np.zeros(rows, np.uint32)
         tok_idx = np.zeros(rows, np.int32)
+        for r, seq in enumerate(batch.seqs):
+            starts = seq.blocks.page_starts()
+            page_starts[r, :len(starts)] = starts
+            page_sizes[r] = seq.blocks.page_size
+            p = seq.params
+            temp[r], top_p[r], top_k[r] = p.temperature, p.top_p, p.top_k
+            seed_hi[r], seed_lo[r] = seq.seed >> 32, seq.seed & 0xFFFFFFFF
+            tok_idx[r] = len(seq.output_ids)
+        sampling = SamplingArrays(temp, top_p, top_k, seed_hi, seed_lo, tok_idx)
+        return page_starts, page_sizes, sampling
+
+    def _step_options(self, batch: ScheduledBatch, max_ctx: int, decode: bool) -> StepOptions:
+        want_prompt_lp = [s.params.prompt_logprobs for s in batch.seqs if s.wants_prompt_logprobs]
+        return StepOptions(
+            # The kernel serves decode; prefill chunks take the reference path whatever the backend, so
+            # the backend only keys decode compilations.
+            max_context=max_ctx, backend=self.config.attention if decode else "reference",
+            interpret=self.config.interpret_kernels and decode,
+            greedy_only=all(s.params.temperature == 0 for s in batch.seqs),
+            top_logprobs=max(s.params.logprobs for s in batch.seqs),
+            prompt_logprobs=max(want_prompt_lp) if want_prompt_lp and not decode else -1)
+
+    def _run_decode(self, batch: ScheduledBatch, outputs: dict[str, StepOutput], t0: float) -> None:
+        """Up to config.decode_steps tokens per sequence in one device call (chunk_lens = steps each)."""
+        seqs, steps = batch.seqs, batch.chunk_lens
+        # At least 8 rows: a decode step is memory-bound, so padding a small batch costs almost nothing,
+        # and fewer buckets mean fewer compilations.
+        rows = _pow2_at_least(len(seqs), floor=8)
+        num_steps = min(self.config.decode_steps, _pow2_at_least(max(steps)))
+        # The gather bound and the block-table width follow one bucket, so shapes add no compile axis.
+        max_ctx = _pow2_at_least(max(s.num_tokens - 1 + n for s, n in zip(seqs, steps)), floor=64)
+        page_starts, page_sizes, sampling = self._common_inputs(batch, rows, max_ctx)
+        last = np.zeros(rows, np.int32)
+        pos = np.zeros(rows, np.int32)
+        allowed = np.zeros(rows, np.int32)
+        for r, (seq, n) in enumerate(zip(seqs, steps)):
+            last[r] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
+            pos[r] = seq.num_tokens - 1
+            allowed[r] = n
+        opts = self._step_options(batch, max_ctx, decode=True)
+        result, self.kv_cache = decode_steps(self.model.params, self.kv_cache, last, pos, allowed, page_starts,
+                                             page_sizes, sampling, cfg=self.model_config, opts=opts,
+                                             num_steps=num_steps)
+        result = jax.device_get(result)
+        self._record(batch, t0, int(allowed.sum()))
+        with jax.profiler.TraceAnnotation("postprocess"):
+            for r, (seq, n) in enumerate(zip(seqs, steps)):
+                for i in range(n):
+                    seq.num_computed += 1
+                    lps = self._token_logprobs(seq, result, (i, r))
+                    self._append_token(seq, int(result.tokens[i, r]), lps, outputs)
+                    if seq.finish_reason is not None:
+                        break                    # the rest of this row's steps are discarded
+                else:
+                    if seq.blocks.has_unregistered_full_pages(seq.num_computed):
+                        seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed)
+
+    def _run_prefill(self, batch: ScheduledBatch, outputs: dict[str, StepOutput], t0: float) -> None:
+        seqs = batch.seqs
+        rows = _pow2_at_least(len(seqs))
+        chunk = _pow2_at_least(max(batch.chunk_lens), floor=8)
+        max_ctx = _pow2_at_least(max(s.num_computed + n for s, n in zip(seqs, batch.chunk_lens)), floor=64)
+        page_starts, page_sizes, sampling = self._common_inputs(batch, rows, max_ctx)
+        tokens = np.zeros((rows, chunk), np.int32)
+        slots = np.full((rows, chunk), self.num_slots, np.int32)        # out of range = dropped write
+        q_pos = np.full((rows, chunk), -1, np.int32)
+        next_tok = np.full((rows, chunk), -1, np.int32)
+        ctx = np.zeros(rows, np.int32)
+        sample_cols = np.zeros(rows, np.int32)
         for r, (seq, n) in enumerate(zip(seqs, batch.chunk_lens)):
             start = seq.num_computed
             tokens[r, :n] = seq.token_slice(start, start + n)
@@ -242,49 +303,36 @@ class Engine:
                 ok = nxt < len(seq.prompt_ids)
                 next_tok[r, :n][ok] = np.asarray(seq.prompt_ids)[nxt[ok]]
             ctx[r] = start + n
-            starts = seq.blocks.page_starts()
-            page_starts[r, :len(starts)] = starts
-            page_sizes[r] = seq.blocks.page_size
             sample_cols[r] = n - 1
-            p = seq.params
-            temp[r], top_p[r], top_k[r] = p.temperature, p.top_p, p.top_k
-            seed_hi[r], seed_lo[r] = seq.seed >> 32, seq.seed & 0xFFFFFFFF
-            tok_idx[r] = len(seq.output_ids)
-        want_prompt_lp = [s.params.prompt_logprobs for s in seqs if s.wants_prompt_logprobs]
-        opts = StepOptions(
-            # The kernel serves decode; prefill chunks take the reference path whatever the backend, so
-            # the backend only keys decode compilations.
-            max_context=max_ctx, backend=self.config.attention if chunk == 1 else "reference",
-            interpret=self.config.interpret_kernels and chunk == 1,
-            greedy_only=bool((temp == 0).all()),
-            top_logprobs=max((s.params.logprobs for s in seqs), default=0),
-            prompt_logprobs=max(want_prompt_lp) if want_prompt_lp else -1)
+        opts = self._step_options(batch, max_ctx, decode=False)
         # Host numpy arrays go straight into the jitted call, which transfers them in its C++ path.
         meta = AttentionMetadata(q_pos, ctx, page_starts, page_sizes)
-        sampling = SamplingArrays(temp, top_p, top_k, seed_hi, seed_lo, tok_idx)
-        inputs = (tokens, slots, meta, sample_cols, sampling, next_tok)
-        return inputs, opts
+        result, self.kv_cache = model_step(self.model.params, self.kv_cache, tokens, slots, meta, sample_cols,
+                                           sampling, next_tok, cfg=self.model_config, opts=opts)
+        result = jax.device_get(result)
+        self._record(batch, t0, sum(batch.chunk_lens))
+        with jax.profiler.TraceAnnotation("postprocess"):
+            for r, (seq, n) in enumerate(zip(seqs, batch.chunk_lens)):
+                if seq.wants_prompt_logprobs:
+                    self._collect_prompt_logprobs(seq, r, n, result)
+                seq.num_computed += n
+                if seq.blocks.has_unregistered_full_pages(seq.num_computed):
+                    seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed)
+                if seq.num_computed < seq.num_tokens:
+                    seq.state = RequestState.PREFILLING
+                    continue                     # a middle prefill chunk: nothing sampled
+                seq.state = RequestState.DECODING
+                self._append_token(seq, int(result.tokens[r]), self._token_logprobs(seq, result, r), outputs)
 
-    def _apply_result(self, batch: ScheduledBatch, result, opts: StepOptions,
-                      outputs: dict[str, StepOutput]) -> None:
-        for r, (seq, n) in enumerate(zip(batch.seqs, batch.chunk_lens)):
-            if seq.wants_prompt_logprobs:
-                self._collect_prompt_logprobs(seq, r, n, result)
-            seq.num_computed += n
-            if seq.blocks.has_unregistered_full_pages(seq.num_computed):
-                seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed)
-            if seq.num_computed < seq.num_tokens:
-                seq.state = RequestState.PREFILLING
-                continue                     # a middle prefill chunk: nothing sampled
-            seq.state = RequestState.DECODING
-            token = int(result.tokens[r])
-            lps = None
-            if seq.params.logprobs > 0 or opts.top_logprobs:
-                k = seq.params.logprobs
-                lps = [[TokenLogprob(token, float(result.logprob[r]))] + [
-                    TokenLogprob(int(i), float(v))
-                    for i, v in zip(result.top_ids[r, :k], result.top_logprobs[r, :k])]]
-            self._append_token(seq, token, lps, outputs)
+    @staticmethod
+    def _token_logprobs(seq: Sequence, result, index) -> list[list[TokenLogprob]] | None:
+        """The chosen token's logprob, then the top-K, for result row `index` (r, or (step, r))."""
+        k = seq.params.logprobs
+        if k == 0:
+            return None
+        token = int(result.tokens[index])
+        return [[TokenLogprob(token, float(result.logprob[index]))] + [
+            TokenLogprob(int(i), float(v)) for i, v in zip(result.top_ids[index][:k], result.top_logprobs[index][:k])]]
 
     def _collect_prompt_logprobs(self, seq: Sequence, r: int, n: int, result) -> None:
         """Prompt position p gets the logprob of token p given tokens < p; position 0 gets []."""
@@ -362,8 +410,9 @@ class Engine:
         if out is None:
             out = StepOutput(request_id=seq.request_id, new_token_ids=[], text_delta="",
                              prompt_tokens=len(seq.prompt_ids), cached_prompt_tokens=seq.cached_prompt_tokens)
-            if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent and not seq.is_prefilling:
-                out.prompt_logprobs = seq.prompt_logprobs
+            if seq.wants_prompt_logprobs and not seq.is_prefilling:
+                # A one-token prompt skips prefill: its only position has no logprob.
+                out.prompt_logprobs = seq.prompt_logprobs or [[]]
                 seq.prompt_logprobs_sent = True
             outputs[seq.request_id] = out
         out.output_tokens = len(seq.output_ids)

@@ -24,7 +24,7 @@ from stratum_jax.sequence import Sequence
 class ScheduledBatch:
     kind: str                       # "prefill" or "decode"
     seqs: list[Sequence]
-    chunk_lens: list[int]           # new tokens per sequence (1 for decode)
+    chunk_lens: list[int]           # prefill: prompt tokens per sequence; decode: steps per sequence
 
 
 class FcfsScheduler:
@@ -137,16 +137,21 @@ class FcfsScheduler:
 
     # -- decode -------------------------------------------------------------------------------------
     def _schedule_decode(self) -> ScheduledBatch | None:
+        """Every ready sequence, each with the number of decode steps it may take in this call."""
         ready = [s for s in self.running if not s.is_prefilling]
-        scheduled = []
+        scheduled, steps = [], []
         for seq in sorted(ready, key=lambda s: s.admit_order):
             if seq not in self.running:
                 continue                     # preempted while making room for an earlier one
-            if self._grow(seq, seq.num_tokens):
+            n = min(self.config.decode_steps, seq.params.max_tokens - len(seq.output_ids))
+            if self._grow(seq, seq.num_tokens + n - 1):
                 scheduled.append(seq)
-        if not scheduled:
+                steps.append(n)
+        # Making room may have preempted a sequence picked earlier in this loop.
+        picked = [(s, n) for s, n in zip(scheduled, steps) if s in self.running]
+        if not picked:
             return None
-        return ScheduledBatch("decode", scheduled, [1] * len(scheduled))
+        return ScheduledBatch("decode", [s for s, _ in picked], [n for _, n in picked])
 
     # -- memory -------------------------------------------------------------------------------------
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
