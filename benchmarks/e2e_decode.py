@@ -49,8 +49,11 @@ def param_bytes(params) -> int:
 
 def run_one(model, args, attention: str, bw: float) -> dict:
     ctx = args.prompt_len + args.new_tokens
+    # One prefill step takes the whole batch's prompts, so decode then runs at the full batch size, as a
+    # static-batch generate does (a serving load would interleave prefill chunks instead).
+    prefill_chunk = 1 << max(3, (args.batch * args.prompt_len - 1).bit_length())
     config = RuntimeConfig(model=args.model, max_batch_size=args.batch, max_context=max(ctx, 256),
-                           kv_pool_tokens=args.batch * (ctx + 256), prefill_chunk=512,
+                           kv_pool_tokens=args.batch * (ctx + 256), prefill_chunk=min(prefill_chunk, 1 << 15),
                            max_tokens_cap=args.new_tokens, attention=attention, page_size=args.page_size,
                            decode_steps=args.decode_steps)
     engine = Engine(config, model=model)

@@ -28,6 +28,7 @@ class RuntimeConfig:
     cache_policy: str = "lru"        # eviction policy for cached prefix pages
     enable_prefix_caching: bool = True
     seed: int = 0                    # seeds requests that bring no seed of their own
+    trace_out: str | None = None     # write the block event log (JSONL, see training/traces.py) here
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -81,6 +82,8 @@ class RuntimeConfig:
         g.add_argument("--interpret-kernels", action="store_true",
                        help="run Pallas kernels in the Mosaic GPU interpreter (for CPU)")
         g.add_argument("--cache-policy", default=d.cache_policy, choices=CACHE_POLICIES)
+        g.add_argument("--trace-out", default=None, metavar="PATH",
+                       help="append the KV block event log (JSONL) to PATH, for DMLP training")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--engine-seed", dest="seed", type=int, default=d.seed,
                        help="seeds preset weights and requests that bring no seed")

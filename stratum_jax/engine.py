@@ -101,6 +101,13 @@ class Engine:
         self._recent_decode_ms: collections.deque[float] = collections.deque(maxlen=64)   # per token step
         self._recent_prefill_tps: collections.deque[float] = collections.deque(maxlen=64)
         self.last_step: StepTiming | None = None      # what the latest step ran, for benchmarks/metrics
+        self._t0 = time.monotonic()
+        self._recent_queue_ms: collections.deque[float] = collections.deque(maxlen=64)
+        self._trace = None
+        if config.trace_out:
+            from training.traces import StratumEventLogWriter
+            self._trace = StratumEventLogWriter(config.trace_out)
+            self.pool.record_events = True
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -149,7 +156,41 @@ class Engine:
             with jax.profiler.TraceAnnotation(batch.kind):
                 self._run_batch(batch, outputs)
             self._steps += 1
+            for seq in batch.seqs:
+                if seq.admit_time is not None and not seq.queue_wait_recorded:
+                    self._recent_queue_ms.append((seq.admit_time - seq.arrival_time) * 1e3)
+                    seq.queue_wait_recorded = True
+            if self._trace is not None:
+                self._write_block_events(batch)
         return list(outputs.values())
+
+    def close(self) -> None:
+        """Flushes and closes the block event log, if any."""
+        if self._trace is not None:
+            self._trace.close()
+
+    def _write_block_events(self, batch: ScheduledBatch) -> None:
+        """Drains the pool's block events into the --trace-out log with the features known now.
+
+        Features the engine cannot measure yet are logged as null (missing), never as 0: the attention
+        score variance (attn_var5) and the GPU idle fraction. With no host tier yet, all KV is in HBM.
+        """
+        now_ms = (time.monotonic() - self._t0) * 1e3
+        by_id = {s.request_id: s for s in batch.seqs}
+        queue_ms = statistics.fmean(self._recent_queue_ms) if self._recent_queue_ms else None
+        for event, content_hash, depth, request_id in self.pool.events:
+            seq = by_id.get(request_id) or self._requests.get(request_id)
+            features = {"kv_hbm_frac": 1.0, "queue_wait_ms": queue_ms, "attn_var5": None, "gpu_idle_frac": None}
+            if seq is not None:
+                full_prompt_pages = len(seq.prompt_ids) // seq.blocks.page_size if seq.blocks else 0
+                features.update(depth=depth, fill=1.0, input_tokens=len(seq.prompt_ids),
+                                max_tokens=seq.params.max_tokens,
+                                gen_frac=len(seq.output_ids) / seq.params.max_tokens,
+                                blocks_after=max(0, full_prompt_pages - depth - 1))
+            elif event != "freed":
+                continue                  # its request already ended this step: no features to give
+            self._trace.write(event, now_ms, content_hash.hex(), request_id, features)
+        self.pool.events.clear()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[GenerationResult]:
@@ -279,7 +320,7 @@ class Engine:
                         break                    # the rest of this row's steps are discarded
                 else:
                     if seq.blocks.has_unregistered_full_pages(seq.num_computed):
-                        seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed)
+                        seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed, seq.request_id)
 
     def _run_prefill(self, batch: ScheduledBatch, outputs: dict[str, StepOutput], t0: float) -> None:
         seqs = batch.seqs
@@ -317,7 +358,7 @@ class Engine:
                     self._collect_prompt_logprobs(seq, r, n, result)
                 seq.num_computed += n
                 if seq.blocks.has_unregistered_full_pages(seq.num_computed):
-                    seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed)
+                    seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed, seq.request_id)
                 if seq.num_computed < seq.num_tokens:
                     seq.state = RequestState.PREFILLING
                     continue                     # a middle prefill chunk: nothing sampled

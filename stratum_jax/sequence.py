@@ -31,6 +31,8 @@ class Sequence:
     prompt_logprobs: list[list[TokenLogprob]] | None = None
     prompt_logprobs_sent: bool = False
     first_token_time: float | None = None
+    admit_time: float | None = None             # first admission (queue wait = admit - arrival)
+    queue_wait_recorded: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

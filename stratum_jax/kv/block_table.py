@@ -45,14 +45,14 @@ class BlockTable:
     def has_unregistered_full_pages(self, num_written: int) -> bool:
         return num_written // self.page_size > len(self._hashes)
 
-    def register_full_pages(self, token_ids: Sequence[int], num_written: int) -> None:
+    def register_full_pages(self, token_ids: Sequence[int], num_written: int, request_id: str | None = None) -> None:
         """Registers every page whose tokens are all written (< num_written) in the prefix cache."""
         full = num_written // self.page_size
         while len(self._hashes) < full:
             i = len(self._hashes)
             parent = self._hashes[-1] if self._hashes else None
             chunk = token_ids[i * self.page_size:(i + 1) * self.page_size]
-            self._hashes.append(self.pool.register_full_page(self.pages[i], parent, chunk))
+            self._hashes.append(self.pool.register_full_page(self.pages[i], parent, chunk, i, request_id))
 
     def release(self) -> None:
         for page in self.pages:

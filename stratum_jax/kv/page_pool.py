@@ -50,6 +50,10 @@ class PagePool:
         self.prefix_hits = 0          # full pages reused from the cache
         self.prefix_queries = 0       # full prompt pages looked up
         self.evictions = 0
+        # Block events for the engine's --trace-out log: (event, content hash, depth, request id).
+        # Recorded only when a consumer asks for them (record_events), drained by the engine each step.
+        self.record_events = False
+        self.events: list[tuple[str, bytes, int, str | None]] = []
 
     # -- accounting ---------------------------------------------------------------------------------
     @property
@@ -112,26 +116,33 @@ class PagePool:
             found.append(page)
         return found
 
-    def acquire_prefix(self, pages: list[Page], queried_pages: int) -> None:
+    def acquire_prefix(self, pages: list[Page], queried_pages: int, request_id: str | None = None) -> None:
         """Takes a reference on pages returned by match_prefix and counts the hits and queries."""
         self.prefix_queries += queried_pages
         self.prefix_hits += len(pages)
-        for page in pages:
+        for depth, page in enumerate(pages):
             if page.ref_count == 0:
                 del self._evictable[page.start_slot]
             page.ref_count += 1
+            if self.record_events:
+                self.events.append(("accessed", page.content_hash, depth, request_id))
 
-    def register_full_page(self, page: Page, parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    def register_full_page(self, page: Page, parent_hash: bytes | None, token_ids: Sequence[int],
+                           depth: int = 0, request_id: str | None = None) -> bytes:
         """Marks a page whose `page_size` tokens are now written as shareable; returns its hash."""
         h = chain_hash(parent_hash, page.page_size, token_ids)
         page.content_hash = h
         if self.enable_prefix_caching and h not in self._by_hash:
             self._by_hash[h] = page
+            if self.record_events:
+                self.events.append(("created", h, depth, request_id))
         return h
 
     def _evict_one(self) -> None:
         _, page = self._evictable.popitem(last=False)
         del self._by_hash[page.content_hash]
+        if self.record_events:
+            self.events.append(("freed", page.content_hash, -1, None))
         page.content_hash = None
         self._buddy.free(page.start_slot // BASE_PAGE_TOKENS)
         self.evictions += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 from stratum_jax.config import PAGE_SIZE_CLASSES, RuntimeConfig
 from stratum_jax.kv.block_table import BlockTable
@@ -124,13 +125,16 @@ class FcfsScheduler:
             return False
         blocks = BlockTable(self.pool, page_size)
         if use_cache:
-            self.pool.acquire_prefix(best_hit, queried_pages=max(1, max_pages_for[page_size]))
+            self.pool.acquire_prefix(best_hit, queried_pages=max(1, max_pages_for[page_size]),
+                                     request_id=seq.request_id)
         blocks.adopt_prefix(best_hit)
         seq.blocks = blocks
         seq.num_computed = len(best_hit) * page_size
         if seq.preemptions == 0:
             seq.cached_prompt_tokens = seq.num_computed
         seq.state = RequestState.PREFILLING
+        if seq.admit_time is None:
+            seq.admit_time = time.monotonic()
         self._admitted += 1
         seq.admit_order = self._admitted
         return True
