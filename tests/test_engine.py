@@ -206,3 +206,25 @@ def test_fragmentation_accounting(tiny):
         assert st.kv_tokens_written == 5
         assert st.kv_tokens_used == max(page_size, 8)
         assert st.kv_tokens_used - st.kv_tokens_written >= waste_at_least
+
+
+def test_trace_out_block_event_log_reads_back(tiny, tmp_path):
+    """--trace-out writes created/accessed/freed block events that the DMLP trace reader accepts."""
+    from training.traces import read_stratum_log
+    import json
+    path = tmp_path / "events.jsonl"
+    engine = make_engine(tiny, page_size=8, kv_pool_tokens=256, max_context=128, trace_out=str(path))
+    prompt = list(range(30, 70))
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    engine.generate([prompt], sp)
+    engine.generate([prompt + [1, 2]], sp)                       # reuses the cached prefix pages
+    engine.generate([[9] * 120, [8] * 120], SamplingParams(max_tokens=8, **GREEDY))   # evicts the cache
+    engine.close()
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    kinds = {e["event"] for e in events}
+    assert {"created", "accessed", "freed"} <= kinds
+    accessed = [e for e in events if e["event"] == "accessed"]
+    assert len(accessed) == len(prompt) // 8                    # every full page of the shared prompt
+    assert accessed[0]["features"]["depth"] == 0 and accessed[0]["features"]["attn_var5"] is None
+    stream = read_stratum_log(str(path))
+    assert stream.num_events == sum(e["event"] in ("created", "accessed") for e in events)

@@ -1,13 +1,18 @@
-"""DMLP input features: what is known about one cached KV block at one moment, and the model matrix.
+"""DMLP input features: what is known about a KV block at the moment a request uses it.
 
-Three producers fill the same columns: the label maker (from a whole trace, vectorised), the cache
-simulator (from its per-block state at an eviction) and the engine (a list of `BlockInfo`). All of them
-go through `feature_matrix`, so a feature means the same thing everywhere.
+The predictor scores a block at each access (its creation included): "given this block and the request
+that just used it, will it be used again within h?". Between accesses nothing about a block changes
+except the time, which the policy handles analytically (see `policy.py`), so the model never has to be
+run over idle blocks.
 
-Missing values. A source that cannot provide a feature (the Mooncake trace has no attention scores,
-no queue and no GPU) leaves it NaN. `feature_matrix` turns each column into a pair: the standardised
-value (0 where missing) and a presence mask (1 present, 0 missing). The model therefore sees "unknown"
-as its own input and never confuses it with a real zero.
+Three producers fill the same columns: the label maker (a whole trace, vectorised), the cache simulator
+(the same columns, precomputed) and the engine (a list of `BlockInfo`). All of them go through
+`raw_features` and `feature_matrix`, so a feature means the same thing everywhere.
+
+Missing values. A source that cannot provide a feature (the Mooncake trace has no attention scores, no
+queue and no GPU) leaves it NaN. `feature_matrix` turns each column into a pair: the standardised value
+(0 where missing) and a presence mask (1 present, 0 missing). The model sees "unknown" as its own input
+and never confuses it with a real zero.
 """
 from __future__ import annotations
 
@@ -18,42 +23,37 @@ from typing import Sequence
 import numpy as np
 
 # The five seed features of the design, then the block features. Order is the model's input order;
-# appending a feature changes the input width and invalidates checkpoints (they store this list).
+# checkpoints store this list and refuse to load under a different one.
 SEED_FEATURES = (
-    "gen_frac",          # generated tokens / max tokens of the last request using the block, 0..1
+    "gen_frac",          # generated tokens / max tokens of the request using the block, 0..1
     "attn_var5",         # variance of attention scores over the last 5 decoded tokens
     "kv_hbm_frac",       # KV occupancy: HBM blocks / (HBM + host blocks), 0..1
     "queue_wait_ms",     # mean upstream queue wait of recent requests
     "gpu_idle_frac",     # fraction of recent wall time the GPU sat idle, 0..1
 )
 BLOCK_FEATURES = (
-    "since_last_ms",     # recency: now - last access
-    "prev_gap_ms",       # the gap between the last two accesses (missing after one access)
-    "access_count",      # accesses so far, the creating one included
-    "age_ms",            # now - creation
+    "recency_ms",        # time since the block's previous access (missing on its first)
+    "access_count",      # accesses so far, this one included
+    "age_ms",            # time since the block was created (0 on creation)
     "depth",             # position in the prefix chain (0 = first block of the prompt)
-    "blocks_after",      # blocks after this one in the last request's chain
+    "blocks_after",      # blocks after this one in the request's chain
     "fill",              # tokens in the block / block size; < 1 only for a prompt's tail block
-    "sharers",           # distinct requests that have used the block
+    "sharers",           # distinct requests that have used the block, this one included
     "fan_out",           # distinct next blocks seen after this one (prefix-tree branching)
-    "prefix_hit_frac",   # share of the last request's chain that had been computed before it arrived
-    "prefix_uses",       # uses of the deepest block of that reused prefix (~ turns of the conversation)
-    "prefix_gap_ms",     # how long that block had been idle when the last request came (think time)
-    "input_tokens",      # prompt tokens of the last request using the block
-    "max_tokens",        # output budget of the last request (Mooncake: its output_length)
+    "prefix_hit_frac",   # share of the request's chain that had been computed before it arrived
+    "prefix_uses",       # uses of the deepest block of that reused prefix (~ turns of a conversation)
+    "prefix_gap_ms",     # how long that block had been idle when the request came (think time)
+    "input_tokens",      # prompt tokens of the request
+    "max_tokens",        # output budget of the request (Mooncake: its output_length)
 )
 FEATURE_NAMES = SEED_FEATURES + BLOCK_FEATURES
 
-# Heavy-tailed non-negative quantities are compressed with log1p before standardising, so a block idle
-# for minutes and one idle for milliseconds both land in a useful input range.
+# Heavy-tailed non-negative quantities are compressed with log1p before standardising, so a gap of
+# minutes and one of milliseconds both land in a useful input range.
 _LOG_FEATURES = frozenset({
-    "queue_wait_ms", "since_last_ms", "prev_gap_ms", "access_count", "age_ms", "depth", "blocks_after",
-    "sharers", "fan_out", "prefix_uses", "prefix_gap_ms", "input_tokens", "max_tokens",
+    "queue_wait_ms", "recency_ms", "access_count", "age_ms", "depth", "blocks_after", "sharers",
+    "fan_out", "prefix_uses", "prefix_gap_ms", "input_tokens", "max_tokens",
 })
-
-
-# Block features derived from timestamps and the decision time, not stored as such.
-BLOCK_TIME_FEATURES = frozenset({"since_last_ms", "prev_gap_ms", "age_ms"})
 
 
 def num_inputs() -> int:
@@ -63,18 +63,18 @@ def num_inputs() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BlockInfo:
-    """One cached block as the engine (or any caller) sees it. `None` means "not known here".
+    """A cached block as the engine sees it. Feature fields hold their values at the block's last access
+    (`last_access_ms`); `None` means "not known here". Times are ms on one clock.
 
-    Times are milliseconds on one clock (the engine's monotonic clock, or the replay's simulated time).
-    `needed_by_running` marks blocks a running request still reads; the policy never evicts those.
+    `needed_by_running` marks blocks a running request still reads; no policy evicts those.
     """
 
     block_id: object
     last_access_ms: float
-    created_ms: float
     access_count: int
     depth: int
-    prev_access_ms: float | None = None
+    recency_ms: float | None = None
+    age_ms: float | None = None
     blocks_after: int | None = None
     fill: float | None = None
     sharers: int | None = None
@@ -92,37 +92,21 @@ class BlockInfo:
     needed_by_running: bool = False
 
 
-def columns_from_infos(infos: Sequence[BlockInfo]) -> dict[str, np.ndarray]:
-    """Stacks `BlockInfo`s into the history columns `raw_features` takes (None -> NaN), shapes [N]."""
-    def col(name: str) -> np.ndarray:
-        return np.array([math.nan if getattr(b, name) is None else getattr(b, name) for b in infos],
-                        dtype=np.float64)
-
-    names = ("last_access_ms", "prev_access_ms", "created_ms", "access_count", "depth") + tuple(
-        n for n in FEATURE_NAMES if n not in BLOCK_TIME_FEATURES)
-    return {n: col(n) for n in names}
-
-
-def raw_features(cols: dict[str, np.ndarray], now_ms: np.ndarray | float) -> np.ndarray:
-    """Raw feature values at decision time `now_ms`, NaN where missing.
-
-    cols: history columns, each shape [N]: `last_access_ms`, `prev_access_ms` (NaN if accessed once),
-      `created_ms`, and every non-time feature of FEATURE_NAMES (absent key = missing everywhere).
-    now_ms: scalar or shape [N].
-    Returns float32 [N, F] in FEATURE_NAMES order.
-    """
-    n = len(cols["last_access_ms"])
-    derived = {
-        "since_last_ms": np.asarray(now_ms) - cols["last_access_ms"],
-        "prev_gap_ms": cols["last_access_ms"] - cols["prev_access_ms"],
-        "age_ms": np.asarray(now_ms) - cols["created_ms"],
-    }
+def raw_features(cols: dict[str, np.ndarray]) -> np.ndarray:
+    """cols: feature name -> values [N] (NaN = missing; an absent name is missing everywhere).
+    Returns float32 [N, F] in FEATURE_NAMES order."""
+    n = len(next(iter(cols.values())))
     out = np.full((n, len(FEATURE_NAMES)), np.nan, dtype=np.float32)
     for j, name in enumerate(FEATURE_NAMES):
-        v = derived.get(name, cols.get(name))
-        if v is not None:
-            out[:, j] = v
+        if name in cols:
+            out[:, j] = cols[name]
     return out
+
+
+def raw_from_infos(infos: Sequence[BlockInfo]) -> np.ndarray:
+    """float32 [N, F] from `BlockInfo`s (None -> NaN)."""
+    return np.array([[math.nan if getattr(b, name) is None else getattr(b, name) for name in FEATURE_NAMES]
+                     for b in infos], dtype=np.float32).reshape(len(infos), len(FEATURE_NAMES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +133,10 @@ class Normalizer:
 
     @staticmethod
     def from_dict(d: dict) -> "Normalizer":
-        return Normalizer(np.asarray(d["mean"], np.float32), np.asarray(d["std"], np.float32))
+        mean, std = np.asarray(d["mean"], np.float32), np.asarray(d["std"], np.float32)
+        if mean.shape != (len(FEATURE_NAMES),) or std.shape != mean.shape:
+            raise ValueError(f"normalizer has {mean.shape}/{std.shape} entries, expected {len(FEATURE_NAMES)}")
+        return Normalizer(mean, std)
 
 
 def _transform(raw: np.ndarray) -> np.ndarray:
@@ -161,7 +148,7 @@ def _transform(raw: np.ndarray) -> np.ndarray:
 
 
 def feature_matrix(raw: np.ndarray, norm: Normalizer) -> np.ndarray:
-    """Model input: standardised values (0 where missing) then presence masks.
+    """Model input: standardised values (0 where missing), then presence masks.
 
     raw: float32 [N, F] from `raw_features`. Returns float32 [N, 2F].
     """

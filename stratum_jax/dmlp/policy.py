@@ -2,16 +2,17 @@
 blocks to prefetch first, which page size a request gets. `DmlpPolicy` answers from the predictor;
 `LruPolicy` is the plain baseline with the same interface.
 
-Eviction by hit density. Evicting the block least likely to be reused "soon" needs a notion of soon:
-the cache's own eviction age A (how long blocks sit idle before they are evicted, tracked as a moving
-average). For each candidate the policy reads the predicted reuse curve P(reuse within h) at A and
-divides by the expected time the block holds its slot before that reuse or A, whichever comes first:
+How predictions become evictions. The model runs once per access (`observe_access`, batched per
+request) and gives the block's reuse curve F(h) = P(next use within h of that access). An idle block
+is then scored without running the model again: after `idle` ms without a use, the chance that it is
+used within the next `window` ms is
 
-    density = P(T <= A) / E[min(T, A)],  E[min(T, A)] = integral_0^A (1 - P(T <= t)) dt
+    (F(idle + window) - F(idle)) / (1 - F(idle)),   F linear between horizons, flat past the longest.
 
-A block reused quickly is worth more per unit of occupied space than one reused late (the "hit
-density" of LHD, Beckmann et al., NSDI'18). P between horizons is linear; A is clipped to the
-horizons, since nothing is known past the longest.
+`window` is the cache's own residency (Little's law: cached blocks / eviction rate), i.e. "will it be
+used before it would leave the cache anyway?". Victims are the lowest scores; ties, which include every
+block idle past the longest horizon (the model knows nothing there, so its score is 0), go to the least
+recently used. A cache whose victims are all that old therefore behaves exactly like LRU.
 """
 from __future__ import annotations
 
@@ -21,34 +22,61 @@ from typing import Sequence
 import numpy as np
 
 from stratum_jax.config import PAGE_SIZE_CLASSES
-from stratum_jax.dmlp.features import FEATURE_NAMES, BlockInfo, columns_from_infos, raw_features
+from stratum_jax.dmlp.features import BlockInfo, raw_from_infos
 from stratum_jax.dmlp.model import Predictor
 from stratum_jax.kv.page_size import DefaultPageSizeRule, PageSizeHints
 
-_SINCE_LAST = FEATURE_NAMES.index("since_last_ms")
+
+def curve_at(curves: np.ndarray, horizons_ms: Sequence[float], t_ms: np.ndarray) -> np.ndarray:
+    """F(t) per row: curves [N, H] = F at horizons_ms, F(0) = 0, linear between, flat past the end.
+    t_ms: [N] or scalar. Returns [N]."""
+    grid = np.concatenate([[0.0], np.asarray(horizons_ms, np.float64)])
+    f = np.concatenate([np.zeros((len(curves), 1)), curves], axis=1)
+    t = np.clip(np.broadcast_to(np.asarray(t_ms, np.float64), (len(curves),)), 0.0, grid[-1])
+    j = np.clip(np.searchsorted(grid, t, side="right"), 1, len(grid) - 1)
+    w = (t - grid[j - 1]) / (grid[j] - grid[j - 1])
+    rows = np.arange(len(curves))
+    return f[rows, j - 1] * (1.0 - w) + f[rows, j] * w
 
 
-def hit_density(probs: np.ndarray, horizons_ms: Sequence[float], age_ms: float) -> np.ndarray:
-    """probs: [N, H] P(reuse within horizons_ms[k]), non-decreasing in k. Returns [N] densities (1/ms)."""
-    h = np.asarray(horizons_ms, np.float64)
-    a = float(np.clip(age_ms, h[0], h[-1]))
-    grid = np.concatenate([[0.0], h])                                  # [H+1]
-    p = np.concatenate([np.zeros((len(probs), 1)), probs], axis=1)     # [N, H+1]
-    j = int(np.searchsorted(grid, a))                                  # grid[j-1] < a <= grid[j]
-    w = (a - grid[j - 1]) / (grid[j] - grid[j - 1])
-    p_a = p[:, j - 1] * (1 - w) + p[:, j] * w                         # [N]
-    pts = np.minimum(grid, a)                                          # clip the grid at a
-    pc = np.where(grid[None, :] < a, p, p_a[:, None])
-    surv = 1.0 - 0.5 * (pc[:, 1:] + pc[:, :-1])                       # mean survival per segment
-    expected_hold = (surv * np.diff(pts)[None, :]).sum(1)
-    return p_a / np.maximum(expected_hold, 1e-9)
+def reuse_within(curves: np.ndarray, horizons_ms: Sequence[float], idle_ms: np.ndarray,
+                 window_ms: float) -> np.ndarray:
+    """P(used in the next window_ms | idle for idle_ms since the access that predicted `curves`), [N]."""
+    f0 = curve_at(curves, horizons_ms, idle_ms)
+    f1 = curve_at(curves, horizons_ms, idle_ms + window_ms)
+    return (f1 - f0) / np.maximum(1.0 - f0, 1e-9)
+
+
+class Residency:
+    """Little's law: mean time in cache = cached blocks / eviction rate; the rate is a moving average
+    over the intervals between eviction calls. Until the first estimate it answers `initial_ms`."""
+
+    def __init__(self, initial_ms: float, smoothing: float = 0.05):
+        self.value_ms = initial_ms
+        self._rate: float | None = None
+        self._since_ms: float | None = None
+        self._pending = 0
+        self._smoothing = smoothing
+
+    def update(self, now_ms: float, evicted: int, cached: int) -> float:
+        if self._since_ms is None:
+            self._since_ms = now_ms
+        dt = now_ms - self._since_ms
+        if dt > 0:
+            rate = self._pending / dt
+            self._rate = rate if self._rate is None else self._rate + self._smoothing * (rate - self._rate)
+            self._since_ms, self._pending = now_ms, 0
+        self._pending += evicted
+        if self._rate:
+            self.value_ms = cached / self._rate
+        return self.value_ms
 
 
 class ConfidenceThreshold:
     """The hot/cold threshold on P(reuse within the decision horizon) (`stratum_dmlp_confidence`).
 
-    `calibrate` moves it towards the threshold that classifies recent outcomes best, at most `step`
-    per call and never outside [low, high], so a burst of odd traffic cannot swing it far. Thread-safe.
+    `calibrate` moves it towards the threshold that classifies recent outcomes best, at most `step` per
+    call and never outside [low, high], so a burst of odd traffic cannot swing it far. Thread-safe.
     """
 
     def __init__(self, value: float = 0.75, low: float = 0.5, high: float = 0.95, step: float = 0.05):
@@ -62,11 +90,19 @@ class ConfidenceThreshold:
     def value(self) -> float:
         return self._value
 
+    def set(self, value: float) -> float:
+        """Sets the threshold (clipped to the bounds), e.g. to a value calibrated in another process."""
+        with self._lock:
+            self._value = float(np.clip(value, self.low, self.high))
+            return self._value
+
     def calibrate(self, probs: np.ndarray, reused: np.ndarray) -> float:
         """probs, reused: [N] predictions and outcomes (0/1) at the decision horizon."""
+        if len(probs) == 0:
+            return self._value
         grid = np.linspace(self.low, self.high, 19)
         acc = ((probs[None, :] >= grid[:, None]) == (reused[None, :] > 0.5)).mean(1)
-        best = grid[np.flatnonzero(acc == acc.max())]
+        best = grid[np.flatnonzero(acc >= acc.max() - 1e-12)]
         with self._lock:
             target = best[np.argmin(np.abs(best - self._value))]
             self._value = float(np.clip(target, self._value - self.step, self._value + self.step))
@@ -82,9 +118,15 @@ class ConfidenceThreshold:
 class LruPolicy:
     """The baseline: evict the least recently used, prefetch the most recently used first."""
 
+    def observe_access(self, infos: Sequence[BlockInfo]) -> None:
+        return None
+
+    def forget(self, block_ids) -> None:
+        return None
+
     def choose_victims(self, candidates: Sequence[BlockInfo], n: int, now_ms: float) -> list:
         free = [b for b in candidates if not b.needed_by_running]
-        return [b.block_id for b in sorted(free, key=lambda b: b.last_access_ms)[:n]]
+        return [b.block_id for b in sorted(free, key=lambda b: b.last_access_ms)[:max(n, 0)]]
 
     def prefetch_order(self, candidates: Sequence[BlockInfo], now_ms: float) -> list:
         return [b.block_id for b in sorted(candidates, key=lambda b: -b.last_access_ms)]
@@ -97,57 +139,91 @@ class LruPolicy:
 class DmlpPolicy:
     """Eviction, prefetch and page size from predicted reuse.
 
-    predictor: the DMLP (its params may be hot-swapped by the online fine-tuner at any time).
-    decision_horizon: index of the horizon whose probability is compared with the confidence
-    threshold (hot = P >= threshold) for prefetch and page size.
+    predictor: the DMLP (the online fine-tuner may hot-swap its params at any time).
+    threshold: the hot/cold threshold, shared with the fine-tuner that calibrates it.
+    decision_horizon: index of the horizon that hot/cold and prefetch refer to (default the longest).
+    on_access(block_ids, raw [N, F], now_ms): called by `observe_access` with the features it scored,
+    e.g. `OutcomeTracker.accessed`, which turns them into online training examples.
+    Thread-safe: the curve store is guarded by a lock.
     """
 
     def __init__(self, predictor: Predictor, threshold: ConfidenceThreshold | None = None,
-                 decision_horizon: int = -1, age_smoothing: float = 0.05):
+                 decision_horizon: int = -1, on_access=None):
         self.predictor = predictor
         self.threshold = threshold or ConfidenceThreshold()
-        self.horizons_ms = predictor.config.horizons_ms
+        self.on_access = on_access
+        self.horizons_ms = tuple(predictor.config.horizons_ms)
         self.decision_horizon = decision_horizon
-        self.eviction_age_ms = self.horizons_ms[-1]   # until the first evictions say otherwise
-        self._smoothing = age_smoothing
+        self.residency = Residency(initial_ms=self.horizons_ms[-1])
+        self._curves: dict[object, tuple[np.ndarray, float]] = {}   # block id -> (curve [H], access ms)
+        self._lock = threading.Lock()
 
-    # ---- array level (the simulator calls these directly) ----
+    # ---- array level (the simulator calls this directly) ----
 
-    def pick_victims(self, raw: np.ndarray, n: int) -> np.ndarray:
-        """raw: [N, F] candidate features at now (none needed by a running request). Returns the
-        indices of the n lowest hit densities, lowest first, and updates the eviction age."""
-        dens = hit_density(self.predictor.predict(raw), self.horizons_ms, self.eviction_age_ms)
-        order = np.argsort(dens, kind="stable")[:n]
-        idle = raw[order, _SINCE_LAST]
-        if len(idle):
-            self.eviction_age_ms += self._smoothing * (float(np.nanmean(idle)) - self.eviction_age_ms)
-        return order
+    def order_victims(self, curves: np.ndarray, idle_ms: np.ndarray, n: int, now_ms: float,
+                      cached: int, access_seq: np.ndarray | None = None) -> np.ndarray:
+        """curves [N, H] predicted at each candidate's last access, idle_ms [N] since then. Returns the
+        indices of the n victims, best first. `cached`: blocks in the cache (for the residency).
+        access_seq [N]: order of the last accesses, to break ties between equal times as LRU does."""
+        window = self.residency.update(now_ms, min(n, len(curves)), cached)
+        score = reuse_within(curves, self.horizons_ms, idle_ms, window)
+        seq = np.zeros(len(idle_ms)) if access_seq is None else access_seq
+        return np.lexsort((seq, -idle_ms, score))[:n]
 
     # ---- engine level ----
+
+    def observe_access(self, infos: Sequence[BlockInfo]) -> np.ndarray:
+        """Scores blocks a request just used (features at this access, `last_access_ms` = now) and keeps
+        their curves for later evictions. Returns P(reuse within each horizon) [N, H]."""
+        if not infos:
+            return np.zeros((0, len(self.horizons_ms)), np.float32)
+        raw = raw_from_infos(infos)
+        probs = self._score(infos, raw)
+        if self.on_access is not None:
+            self.on_access([b.block_id for b in infos], raw, max(b.last_access_ms for b in infos))
+        return probs
+
+    def _score(self, infos: Sequence[BlockInfo], raw: np.ndarray) -> np.ndarray:
+        probs = self.predictor.predict(raw)
+        with self._lock:
+            for b, p in zip(infos, probs):
+                self._curves[b.block_id] = (p, b.last_access_ms)
+        return probs
+
+    def forget(self, block_ids) -> None:
+        """Drops stored curves of blocks that left every tier."""
+        with self._lock:
+            for b in block_ids:
+                self._curves.pop(b, None)
 
     def choose_victims(self, candidates: Sequence[BlockInfo], n: int, now_ms: float) -> list:
         free = [b for b in candidates if not b.needed_by_running]
         if not free or n <= 0:
             return []
-        raw = raw_features(columns_from_infos(free), now_ms)
-        return [free[i].block_id for i in self.pick_victims(raw, n)]
+        curves = self._curves_of(free)
+        idle = np.array([now_ms - b.last_access_ms for b in free], np.float64)
+        return [free[i].block_id for i in self.order_victims(curves, idle, n, now_ms, len(candidates))]
 
     def prefetch_order(self, candidates: Sequence[BlockInfo], now_ms: float) -> list:
-        """Host-tier blocks of queued requests, most likely reused first; cold blocks are left out."""
+        """Host-tier blocks of queued requests, most likely to be used within the decision horizon first."""
         if not candidates:
             return []
-        p = self._decision_probs(candidates, now_ms)
-        order = np.argsort(-p, kind="stable")
-        return [candidates[i].block_id for i in order if p[i] >= 1.0 - self.threshold.value]
+        p = self.reuse_probability(candidates, now_ms)
+        return [candidates[i].block_id for i in np.argsort(-p, kind="stable")]
+
+    def is_hot(self, blocks: Sequence[BlockInfo], now_ms: float) -> np.ndarray:
+        """bool [N]: P(reuse within the decision horizon) >= stratum_dmlp_confidence."""
+        return self.reuse_probability(blocks, now_ms) >= self.threshold.value
 
     def page_size_for(self, hints: PageSizeHints, prefix_blocks: Sequence[BlockInfo] = (),
                       now_ms: float = 0.0) -> int:
-        """The default rule, then one class smaller when the request's prefix blocks are hot (they will
-        be shared again: finer pages share at a finer grain) and one class larger when they are cold."""
+        """The default rule, then one class smaller when the request's prefix blocks are hot (they will be
+        shared again: finer pages share at a finer grain, and waste less when a tail is dropped) and one
+        class larger when they are cold (private: fewer, bigger copies)."""
         size = DefaultPageSizeRule()(hints)
         if not prefix_blocks:
             return size
-        p = float(np.mean(self._decision_probs(prefix_blocks, now_ms)))
+        p = float(np.mean(self.reuse_probability(prefix_blocks, now_ms)))
         i = PAGE_SIZE_CLASSES.index(size)
         if p >= self.threshold.value:
             i -= 1
@@ -155,8 +231,21 @@ class DmlpPolicy:
             i += 1
         return PAGE_SIZE_CLASSES[min(max(i, 0), len(PAGE_SIZE_CLASSES) - 1)]
 
-    def _decision_probs(self, blocks: Sequence[BlockInfo], now_ms: float) -> np.ndarray:
-        raw = raw_features(columns_from_infos(blocks), now_ms)
-        return self.predictor.predict(raw)[:, self.decision_horizon]
+    def reuse_probability(self, blocks: Sequence[BlockInfo], now_ms: float) -> np.ndarray:
+        """[N]: P(used within the decision horizon from now), given each block's idle time."""
+        idle = np.array([now_ms - b.last_access_ms for b in blocks], np.float64)
+        window = self.horizons_ms[self.decision_horizon]
+        return reuse_within(self._curves_of(blocks), self.horizons_ms, idle, window)
 
-
+    def _curves_of(self, blocks: Sequence[BlockInfo]) -> np.ndarray:
+        """Stored curves [N, H]; blocks scored at an older access (or never) are scored now from their
+        BlockInfo, which holds the features of their last access."""
+        with self._lock:
+            got = [self._curves.get(b.block_id) for b in blocks]
+        stale = [i for i, (b, g) in enumerate(zip(blocks, got)) if g is None or g[1] != b.last_access_ms]
+        if stale:
+            infos = [blocks[i] for i in stale]
+            fresh = self._score(infos, raw_from_infos(infos))
+            for i, p in zip(stale, fresh):
+                got[i] = (p, blocks[i].last_access_ms)
+        return np.stack([g[0] for g in got]).astype(np.float64)

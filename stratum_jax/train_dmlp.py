@@ -1,0 +1,86 @@
+"""`python -m stratum_jax.train_dmlp`: train the DMLP reuse predictor on traces, or evaluate a checkpoint.
+
+Train:     --traces PATH [PATH...] --format {stratum,mooncake} --out DIR [--horizons-ms H ...]
+           [--time-scale X] [--epochs N] [--seed S] [--val-fraction F]
+           writes DIR/checkpoint (orbax) and DIR/report.json
+Evaluate:  --eval-only --checkpoint DIR --traces PATH [PATH...] --format F --report OUT.json
+           [--warmup-traces PATH ...]
+The work is done in training/ (pipeline.py); this module only parses flags.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stratum_jax.dmlp.model import DEFAULT_HORIZONS_MS
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m stratum_jax.train_dmlp", description=__doc__.split("\n")[0])
+    p.add_argument("--traces", nargs="+", required=True, help="trace files (each its own timeline)")
+    p.add_argument("--format", choices=("stratum", "mooncake"), required=True)
+    p.add_argument("--out", help="output directory (train mode)")
+    p.add_argument("--horizons-ms", nargs="+", type=float, default=list(DEFAULT_HORIZONS_MS))
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="simulated ms = trace ms / X (1000 replays 1000x faster); default 1, or the "
+                        "checkpoint's in --eval-only")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--val-fraction", type=float, default=0.2,
+                   help="validation = the last F of each trace's timeline")
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--learning-rate", type=float, default=3e-4)
+    p.add_argument("--capacity-fracs", nargs="+", type=float, default=[0.05, 0.1, 0.2, 0.4],
+                   help="HBM capacities for the policy replay, as fractions of the scored unique blocks")
+    p.add_argument("--host-frac", type=float, default=0.0,
+                   help="host-tier capacity as a fraction of the scored unique blocks (0 = no host tier)")
+    p.add_argument("--eval-only", action="store_true")
+    p.add_argument("--checkpoint", help="checkpoint directory (eval mode)")
+    p.add_argument("--report", help="report path (eval mode)")
+    p.add_argument("--warmup-traces", nargs="*", default=[],
+                   help="eval mode: earlier parts of the same timeline, replayed first and not scored")
+    a = p.parse_args(argv)
+    if a.eval_only:
+        if not a.checkpoint or not a.report:
+            p.error("--eval-only needs --checkpoint and --report")
+    elif not a.out:
+        p.error("training needs --out DIR (or use --eval-only)")
+    if a.epochs < 1:
+        p.error("--epochs must be >= 1")
+    if a.time_scale is not None and not a.time_scale > 0:
+        p.error("--time-scale must be > 0")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    # Imported here so that --help answers without loading jax.
+    from training.checkpoint import CheckpointError
+    from training.pipeline import EvalOptions, run_eval, run_train
+    from training.trainer import TrainConfig
+    from training.traces import TraceFormatError
+
+    opts = EvalOptions(tuple(a.capacity_fracs), a.host_frac)
+    try:
+        if a.eval_only:
+            report = run_eval(a.checkpoint, a.traces, a.format, a.report, a.warmup_traces, a.time_scale, opts)
+        else:
+            cfg = TrainConfig(epochs=a.epochs, seed=a.seed, batch_size=a.batch_size,
+                              learning_rate=a.learning_rate)
+            report = run_train(a.traces, a.format, a.out, a.horizons_ms, a.time_scale or 1.0,
+                               a.val_fraction, cfg, opts)
+    except (TraceFormatError, CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    v, pol = report["val"], report["policy"]
+    print(f"params {report['params']:,}; horizons {report['horizons_ms']} ms")
+    for k in ("positive_rate", "accuracy", "majority_accuracy", "auc", "brier"):
+        print(f"  {k:18s} " + " ".join(f"{x:.4f}" for x in v[k]))
+    print("  capacity           " + " ".join(f"{x:.2f}" for x in pol["capacity_frac"]))
+    for name, rates in pol["hit_rate"].items():
+        print(f"  hit rate {name:9s} " + " ".join(f"{x:.4f}" for x in rates))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The online learner: what the fine-tuning worker process does with live (features, reuse) pairs.
+
+It keeps a recent window of examples; every `holdout_every`-th example goes to a holdout window
+instead. A round takes `steps_per_round` optax steps on a candidate copy of the weights, then compares
+candidate and live weights on the holdout: the candidate becomes live only if its holdout loss is no
+worse; otherwise it restarts from the live weights. Plain in-process code: `worker_main` runs it in a
+separate process (see online.py), tests call it directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import shutil
+import time
+import traceback
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineConfig:
+    queue_batches: int = 1024          # observe() batches waiting for the worker; more are dropped
+    window: int = 65536                # recent training examples kept
+    holdout_window: int = 8192         # recent holdout examples kept
+    holdout_every: int = 5             # every 5th example is held out
+    min_examples: int = 2048           # training examples before the first round
+    min_holdout: int = 512
+    batch_size: int = 256
+    steps_per_round: int = 20
+    learning_rate: float = 1e-4
+    cpu_budget: float = 0.25           # the worker is busy at most this share of one core's wall time
+    cpu_cores: tuple[int, ...] | None = None   # pin the worker to these cores (keep it off the engine's)
+    checkpoint_interval_s: float = 300.0
+    keep_checkpoints: int = 2
+    decision_horizon: int = -1
+    seed: int = 0
+
+
+class _Ring:
+    """Fixed-size ring of (raw [F], labels [H]) rows."""
+
+    def __init__(self, size: int, n_features: int, n_horizons: int):
+        self.raw = np.zeros((size, n_features), np.float32)
+        self.labels = np.zeros((size, n_horizons), np.float32)
+        self.count = 0
+
+    def add(self, raw: np.ndarray, labels: np.ndarray) -> None:
+        idx = (self.count + np.arange(len(raw))) % len(self.raw)
+        self.raw[idx], self.labels[idx] = raw, labels
+        self.count += len(raw)
+
+    def __len__(self) -> int:
+        return min(self.count, len(self.raw))
+
+
+class Learner:
+    """model_config, params, normalizer: the starting DMLP. threshold: a ConfidenceThreshold to
+    calibrate on the holdout."""
+
+    def __init__(self, model_config, params, normalizer, config: OnlineConfig, threshold):
+        import optax
+
+        from stratum_jax.dmlp.model import DmlpNet
+        from training.trainer import make_step
+        self.model_config, self.normalizer, self.config, self.threshold = model_config, normalizer, config, threshold
+        self.live = params
+        self.candidate = params
+        h, f = len(model_config.horizons_ms), len(normalizer.mean)
+        self.train = _Ring(config.window, f, h)
+        self.holdout = _Ring(config.holdout_window, f, h)
+        self._seen = 0
+        self._net = DmlpNet(model_config)
+        self._opt = optax.adamw(config.learning_rate, weight_decay=1e-4)
+        self._step = make_step(self._net, self._opt)
+        self._opt_state = self._opt.init(params)
+        self._rng = np.random.default_rng(config.seed)
+        self.updates = 0
+        self.accuracy = float("nan")
+
+    def add(self, raw: np.ndarray, labels: np.ndarray) -> None:
+        k = self.config.holdout_every
+        held = (self._seen + np.arange(len(raw))) % k == k - 1
+        self._seen += len(raw)
+        self.holdout.add(raw[held], labels[held])
+        self.train.add(raw[~held], labels[~held])
+
+    @property
+    def ready(self) -> bool:
+        return len(self.train) >= self.config.min_examples and len(self.holdout) >= self.config.min_holdout
+
+    def round(self) -> bool:
+        """One round of steps on the candidate, then the holdout comparison. True if it was swapped in."""
+        from stratum_jax.dmlp.features import feature_matrix
+        from training.trainer import mean_bce, predict_in_batches
+        cfg, n = self.config, len(self.train)
+        for _ in range(cfg.steps_per_round):
+            idx = self._rng.integers(0, n, cfg.batch_size)
+            x = feature_matrix(self.train.raw[idx], self.normalizer)
+            y = self.train.labels[idx]
+            self.candidate, self._opt_state, _ = self._step(self.candidate, self._opt_state, x, y, np.ones_like(y))
+        m = len(self.holdout)
+        x_h, y_h = feature_matrix(self.holdout.raw[:m], self.normalizer), self.holdout.labels[:m]
+        p_live = predict_in_batches(self._net, self.live, x_h, batch=1024)
+        p_cand = predict_in_batches(self._net, self.candidate, x_h, batch=1024)
+        swapped = bool(mean_bce(p_cand, y_h) <= mean_bce(p_live, y_h))
+        if swapped:
+            self.live = self.candidate
+            self.updates += 1
+            best = p_cand
+        else:
+            self.candidate, self._opt_state = self.live, self._opt.init(self.live)
+            best = p_live
+        k = cfg.decision_horizon
+        self.accuracy = float(((best[:, k] >= 0.5) == (y_h[:, k] > 0.5)).mean())
+        self.threshold.calibrate(best[:, k], y_h[:, k])
+        return swapped
+
+    def checkpoint(self, directory: str) -> str:
+        """Writes directory/step-N (one past the newest there) and keeps the newest few."""
+        import jax
+
+        from training.checkpoint import DmlpCheckpoint, latest_checkpoint, save_checkpoint
+        latest = latest_checkpoint(directory)
+        n = int(os.path.basename(latest).split("-")[1]) + 1 if latest else 1
+        path = os.path.join(directory, f"step-{n:08d}")
+        extra = {"online_updates": self.updates, "holdout_accuracy": self.accuracy,
+                 "confidence": self.threshold.value}
+        save_checkpoint(path, DmlpCheckpoint(self.model_config, jax.device_get(self.live), self.normalizer, extra))
+        steps = sorted(d for d in os.listdir(directory) if d.startswith("step-") and d[5:].isdigit())
+        for old in steps[:-self.config.keep_checkpoints]:
+            shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+        return path
+
+
+def worker_main(data_q, control_q, out_q, model_config, params, normalizer, config: OnlineConfig,
+                threshold_state: tuple, checkpoint_dir: str, parent_pid: int) -> None:
+    """Entry point of the fine-tuning process. Pins itself, limits XLA to one thread, then loops:
+    take data, run a round when ready, report swaps, sleep to honour the CPU budget, checkpoint on
+    the interval and when told to stop."""
+    if config.cpu_cores:
+        os.sched_setaffinity(0, set(config.cpu_cores))
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+    from stratum_jax.dmlp.policy import ConfidenceThreshold
+    try:
+        value, low, high, step = threshold_state
+        learner = Learner(model_config, params, normalizer, config, ConfidenceThreshold(value, low, high, step))
+        last_ckpt, pause = time.monotonic(), 0.0
+        while os.getppid() == parent_pid:
+            try:    # the pause that keeps the budget doubles as the wait for a stop
+                if control_q.get(timeout=pause) == "stop":
+                    break
+            except queue.Empty:
+                pass
+            _drain(data_q, learner)
+            if not learner.ready:
+                pause = 0.05
+                continue
+            busy = time.perf_counter()
+            if learner.round():
+                out_q.put(("swap", numpy_tree(learner.live), learner.accuracy, learner.threshold.value, learner.updates))
+            else:
+                out_q.put(("stats", learner.accuracy, learner.threshold.value))
+            busy = time.perf_counter() - busy
+            if time.monotonic() - last_ckpt >= config.checkpoint_interval_s:
+                out_q.put(("checkpoint", learner.checkpoint(checkpoint_dir)))
+                last_ckpt = time.monotonic()
+            pause = busy * (1.0 / config.cpu_budget - 1.0)   # busy / (busy + pause) = cpu_budget
+        _drain(data_q, learner)
+        out_q.put(("stopped", learner.checkpoint(checkpoint_dir)))
+    except Exception:
+        out_q.put(("error", traceback.format_exc()))
+
+
+def _drain(data_q, learner: Learner) -> None:
+    while True:
+        try:
+            raw, labels = data_q.get_nowait()
+        except queue.Empty:
+            return
+        learner.add(raw, labels)
+
+
+def numpy_tree(params):
+    """A params tree as numpy arrays (picklable, device-free)."""
+    import jax
+    return jax.tree_util.tree_map(np.asarray, jax.device_get(params))

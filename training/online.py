@@ -1,0 +1,152 @@
+"""Online fine-tuning of the DMLP from live traffic, kept off the decode loop.
+
+The server side is one background thread; the optax steps run in a worker process that it starts
+(learner.py). Why a process: XLA's CPU thread pool and the GIL are shared by every thread of a
+process, so a learner thread competes with the engine thread however it is throttled. A process
+pinned to its own cores (`OnlineConfig.cpu_cores`), with XLA held to one thread and a duty-cycle
+budget (`cpu_budget`), does not.
+
+- `observe` never blocks: it puts into a bounded queue and drops the batch when the queue is full.
+- The worker validates each round on a recent holdout window and the live weights change only when
+  the candidate is no worse; the thread then hot-swaps `model.params` (one reference assignment).
+- The worker checkpoints with orbax (atomic) every `checkpoint_interval_s` and at `stop()`, into
+  `checkpoint_dir/step-NNNNNNNN`, keeping the newest `keep_checkpoints`.
+- Metrics, in the prometheus_client registry given: `stratum_dmlp_accuracy` (live weights on the
+  holdout, decision horizon, threshold 0.5), `stratum_dmlp_confidence` (the hot/cold threshold, which
+  the worker calibrates on the holdout within its bounds), `stratum_dmlp_updates_total` (hot swaps) and
+  `stratum_dmlp_online_dropped_total` (examples dropped by a full queue).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import threading
+
+import jax
+import numpy as np
+
+from stratum_jax.dmlp.model import Predictor
+from stratum_jax.dmlp.policy import ConfidenceThreshold
+from training.learner import OnlineConfig, numpy_tree, worker_main
+
+__all__ = ["OnlineConfig", "OnlineFineTuner"]
+log = logging.getLogger(__name__)
+
+
+class OnlineFineTuner:
+    """model: the live `Predictor` (shared with `DmlpPolicy`); its `params` are replaced on a swap.
+    threshold: the policy's `ConfidenceThreshold` (a private one if None). Use: `observe(...)` from the
+    engine, `start()` once, `stop()` at shutdown."""
+
+    def __init__(self, model: Predictor, config: OnlineConfig, checkpoint_dir: str, metrics_registry=None,
+                 threshold: ConfidenceThreshold | None = None):
+        self.model, self.config, self.checkpoint_dir = model, config, checkpoint_dir
+        self.threshold = threshold or ConfidenceThreshold()
+        self._n_features = len(model.normalizer.mean)
+        self._n_horizons = len(model.config.horizons_ms)
+        ctx = mp.get_context("spawn")     # never fork a process that has XLA threads
+        self._ctx = ctx
+        self._data = ctx.Queue(maxsize=config.queue_batches)
+        self._control = ctx.Queue()
+        self._out = ctx.Queue()
+        self._process = None
+        self._thread: threading.Thread | None = None
+        self.updates = 0
+        self.dropped = 0
+        self.accuracy = float("nan")
+        self.error: str | None = None
+        self.last_checkpoint: str | None = None
+        self._updates_counter = self._dropped_counter = None
+        if metrics_registry is not None:
+            self._export(metrics_registry)
+
+    def observe(self, features: np.ndarray, reuse_labels: np.ndarray) -> bool:
+        """features: raw [F] or [N, F] (NaN = missing); reuse_labels: [H] or [N, H] in {0, 1}.
+        Never blocks; returns False (and counts the drop) when the queue is full."""
+        raw = np.atleast_2d(np.asarray(features, np.float32))
+        labels = np.atleast_2d(np.asarray(reuse_labels, np.float32))
+        if raw.shape[1:] != (self._n_features,) or labels.shape != (len(raw), self._n_horizons):
+            raise ValueError(f"observe wants features [N, {self._n_features}] and labels [N, {self._n_horizons}], "
+                             f"got {raw.shape} and {labels.shape}")
+        try:
+            self._data.put_nowait((raw, labels))
+            return True
+        except queue.Full:
+            self.dropped += len(raw)
+            if self._dropped_counter is not None:
+                self._dropped_counter.inc(len(raw))
+            return False
+
+    def current_params(self):
+        return self.model.params
+
+    def start(self) -> None:
+        if self._process is not None:
+            return
+        os.makedirs(self.checkpoint_dir, exist_ok=True)
+        t = self.threshold
+        self._process = self._ctx.Process(
+            target=worker_main, name="dmlp-online-worker", daemon=True,
+            args=(self._data, self._control, self._out, self.model.config, numpy_tree(self.model.params),
+                  self.model.normalizer, self.config, (t.value, t.low, t.high, t.step),
+                  os.path.abspath(self.checkpoint_dir), os.getpid()))
+        self._process.start()
+        self._thread = threading.Thread(target=self._listen, name="dmlp-online", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 120.0) -> str | None:
+        """Stops the worker after its final checkpoint; returns that checkpoint's path."""
+        if self._process is None:
+            return None
+        self._control.put("stop")
+        self._thread.join(timeout_s)
+        self._process.join(timeout_s)
+        if self._process.is_alive():
+            log.error("online DMLP worker did not stop within %.0f s; terminating it", timeout_s)
+            self._process.terminate()
+        self._process = self._thread = None
+        return self.last_checkpoint
+
+    def _listen(self) -> None:
+        """The background thread: applies what the worker reports until it stops."""
+        while True:
+            try:
+                msg = self._out.get(timeout=1.0)
+            except queue.Empty:
+                if self._process is None or not self._process.is_alive():
+                    return
+                continue
+            kind = msg[0]
+            if kind == "swap":
+                _, params, self.accuracy, confidence, updates = msg
+                self.model.params = jax.device_put(params)    # readers see the old or the new tree
+                self.threshold.set(confidence)
+                if self._updates_counter is not None:
+                    self._updates_counter.inc(updates - self.updates)
+                self.updates = updates
+            elif kind == "stats":
+                _, self.accuracy, confidence = msg
+                self.threshold.set(confidence)
+            elif kind == "checkpoint":
+                self.last_checkpoint = msg[1]
+            elif kind == "stopped":
+                self.last_checkpoint = msg[1]
+                return
+            elif kind == "error":
+                self.error = msg[1]
+                log.error("online DMLP fine-tuning failed; the live weights stay as they are:\n%s", msg[1])
+                return
+
+    def _export(self, registry) -> None:
+        import prometheus_client as prom
+        prom.Gauge("stratum_dmlp_accuracy", "DMLP accuracy of the live weights on the online holdout window "
+                   "(decision horizon, threshold 0.5).", registry=registry).set_function(lambda: self.accuracy)
+        # prometheus_client appends _total to counter names.
+        self._updates_counter = prom.Counter("stratum_dmlp_updates", "Online fine-tuning weight hot-swaps.",
+                                             registry=registry)
+        self._dropped_counter = prom.Counter("stratum_dmlp_online_dropped",
+                                             "Online examples dropped because the queue was full.",
+                                             registry=registry)
+        self.threshold.export(registry)
