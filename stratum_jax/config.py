@@ -6,7 +6,8 @@ import dataclasses
 
 PAGE_SIZE_CLASSES = (8, 16, 32, 64, 128, 256)   # tokens per page: 8 * 2^k
 ATTENTION_BACKENDS = ("reference", "kernel")
-CACHE_POLICIES = ("lru", "dmlp")
+# "dmlp" joins once stratum_jax/dmlp/policy.py is wired into the page pool's eviction (issue #5).
+CACHE_POLICIES = ("lru",)
 
 
 @dataclasses.dataclass(frozen=True)
