@@ -315,7 +315,9 @@ def test_bad_input_gets_its_status_while_a_long_stream_goes_on(served):
     assert snapshot.requests_by_status["invalid_argument"] >= 20
     assert snapshot.requests_by_status["unauthenticated"] >= 2
     assert snapshot.requests_by_status["resource_exhausted"] >= 2
-    assert snapshot.requests_by_status["deadline_exceeded"] >= 1
+    # The deadline case is checked on the client side above. The server's count of it is timing-dependent:
+    # a 0.1 s deadline can pass before the handler starts (on a loaded 2-core CI machine it did), and then
+    # the server never sees the request at all.
 
 
 def _flood(served, n: int) -> list[grpc.StatusCode]:
