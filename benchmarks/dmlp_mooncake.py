@@ -1,0 +1,210 @@
+"""DMLP on the shared Mooncake conversation trace: train on the early timeline, evaluate on the later one.
+
+    python benchmarks/dmlp_mooncake.py [--trace PATH] [--skip-whole-trace]
+
+1. Splits the trace by time: the first 60% of its timeline trains, the last 40% evaluates. The trainer
+   never sees a line of the later part (its own validation split is the end of the early part).
+2. Trains with `python -m stratum_jax.train_dmlp` defaults at time scale 1000 (1 trace second = 1
+   simulated ms, so the horizons 10..500 ms cover 10 s..8.3 min of conversation think time).
+3. Evaluates the checkpoint on the later part, with the early part replayed first as warm-up only.
+4. Times training on the whole trace (the <= 10 minute budget), and measures inference speed.
+Writes benchmarks/results/dmlp_mooncake_report.json, dmlp_mooncake_hit_rate.png and
+dmlp_mooncake_calibration.png, and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from stratum_jax.dmlp.features import FEATURE_NAMES                      # noqa: E402
+from stratum_jax.dmlp.model import Predictor                             # noqa: E402
+from stratum_jax.dmlp.policy import reuse_within                         # noqa: E402
+from training.checkpoint import load_checkpoint                          # noqa: E402
+from training.pipeline import EvalOptions, run_eval, run_train, write_report  # noqa: E402
+from training.trainer import TrainConfig                                 # noqa: E402
+
+TRACE = os.path.join(ROOT, "..", "shared", "traces", "mooncake_conversation.jsonl")
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+TIME_SCALE = 1000.0
+TRAIN_SHARE = 0.6
+CAPACITY_FRACS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.6)
+HOST_FRAC = 0.2
+TARGET_ACCURACY, TARGET_AUC, TARGET_GAP = 0.923, 0.85, 0.5
+MIN_BIN = 200          # calibration bins with fewer accesses are too noisy to draw
+
+
+def split_by_time(trace: str, out_dir: str) -> dict:
+    """Writes train.jsonl (timestamps before the cut) and eval.jsonl (the rest)."""
+    lines = open(trace).read().splitlines()
+    ts = [json.loads(l)["timestamp"] for l in lines]
+    cut = ts[0] + TRAIN_SHARE * (ts[-1] - ts[0])
+    paths = {"train": os.path.join(out_dir, "train.jsonl"), "eval": os.path.join(out_dir, "eval.jsonl")}
+    with open(paths["train"], "w") as a, open(paths["eval"], "w") as b:
+        for line, t in zip(lines, ts):
+            (a if t < cut else b).write(line + "\n")
+    n_train = sum(t < cut for t in ts)
+    return {**paths, "cut_ms": cut, "train_requests": n_train, "eval_requests": len(ts) - n_train}
+
+
+def inference_speed(ckpt_dir: str) -> dict:
+    """Predictor throughput on this machine, and the cost of eviction scoring over a large cache."""
+    ck = load_checkpoint(ckpt_dir)
+    pred = Predictor(ck.config, ck.params, ck.normalizer)
+    raw = np.random.default_rng(0).uniform(0, 100, (65536, len(FEATURE_NAMES))).astype(np.float32)
+    pred.predict(raw)                                          # compile
+    t = time.perf_counter()
+    for _ in range(3):
+        pred.predict(raw)
+    predict_s = (time.perf_counter() - t) / 3
+    small = raw[:32]
+    pred.predict(small)
+    t = time.perf_counter()
+    for _ in range(100):
+        pred.predict(small)
+    per_request_ms = (time.perf_counter() - t) / 100 * 1e3
+    curves = pred.predict(raw[:8192])
+    curves = np.tile(curves, (13, 1))[:100_000].astype(np.float64)
+    idle = np.random.default_rng(1).uniform(0, 1000, len(curves))
+    t = time.perf_counter()
+    for _ in range(10):
+        np.argsort(reuse_within(curves, ck.config.horizons_ms, idle, 200.0))
+    evict_ms = (time.perf_counter() - t) / 10 * 1e3
+    return {"device": "cpu (2 cores)", "predict_blocks_per_s": 65536 / predict_s,
+            "predict_65536_blocks_s": predict_s, "predict_32_blocks_ms": per_request_ms,
+            "evict_rank_100k_cached_blocks_ms": evict_ms,
+            "note": "the model runs once per block access (batched per request); evictions rank stored "
+                    "curves without running it"}
+
+
+def whole_trace_training(trace: str, out_dir: str) -> dict:
+    cmd = [sys.executable, "-m", "stratum_jax.train_dmlp", "--traces", trace, "--format", "mooncake",
+           "--out", out_dir, "--time-scale", str(TIME_SCALE)]
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - t
+    rep = json.load(open(os.path.join(out_dir, "report.json")))
+    return {"command": " ".join(cmd[1:]), "wall_seconds": wall, "train_loop_seconds": rep["train"]["seconds"],
+            "featurize_seconds": rep["train"]["featurize_seconds"], "examples": rep["train"]["examples"]}
+
+
+def summarize(report: dict) -> dict:
+    pol, val = report["policy"], report["val"]
+    hit = pol["hit_rate"]
+    h = report["headline_horizon_ms"]
+    k = report["horizons_ms"].index(h)
+    margins = [d - l for d, l in zip(hit["dmlp"], hit["lru"])]
+    i01 = pol["capacity_frac"].index(0.1)
+    return {
+        "headline_horizon_ms": h,
+        "headline": {m: val[m][k] for m in ("positive_rate", "accuracy", "majority_accuracy", "auc", "brier")},
+        "targets": {
+            "headline_positive_rate_in_20_80": 0.2 <= val["positive_rate"][k] <= 0.8,
+            "accuracy_ge_0.923": val["accuracy"][k] >= TARGET_ACCURACY,
+            "accuracy_shortfall": TARGET_ACCURACY - val["accuracy"][k],
+            "auc_ge_0.85": val["auc"][k] >= TARGET_AUC,
+            "auc_shortfall": TARGET_AUC - val["auc"][k],
+            "dmlp_ge_lru_at_every_capacity": all(m >= 0 for m in margins),
+            "dmlp_minus_lru": margins,
+            "gap_closed_at_0.1": pol["dmlp_gap_closed"][i01],
+            "gap_closed_at_0.1_ge_0.5": pol["dmlp_gap_closed"][i01] >= TARGET_GAP,
+        },
+    }
+
+
+def plot(report: dict, path_hit: str, path_cal: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pol = report["policy"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for name, style in (("belady", "k--"), ("dmlp", "o-"), ("lru", "s-"), ("lfu", "^-")):
+        ax.plot(pol["capacity_frac"], pol["hit_rate"][name], style, label=name.upper() if name != "belady"
+                else "Belady (oracle)")
+    ax.set_xlabel("HBM capacity (fraction of the evaluated part's unique blocks)")
+    ax.set_ylabel("block hit rate")
+    ax.set_title(f"Mooncake conversation trace, last 40% of the timeline\ntime scale {report['time_scale']:g}x, "
+                 f"trained on the first 60%", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path_hit, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.4, 5.0))
+    ax.plot([0, 1], [0, 1], "k:", label="perfect calibration")
+    for h, c in report["calibration"].items():
+        keep = [i for i, n in enumerate(c["count"]) if n >= MIN_BIN]
+        ax.plot([c["mean_predicted"][i] for i in keep], [c["observed_rate"][i] for i in keep], "o-", ms=3,
+                label=f"{h} ms")
+    ax.set_xlabel("predicted P(reuse within h)")
+    ax.set_ylabel("observed reuse rate")
+    ax.set_title(f"DMLP calibration on the evaluated part (bins with >= {MIN_BIN} accesses)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path_cal, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", default=TRACE)
+    ap.add_argument("--skip-whole-trace", action="store_true", help="do not time training on the whole trace")
+    a = ap.parse_args()
+    os.makedirs(RESULTS, exist_ok=True)
+    opts = EvalOptions(CAPACITY_FRACS, HOST_FRAC)
+    with tempfile.TemporaryDirectory() as tmp:
+        split = split_by_time(a.trace, tmp)
+        t = time.perf_counter()
+        train_report = run_train([split["train"]], "mooncake", os.path.join(tmp, "run"), (10.0, 50.0, 100.0, 200.0, 500.0),
+                                 TIME_SCALE, 0.25, TrainConfig(), opts)
+        train_wall = time.perf_counter() - t
+        ckpt = os.path.join(tmp, "run", "checkpoint")
+        report = run_eval(ckpt, [split["eval"]], "mooncake", os.path.join(tmp, "eval.json"), [split["train"]],
+                          None, opts)
+        report["benchmark"] = {
+            "trace": os.path.relpath(os.path.abspath(a.trace), ROOT),
+            "split": {"train_share_of_timeline": TRAIN_SHARE, **{k: v for k, v in split.items()
+                                                                  if k not in ("train", "eval")}},
+            "time_scale": TIME_SCALE,
+            "train_run": {"wall_seconds": train_wall, "val_fraction": 0.25, "best_epoch": train_report["train"]["best_epoch"],
+                          "epochs": train_report["train"]["epochs"], "val": train_report["val"],
+                          "val_policy": train_report["policy"]},
+            "inference": inference_speed(ckpt),
+            "whole_trace_training": None if a.skip_whole_trace else whole_trace_training(a.trace, os.path.join(tmp, "whole")),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                        "jax": __import__("jax").__version__},
+            "date": datetime.date.today().isoformat(),
+        }
+        report["benchmark"].update(summarize(report))
+    out = os.path.join(RESULTS, "dmlp_mooncake_report.json")
+    write_report(report, out)
+    plot(report, os.path.join(RESULTS, "dmlp_mooncake_hit_rate.png"), os.path.join(RESULTS, "dmlp_mooncake_calibration.png"))
+    b, pol = report["benchmark"], report["policy"]
+    print(f"\nDMLP on {b['trace']} (eval on the last 40% of the timeline, time scale {TIME_SCALE:g}x)")
+    print("capacity  " + "  ".join(f"{c:>6.2f}" for c in pol["capacity_frac"]))
+    for name in ("lru", "lfu", "dmlp", "belady"):
+        print(f"{name:8s}  " + "  ".join(f"{x:6.4f}" for x in pol["hit_rate"][name]))
+    print("gap closed" + "  ".join(f"{x:6.3f}" for x in pol["dmlp_gap_closed"]))
+    print(f"headline horizon {b['headline_horizon_ms']:g} ms: " +
+          ", ".join(f"{k} {v:.4f}" for k, v in b["headline"].items()))
+    print(json.dumps(b["targets"], indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
