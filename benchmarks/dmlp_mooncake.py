@@ -95,7 +95,8 @@ def whole_trace_training(trace: str, out_dir: str) -> dict:
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - t
     rep = json.load(open(os.path.join(out_dir, "report.json")))
-    return {"command": " ".join(cmd[1:]), "wall_seconds": wall, "train_loop_seconds": rep["train"]["seconds"],
+    shown = [os.path.relpath(a, ROOT) if a in (trace, out_dir) else a for a in cmd[1:]]
+    return {"command": " ".join(shown), "wall_seconds": wall, "train_loop_seconds": rep["train"]["seconds"],
             "featurize_seconds": rep["train"]["featurize_seconds"], "examples": rep["train"]["examples"]}
 
 
@@ -175,6 +176,10 @@ def main() -> int:
         ckpt = os.path.join(tmp, "run", "checkpoint")
         report = run_eval(ckpt, [split["eval"]], "mooncake", os.path.join(tmp, "eval.json"), [split["train"]],
                           None, opts)
+        # The split files live in a temporary directory: record what they are, not where they were.
+        report["data"].update(traces=["eval.jsonl: the last 40% of the timeline"],
+                              warmup=["train.jsonl: the first 60% (history only)"],
+                              checkpoint="trained on train.jsonl")
         report["benchmark"] = {
             "trace": os.path.relpath(os.path.abspath(a.trace), ROOT),
             "split": {"train_share_of_timeline": TRAIN_SHARE, **{k: v for k, v in split.items()

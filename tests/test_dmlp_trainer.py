@@ -107,7 +107,7 @@ def test_cli_train_then_eval(traces, tmp_path, capsys):
     for name in ("lru", "lfu", "dmlp"):
         assert all(x <= b + 1e-12 for x, b in zip(pol["hit_rate"][name], pol["hit_rate"]["belady"]))
     rpath = str(tmp_path / "eval.json")
-    rc = train_dmlp.main(["--eval-only", "--checkpoint", os.path.join(out, "checkpoint"), "--traces",
+    rc = train_dmlp.main(["--eval-only", "--checkpoint", out, "--traces",   # the --out dir works too
                           traces["eval"], "--warmup-traces", traces["train"], "--format", "mooncake",
                           "--report", rpath])
     assert rc == 0

@@ -136,8 +136,8 @@ class Learner:
 def worker_main(data_q, control_q, out_q, model_config, params, normalizer, config: OnlineConfig,
                 threshold_state: tuple, checkpoint_dir: str, parent_pid: int) -> None:
     """Entry point of the fine-tuning process. Pins itself, limits XLA to one thread, then loops:
-    take data, run a round when ready, report swaps, sleep to honour the CPU budget, checkpoint on
-    the interval and when told to stop."""
+    take data, run a round when ready (and not paused), report swaps, sleep to honour the CPU budget,
+    checkpoint on the interval and when told to stop. Commands: "pause", "resume", "stop"."""
     if config.cpu_cores:
         os.sched_setaffinity(0, set(config.cpu_cores))
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -147,15 +147,17 @@ def worker_main(data_q, control_q, out_q, model_config, params, normalizer, conf
     try:
         value, low, high, step = threshold_state
         learner = Learner(model_config, params, normalizer, config, ConfidenceThreshold(value, low, high, step))
-        last_ckpt, pause = time.monotonic(), 0.0
+        last_ckpt, pause, paused = time.monotonic(), 0.0, False
         while os.getppid() == parent_pid:
-            try:    # the pause that keeps the budget doubles as the wait for a stop
-                if control_q.get(timeout=pause) == "stop":
-                    break
+            try:    # the pause that keeps the budget doubles as the wait for commands
+                cmd = control_q.get(timeout=pause)
             except queue.Empty:
-                pass
+                cmd = None
+            if cmd == "stop":
+                break
+            paused = {"pause": True, "resume": False}.get(cmd, paused)
             _drain(data_q, learner)
-            if not learner.ready:
+            if paused or not learner.ready:
                 pause = 0.05
                 continue
             busy = time.perf_counter()

@@ -49,6 +49,8 @@ class OnlineFineTuner:
         ctx = mp.get_context("spawn")     # never fork a process that has XLA threads
         self._ctx = ctx
         self._data = ctx.Queue(maxsize=config.queue_batches)
+        # Never let process exit wait to flush training data nobody will read (a stopped worker).
+        self._data.cancel_join_thread()
         self._control = ctx.Queue()
         self._out = ctx.Queue()
         self._process = None
@@ -95,6 +97,13 @@ class OnlineFineTuner:
         self._process.start()
         self._thread = threading.Thread(target=self._listen, name="dmlp-online", daemon=True)
         self._thread.start()
+
+    def pause(self) -> None:
+        """Stops taking optax steps (examples are still collected) until `resume()`."""
+        self._control.put("pause")
+
+    def resume(self) -> None:
+        self._control.put("resume")
 
     def stop(self, timeout_s: float = 120.0) -> str | None:
         """Stops the worker after its final checkpoint; returns that checkpoint's path."""

@@ -56,6 +56,9 @@ def run_train(traces: list[str], fmt: str, out_dir: str, horizons_ms, time_scale
 
 def run_eval(checkpoint: str, traces: list[str], fmt: str, report_path: str, warmup: list[str],
              time_scale: float | None, opts: EvalOptions) -> dict:
+    nested = os.path.join(checkpoint, "checkpoint")      # also accept a training --out directory
+    if not os.path.exists(os.path.join(checkpoint, "meta.json")) and os.path.isdir(nested):
+        checkpoint = nested
     ckpt = load_checkpoint(checkpoint)
     scale = ckpt.extra.get("time_scale", 1.0) if time_scale is None else time_scale
     stream = read_timeline(list(warmup) + list(traces), fmt, scale)

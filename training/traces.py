@@ -38,8 +38,6 @@ from stratum_jax.dmlp.features import FEATURE_NAMES, SEED_FEATURES
 MOONCAKE_BLOCK_TOKENS = 512
 EVENTS = ("created", "accessed", "evicted", "recalled", "freed")
 ACCESS_EVENTS = ("created", "accessed")
-# Per-event features read from a stratum log; the rest of FEATURE_NAMES is derived from history.
-LOGGED_FEATURES = SEED_FEATURES + ("depth", "blocks_after", "fill", "input_tokens", "max_tokens")
 
 
 class TraceFormatError(ValueError):
