@@ -95,7 +95,7 @@ def whole_trace_training(trace: str, out_dir: str) -> dict:
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - t
     rep = json.load(open(os.path.join(out_dir, "report.json")))
-    shown = [os.path.relpath(a, ROOT) if a in (trace, out_dir) else a for a in cmd[1:]]
+    shown = [os.path.relpath(a, ROOT) if a == trace else "<tmp>" if a == out_dir else a for a in cmd[1:]]
     return {"command": " ".join(shown), "wall_seconds": wall, "train_loop_seconds": rep["train"]["seconds"],
             "featurize_seconds": rep["train"]["featurize_seconds"], "examples": rep["train"]["examples"]}
 

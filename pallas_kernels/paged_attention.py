@@ -50,6 +50,19 @@ unchanged. See `_materialize_bf16` for the hook's contract.
 over `num_splits` CTAs; each writes a normalised partial output and its log2-sum-exp, and a small
 jnp combine (`_combine_splits`) merges them.
 
+*Score statistics (opt-in, `return_score_stats=True`).* For the page-size rule and the DMLP's
+`attn_var5` feature the kernel can also return, per query row, the population variance of the
+softmax inputs over the row's valid keys. Alongside the online softmax each row accumulates, in
+fp32 and over its unmasked keys only, the sums of (s - c) and (s - c)^2, where the shift c is the
+row max of the CTA's first tile (a value inside the score range, so the sums do not cancel the way
+raw sums of s and s^2 do when the scores share a large offset). With 64-token tiles the sums stay
+per (row, column) in registers and are reduced over columns once, after the loop. Each CTA writes
+(c, sum, sum of squares) for its rows; the wrapper merges the splits (Chan et al.'s pairwise
+update) and returns var = M2 / n. The flag is static: with it off, the traced kernel is exactly the
+one without it. Measured on the H200 on 2026-11-30 (B=64, Hq=32, Hkv=8, D=128, default config,
+pages 16/128/mixed, 1K and 4K context, jitted): the stats make the kernel 1.6-8.5% slower, about
++4 us at 1K and +4-13 us at 4K (benchmarks/score_stats_cost.py, results/score_stats_cost_h200.json).
+
 Numerics: fp32 scores, fp32 online softmax in base 2 (exp2 with log2(e) folded into the scale),
 fp32 accumulation, bf16 P for the second WGMMA (standard flash-attention practice). Rows with
 length 0 produce zeros.
@@ -147,11 +160,13 @@ def _table_window(max_pages: int, num_splits: int, block_kv: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, page_sizes, *,
-                              sm_scale=None, soft_cap=None):
+                              sm_scale=None, soft_cap=None, return_score_stats: bool = False):
     """Pure-jnp paged decode attention with fp32 math (same contract as `paged_attention`).
 
     Gathers each sequence's tokens to a dense [batch, num_kv_heads, max_tokens, head_dim] view, where
     max_tokens = max_pages * max(PAGE_SIZES), so it is for tests and small shapes, not for speed.
+    With `return_score_stats=True` it returns `(out, score_var)`, score_var as in `paged_attention`
+    (computed here in two passes: mean, then mean squared deviation).
     """
     _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes)
     batch, num_q_heads, head_dim = q.shape
@@ -181,7 +196,23 @@ def paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, page_size
     l = jnp.sum(p, axis=-1, keepdims=True)
     v = jnp.where(valid[None, :, :, None], v, 0.0)    # stale slots may hold NaN; 0 * NaN = NaN
     o = jnp.einsum("bhgt,hbtd->bhgd", p, v) / jnp.where(l == 0, 1.0, l)
-    return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+    o = o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+    if not return_score_stats:
+        return o
+    return o, score_variance(s, valid[:, None, None, :]).reshape(batch, num_q_heads)
+
+
+def score_variance(s, valid):
+    """Population variance of the scores `s` over the last axis where `valid` (broadcastable to s),
+    in fp32, two-pass (mean, then mean squared deviation). Rows with no valid entry give 0; entries
+    outside `valid` (even NaN or -inf) contribute nothing."""
+    valid = jnp.broadcast_to(valid, s.shape)
+    n = jnp.sum(valid, axis=-1, dtype=jnp.float32)
+    n_safe = jnp.maximum(n, 1.0)
+    s = s.astype(jnp.float32)
+    mean = jnp.sum(jnp.where(valid, s, 0.0), axis=-1) / n_safe
+    dev = jnp.where(valid, s - mean[..., None], 0.0)
+    return jnp.where(n > 0, jnp.sum(dev * dev, axis=-1) / n_safe, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +250,8 @@ def _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes):
 
 def paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *,
                     sm_scale: float | None = None, soft_cap: float | None = None,
-                    config: TuningConfig | None = None, interpret: bool = False) -> jax.Array:
+                    config: TuningConfig | None = None, interpret: bool = False,
+                    return_score_stats: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention over a paged KV pool with per-sequence page sizes (Mosaic GPU kernel).
 
     Args:
@@ -234,10 +266,18 @@ def paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *,
       config: TuningConfig; the default (block_kv=64, 2 stages, split from the grid size) was the
         fastest swept config, or within 7% of it, at every measured H200 shape (KERNEL_NOTES.md).
       interpret: run the kernel in the Mosaic GPU interpreter on CPU (tests).
+      return_score_stats: static; also return each query row's attention-score variance (below).
+        Off (the default), the traced kernel is exactly the kernel without this feature.
 
     Returns:
       [batch, num_q_heads, head_dim] in q.dtype. GQA: q head j uses kv head j // (num_q_heads //
       num_kv_heads). Head dims 64 and 128 are supported; num_q_heads // num_kv_heads <= 64.
+      With return_score_stats: `(out, score_var)`, score_var float32 [batch, num_q_heads]. For the
+      query row (b, j), the score of key t is s_t = sm_scale * q[b, j] . k_t (then the soft cap, if
+      set), i.e. the softmax input; score_var[b, j] is the population variance of s_t over the
+      valid keys t < lengths[b]: mean(s^2) - mean(s)^2 (>= 0; 0 for a row with length 0). It is
+      accumulated in fp32 from the same fp32 scores (bf16 q and K) the softmax uses, with the
+      kernel's approximate tanh when a soft cap is set.
     """
     _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes)
     head_dim = q.shape[2]
@@ -255,19 +295,22 @@ def paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *,
         config = dataclasses.replace(config, num_splits=default_num_splits(q.shape[0], k_pool.shape[0]))
     scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
     cap = None if soft_cap is None else float(soft_cap)
+    stats = bool(return_score_stats)
     if interpret:
         with mosaic_gpu_interpret():
             return _paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
-                                    scale=scale, soft_cap=cap, config=config, p_via_smem=True)
+                                    scale=scale, soft_cap=cap, config=config, p_via_smem=True,
+                                    score_stats=stats)
     # `interpret_mode_active()` is also a static jit argument so interpreted and compiled traces
     # never share a cache entry.
     return _paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, scale=scale,
-                            soft_cap=cap, config=config, p_via_smem=interpret_mode_active())
+                            soft_cap=cap, config=config, p_via_smem=interpret_mode_active(),
+                            score_stats=stats)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "config", "p_via_smem"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "config", "p_via_smem", "score_stats"))
 def _paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, scale, soft_cap, config,
-                     p_via_smem):
+                     p_via_smem, score_stats=False):
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
     group = num_q_heads // num_kv_heads
@@ -301,20 +344,74 @@ def _paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sca
         batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
         table_len=table.shape[0], rows_per_b=rows_per_b,
         rows_per_h=rows_per_h, copy_rows=copy_rows, out_dtype=jnp.dtype(out_dtype if splits == 1 else jnp.float32),
-        scale=scale, soft_cap=soft_cap, config=config, p_via_smem=p_via_smem or config.p_via_smem)
+        scale=scale, soft_cap=soft_cap, config=config, p_via_smem=p_via_smem or config.p_via_smem,
+        score_stats=score_stats)
     res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool)
+
+    def group_rows(x):
+        """[B * S, Hkv, cols] row vectors (lse, score stats) -> the group's rows [B, S, Hkv, G]. The
+        rows start at the 8-aligned q row block; the group's rows start at row_off (static)."""
+        rows = np.arange(batch)[:, None] * rows_per_b + np.arange(num_kv_heads)[None, :] * rows_per_h
+        idx = (rows % 8)[:, None, :, None] + np.arange(group)[None, None, None, :]     # [B, 1, Hkv, G]
+        return jnp.take_along_axis(x.reshape(batch, splits, num_kv_heads, -1),
+                                   jnp.asarray(np.broadcast_to(idx, (batch, splits, num_kv_heads, group))), axis=3)
+
+    if score_stats:
+        res, stats = res[:-3], res[-3:]
+        score_var = _score_variance_from_partials(
+            *(group_rows(x) for x in stats), lengths=lengths, page_sizes=page_sizes,
+            max_pages=max_pages, block_kv=config.block_kv, splits=splits).reshape(batch, num_q_heads)
 
     if splits == 1:
         out = res[0].reshape(batch, num_kv_heads, rows_per_h, head_dim)[:, :, :group]
-        return out.reshape(batch, num_q_heads, head_dim)
-    o_part, lse = res
-    o_part = o_part.reshape(batch, splits, num_kv_heads, rows_per_h, head_dim)[:, :, :, :group]
-    # lse rows start at the 8-aligned q row block; the group's rows start at row_off (static).
-    rows = np.arange(batch)[:, None] * rows_per_b + np.arange(num_kv_heads)[None, :] * rows_per_h
-    idx = (rows % 8)[:, None, :, None] + np.arange(group)[None, None, None, :]     # [B, 1, Hkv, G]
-    lse = jnp.take_along_axis(lse.reshape(batch, splits, num_kv_heads, -1),
-                              jnp.asarray(np.broadcast_to(idx, (batch, splits, num_kv_heads, group))), axis=3)
-    return _combine_splits(o_part, lse).reshape(batch, num_q_heads, head_dim).astype(out_dtype)
+        out = out.reshape(batch, num_q_heads, head_dim)
+    else:
+        o_part, lse = res
+        o_part = o_part.reshape(batch, splits, num_kv_heads, rows_per_h, head_dim)[:, :, :, :group]
+        out = _combine_splits(o_part, group_rows(lse)).reshape(batch, num_q_heads, head_dim).astype(out_dtype)
+    if score_stats:
+        return out, score_var
+    return out
+
+
+def _split_key_counts(lengths, page_sizes, *, max_pages, block_kv, splits):
+    """Valid keys each split of each sequence covers: [batch, splits] float32. The same length clamp
+    and tile partition as the kernel's prologue."""
+    log2_p = 3 + sum((page_sizes > (8 << c)).astype(jnp.int32) for c in range(5))
+    length = jnp.clip(lengths, 0, max_pages * jnp.left_shift(1, log2_p))
+    n_tiles = (length + block_kv - 1) // block_kv
+    per_split = (n_tiles + splits - 1) // splits
+    k = jnp.arange(splits, dtype=jnp.int32)[None, :]
+    tile_lo = jnp.minimum(k * per_split[:, None], n_tiles[:, None])
+    tile_hi = jnp.minimum(tile_lo + per_split[:, None], n_tiles[:, None])
+    n = jnp.minimum(length[:, None], tile_hi * block_kv) - tile_lo * block_kv
+    return jnp.maximum(n, 0).astype(jnp.float32)
+
+
+def _score_variance_from_partials(shift, s1, s2, *, lengths, page_sizes, max_pages, block_kv, splits):
+    """Merge the kernel's per-split score sums into the population variance of each row's scores.
+
+    shift, s1, s2: [B, S, Hkv, G] fp32 in the kernel's base-2 units (scores times log2(e)): the
+    split's shift c, sum(s - c) and sum((s - c)^2) over the split's valid keys. Returns [B, Hkv, G]
+    fp32, in natural units, >= 0, and 0 where the sequence has no valid key.
+    """
+    n = _split_key_counts(lengths, page_sizes, max_pages=max_pages, block_kv=block_kv,
+                          splits=splits)[:, :, None, None]                       # [B, S, 1, 1]
+    has = n > 0
+    n_safe = jnp.maximum(n, 1.0)
+    # Per split: mean and M2 (sum of squared deviations from the split's own mean).
+    mean = jnp.where(has, shift + s1 / n_safe, 0.0)
+    m2 = jnp.where(has, jnp.maximum(s2 - s1 * (s1 / n_safe), 0.0), 0.0)
+    if splits > 1:   # Chan et al.: M2 = sum M2_i + sum n_i (mean_i - mean)^2
+        n_tot = jnp.sum(n, axis=1)
+        mean_tot = jnp.sum(n * mean, axis=1) / jnp.maximum(n_tot, 1.0)
+        dev = jnp.where(has, mean - mean_tot[:, None], 0.0)
+        m2 = jnp.sum(m2 + n * dev * dev, axis=1)
+        n = n_tot
+    else:
+        m2, n = m2[:, 0], n[:, 0]
+    var = m2 / jnp.maximum(n, 1.0) * (1.0 / (_LOG2E * _LOG2E))
+    return jnp.where(n > 0, jnp.maximum(var, 0.0), 0.0)
 
 
 def _combine_splits(o_part, lse):
@@ -333,8 +430,10 @@ def _combine_splits(o_part, lse):
 # ---------------------------------------------------------------------------------------------
 
 def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len, rows_per_b,
-                  rows_per_h, copy_rows, out_dtype, scale, soft_cap, config, p_via_smem):
-    """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or (o_part, lse)."""
+                  rows_per_h, copy_rows, out_dtype, scale, soft_cap, config, p_via_smem,
+                  score_stats=False):
+    """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or (o_part, lse), followed
+    by (shift, sum, sum of squares) score-stat rows when score_stats (see the module docstring)."""
     T = config.block_kv
     stages = config.num_stages
     splits = config.num_splits
@@ -351,15 +450,25 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
     mma_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    # Score stats: with 64-token tiles, keep the sums per (row, column) in two [64, T] fp32 register
+    # tiles (32 registers each per thread) and reduce over columns once at the end, instead of two
+    # extra cross-lane row reductions per tile (H200 A/B over six 1K/4K shapes: +1.6-8.5% vs
+    # +1.7-17% over the plain kernel, and 2-3x smaller error). Larger tiles would need 64-128
+    # registers per sum, so they reduce per tile.
+    stats_per_column = score_stats and T == 64
 
     def body(lengths_ref, psizes_ref, table_ref, q_ref, k_ref, v_ref, *rest):
         if splits == 1:
-            (o_ref,), scratch = rest[:1], rest[1:]
+            (o_ref,), rest = rest[:1], rest[1:]
             lse_ref = None
         else:
-            (o_ref, lse_ref), scratch = rest[:2], rest[2:]
-        (table_smem, q_smem, k_ring, v_ring, o_smem, lse_smem, meta_bar, k_bars, v_bars, *p_smem) = scratch
-        p_smem = p_smem[0] if p_smem else None
+            (o_ref, lse_ref), rest = rest[:2], rest[2:]
+        if score_stats:
+            stat_refs, rest = rest[:3], rest[3:]
+        (table_smem, q_smem, k_ring, v_ring, o_smem, lse_smem, meta_bar, k_bars, v_bars, *extra) = rest
+        if score_stats:
+            stat_smem, extra = extra[:3], extra[3:]
+        p_smem = extra[0] if extra else None
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         k_split = lax.axis_index("k") if splits > 1 else 0
@@ -445,7 +554,10 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
 
         # --- attend: online softmax update with one tile ----------------------------------
         def attend(carry, k_tile, v_tile, n_valid):
-            acc, m_i, l_i = carry
+            if score_stats:
+                acc, m_i, l_i, c_i, s1_i, s2_i = carry
+            else:
+                acc, m_i, l_i = carry
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
@@ -458,6 +570,17 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
             cols = plgpu.broadcasted_iota(jnp.int32, (_Q_ROWS, T), 1, layout=wgmma_layout)
             s = jnp.where(cols < n_valid, s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1))
+            if score_stats:
+                # Shift: the row max of the CTA's first tile (m_i is -inf only before it). Masked
+                # keys (s = -inf, or NaN from free slots before the mask) contribute exactly 0.
+                c_i = jnp.where(m_i == -jnp.inf, m_new, c_i)
+                d = jnp.where(cols < n_valid, s - lax.broadcast_in_dim(c_i, s.shape, [0]), 0.0)
+                if stats_per_column:
+                    s1_i = s1_i + d
+                    s2_i = s2_i + d * d
+                else:
+                    s1_i = s1_i + d.sum(axis=1)
+                    s2_i = s2_i + (d * d).sum(axis=1)
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)
@@ -479,6 +602,8 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
                     plgpu.wgmma(acc_ref, p_smem, v_tile)
                     return acc_ref[...]
                 acc = acc + pl.run_scoped(pv, plgpu.ACC((_Q_ROWS, head_dim), jnp.float32))
+            if score_stats:
+                return acc, m_new, l_i, c_i, s1_i, s2_i
             return acc, m_new, l_i
 
         # --- pipeline ---------------------------------------------------------------------
@@ -505,13 +630,25 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
         acc0 = plgpu.layout_cast(jnp.zeros((_Q_ROWS, head_dim), jnp.float32), wgmma_layout)
         m0 = plgpu.layout_cast(jnp.full((_Q_ROWS,), -jnp.inf, jnp.float32), row_layout)
         l0 = plgpu.layout_cast(jnp.zeros((_Q_ROWS,), jnp.float32), row_layout)
-        acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc0, m0, l0))
+        if score_stats:
+            z = plgpu.layout_cast(jnp.zeros((_Q_ROWS,), jnp.float32), row_layout)
+            if stats_per_column:
+                zt = plgpu.layout_cast(jnp.zeros((_Q_ROWS, T), jnp.float32), wgmma_layout)
+                acc, m_i, l_i, c_i, s1_i, s2_i = lax.fori_loop(0, num_steps, step, (acc0, m0, l0, z, zt, zt))
+                s1_i, s2_i = s1_i.sum(axis=1), s2_i.sum(axis=1)
+            else:
+                acc, m_i, l_i, c_i, s1_i, s2_i = lax.fori_loop(0, num_steps, step, (acc0, m0, l0, z, z, z))
+        else:
+            acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc0, m0, l0))
 
         # --- epilogue: normalise, write the group's rows ----------------------------------
         l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
         o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(out_dtype)
         if lse_ref is not None:
             lse_smem[...] = m_i + jnp.log2(l_i)      # -inf for an empty split
+        if score_stats:
+            for ref, val in zip(stat_smem, (c_i, s1_i, s2_i)):
+                ref[...] = val
         plgpu.commit_smem()
         if splits == 1:
             out_row = q_row
@@ -520,12 +657,17 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row_off, group)], o_ref.at[pl.ds(out_row, group)])
         if lse_ref is not None:
             plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, lse_cols)], lse_ref.at[b * splits + k_split, h])
+        if score_stats:
+            for src, dst in zip(stat_smem, stat_refs):
+                plgpu.copy_smem_to_gmem(src.at[pl.ds(0, lse_cols)], dst.at[b * splits + k_split, h])
         plgpu.wait_smem_to_gmem(0)
 
     out_rows = batch * rows_per_b * splits
     out_type = [jax.ShapeDtypeStruct((out_rows, head_dim), out_dtype)]
     if splits > 1:
         out_type.append(jax.ShapeDtypeStruct((batch * splits, num_kv_heads, lse_cols), jnp.float32))
+    if score_stats:
+        out_type += [jax.ShapeDtypeStruct((batch * splits, num_kv_heads, lse_cols), jnp.float32)] * 3
     scratch = [
         plgpu.SMEM((window,), jnp.int32),
         plgpu.SMEM((_Q_ROWS, head_dim), jnp.bfloat16, transforms=mma_transforms),
@@ -537,6 +679,8 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
         [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in groups],
         [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in groups],
     ]
+    if score_stats:
+        scratch += [plgpu.SMEM((_Q_ROWS,), jnp.float32) for _ in range(3)]
     if p_via_smem:
         scratch.append(plgpu.SMEM((_Q_ROWS, T), jnp.bfloat16, transforms=mma_transforms))
     grid, names = (batch, num_kv_heads), ("b", "h")

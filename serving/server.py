@@ -53,6 +53,7 @@ class StratumServer:
         self._metrics_httpd = None
         self._profiler_started = False
         self._drained: asyncio.Event | None = None
+        self._dmlp_tuner = None          # the online DMLP fine-tuner, while it runs
 
     # ---- start-up ----
 
@@ -101,6 +102,7 @@ class StratumServer:
         """Loads and warms the model off the event loop, then turns the server SERVING."""
         served, bandwidth = await asyncio.to_thread(self._load_blocking)
         if self._drained is not None:        # told to stop while loading: never turn SERVING
+            await asyncio.to_thread(self._stop_dmlp)
             return
         self.runner = served.runner
         self.metrics.hbm_bandwidth.set(bandwidth)
@@ -120,6 +122,7 @@ class StratumServer:
         log.info("warming up (compiling the step functions)")
         engine.warmup()
         _calibrate(engine, self.config)
+        self._start_dmlp(engine)
         bandwidth = measure_copy_bandwidth_gbps()
         name = _model_name(self.config.model)
         mc = engine.model_config
@@ -132,6 +135,24 @@ class StratumServer:
         translator = Translator(engine.tokenizer, Limits(name, self.config.max_context, self.config.max_tokens_cap))
         runner = EngineRunner(engine, self.metrics)
         return Served(runner, translator, info, kv_bytes), bandwidth
+
+    def _start_dmlp(self, engine) -> None:
+        """With --cache-policy dmlp: exports stratum_dmlp_* and starts online fine-tuning (after warm-up,
+        so its worker process does not compete with the compiles)."""
+        from stratum_jax.dmlp.runtime import export_dmlp_metrics
+        policy, tuner = getattr(engine, "cache_policy", None), getattr(engine, "dmlp_tuner", None)
+        export_dmlp_metrics(policy, tuner, self.metrics.registry)
+        if tuner is not None:
+            log.info("starting online DMLP fine-tuning (checkpoints in %s)", tuner.checkpoint_dir)
+            tuner.start()
+            self._dmlp_tuner = tuner
+
+    def _stop_dmlp(self) -> None:
+        """Stops online fine-tuning after its final checkpoint (the engine thread has stopped)."""
+        tuner, self._dmlp_tuner = self._dmlp_tuner, None
+        if tuner is not None:
+            path = tuner.stop()
+            log.info("online DMLP fine-tuning stopped (%d updates); final checkpoint %s", tuner.updates, path)
 
     def _on_auth_reject(self, method: str) -> None:
         if method == MESSAGES_METHOD:
@@ -164,6 +185,7 @@ class StratumServer:
         await self._server.stop(grace=1.0)
         if self.runner is not None:
             await asyncio.to_thread(self.runner.stop)
+        await asyncio.to_thread(self._stop_dmlp)
         self._stop_side_servers()
         self._drained.set()
         log.info("drained")

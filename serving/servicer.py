@@ -228,7 +228,7 @@ class StratumServicer(pb_grpc.StratumServicer):
             requests_by_status=self.metrics.status_counts(), accepted=served.runner.accepted,
             finished=served.runner.finished, ttft=_summary(self.metrics.recent_ttft.summary()),
             tpot=_summary(self.metrics.recent_tpot.summary()), e2e=_summary(self.metrics.recent_e2e.summary()),
-            draining=self.state == DRAINING)
+            draining=self.state == DRAINING, dmlp=_dmlp_status(served.runner.engine))
 
     async def Profile(self, request: pb.ProfileRequest, context) -> pb.ProfileResponse:
         served = await self._require_loaded(context)
@@ -298,6 +298,12 @@ def _deadline(context, now: float) -> float | None:
 
 def _cancel_status(deadline: float | None) -> str:
     return "deadline_exceeded" if deadline is not None and time.monotonic() >= deadline else "cancelled"
+
+
+def _dmlp_status(engine) -> pb.DmlpStatus | None:
+    from stratum_jax.dmlp.runtime import dmlp_status
+    status = dmlp_status(getattr(engine, "cache_policy", None), getattr(engine, "dmlp_tuner", None))
+    return None if status is None else pb.DmlpStatus(**status)
 
 
 def _summary(s: LatencySummary) -> pb.LatencySummary:

@@ -3,11 +3,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 PAGE_SIZE_CLASSES = (8, 16, 32, 64, 128, 256)   # tokens per page: 8 * 2^k
 ATTENTION_BACKENDS = ("reference", "kernel")
-# "dmlp" joins once stratum_jax/dmlp/policy.py is wired into the page pool's eviction (issue #5).
-CACHE_POLICIES = ("lru",)
+CACHE_POLICIES = ("lru", "dmlp")
+DMLP_CONFIDENCE_RANGE = (0.5, 0.95)    # the bounds of ConfidenceThreshold (stratum_jax/dmlp/policy.py)
+
+
+def parse_cores(text: str | None) -> tuple[int, ...] | None:
+    """"2,3" or "4-7" or "0,2-3" -> sorted core ids; "" or None -> None. ValueError names the flag."""
+    if text is None or str(text).strip() == "":
+        return None
+    cores: set[int] = set()
+    try:
+        for part in str(text).split(","):
+            lo, _, hi = part.strip().partition("-")
+            a, b = int(lo), int(hi) if hi else int(lo)
+            if a < 0 or b < a:
+                raise ValueError
+            cores.update(range(a, b + 1))
+    except ValueError:
+        raise ValueError(f"--dmlp-online-cores must list CPU cores like 2,3 or 4-7, got {text!r}") from None
+    return tuple(sorted(cores))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +44,12 @@ class RuntimeConfig:
     page_size: int | None = None     # force one page size for every request; None = adaptive rule
     attention: str = "reference"     # "reference" (pure jnp) or "kernel" (Pallas Mosaic GPU)
     interpret_kernels: bool = False  # run Pallas kernels in the Mosaic GPU interpreter (CPU tests)
-    cache_policy: str = "lru"        # eviction policy for cached prefix pages
+    cache_policy: str = "lru"        # eviction/page-size policy for cached prefix pages: lru or dmlp
+    dmlp_checkpoint: str | None = None   # DMLP checkpoint directory (train_dmlp --out); needed by dmlp
+    dmlp_confidence: float = 0.75    # initial stratum_dmlp_confidence (hot/cold threshold), in [0.5, 0.95]
+    dmlp_online: bool = False        # fine-tune the DMLP online from live traffic (the server starts it)
+    dmlp_online_dir: str | None = None   # where the online fine-tuner writes its orbax checkpoints
+    dmlp_online_cores: tuple[int, ...] | None = None   # CPU cores to pin the fine-tuning worker to
     enable_prefix_caching: bool = True
     seed: int = 0                    # seeds requests that bring no seed of their own
     trace_out: str | None = None     # write the block event log (JSONL, see training/traces.py) here
@@ -53,9 +76,45 @@ class RuntimeConfig:
              f"--attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         need(self.cache_policy in CACHE_POLICIES,
              f"--cache-policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
+        self._check_dmlp(need)
         need(self.kv_pool_tokens >= self.max_context,
              f"--kv-pool-tokens ({self.kv_pool_tokens}) must hold at least one full context "
              f"(--max-context {self.max_context})")
+
+    def _check_dmlp(self, need) -> None:
+        dmlp = self.cache_policy == "dmlp"
+        if not dmlp:
+            for flag, value in (("--dmlp-checkpoint", self.dmlp_checkpoint), ("--dmlp-online", self.dmlp_online or None),
+                                ("--dmlp-online-dir", self.dmlp_online_dir),
+                                ("--dmlp-online-cores", self.dmlp_online_cores)):
+                need(value is None, f"{flag} only applies with --cache-policy dmlp (the policy is "
+                                    f"{self.cache_policy!r}): add --cache-policy dmlp or drop {flag}")
+            return
+        need(self.dmlp_checkpoint is not None,
+             "--cache-policy dmlp needs --dmlp-checkpoint DIR: a DMLP checkpoint directory written by "
+             "python -m stratum_jax.train_dmlp --out DIR")
+        need(os.path.isfile(os.path.join(self.dmlp_checkpoint, "meta.json")),
+             f"--dmlp-checkpoint {self.dmlp_checkpoint}: not a DMLP checkpoint directory (no meta.json in it)")
+        lo, hi = DMLP_CONFIDENCE_RANGE
+        need(isinstance(self.dmlp_confidence, (int, float)) and lo <= self.dmlp_confidence <= hi,
+             f"--dmlp-confidence must lie in [{lo}, {hi}], got {self.dmlp_confidence!r}")
+        if self.dmlp_online:
+            need(self.dmlp_online_dir is not None,
+                 "--dmlp-online needs --dmlp-online-dir DIR, where its checkpoints go")
+            need(os.path.abspath(self.dmlp_online_dir) != os.path.abspath(self.dmlp_checkpoint),
+                 "--dmlp-online-dir must differ from --dmlp-checkpoint (it keeps only its newest step-N "
+                 "checkpoints)")
+        else:
+            need(self.dmlp_online_dir is None and self.dmlp_online_cores is None,
+                 "--dmlp-online-dir and --dmlp-online-cores need --dmlp-online")
+        if self.dmlp_online_cores is not None:
+            cores = self.dmlp_online_cores
+            need(isinstance(cores, tuple) and cores and all(isinstance(c, int) and c >= 0 for c in cores),
+                 f"--dmlp-online-cores must be a non-empty list of CPU core ids, got {cores!r}")
+            available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+            need(available is None or set(cores) <= available,
+                 f"--dmlp-online-cores {','.join(map(str, cores))}: this process may only run on cores "
+                 f"{','.join(map(str, sorted(available or ())))}")
 
     @property
     def kv_pool_slots(self) -> int:
@@ -82,7 +141,19 @@ class RuntimeConfig:
         g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS)
         g.add_argument("--interpret-kernels", action="store_true",
                        help="run Pallas kernels in the Mosaic GPU interpreter (for CPU)")
-        g.add_argument("--cache-policy", default=d.cache_policy, choices=CACHE_POLICIES)
+        g.add_argument("--cache-policy", default=d.cache_policy, choices=CACHE_POLICIES,
+                       help="which cached KV pages to evict and which page size to use: lru, or dmlp "
+                            "(the reuse predictor; needs --dmlp-checkpoint)")
+        g.add_argument("--dmlp-checkpoint", default=None, metavar="DIR",
+                       help="DMLP checkpoint directory (python -m stratum_jax.train_dmlp --out DIR)")
+        g.add_argument("--dmlp-confidence", type=float, default=d.dmlp_confidence,
+                       help="initial hot/cold threshold on P(reuse) (stratum_dmlp_confidence), in [0.5, 0.95]")
+        g.add_argument("--dmlp-online", action=argparse.BooleanOptionalAction, default=d.dmlp_online,
+                       help="fine-tune the DMLP from live traffic in a background worker (server only)")
+        g.add_argument("--dmlp-online-dir", default=None, metavar="DIR",
+                       help="where online fine-tuning writes its orbax checkpoints (step-N)")
+        g.add_argument("--dmlp-online-cores", type=parse_cores, default=None, metavar="CORES",
+                       help="pin the fine-tuning worker to these CPU cores, e.g. 14,15 or 12-15")
         g.add_argument("--trace-out", default=None, metavar="PATH",
                        help="append the KV block event log (JSONL) to PATH, for DMLP training")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")

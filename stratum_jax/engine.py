@@ -19,8 +19,10 @@ import numpy as np
 from stratum_jax.attention import AttentionMetadata
 from stratum_jax.config import RuntimeConfig
 from stratum_jax.decode import StepOptions, decode_steps, model_step
+from stratum_jax.dmlp.features import FEATURE_NAMES
+from stratum_jax.dmlp.runtime import build_cache_policy, warm_predictor
+from stratum_jax.kv.block_meta import Clock, EngineClock, RequestFeatures, features_of
 from stratum_jax.kv.page_pool import PagePool
-from stratum_jax.kv.page_size import DefaultPageSizeRule, FixedPageSize
 from stratum_jax.model.llama import init_kv_cache
 from stratum_jax.model.loader import LoadedModel, load_model
 from stratum_jax.model.tokenizer import IncrementalDetokenizer
@@ -73,7 +75,11 @@ def _pow2_at_least(n: int, floor: int = 1) -> int:
 
 
 class Engine:
-    def __init__(self, config: RuntimeConfig, model: LoadedModel | None = None):
+    """policy: a cache policy to use instead of the one `config.cache_policy` names (tests).
+    clock: ms on the engine's clock for KV block metadata (default: since construction)."""
+
+    def __init__(self, config: RuntimeConfig, model: LoadedModel | None = None, *, policy=None,
+                 clock: Clock | None = None):
         self.config = config
         self.model = model if model is not None else load_model(config.model, dtype=config.dtype,
                                                                 seed=config.seed)
@@ -90,9 +96,21 @@ class Engine:
                              f"(the model is {self.model_config.dtype})")
         self.num_slots = config.kv_pool_slots
         self.kv_cache = init_kv_cache(self.model_config, self.num_slots)
-        self.pool = PagePool(self.num_slots, enable_prefix_caching=config.enable_prefix_caching)
-        rule = FixedPageSize(config.page_size) if config.page_size else DefaultPageSizeRule()
-        self.scheduler = FcfsScheduler(config, self.pool, rule)
+        # The cache policy (eviction, page size); with --dmlp-online also the fine-tuner, which the
+        # engine feeds (through the policy) but never starts: the server does, after warm-up.
+        if policy is None:
+            self.cache_policy, self.dmlp_tuner = build_cache_policy(config)
+        else:
+            self.cache_policy, self.dmlp_tuner = policy, None
+        self.clock: Clock = clock if clock is not None else EngineClock()
+        self.pool = PagePool(self.num_slots, enable_prefix_caching=config.enable_prefix_caching,
+                             policy=self.cache_policy, clock=self.clock)
+        self.pool.request_features = self._request_features
+        # Attention-score variance (attn_var5) is measured only when something reads it: the DMLP's
+        # features or the block event log. It costs ~4-6% of the kernel's time at 1K context on an H200
+        # (benchmarks/results/score_stats_cost_h200.json); the page-size rule uses it when it is there.
+        self._measure_attention_stats = config.cache_policy == "dmlp" or config.trace_out is not None
+        self.scheduler = FcfsScheduler(config, self.pool)     # page size: --page-size, else the policy
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
@@ -103,6 +121,7 @@ class Engine:
         self.last_step: StepTiming | None = None      # what the latest step ran, for benchmarks/metrics
         self._t0 = time.monotonic()
         self._recent_queue_ms: collections.deque[float] = collections.deque(maxlen=64)
+        self._mean_queue_ms: float | None = None
         self._trace = None
         if config.trace_out:
             from training.traces import StratumEventLogWriter
@@ -148,6 +167,7 @@ class Engine:
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs: dict[str, StepOutput] = {}
+        self.pool.new_step()          # last step's block accesses reach the cache policy in one batch
         with jax.profiler.TraceAnnotation("scheduler"):
             for seq in [s for s in self._requests.values() if s.cancel_requested]:
                 self._finish(seq, FinishReason.CANCELLED, outputs)
@@ -159,6 +179,7 @@ class Engine:
             for seq in batch.seqs:
                 if seq.admit_time is not None and not seq.queue_wait_recorded:
                     self._recent_queue_ms.append((seq.admit_time - seq.arrival_time) * 1e3)
+                    self._mean_queue_ms = statistics.fmean(self._recent_queue_ms)
                     seq.queue_wait_recorded = True
             if self._trace is not None:
                 self._write_block_events(batch)
@@ -170,27 +191,31 @@ class Engine:
             self._trace.close()
 
     def _write_block_events(self, batch: ScheduledBatch) -> None:
-        """Drains the pool's block events into the --trace-out log with the features known now.
+        """Drains the pool's block events into the --trace-out log, each with its time and the block's
+        features at that access (the same `BlockInfo` the cache policy sees; see kv/block_meta.py).
 
-        Features the engine cannot measure yet are logged as null (missing), never as 0: the attention
-        score variance (attn_var5) and the GPU idle fraction. With no host tier yet, all KV is in HBM.
+        Features the engine cannot give are logged as null (missing), never as 0: the GPU idle fraction,
+        and attn_var5 for a block created before its request's first step finished. With no host tier yet,
+        all KV is in HBM.
         """
-        now_ms = (time.monotonic() - self._t0) * 1e3
-        by_id = {s.request_id: s for s in batch.seqs}
-        queue_ms = statistics.fmean(self._recent_queue_ms) if self._recent_queue_ms else None
-        for event, content_hash, depth, request_id in self.pool.events:
-            seq = by_id.get(request_id) or self._requests.get(request_id)
-            features = {"kv_hbm_frac": 1.0, "queue_wait_ms": queue_ms, "attn_var5": None, "gpu_idle_frac": None}
-            if seq is not None:
-                full_prompt_pages = len(seq.prompt_ids) // seq.blocks.page_size if seq.blocks else 0
-                features.update(depth=depth, fill=1.0, input_tokens=len(seq.prompt_ids),
-                                max_tokens=seq.params.max_tokens,
-                                gen_frac=len(seq.output_ids) / seq.params.max_tokens,
-                                blocks_after=max(0, full_prompt_pages - depth - 1))
-            elif event != "freed":
-                continue                  # its request already ended this step: no features to give
-            self._trace.write(event, now_ms, content_hash.hex(), request_id, features)
+        for event, t_ms, content_hash, request_id, info in self.pool.events:
+            features = features_of(info, FEATURE_NAMES) if info is not None else {}
+            self._trace.write(event, t_ms, content_hash.hex(), request_id, features)
         self.pool.events.clear()
+
+    def _request_features(self, request_id: str) -> RequestFeatures | None:
+        """Request-level features of a block access (the pool asks once per access batch)."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return None
+        p = seq.params
+        return RequestFeatures(
+            gen_frac=len(seq.output_ids) / p.max_tokens, input_tokens=len(seq.prompt_ids), max_tokens=p.max_tokens,
+            queue_wait_ms=self._mean_queue_ms,
+            prompt_pages=len(seq.prompt_ids) // seq.blocks.page_size if seq.blocks is not None else None,
+            kv_hbm_frac=1.0,               # no host tier yet: every KV page is in HBM
+            attn_var5=seq.attn_var5,       # from the steps' score statistics; None before the first step
+            gpu_idle_frac=None)            # not measured yet
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[GenerationResult]:
@@ -218,6 +243,7 @@ class Engine:
     def warmup(self) -> None:
         """Compiles the smallest prefill and decode buckets."""
         self.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        warm_predictor(self.cache_policy)
 
     def stats(self) -> EngineStats:
         free = self.pool.free_slots
@@ -285,7 +311,8 @@ class Engine:
             interpret=self.config.interpret_kernels and decode,
             greedy_only=all(s.params.temperature == 0 for s in batch.seqs),
             top_logprobs=max(s.params.logprobs for s in batch.seqs),
-            prompt_logprobs=max(want_prompt_lp) if want_prompt_lp and not decode else -1)
+            prompt_logprobs=max(want_prompt_lp) if want_prompt_lp and not decode else -1,
+            attn_stats=self._measure_attention_stats)
 
     def _run_decode(self, batch: ScheduledBatch, outputs: dict[str, StepOutput], t0: float) -> None:
         """Up to config.decode_steps tokens per sequence in one device call (chunk_lens = steps each)."""
@@ -315,6 +342,8 @@ class Engine:
                 for i in range(n):
                     seq.num_computed += 1
                     lps = self._token_logprobs(seq, result, (i, r))
+                    if self._measure_attention_stats:
+                        seq.recent_attn_var.append(float(result.attn_score_var[i, r]))
                     self._append_token(seq, int(result.tokens[i, r]), lps, outputs)
                     if seq.finish_reason is not None:
                         break                    # the rest of this row's steps are discarded
@@ -357,6 +386,10 @@ class Engine:
                 if seq.wants_prompt_logprobs:
                     self._collect_prompt_logprobs(seq, r, n, result)
                 seq.num_computed += n
+                if self._measure_attention_stats:
+                    # One value for the chunk's last <= 5 prompt tokens replaces what an earlier chunk gave.
+                    seq.recent_attn_var.clear()
+                    seq.recent_attn_var.append(float(result.attn_score_var[r]))
                 if seq.blocks.has_unregistered_full_pages(seq.num_computed):
                     seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed, seq.request_id)
                 if seq.num_computed < seq.num_tokens:

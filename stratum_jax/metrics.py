@@ -43,6 +43,15 @@ METRICS: dict[str, tuple[str, str]] = {
     "stratum_hbm_bandwidth_gbps": ("gauge", "Device memory copy bandwidth measured at start-up (GB/s)."),
 }
 
+# Exported only with --cache-policy dmlp (stratum_jax/dmlp/runtime.py registers them in the server's
+# registry; the last three only with --dmlp-online, from training/online.py).
+DMLP_METRICS: dict[str, tuple[str, str]] = {
+    "stratum_dmlp_confidence": ("gauge", "DMLP hot/cold threshold on P(reuse within the decision horizon)."),
+    "stratum_dmlp_accuracy": ("gauge", "DMLP accuracy of the live weights on the online holdout window."),
+    "stratum_dmlp_updates_total": ("counter", "Online fine-tuning weight hot-swaps."),
+    "stratum_dmlp_online_dropped_total": ("counter", "Online examples dropped because the queue was full."),
+}
+
 # name -> its one label, for the metrics that have one.
 LABELS = {"stratum_kv_pages_used": "tier", "stratum_kv_pages_free": "tier", "stratum_kv_tokens_used": "tier",
           "stratum_kv_tokens_total": "tier", "stratum_requests_total": "status", "stratum_stop_reasons_total": "reason",

@@ -1,6 +1,7 @@
 """A request in flight: its tokens, sampling state, KV block table and streamed-text state."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -33,6 +34,18 @@ class Sequence:
     first_token_time: float | None = None
     admit_time: float | None = None             # first admission (queue wait = admit - arrival)
     queue_wait_recorded: bool = False
+    # Attention-score variance of the latest tokens (decode: one value per token; prefill: one value for
+    # the chunk's last <= 5 tokens), newest last. Feeds the page-size rule and the DMLP's attn_var5.
+    recent_attn_var: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=5))
+
+    @property
+    def attn_var5(self) -> float | None:
+        """Mean attention-score variance over the last 5 tokens (stratum_jax/decode.py defines it per
+        token: the variance of the softmax inputs over the context, averaged over heads and layers);
+        None before the request's first step."""
+        if not self.recent_attn_var:
+            return None
+        return sum(self.recent_attn_var) / len(self.recent_attn_var)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -94,6 +94,44 @@ def numpy_attention(case, *, sm_scale=None, soft_cap=None):
     return out
 
 
+def numpy_score_var(case, *, sm_scale=None, soft_cap=None):
+    """float64 ground truth of the per-row score variance: [B, Hq], population variance over the
+    valid keys of s = sm_scale * q.k (soft-capped if set); 0 for length-0 rows."""
+    q = np.asarray(case["q"].astype(jnp.float32), np.float64)
+    k = np.asarray(case["k_pool"].astype(jnp.float32), np.float64)
+    lengths, starts, sizes = (np.asarray(case[n]) for n in ("lengths", "page_starts", "page_sizes"))
+    B, Hq, D = q.shape
+    group = Hq // k.shape[0]
+    scale = 1.0 / np.sqrt(D) if sm_scale is None else sm_scale
+    out = np.zeros((B, Hq))
+    for b in range(B):
+        L, P = int(lengths[b]), int(sizes[b])
+        if L == 0:
+            continue
+        slots = np.array([starts[b, t // P] + t % P for t in range(L)])
+        for hq in range(Hq):
+            s = k[hq // group, slots] @ q[b, hq] * scale
+            if soft_cap is not None:
+                s = soft_cap * np.tanh(s / soft_cap)
+            out[b, hq] = s.var()
+    return out
+
+
+# Score-variance tolerance. The kernel's scores are fp32 dot products of the same bf16 values the
+# float64 truth uses (relative error ~1e-6), summed in fp32 after a shift into the score range, so
+# the error is ~1e-6 relative (measured) and 2e-4 leaves a wide margin; yet one key too many or
+# too few changes a row's variance by about var / n, i.e. > 1e-3 relative for these lengths, so the
+# bound still catches masking bugs. (The compiled GPU test is looser: approximate-math exp/tanh.)
+VAR_RTOL, VAR_ATOL = 2e-4, 1e-5
+
+
+def check_var(var, want, rtol=VAR_RTOL, atol=VAR_ATOL):
+    var = np.asarray(var)
+    assert var.dtype == np.float32 and var.shape == want.shape, (var.dtype, var.shape)
+    assert np.isfinite(var).all() and (var >= 0).all(), var
+    np.testing.assert_allclose(var, want, rtol=rtol, atol=atol)
+
+
 def check(out, want, tol=BF16_TOL):
     out = np.asarray(jnp.asarray(out).astype(jnp.float32))
     assert not np.isnan(out).any(), "NaN in the output"
@@ -193,6 +231,61 @@ def test_interpret_context_manager():
 
 
 # ---------------------------------------------------------------------------------------------
+# Score statistics (return_score_stats=True)
+# ---------------------------------------------------------------------------------------------
+
+def _offset_case(case, k_shift, q_shift):
+    """Adds a common offset to every live K row and every q, so each row's scores share a large
+    mean (k_shift * q_shift * head_dim * scale): the case where raw sums of s and s^2 cancel."""
+    k = np.asarray(case["k_pool"].astype(jnp.float32)) + k_shift     # NaN stays NaN
+    q = np.asarray(case["q"].astype(jnp.float32)) + q_shift
+    return {**case, "k_pool": jnp.asarray(k, jnp.bfloat16), "q": jnp.asarray(q, case["q"].dtype)}
+
+
+def test_reference_score_var_matches_float64():
+    case = make_case(11, lengths=[1, 37, 300, 64, 0, 129], page_sizes=[8, 16, 32, 64, 128, 256],
+                     num_q_heads=8, num_kv_heads=2, head_dim=64)
+    plain = paged_attention_reference(**case)
+    out, var = paged_attention_reference(**case, return_score_stats=True)
+    assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
+    check_var(var, numpy_score_var(case))
+    _, var = paged_attention_reference(**case, return_score_stats=True, soft_cap=5.0, sm_scale=0.3)
+    check_var(var, numpy_score_var(case, soft_cap=5.0, sm_scale=0.3))
+    shifted = _offset_case(case, 1.0, 1.5)
+    _, var = paged_attention_reference(**shifted, return_score_stats=True)
+    check_var(var, numpy_score_var(shifted))
+
+
+@pytest.mark.parametrize("kind", ["gqa4_d128_offset", "split3_softcap_group3"])
+def test_kernel_score_var(kind):
+    """The kernel's score variance against float64, on ragged mixed-page batches with NaN in every
+    free slot, length-0 and length-1 rows; and its `out` is bit-identical to the stats-off `out`.
+    - gqa4_d128_offset: block_kv 64 (per-column sums), no split, q_per_kv 4, D 128, every page size,
+      scores sharing a common offset several times their spread (where raw fp32 sums of s and s^2
+      start to cancel);
+    - split3_softcap_group3: block_kv 128 (per-tile row sums), split-K over 3 CTAs (one empty),
+      soft cap, sm_scale, q_per_kv 3 (padded q rows), P >= T and P < T pages."""
+    if kind == "gqa4_d128_offset":
+        case = make_case(12, lengths=[1, 15, 33, 65, 127, 300, 0], page_sizes=[8, 16, 32, 64, 128, 256, 8],
+                         num_q_heads=8, num_kv_heads=2, head_dim=128)
+        case = _offset_case(case, 1.0, 1.25)
+        cfg, kw = TuningConfig(block_kv=64, num_stages=2, num_splits=1), {}
+    else:
+        case = make_case(13, lengths=[450, 5, 0, 130, 1], page_sizes=[32, 256, 8, 64, 16], num_q_heads=6,
+                         num_kv_heads=2, head_dim=64)
+        cfg, kw = TuningConfig(block_kv=128, num_stages=2, num_splits=3), dict(soft_cap=8.0, sm_scale=0.2)
+    out, var = run_kernel(case, config=cfg, return_score_stats=True, **kw)
+    want = numpy_score_var(case, **kw)
+    check_var(var, want)
+    check(out, numpy_attention(case, **kw))
+    plain = run_kernel(case, config=cfg, **kw)
+    assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32), equal_nan=True)
+    # The reference agrees too (same flag, same return).
+    _, ref_var = paged_attention_reference(**case, return_score_stats=True, **kw)
+    check_var(ref_var, want)
+
+
+# ---------------------------------------------------------------------------------------------
 # Entry point validation
 # ---------------------------------------------------------------------------------------------
 
@@ -243,3 +336,24 @@ def test_kernel_compiled_on_gpu(config):
     case = make_case(9, lengths=[1, 15, 33, 65, 127, 300, 0, 1000], page_sizes=[8, 16, 32, 64, 128, 256, 8, 32],
                      num_q_heads=32, num_kv_heads=8, head_dim=128)
     check(paged_attention(**case, config=config), numpy_attention(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("config,soft_cap", [(TuningConfig(), None), (TuningConfig(num_splits=1), None),
+                                             (TuningConfig(block_kv=128, num_splits=3), 30.0)])
+def test_kernel_score_stats_compiled_on_gpu(config, soft_cap):
+    """return_score_stats=True, compiled: B=8, Hq=32, Hkv=8, D=128, contexts up to ~1K, mixed pages,
+    NaN in free slots. The variance is checked against float64 and the jnp reference; `out` must be
+    bit-identical to the stats-off kernel's. Looser than interpret mode: approx-math tanh (soft cap)."""
+    case = make_case(14, lengths=[1, 15, 33, 65, 127, 300, 0, 1024], page_sizes=[8, 16, 32, 64, 128, 256, 8, 32],
+                     num_q_heads=32, num_kv_heads=8, head_dim=128)
+    case = _offset_case(case, 0.5, 0.5)
+    out, var = paged_attention(**case, config=config, soft_cap=soft_cap, return_score_stats=True)
+    want = numpy_score_var(case, soft_cap=soft_cap)
+    check_var(var, want, rtol=2e-3, atol=1e-4)
+    _, ref_var = paged_attention_reference(**case, soft_cap=soft_cap, return_score_stats=True)
+    check_var(ref_var, want)
+    plain = paged_attention(**case, config=config, soft_cap=soft_cap)
+    assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32), equal_nan=True)
+    check(out, numpy_attention(case, soft_cap=soft_cap))

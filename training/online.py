@@ -61,8 +61,9 @@ class OnlineFineTuner:
         self.error: str | None = None
         self.last_checkpoint: str | None = None
         self._updates_counter = self._dropped_counter = None
+        self._registry = None
         if metrics_registry is not None:
-            self._export(metrics_registry)
+            self.export(metrics_registry)
 
     def observe(self, features: np.ndarray, reuse_labels: np.ndarray) -> bool:
         """features: raw [F] or [N, F] (NaN = missing); reuse_labels: [H] or [N, H] in {0, 1}.
@@ -148,8 +149,15 @@ class OnlineFineTuner:
                 log.error("online DMLP fine-tuning failed; the live weights stay as they are:\n%s", msg[1])
                 return
 
-    def _export(self, registry) -> None:
+    def export(self, registry) -> None:
+        """Registers the stratum_dmlp_* metrics in a prometheus_client registry (once; e.g. the server's,
+        after the engine built the tuner). Counts made before carry over."""
         import prometheus_client as prom
+        if self._registry is not None:
+            if self._registry is not registry:
+                raise ValueError("the fine-tuner's metrics are already exported to another registry")
+            return
+        self._registry = registry
         prom.Gauge("stratum_dmlp_accuracy", "DMLP accuracy of the live weights on the online holdout window "
                    "(decision horizon, threshold 0.5).", registry=registry).set_function(lambda: self.accuracy)
         # prometheus_client appends _total to counter names.
@@ -158,4 +166,6 @@ class OnlineFineTuner:
         self._dropped_counter = prom.Counter("stratum_dmlp_online_dropped",
                                              "Online examples dropped because the queue was full.",
                                              registry=registry)
+        self._updates_counter.inc(self.updates)
+        self._dropped_counter.inc(self.dropped)
         self.threshold.export(registry)

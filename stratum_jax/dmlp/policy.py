@@ -17,14 +17,16 @@ recently used. A cache whose victims are all that old therefore behaves exactly 
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from stratum_jax.config import PAGE_SIZE_CLASSES
 from stratum_jax.dmlp.features import BlockInfo, raw_from_infos
-from stratum_jax.dmlp.model import Predictor
 from stratum_jax.kv.page_size import DefaultPageSizeRule, PageSizeHints
+
+if TYPE_CHECKING:     # the model pulls in flax; the page pool imports this module and needs none of it
+    from stratum_jax.dmlp.model import Predictor
 
 
 def curve_at(curves: np.ndarray, horizons_ms: Sequence[float], t_ms: np.ndarray) -> np.ndarray:
@@ -116,7 +118,14 @@ class ConfidenceThreshold:
 
 
 class LruPolicy:
-    """The baseline: evict the least recently used, prefetch the most recently used first."""
+    """The baseline: evict the least recently used, prefetch the most recently used first.
+
+    `pool_lru`: the page pool evicts in its own least-recently-released order without building
+    candidates or calling `choose_victims` (the engine's behaviour before policies existed, and the
+    cheapest path). `choose_victims` serves callers that hold `BlockInfo`s (the simulator, tests).
+    """
+
+    pool_lru = True
 
     def observe_access(self, infos: Sequence[BlockInfo]) -> None:
         return None
@@ -144,19 +153,37 @@ class DmlpPolicy:
     decision_horizon: index of the horizon that hot/cold and prefetch refer to (default the longest).
     on_access(block_ids, raw [N, F], now_ms): called by `observe_access` with the features it scored,
     e.g. `OutcomeTracker.accessed`, which turns them into online training examples.
+    score_on_access: run the model in `observe_access` (True), or only when a decision needs a block's
+    curve (False: the engine's choice; a block accessed and evicted without ever being ranked is never
+    scored, and a cache whose victims are all idle past the horizons never runs the model at all).
     Thread-safe: the curve store is guarded by a lock.
     """
 
-    def __init__(self, predictor: Predictor, threshold: ConfidenceThreshold | None = None,
-                 decision_horizon: int = -1, on_access=None):
+    pool_lru = False
+
+    def __init__(self, predictor: "Predictor", threshold: ConfidenceThreshold | None = None,
+                 decision_horizon: int = -1, on_access=None, score_on_access: bool = True):
         self.predictor = predictor
         self.threshold = threshold or ConfidenceThreshold()
         self.on_access = on_access
+        self.score_on_access = score_on_access
         self.horizons_ms = tuple(predictor.config.horizons_ms)
         self.decision_horizon = decision_horizon
         self.residency = Residency(initial_ms=self.horizons_ms[-1])
         self._curves: dict[object, tuple[np.ndarray, float]] = {}   # block id -> (curve [H], access ms)
         self._lock = threading.Lock()
+
+    @property
+    def lru_beyond_ms(self) -> float:
+        """A candidate idle for longer than this scores 0 (the model knows nothing past its longest
+        horizon), and ties go to the least recently used. So when the least recently used candidate is
+        idle that long, it is the first victim, and a caller may take it without asking (then it calls
+        `note_evictions`, so the residency estimate still sees every eviction)."""
+        return self.horizons_ms[-1]
+
+    def note_evictions(self, n: int, now_ms: float, cached: int) -> None:
+        """Counts evictions made without `choose_victims` (see `lru_beyond_ms`)."""
+        self.residency.update(now_ms, n, cached)
 
     # ---- array level (the simulator calls this directly) ----
 
@@ -172,13 +199,17 @@ class DmlpPolicy:
 
     # ---- engine level ----
 
-    def observe_access(self, infos: Sequence[BlockInfo]) -> np.ndarray:
+    def observe_access(self, infos: Sequence[BlockInfo]) -> np.ndarray | None:
         """Scores blocks a request just used (features at this access, `last_access_ms` = now) and keeps
-        their curves for later evictions. Returns P(reuse within each horizon) [N, H]."""
+        their curves for later evictions. Returns P(reuse within each horizon) [N, H] (None when
+        `score_on_access` is off: then they are scored when first needed).
+        `needed_by_running` plays no part here (it is not a model input)."""
         if not infos:
             return np.zeros((0, len(self.horizons_ms)), np.float32)
+        if not self.score_on_access and self.on_access is None:
+            return None
         raw = raw_from_infos(infos)
-        probs = self._score(infos, raw)
+        probs = self._score(infos, raw) if self.score_on_access else None
         if self.on_access is not None:
             self.on_access([b.block_id for b in infos], raw, max(b.last_access_ms for b in infos))
         return probs
@@ -196,13 +227,17 @@ class DmlpPolicy:
             for b in block_ids:
                 self._curves.pop(b, None)
 
-    def choose_victims(self, candidates: Sequence[BlockInfo], n: int, now_ms: float) -> list:
+    def choose_victims(self, candidates: Sequence[BlockInfo], n: int, now_ms: float,
+                       cached: int | None = None) -> list:
+        """The n victims, first to evict first. cached: blocks in the cache, when `candidates` is not
+        all of them (for the residency estimate); default len(candidates)."""
         free = [b for b in candidates if not b.needed_by_running]
         if not free or n <= 0:
             return []
         curves = self._curves_of(free)
-        idle = np.array([now_ms - b.last_access_ms for b in free], np.float64)
-        return [free[i].block_id for i in self.order_victims(curves, idle, n, now_ms, len(candidates))]
+        idle = now_ms - np.fromiter((b.last_access_ms for b in free), np.float64, len(free))
+        cached = len(candidates) if cached is None else cached
+        return [free[i].block_id for i in self.order_victims(curves, idle, n, now_ms, cached)]
 
     def prefetch_order(self, candidates: Sequence[BlockInfo], now_ms: float) -> list:
         """Host-tier blocks of queued requests, most likely to be used within the decision horizon first."""

@@ -3,19 +3,37 @@
 A page is `page_size` contiguous token slots (the same slots in every layer's pool). A full page's content
 is immutable, so it gets a chain hash (its parent's hash, its page size and its token ids) and can be shared
 by any later request with the same prefix and page size. When the last owner lets go of a hashed page it
-stays cached (evictable) instead of freed; allocation evicts cached pages, least recently used first, only
-when the buddy tree has no block of the size asked for.
+stays cached (evictable) instead of freed; allocation evicts cached pages only when the buddy tree has no
+block of the size asked for.
+
+Which cached pages go is the cache policy's call (`stratum_jax/dmlp/policy.py`). `LruPolicy` (the
+default) is served by a fast path: the least recently released page goes first, with no candidate lists
+built. Any other policy sees every access (`observe_access`, in one batch per engine step: the pool
+queues them until `new_step` or the next eviction decision, whichever comes first) and is
+asked for a batch of victims among the unowned cached pages (`choose_victims`); the ranking it returns
+is used in order for up to VICTIM_TTL_MS (10 ms, the DMLP's shortest horizon). A `DmlpPolicy` is not even asked
+while the least recently used candidate is idle past its longest horizon (see `lru_beyond_ms`).
+
+Each cached page carries a `BlockMeta` (block_meta.py): its history and its features at the last
+access, which feed the policy and the --trace-out event log alike.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import hashlib
-from typing import Sequence
+import heapq
+from typing import Callable, Sequence
 
 import numpy as np
 
+from stratum_jax.dmlp.features import BlockInfo
+from stratum_jax.dmlp.policy import LruPolicy
+from stratum_jax.kv.block_meta import NO_REQUEST, BlockMeta, Clock, EngineClock, RequestFeatures
 from stratum_jax.kv.buddy import BASE_PAGE_TOKENS, BuddyAllocator, order_for_page_size
+
+VICTIM_BATCH = 16     # victims asked of a non-LRU policy at a time
+VICTIM_TTL_MS = 10.0  # how long such a ranking is used (in order, skipping pages re-used since)
 
 
 @dataclasses.dataclass(eq=False)
@@ -24,6 +42,7 @@ class Page:
     page_size: int
     ref_count: int = 0
     content_hash: bytes | None = None   # set once the page is full and registered in the prefix cache
+    meta: BlockMeta | None = None       # set while the page is in the prefix cache (_by_hash)
 
 
 def chain_hash(parent: bytes | None, page_size: int, token_ids: Sequence[int]) -> bytes:
@@ -36,31 +55,51 @@ def chain_hash(parent: bytes | None, page_size: int, token_ids: Sequence[int]) -
 
 
 class PagePool:
-    """Owns every page of the KV cache. Not thread-safe: the engine thread is its only user."""
+    """Owns every page of the KV cache. Not thread-safe: the engine thread is its only user.
 
-    def __init__(self, num_slots: int, enable_prefix_caching: bool = True):
+    policy: the cache policy (default `LruPolicy`). clock: ms on the engine's clock (default: since
+    construction). `request_features(request_id) -> RequestFeatures | None` is the engine's hook for the
+    request-level features of an access; without it they are missing.
+    """
+
+    def __init__(self, num_slots: int, enable_prefix_caching: bool = True, policy=None,
+                 clock: Clock | None = None):
         if num_slots % (BASE_PAGE_TOKENS << 5):
             raise ValueError(f"num_slots must be a multiple of 256, got {num_slots}")
         self.num_slots = num_slots
         self.enable_prefix_caching = enable_prefix_caching
+        self.policy = policy if policy is not None else LruPolicy()
+        self._pool_lru = bool(getattr(self.policy, "pool_lru", False))
+        self._lru_beyond_ms = getattr(self.policy, "lru_beyond_ms", None)
+        self.clock: Clock = clock if clock is not None else EngineClock()
+        self.request_features: Callable[[str | None], RequestFeatures | None] | None = None
         self._buddy = BuddyAllocator(num_slots // BASE_PAGE_TOKENS)
         self._by_hash: dict[bytes, Page] = {}
-        # Cached pages nobody owns, oldest first: the eviction candidates.
+        # Cached pages nobody owns, least recently released first: the eviction candidates.
         self._evictable: collections.OrderedDict[int, Page] = collections.OrderedDict()
+        self._evictable_slots = 0
+        # Non-LRU policies only: a heap of (access seq, start slot) over the evictable pages, stale
+        # entries skipped lazily; the ranking of the current step; accesses not yet shown to the policy.
+        self._by_access: list[tuple[int, int]] = []
+        self._victims: collections.deque[bytes] = collections.deque()
+        self._victims_ms = 0.0
+        self._pending: list[BlockInfo] = []
+        self._access_seq = 0
+        self._request_prefix: dict[str, tuple[float, int | None, float | None]] = {}
         self.prefix_hits = 0          # full pages reused from the cache
         self.prefix_queries = 0       # full prompt pages looked up
         self.evictions = 0
-        # Block events for the engine's --trace-out log: (event, content hash, depth, request id).
-        # Recorded only when a consumer asks for them (record_events), drained by the engine each step.
+        # Block events for the engine's --trace-out log: (event, time ms, content hash, request id,
+        # BlockInfo at that access or None). Recorded only when a consumer asks for them (record_events),
+        # drained by the engine each step.
         self.record_events = False
-        self.events: list[tuple[str, bytes, int, str | None]] = []
+        self.events: list[tuple[str, float, bytes, str | None, BlockInfo | None]] = []
 
     # -- accounting ---------------------------------------------------------------------------------
     @property
     def free_slots(self) -> int:
         """Slots obtainable right now: free buddy blocks plus evictable cached pages."""
-        return self._buddy.free_base_pages * BASE_PAGE_TOKENS + sum(
-            p.page_size for p in self._evictable.values())
+        return self._buddy.free_base_pages * BASE_PAGE_TOKENS + self._evictable_slots
 
     @property
     def used_slots(self) -> int:
@@ -70,13 +109,18 @@ class PagePool:
     def cached_pages(self) -> int:
         return len(self._by_hash)
 
+    @property
+    def lru_fast_path(self) -> bool:
+        """True when the policy is plain LRU, served without candidates, snapshots or policy calls."""
+        return self._pool_lru
+
     # -- allocation ---------------------------------------------------------------------------------
     def allocate(self, page_size: int) -> Page | None:
         """A fresh page with ref_count 1, or None when even evicting every cached page cannot make room."""
         order = order_for_page_size(page_size)
         start = self._buddy.alloc(order)
         while start is None and self._evictable:
-            self._evict_one()
+            self._evict(self._next_victim())
             start = self._buddy.alloc(order)
         if start is None:
             return None
@@ -95,8 +139,22 @@ class PagePool:
             return
         if page.content_hash is not None and self._by_hash.get(page.content_hash) is page:
             self._evictable[page.start_slot] = page
+            self._evictable_slots += page.page_size
+            if not self._pool_lru:
+                heapq.heappush(self._by_access, (page.meta.access_seq, page.start_slot))
+                if len(self._by_access) > 2 * len(self._evictable) + 1024:
+                    self._by_access = [(p.meta.access_seq, s) for s, p in self._evictable.items()]
+                    heapq.heapify(self._by_access)
         else:
             self._buddy.free(page.start_slot // BASE_PAGE_TOKENS)
+
+    def new_step(self) -> None:
+        """The engine starts a step: shows the accesses since the last one to the policy, in one batch."""
+        self.flush_accesses()
+
+    def end_request(self, request_id: str) -> None:
+        """A request left the engine: forget its per-request prefix features."""
+        self._request_prefix.pop(request_id, None)
 
     # -- prefix caching -----------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int], page_size: int, max_pages: int) -> list[Page]:
@@ -120,30 +178,133 @@ class PagePool:
         """Takes a reference on pages returned by match_prefix and counts the hits and queries."""
         self.prefix_queries += queried_pages
         self.prefix_hits += len(pages)
-        for depth, page in enumerate(pages):
+        now = self.clock()
+        if request_id is not None:
+            # The request's reused prefix, as the trainer's history computes it: the share of its chain
+            # found cached, and the deepest hit page's uses (this one included) and idle time.
+            deepest = pages[-1].meta if pages else None
+            self._request_prefix[request_id] = (
+                len(pages) / max(1, queried_pages),
+                None if deepest is None else deepest.access_count + 1,
+                None if deepest is None else now - deepest.last_access_ms)
+        for page in pages:
             if page.ref_count == 0:
                 del self._evictable[page.start_slot]
+                self._evictable_slots -= page.page_size
             page.ref_count += 1
-            if self.record_events:
-                self.events.append(("accessed", page.content_hash, depth, request_id))
+        if pages:
+            self._accessed(pages, request_id, now, "accessed")
 
     def register_full_page(self, page: Page, parent_hash: bytes | None, token_ids: Sequence[int],
                            depth: int = 0, request_id: str | None = None) -> bytes:
-        """Marks a page whose `page_size` tokens are now written as shareable; returns its hash."""
+        """Marks a page whose `page_size` tokens are now written as shareable; returns its hash.
+
+        A new cached page counts as an access (its creation)."""
         h = chain_hash(parent_hash, page.page_size, token_ids)
         page.content_hash = h
         if self.enable_prefix_caching and h not in self._by_hash:
             self._by_hash[h] = page
-            if self.record_events:
-                self.events.append(("created", h, depth, request_id))
+            now = self.clock()
+            page.meta = BlockMeta(block_id=h, depth=depth, created_ms=now)
+            parent = self._by_hash.get(parent_hash) if parent_hash is not None else None
+            if parent is not None:
+                parent.meta.fan_out += 1
+            self._accessed((page,), request_id, now, "created")
         return h
 
-    def _evict_one(self) -> None:
-        _, page = self._evictable.popitem(last=False)
+    def flush_accesses(self) -> None:
+        """Shows the accesses recorded since the last flush to the policy, in one batch."""
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self.policy.observe_access(batch)
+
+    def block_info(self, page: Page) -> BlockInfo | None:
+        """The page's features at its last access (None for a page outside the prefix cache)."""
+        m = page.meta
+        if m is None or self._by_hash.get(page.content_hash) is not page:
+            return None
+        if m.info is None:
+            m.info = m.snapshot(self._request_context(None))
+        return m.info
+
+    def _request_context(self, request_id: str | None) -> RequestFeatures:
+        req = None
+        if self.request_features is not None and request_id is not None:
+            req = self.request_features(request_id)
+        req = req or NO_REQUEST
+        prefix = self._request_prefix.get(request_id) if request_id is not None else None
+        if prefix is not None:
+            req = dataclasses.replace(req, prefix_hit_frac=prefix[0], prefix_uses=prefix[1],
+                                      prefix_gap_ms=prefix[2])
+        return req
+
+    def _accessed(self, pages, request_id: str | None, now: float, event: str) -> None:
+        """Updates the metadata of pages a request just used; snapshots their features when the policy
+        or the event log wants them (never for LRU without --trace-out)."""
+        want = not self._pool_lru or self.record_events
+        req = self._request_context(request_id) if want else None
+        for page in pages:
+            m = page.meta
+            self._access_seq += 1
+            m.touch(now, self._access_seq, request_id)
+            if want:
+                m.info = m.snapshot(req)
+                if not self._pool_lru:
+                    self._pending.append(m.info)
+                if self.record_events:
+                    self.events.append((event, now, m.block_id, request_id, m.info))
+            else:
+                m.info = None
+
+    # -- eviction -----------------------------------------------------------------------------------
+    def _next_victim(self) -> Page:
+        """The next page to evict; called only while some page is evictable."""
+        if self._pool_lru:
+            return next(iter(self._evictable.values()))
+        now = self.clock()
+        if now - self._victims_ms > VICTIM_TTL_MS:
+            self._victims.clear()
+        while self._victims:
+            page = self._by_hash.get(self._victims.popleft())
+            if page is not None and self._evictable.get(page.start_slot) is page:
+                return page
+        if self._lru_beyond_ms is not None:
+            oldest = self._oldest_evictable()
+            if oldest is not None and now - oldest.meta.last_access_ms > self._lru_beyond_ms:
+                self.policy.note_evictions(1, now, len(self._evictable))
+                return oldest
+        self.flush_accesses()
+        candidates = [self.block_info(p) for p in self._evictable.values()]
+        ranked = self.policy.choose_victims(candidates, min(len(candidates), VICTIM_BATCH), now)
+        self._victims.extend(ranked)
+        self._victims_ms = now
+        while self._victims:
+            page = self._by_hash.get(self._victims.popleft())
+            if page is not None and self._evictable.get(page.start_slot) is page:
+                return page
+        return next(iter(self._evictable.values()))    # the policy chose none: fall back to LRU
+
+    def _oldest_evictable(self) -> Page | None:
+        """The evictable page with the oldest last access (heap top, stale entries dropped)."""
+        heap = self._by_access
+        while heap:
+            seq, slot = heap[0]
+            page = self._evictable.get(slot)
+            if page is not None and page.meta.access_seq == seq:
+                return page
+            heapq.heappop(heap)
+        return None
+
+    def _evict(self, page: Page) -> None:
+        del self._evictable[page.start_slot]
+        self._evictable_slots -= page.page_size
         del self._by_hash[page.content_hash]
         if self.record_events:
-            self.events.append(("freed", page.content_hash, -1, None))
+            self.events.append(("freed", self.clock(), page.content_hash, None, None))
+        if not self._pool_lru:
+            self.policy.forget((page.content_hash,))
         page.content_hash = None
+        page.meta = None
         self._buddy.free(page.start_slot // BASE_PAGE_TOKENS)
         self.evictions += 1
 
@@ -151,3 +312,5 @@ class PagePool:
         self._buddy.check_invariants()
         for page in self._evictable.values():
             assert page.ref_count == 0 and self._by_hash.get(page.content_hash) is page
+        assert self._evictable_slots == sum(p.page_size for p in self._evictable.values())
+        assert all(p.meta is not None and p.meta.block_id == h for h, p in self._by_hash.items())

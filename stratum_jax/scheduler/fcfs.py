@@ -16,7 +16,7 @@ import time
 from stratum_jax.config import PAGE_SIZE_CLASSES, RuntimeConfig
 from stratum_jax.kv.block_table import BlockTable
 from stratum_jax.kv.page_pool import PagePool
-from stratum_jax.kv.page_size import PageSizeHints, PageSizeRule
+from stratum_jax.kv.page_size import FixedPageSize, PageSizeHints, PageSizeRule
 from stratum_jax.request import RequestState
 from stratum_jax.sequence import Sequence
 
@@ -29,9 +29,14 @@ class ScheduledBatch:
 
 
 class FcfsScheduler:
-    def __init__(self, config: RuntimeConfig, pool: PagePool, page_rule: PageSizeRule):
+    """page_rule: a fixed rule that overrides the cache policy's page size (None: `pool.policy` picks,
+    unless --page-size forces one)."""
+
+    def __init__(self, config: RuntimeConfig, pool: PagePool, page_rule: PageSizeRule | None = None):
         self.config = config
         self.pool = pool
+        if page_rule is None and config.page_size is not None:
+            page_rule = FixedPageSize(config.page_size)
         self.page_rule = page_rule
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -51,6 +56,7 @@ class FcfsScheduler:
         if seq.blocks is not None:
             seq.blocks.release()
             seq.blocks = None
+        self.pool.end_request(seq.request_id)
 
     def schedule(self) -> ScheduledBatch | None:
         decode_ready = any(not s.is_prefilling for s in self.running)
@@ -106,29 +112,44 @@ class FcfsScheduler:
         use_cache = not seq.wants_prompt_logprobs      # cached positions would have no prompt logprobs
         max_pages_for = {ps: (len(tokens) - 1) // ps for ps in PAGE_SIZE_CLASSES}
         best_size, best_hit = None, []
+        hits: dict[int, list] = {}
         if use_cache:
             for ps in PAGE_SIZE_CLASSES:
-                hit = self.pool.match_prefix(tokens, ps, max_pages_for[ps])
+                hit = hits[ps] = self.pool.match_prefix(tokens, ps, max_pages_for[ps])
                 if len(hit) * ps > len(best_hit) * (best_size or 1):
                     best_size, best_hit = ps, hit
+        expected = len(seq.prompt_ids) + seq.params.max_tokens
+        # Known only for a request that already ran (re-admitted after preemption): a new request's
+        # scores are measured from its first step on.
+        variance = seq.attn_var5
         if self.config.page_size is not None:
             page_size = self.config.page_size
             if best_size != page_size:
                 best_hit = []
         elif best_hit:
             page_size = best_size       # prefix caching across page sizes: follow the cached prefix
+            if not self.pool.lru_fast_path:
+                # The policy may pick another class, if the cache holds as long a prefix there too.
+                choice = self.pool.policy.page_size_for(
+                    PageSizeHints(expected_tokens=expected, shared_prefix_tokens=len(best_hit) * best_size,
+                                  attention_score_variance=variance),
+                    [self.pool.block_info(p) for p in best_hit], self.pool.clock())
+                if len(hits.get(choice, ())) * choice >= len(best_hit) * best_size:
+                    page_size, best_hit = choice, hits[choice]
+        elif self.page_rule is not None:
+            page_size = self.page_rule(PageSizeHints(expected_tokens=expected, attention_score_variance=variance))
         else:
-            page_size = self.page_rule(PageSizeHints(
-                expected_tokens=len(seq.prompt_ids) + seq.params.max_tokens))
+            page_size = self.pool.policy.page_size_for(
+                PageSizeHints(expected_tokens=expected, attention_score_variance=variance), (), self.pool.clock())
         first_chunk = min(len(tokens) - len(best_hit) * page_size, self.config.prefill_chunk)
         if not self.pool.can_allocate(page_size, -(-first_chunk // page_size) + 1):
             return False
         blocks = BlockTable(self.pool, page_size)
+        seq.blocks = blocks              # before the access: its features read the page size
         if use_cache:
             self.pool.acquire_prefix(best_hit, queried_pages=max(1, max_pages_for[page_size]),
                                      request_id=seq.request_id)
         blocks.adopt_prefix(best_hit)
-        seq.blocks = blocks
         seq.num_computed = len(best_hit) * page_size
         if seq.preemptions == 0:
             seq.cached_prompt_tokens = seq.num_computed

@@ -275,7 +275,7 @@ class LatencySummary(_message.Message):
     def __init__(self, count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ...) -> None: ...
 
 class MetricsSnapshot(_message.Message):
-    __slots__ = ("queued", "running", "in_flight", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_tokens_total", "kv_tokens_used", "prefix_cache_hits", "prefix_cache_queries", "cache_hit_rate", "preemptions", "steps", "decode_step_ms", "prefill_tokens_per_s", "input_tokens", "output_tokens", "requests_by_status", "accepted", "finished", "ttft", "tpot", "e2e", "draining")
+    __slots__ = ("queued", "running", "in_flight", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_tokens_total", "kv_tokens_used", "prefix_cache_hits", "prefix_cache_queries", "cache_hit_rate", "preemptions", "steps", "decode_step_ms", "prefill_tokens_per_s", "input_tokens", "output_tokens", "requests_by_status", "accepted", "finished", "ttft", "tpot", "e2e", "draining", "dmlp")
     class RequestsByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,7 @@ class MetricsSnapshot(_message.Message):
     TPOT_FIELD_NUMBER: _ClassVar[int]
     E2E_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    DMLP_FIELD_NUMBER: _ClassVar[int]
     queued: int
     running: int
     in_flight: int
@@ -331,7 +332,22 @@ class MetricsSnapshot(_message.Message):
     tpot: LatencySummary
     e2e: LatencySummary
     draining: bool
-    def __init__(self, queued: _Optional[int] = ..., running: _Optional[int] = ..., in_flight: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., decode_step_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., requests_by_status: _Optional[_Mapping[str, int]] = ..., accepted: _Optional[int] = ..., finished: _Optional[int] = ..., ttft: _Optional[_Union[LatencySummary, _Mapping]] = ..., tpot: _Optional[_Union[LatencySummary, _Mapping]] = ..., e2e: _Optional[_Union[LatencySummary, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    dmlp: DmlpStatus
+    def __init__(self, queued: _Optional[int] = ..., running: _Optional[int] = ..., in_flight: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., decode_step_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., requests_by_status: _Optional[_Mapping[str, int]] = ..., accepted: _Optional[int] = ..., finished: _Optional[int] = ..., ttft: _Optional[_Union[LatencySummary, _Mapping]] = ..., tpot: _Optional[_Union[LatencySummary, _Mapping]] = ..., e2e: _Optional[_Union[LatencySummary, _Mapping]] = ..., draining: _Optional[bool] = ..., dmlp: _Optional[_Union[DmlpStatus, _Mapping]] = ...) -> None: ...
+
+class DmlpStatus(_message.Message):
+    __slots__ = ("confidence", "online", "accuracy", "updates", "dropped")
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    ONLINE_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    confidence: float
+    online: bool
+    accuracy: float
+    updates: int
+    dropped: int
+    def __init__(self, confidence: _Optional[float] = ..., online: _Optional[bool] = ..., accuracy: _Optional[float] = ..., updates: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("num_steps", "name", "timeout_s")

@@ -1,0 +1,224 @@
+"""Decode step time of the real engine under three cache policies: lru, dmlp, and dmlp with the online
+fine-tuner running (target: dmlp-with-online at most 2% slower than lru).
+
+    PYTHONPATH=$PWD python3 benchmarks/dmlp_engine_overhead.py                       # tiny, CPU
+    PYTHONPATH=$PWD python3 benchmarks/dmlp_engine_overhead.py --model llama-1b --batch 32 \\
+        --prompt-len 512 --new-tokens 128 --rounds 8 --online-cores 14,15 --out results.json
+
+One model is loaded once and shared by three engines, one per condition. Each keeps `--batch`
+requests running: a finished request is replaced at once by a new one whose prompt starts with one of
+a few shared prefixes (so cached blocks are accessed again) and ends with fresh tokens, in a KV pool
+sized to about 2x the running working set (so cached blocks are evicted all the time). The conditions
+run in blocks, in the order A B C then C B A (and so on), so slow drifts of the machine hit all alike.
+
+Measured per decode step: the wall time of the whole `engine.step()` call (scheduler, allocation and
+eviction, the policy's batched scoring, the device step, postprocessing) - where the policy's cost
+shows - and the engine's own per-token decode time (`stats().decode_step_ms`'s samples). Medians over
+all the blocks of a condition; the % is relative to lru.
+
+With no `--checkpoint`, a small default-width DMLP (1.2M parameters) is trained for one epoch on a
+synthetic conversation trace into a temporary directory first. The online condition gets the
+fine-tuner worker process (pinned to `--online-cores`) fed with enough examples up front that it is
+taking optax steps (at its default CPU budget) during the whole measurement, plus what live traffic adds.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+H = (10.0, 50.0, 100.0, 200.0, 500.0)
+
+
+def train_small_checkpoint(directory: str) -> str:
+    """One epoch of the default-width DMLP on a synthetic trace (about a minute on a laptop CPU)."""
+    from stratum_jax.dmlp.model import DEFAULT_HIDDEN
+    from training.checkpoint import DmlpCheckpoint, save_checkpoint
+    from training.dataset import train_val_examples
+    from training.synthetic import conversation_trace, write_jsonl
+    from training.trainer import TrainConfig, train
+    from training.traces import read_traces
+
+    trace = os.path.join(directory, "trace.jsonl")
+    write_jsonl(trace, conversation_trace(800, seed=3, rate_per_s=4.0, think_median_s=30.0))
+    tr, va, _ = train_val_examples(read_traces([trace], "mooncake", 100.0), H, 0.25)
+    res = train(tr, va, H, TrainConfig(epochs=1, hidden=DEFAULT_HIDDEN, batch_size=512))
+    path = os.path.join(directory, "dmlp")
+    save_checkpoint(path, DmlpCheckpoint(res.config, res.params, res.normalizer, {"benchmark": "synthetic"}))
+    return path
+
+
+class Stream:
+    """Keeps `batch` requests running in one engine; prompts share a few prefixes."""
+
+    def __init__(self, engine, args, seed: int):
+        from stratum_jax.request import SamplingParams
+        self.engine, self.args = engine, args
+        self.rng = random.Random(seed)
+        vocab = engine.model_config.vocab_size
+        shared = max(8, args.prompt_len * 3 // 4)
+        prefix_rng = random.Random(1234)           # the same prefixes in every engine
+        self.prefixes = [[prefix_rng.randrange(3, vocab) for _ in range(shared)] for _ in range(args.prefixes)]
+        self.params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+        self.vocab = vocab
+        self.running: set[str] = set()
+
+    def top_up(self) -> None:
+        while len(self.running) < self.args.batch:
+            prefix = self.rng.choice(self.prefixes)
+            tail = [self.rng.randrange(3, self.vocab) for _ in range(self.args.prompt_len - len(prefix))]
+            self.running.add(self.engine.add_request(prefix + tail, self.params))
+
+    def step(self):
+        """One engine step; returns (wall s, kind, engine per-token decode ms or None)."""
+        self.top_up()
+        e = self.engine
+        t0 = time.perf_counter()
+        outs = e.step()
+        wall = time.perf_counter() - t0
+        for o in outs:
+            if o.finished:
+                self.running.discard(o.request_id)
+        kind = e.last_step.kind if e.last_step is not None else None
+        per_token = e._recent_decode_ms[-1] if kind == "decode" and e._recent_decode_ms else None
+        return wall, kind, per_token
+
+
+def feed_tuner(tuner, n: int = 6000, seed: int = 0) -> None:
+    """Random (features, labels) so the worker has enough examples to train from the start."""
+    import numpy as np
+    from stratum_jax.dmlp.features import FEATURE_NAMES
+    rng = np.random.default_rng(seed)
+    raw = rng.uniform(0, 1000, (n, len(FEATURE_NAMES))).astype(np.float32)
+    rec = FEATURE_NAMES.index("recency_ms")
+    labels = (raw[:, rec, None] <= np.array(H)[None, :]).astype(np.float32)
+    for i in range(0, n, 200):
+        tuner.observe(raw[i:i + 200], labels[i:i + 200])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
+    ap.add_argument("--attention", default="reference", choices=["reference", "kernel"])
+    ap.add_argument("--batch", type=int, default=8, help="requests kept running")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prefixes", type=int, default=6, help="distinct shared prompt prefixes")
+    ap.add_argument("--rounds", type=int, default=6, help="blocks per condition")
+    ap.add_argument("--block-steps", type=int, default=40, help="engine steps per block")
+    ap.add_argument("--warmup-steps", type=int, default=60, help="unmeasured steps per engine first")
+    ap.add_argument("--kv-pool-tokens", type=int, default=None,
+                    help="default: about twice the running working set, so blocks are evicted")
+    ap.add_argument("--checkpoint", default=None, help="DMLP checkpoint dir; default: train a small one")
+    ap.add_argument("--online-cores", default=None, help="pin the fine-tuner to these cores, e.g. 14,15")
+    ap.add_argument("--conditions", default="lru,dmlp,dmlp-online")
+    ap.add_argument("--out", default=None, help="write the JSON result here")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from stratum_jax.config import RuntimeConfig, parse_cores
+    from stratum_jax.engine import Engine
+    from stratum_jax.model.loader import load_model
+
+    tmp = tempfile.mkdtemp(prefix="dmlp-overhead-")
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        t = time.perf_counter()
+        checkpoint = train_small_checkpoint(tmp)
+        print(f"trained a small DMLP into {checkpoint} in {time.perf_counter() - t:.1f} s", flush=True)
+    per_req = args.prompt_len + args.new_tokens
+    max_context = 1 << max(8, (per_req - 1).bit_length())
+    pool = args.kv_pool_tokens or max(max_context, 2 * args.batch * per_req)
+    base = dict(model=args.model, dtype=args.dtype, attention=args.attention, max_batch_size=args.batch,
+                max_context=max_context, max_tokens_cap=args.new_tokens, kv_pool_tokens=pool,
+                max_queue=4 * args.batch)
+    configs = {
+        "lru": RuntimeConfig(**base),
+        "dmlp": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint),
+        "dmlp-online": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint, dmlp_online=True,
+                                     dmlp_online_dir=os.path.join(tmp, "online"),
+                                     dmlp_online_cores=parse_cores(args.online_cores)),
+    }
+    names = [c for c in args.conditions.split(",") if c]
+    model = load_model(args.model, dtype=args.dtype, seed=0)
+    engines, streams = {}, {}
+    for i, name in enumerate(names):
+        engines[name] = Engine(configs[name], model=model)
+        engines[name].warmup()
+        streams[name] = Stream(engines[name], args, seed=i)
+        for _ in range(args.warmup_steps):
+            streams[name].step()
+    tuner = engines["dmlp-online"].dmlp_tuner if "dmlp-online" in engines else None
+    if tuner is not None:
+        feed_tuner(tuner)
+        tuner.start()
+        time.sleep(3.0)        # let the worker start and begin its rounds
+
+    walls = {n: [] for n in names}
+    per_token = {n: [] for n in names}
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            for _ in range(args.block_steps):
+                wall, kind, tok = streams[name].step()
+                if kind == "decode":
+                    walls[name].append(wall * 1e3)
+                    per_token[name].append(tok)
+        print(f"round {r + 1}/{args.rounds}, step ms p50 so far: " + "  ".join(
+            f"{n} {statistics.median(walls[n]):.3f}" for n in names if walls[n]), flush=True)
+        if args.out:        # the raw samples so far, so a run cut short by a time limit still leaves data
+            _write(args.out, {"partial": True, "rounds_done": r + 1, "step_ms": walls, "decode_ms_per_token": per_token})
+    updates = None
+    if tuner is not None:
+        updates = tuner.updates
+        tuner.stop()
+
+    result = {"model": args.model, "backend": jax.default_backend(), "device": str(jax.devices()[0]),
+              "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+              "args": {k: v for k, v in vars(args).items()}, "kv_pool_tokens": pool, "conditions": {}}
+    ref = statistics.median(walls[names[0]]) if walls[names[0]] else float("nan")
+    ref_tok = statistics.median(per_token[names[0]]) if per_token[names[0]] else float("nan")
+    print(f"\n{'condition':<12} {'step ms (p50)':>14} {'p90':>8} {'vs ' + names[0]:>9} "
+          f"{'decode ms/tok':>14} {'vs ' + names[0]:>9} {'steps':>6} {'evictions':>10} {'hit rate':>9}")
+    for name in names:
+        e, w, t = engines[name], sorted(walls[name]), per_token[name]
+        st = e.stats()
+        med, tok = statistics.median(w), statistics.median(t)
+        row = {"step_ms_p50": med, "step_ms_p90": w[int(0.9 * (len(w) - 1))], "decode_ms_per_token_p50": tok,
+               "step_vs_first_pct": 100.0 * (med / ref - 1.0), "decode_vs_first_pct": 100.0 * (tok / ref_tok - 1.0),
+               "decode_steps": len(w), "evictions": e.pool.evictions,
+               "prefix_hit_rate": st.prefix_cache_hits / max(1, st.prefix_cache_queries)}
+        if name == "dmlp-online":
+            row["online_updates"] = updates
+            row["online_dropped"] = e.dmlp_tuner.dropped
+        result["conditions"][name] = row
+        print(f"{name:<12} {med:>14.3f} {row['step_ms_p90']:>8.3f} {row['step_vs_first_pct']:>+8.2f}% "
+              f"{tok:>14.3f} {row['decode_vs_first_pct']:>+8.2f}% {len(w):>6} {e.pool.evictions:>10} "
+              f"{row['prefix_hit_rate']:>9.3f}")
+    result["samples"] = {"step_ms": walls, "decode_ms_per_token": per_token}
+    if args.out:
+        _write(args.out, result)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _write(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(obj, fh, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Builds the engine's cache policy from `RuntimeConfig`, with the DMLP's online fine-tuning wired in.
+
+    policy, tuner = build_cache_policy(config)          # tuner is None unless --dmlp-online
+
+`--cache-policy lru` gives `LruPolicy()`. `--cache-policy dmlp` loads the checkpoint and wires
+
+    load_checkpoint -> Predictor -> ConfidenceThreshold(--dmlp-confidence)
+        -> OnlineFineTuner (with --dmlp-online) -> OutcomeTracker(horizons, tuner.observe)
+        -> DmlpPolicy(predictor, threshold, on_access=tracker.accessed)
+
+The tracker runs on the engine thread (the policy calls it after scoring each batch of accesses) and
+hands finished (features, observed reuse) pairs to `tuner.observe`, which never blocks. The tuner is
+returned unstarted: the server starts it after warm-up and stops it (final orbax checkpoint) when it
+drains. `export_dmlp_metrics` puts stratum_dmlp_* into a server's registry.
+"""
+from __future__ import annotations
+
+import logging
+
+from stratum_jax.config import RuntimeConfig
+from stratum_jax.dmlp.policy import DmlpPolicy, LruPolicy
+
+log = logging.getLogger(__name__)
+
+
+def build_cache_policy(config: RuntimeConfig, metrics_registry=None):
+    """Returns (policy, tuner or None). Raises CheckpointError (a ValueError naming the file) for a bad
+    --dmlp-checkpoint. With `metrics_registry`, the stratum_dmlp_* metrics are registered there."""
+    if config.cache_policy == "lru":
+        return LruPolicy(), None
+    from stratum_jax.dmlp.model import Predictor
+    from stratum_jax.dmlp.policy import ConfidenceThreshold
+    from training.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(config.dmlp_checkpoint)
+    predictor = Predictor(ckpt.config, ckpt.params, ckpt.normalizer)
+    threshold = ConfidenceThreshold(config.dmlp_confidence)
+    tuner, on_access = None, None
+    if config.dmlp_online:
+        from training.online import OnlineConfig, OnlineFineTuner
+        from training.outcomes import OutcomeTracker
+
+        tuner = OnlineFineTuner(predictor, OnlineConfig(cpu_cores=config.dmlp_online_cores),
+                                config.dmlp_online_dir, threshold=threshold)
+        on_access = OutcomeTracker(ckpt.config.horizons_ms, tuner.observe).accessed
+    policy = DmlpPolicy(predictor, threshold, on_access=on_access, score_on_access=False)
+    log.info("cache policy dmlp: %s (horizons %s ms, confidence %.2f, online %s)", config.dmlp_checkpoint,
+             list(ckpt.config.horizons_ms), threshold.value, "on" if tuner else "off")
+    if metrics_registry is not None:
+        export_dmlp_metrics(policy, tuner, metrics_registry)
+    return policy, tuner
+
+
+def export_dmlp_metrics(policy, tuner, registry) -> None:
+    """Registers stratum_dmlp_confidence (any DMLP policy) and, with a tuner, stratum_dmlp_accuracy,
+    stratum_dmlp_updates_total and stratum_dmlp_online_dropped_total. A no-op for LRU; idempotent."""
+    if not isinstance(policy, DmlpPolicy):
+        return
+    if getattr(policy, "_exported_to", None) is registry:
+        return
+    if tuner is not None:
+        tuner.export(registry)               # includes the threshold's gauge
+    else:
+        policy.threshold.export(registry)
+    policy._exported_to = registry
+
+
+def dmlp_status(policy, tuner) -> dict | None:
+    """A snapshot for GetMetrics: None for LRU."""
+    if not isinstance(policy, DmlpPolicy):
+        return None
+    out = {"confidence": policy.threshold.value, "online": tuner is not None, "accuracy": float("nan"),
+           "updates": 0, "dropped": 0}
+    if tuner is not None:
+        out.update(accuracy=float(tuner.accuracy), updates=int(tuner.updates), dropped=int(tuner.dropped))
+    return out
+
+
+def warm_predictor(policy, max_rows: int = 256) -> None:
+    """Compiles the predictor's batch buckets (64, 128, ... max_rows) so serving never waits on a compile."""
+    if not isinstance(policy, DmlpPolicy):
+        return
+    import numpy as np
+
+    n_features = len(policy.predictor.normalizer.mean)
+    rows = 64
+    while rows <= max_rows:
+        policy.predictor.predict(np.full((rows, n_features), np.nan, np.float32))
+        rows *= 2

@@ -1,0 +1,66 @@
+"""The server with --cache-policy dmlp and online fine-tuning: real gRPC over loopback, the stratum_dmlp_*
+series in /metrics and GetMetrics, and the fine-tuner's final orbax checkpoint after shutdown."""
+from __future__ import annotations
+
+import math
+import urllib.request
+
+import grpc
+import jax
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving.background import BackgroundServer
+from serving.options import ServerOptions
+from serving.proto.stratum.v1 import stratum_pb2 as pb
+from serving.proto.stratum.v1 import stratum_pb2_grpc as pb_grpc
+from stratum_jax.config import RuntimeConfig
+from stratum_jax.dmlp.features import FEATURE_NAMES, Normalizer
+from stratum_jax.dmlp.model import DmlpConfig, init_params
+from stratum_jax.metrics import DMLP_METRICS
+from training.checkpoint import DmlpCheckpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+
+
+def write_checkpoint(path) -> str:
+    cfg = DmlpConfig(num_inputs=2 * len(FEATURE_NAMES), hidden=(32, 32))
+    raw = np.random.default_rng(0).uniform(0, 100, (256, len(FEATURE_NAMES))).astype(np.float32)
+    save_checkpoint(str(path), DmlpCheckpoint(cfg, jax.device_get(init_params(cfg, 0)), Normalizer.fit(raw), {}))
+    return str(path)
+
+
+def test_server_with_dmlp_and_online_fine_tuning(tmp_path):
+    online_dir = tmp_path / "online"
+    config = RuntimeConfig(model="tiny", max_batch_size=4, max_context=256, max_tokens_cap=64, prefill_chunk=32,
+                           kv_pool_tokens=512, cache_policy="dmlp",
+                           dmlp_checkpoint=write_checkpoint(tmp_path / "ck"), dmlp_online=True,
+                           dmlp_online_dir=str(online_dir), dmlp_online_cores=(0,))
+    options = ServerOptions(port=0, metrics_port=0, drain_grace_s=0.0, profile_dir=str(tmp_path / "profiles"))
+    bg = BackgroundServer(config, options).start()
+    try:
+        engine = bg.server.runner.engine
+        assert engine.dmlp_tuner is not None and engine.dmlp_tuner._process is not None   # started
+        with grpc.insecure_channel(bg.target) as channel:
+            stub = pb_grpc.StratumStub(channel)
+            system = "You are a helpful assistant. Answer briefly and precisely. " * 3
+            for i in range(6):
+                req = pb.MessagesRequest(system=system, messages=[pb.Message(role="user", content=f"Question {i}")],
+                                         max_tokens=6, temperature=0.0)
+                events = list(stub.Messages(req, timeout=60))
+                assert events[-1].WhichOneof("event") == "stop"
+            snap = stub.GetMetrics(pb.GetMetricsRequest(), timeout=10)
+        assert snap.HasField("dmlp") and snap.dmlp.online and 0.5 <= snap.dmlp.confidence <= 0.95
+        assert snap.prefix_cache_hits > 0                  # the shared system prompt was reused
+        text = urllib.request.urlopen(bg.metrics_url, timeout=10).read().decode()
+        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        for name in DMLP_METRICS:
+            assert name in samples, f"{name} missing from /metrics"
+        assert samples["stratum_dmlp_confidence"] == snap.dmlp.confidence
+        assert samples["stratum_dmlp_updates_total"] >= 0
+        assert math.isnan(samples["stratum_dmlp_accuracy"]) or 0 <= samples["stratum_dmlp_accuracy"] <= 1
+    finally:
+        bg.stop()
+    # Shutdown stopped the fine-tuner after its final checkpoint.
+    final = latest_checkpoint(str(online_dir))
+    assert final is not None, f"no checkpoint in {online_dir}"
+    loaded = load_checkpoint(final)
+    assert "online_updates" in loaded.extra and engine.dmlp_tuner._process is None
