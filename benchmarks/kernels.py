@@ -39,6 +39,7 @@ import jax                                     # noqa: E402
 import jax.numpy as jnp                        # noqa: E402
 import numpy as np                             # noqa: E402
 
+from pallas_kernels.testing import float64_attention, random_paged_case   # noqa: E402
 from pallas_kernels.paged_attention import (   # noqa: E402
     PAGE_SIZES, TuningConfig, paged_attention)
 
@@ -129,53 +130,7 @@ def xla_decode_attention(q, k, v, lengths, *, scale):
 # Small float64 correctness checks (every page size, GQA, D, soft cap, split, NaN slots)
 # ---------------------------------------------------------------------------------------------
 
-def _small_case(rng, lengths, sizes, Hq, Hkv, D):
-    num_slots = 256 * (2 + sum(-(-L // 256) for L in lengths) + len(lengths))
-    blocks = list(rng.permutation(num_slots // 256))
-    max_pages = max(-(-L // P) for L, P in zip(lengths, sizes)) + 1
-    starts = np.full((len(lengths), max_pages), 10**7, np.int32)      # garbage past the end
-    live = np.zeros(num_slots, bool)
-    for b, (L, P) in enumerate(zip(lengths, sizes)):
-        n = -(-L // P)
-        free = []
-        while len(free) < n:
-            blk = blocks.pop()
-            free += list(blk * 256 + np.arange(0, 256, P))
-        pages = rng.permutation(free)[:n]
-        starts[b, :n] = pages
-        for t in range(L):
-            live[pages[t // P] + t % P] = True
-    k = rng.standard_normal((Hkv, num_slots, D)).astype(np.float32)
-    v = rng.standard_normal((Hkv, num_slots, D)).astype(np.float32)
-    k[:, ~live] = np.nan
-    v[:, ~live] = np.nan
-    q = rng.standard_normal((len(lengths), Hq, D)).astype(np.float32)
-    return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
-            jnp.asarray(lengths, jnp.int32), jnp.asarray(starts), jnp.asarray(sizes, jnp.int32))
-
-
-def _f64_attention(args, soft_cap=None):
-    q, k, v, lengths, starts, sizes = (np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
-                                       if i < 3 else np.asarray(a) for i, a in enumerate(args))
-    B, Hq, D = q.shape
-    g = Hq // k.shape[0]
-    out = np.zeros((B, Hq, D))
-    for b in range(B):
-        L, P = int(lengths[b]), int(sizes[b])
-        if L == 0:
-            continue
-        slots = np.array([starts[b, t // P] + t % P for t in range(L)])
-        for h in range(Hq):
-            s = k[h // g, slots] @ q[b, h] / math.sqrt(D)
-            if soft_cap:
-                s = soft_cap * np.tanh(s / soft_cap)
-            p = np.exp(s - s.max())
-            out[b, h] = p @ v[h // g, slots] / p.sum()
-    return out
-
-
 def run_checks(configs, *, interpret):
-    rng = np.random.default_rng(0)
     lengths = [1, 15, 33, 65, 127, 300, 0, 1000]
     sizes = [8, 16, 32, 64, 128, 256, 8, 32]
     cases = [dict(Hq=32, Hkv=8, D=128), dict(Hq=8, Hkv=8, D=128), dict(Hq=16, Hkv=2, D=64),
@@ -184,13 +139,14 @@ def run_checks(configs, *, interpret):
         lengths, sizes = [1, 65, 0, 300], [8, 64, 8, 256]
         cases = [dict(Hq=4, Hkv=1, D=64)]
     results = []
-    for case in cases:
-        args = _small_case(rng, lengths, sizes, case["Hq"], case["Hkv"], case["D"])
-        want = _f64_attention(args, case.get("soft_cap"))
+    for seed, case in enumerate(cases):
+        inputs = random_paged_case(seed, lengths=lengths, page_sizes=sizes, num_q_heads=case["Hq"],
+                                   num_kv_heads=case["Hkv"], head_dim=case["D"])
+        want = float64_attention(inputs, soft_cap=case.get("soft_cap"))
         for cfg in configs:
             rec = dict(case=case, config=dataclasses.asdict(cfg))
             try:
-                out = paged_attention(*args, soft_cap=case.get("soft_cap"), config=cfg, interpret=interpret)
+                out = paged_attention(**inputs, soft_cap=case.get("soft_cap"), config=cfg, interpret=interpret)
                 out = np.asarray(out.astype(jnp.float32))
                 rec.update(max_abs_err=float(np.abs(out - want).max()), has_nan=bool(np.isnan(out).any()))
                 rec["ok"] = rec["max_abs_err"] <= 2e-2 and not rec["has_nan"]

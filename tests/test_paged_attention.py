@@ -15,106 +15,13 @@ import jax.numpy as jnp
 from pallas_kernels._interpret import mosaic_gpu_interpret
 from pallas_kernels.paged_attention import (
     PAGE_SIZES, TuningConfig, paged_attention, paged_attention_reference)
+from pallas_kernels.testing import float64_attention, float64_score_variance, random_paged_case
 
 BF16_TOL = 2e-2
 
 
-# ---------------------------------------------------------------------------------------------
-# Inputs: a buddy-style pool (pages of size P at P-aligned slots), random placement, NaN elsewhere.
-# ---------------------------------------------------------------------------------------------
-
-def _alloc_pages(rng, num_slots, lengths, page_sizes):
-    """Random buddy allocation: returns page_starts [B, max_pages] (garbage past each sequence's
-    pages) and a bool mask [num_slots] of the slots that hold live tokens."""
-    free = {p: [] for p in PAGE_SIZES}
-    free[256] = list(rng.permutation(np.arange(0, num_slots, 256)))
-
-    def take(p):
-        if not free[p]:
-            if p == 256:
-                raise RuntimeError("pool too small for this test batch")
-            big = take(2 * p)
-            halves = [big, big + p]
-            rng.shuffle(halves)
-            free[p].extend(halves)
-        return int(free[p].pop(rng.integers(len(free[p]))))
-
-    max_pages = max(1, max(-(-int(L) // int(P)) for L, P in zip(lengths, page_sizes)) + 1)
-    # Garbage (huge, negative, unaligned) entries past the end must never be read.
-    starts = rng.choice([-12345, 10**8 + 3, num_slots * 7 + 1], size=(len(lengths), max_pages)).astype(np.int32)
-    live = np.zeros(num_slots, bool)
-    for b, (L, P) in enumerate(zip(lengths, page_sizes)):
-        for i in range(-(-int(L) // int(P))):
-            s = take(int(P))
-            starts[b, i] = s
-            n = min(int(P), int(L) - i * int(P))
-            live[s:s + n] = True
-    return starts, live
-
-
-def make_case(seed, *, lengths, page_sizes, num_q_heads, num_kv_heads, head_dim, num_slots=None,
-              q_dtype=jnp.bfloat16, nan_outside=True):
-    rng = np.random.default_rng(seed)
-    need = sum(-(-L // P) * P for L, P in zip(lengths, page_sizes))
-    num_slots = num_slots or max(256, -(-(2 * need + 256) // 256) * 256)
-    starts, live = _alloc_pages(rng, num_slots, lengths, page_sizes)
-    k = rng.standard_normal((num_kv_heads, num_slots, head_dim)).astype(np.float32)
-    v = rng.standard_normal((num_kv_heads, num_slots, head_dim)).astype(np.float32)
-    if nan_outside:
-        k[:, ~live] = np.nan
-        v[:, ~live] = np.nan
-    q = (rng.standard_normal((len(lengths), num_q_heads, head_dim)) * 1.5).astype(np.float32)
-    return dict(q=jnp.asarray(q, q_dtype), k_pool=jnp.asarray(k, jnp.bfloat16),
-                v_pool=jnp.asarray(v, jnp.bfloat16), lengths=jnp.asarray(lengths, jnp.int32),
-                page_starts=jnp.asarray(starts), page_sizes=jnp.asarray(page_sizes, jnp.int32))
-
-
-def numpy_attention(case, *, sm_scale=None, soft_cap=None):
-    """float64 ground truth, computed from the bf16-rounded inputs the kernel sees."""
-    q = np.asarray(case["q"].astype(jnp.float32), np.float64)
-    k = np.asarray(case["k_pool"].astype(jnp.float32), np.float64)
-    v = np.asarray(case["v_pool"].astype(jnp.float32), np.float64)
-    lengths, starts, sizes = (np.asarray(case[n]) for n in ("lengths", "page_starts", "page_sizes"))
-    B, Hq, D = q.shape
-    group = Hq // k.shape[0]
-    scale = 1.0 / np.sqrt(D) if sm_scale is None else sm_scale
-    out = np.zeros((B, Hq, D))
-    for b in range(B):
-        L, P = int(lengths[b]), int(sizes[b])
-        if L == 0:
-            continue
-        slots = np.array([starts[b, t // P] + t % P for t in range(L)])
-        for hq in range(Hq):
-            kk, vv = k[hq // group, slots], v[hq // group, slots]
-            s = kk @ q[b, hq] * scale
-            if soft_cap is not None:
-                s = soft_cap * np.tanh(s / soft_cap)
-            p = np.exp(s - s.max())
-            out[b, hq] = p @ vv / p.sum()
-    return out
-
-
-def numpy_score_var(case, *, sm_scale=None, soft_cap=None):
-    """float64 ground truth of the per-row score variance: [B, Hq], population variance over the
-    valid keys of s = sm_scale * q.k (soft-capped if set); 0 for length-0 rows."""
-    q = np.asarray(case["q"].astype(jnp.float32), np.float64)
-    k = np.asarray(case["k_pool"].astype(jnp.float32), np.float64)
-    lengths, starts, sizes = (np.asarray(case[n]) for n in ("lengths", "page_starts", "page_sizes"))
-    B, Hq, D = q.shape
-    group = Hq // k.shape[0]
-    scale = 1.0 / np.sqrt(D) if sm_scale is None else sm_scale
-    out = np.zeros((B, Hq))
-    for b in range(B):
-        L, P = int(lengths[b]), int(sizes[b])
-        if L == 0:
-            continue
-        slots = np.array([starts[b, t // P] + t % P for t in range(L)])
-        for hq in range(Hq):
-            s = k[hq // group, slots] @ q[b, hq] * scale
-            if soft_cap is not None:
-                s = soft_cap * np.tanh(s / soft_cap)
-            out[b, hq] = s.var()
-    return out
+# Inputs (random buddy-placed pages, NaN in every free slot, garbage table entries past each sequence)
+# and the float64 truths come from pallas_kernels/testing.py, shared with benchmarks/kernels.py.
 
 
 # Score-variance tolerance. The kernel's scores are fp32 dot products of the same bf16 values the
@@ -149,14 +56,14 @@ def run_kernel(case, **kw):
 # ---------------------------------------------------------------------------------------------
 
 def test_reference_matches_float64():
-    case = make_case(0, lengths=[1, 37, 300, 64, 0, 129], page_sizes=[8, 16, 32, 64, 128, 256],
+    case = random_paged_case(0, lengths=[1, 37, 300, 64, 0, 129], page_sizes=[8, 16, 32, 64, 128, 256],
                      num_q_heads=8, num_kv_heads=2, head_dim=64)
-    want = numpy_attention(case)
+    want = float64_attention(case)
     out = paged_attention_reference(**{**case, "q": case["q"].astype(jnp.float32)})
     check(out, want, tol=2e-5)     # fp32 math on bf16 inputs, fp32 output
     capped = paged_attention_reference(**{**case, "q": case["q"].astype(jnp.float32)}, soft_cap=5.0,
                                        sm_scale=0.3)
-    check(capped, numpy_attention(case, soft_cap=5.0, sm_scale=0.3), tol=2e-5)
+    check(capped, float64_attention(case, soft_cap=5.0, sm_scale=0.3), tol=2e-5)
     assert np.all(np.asarray(out)[4] == 0)
 
 
@@ -168,40 +75,40 @@ def test_reference_matches_float64():
 def test_kernel_every_page_size_in_one_batch(head_dim, num_q_heads, num_kv_heads):
     """q_per_kv 4, 1, 8; every page size mixed in one batch; lengths 1, P-1, P+1, ragged; the
     block_kv=64 tile then holds 8, 4, 2 whole pages or a piece of one page."""
-    case = make_case(1 + head_dim + num_q_heads, lengths=[1, 15, 33, 65, 127, 300],
+    case = random_paged_case(1 + head_dim + num_q_heads, lengths=[1, 15, 33, 65, 127, 300],
                      page_sizes=[8, 16, 32, 64, 128, 256], num_q_heads=num_q_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim)
     out = run_kernel(case, config=TuningConfig(block_kv=64, num_stages=2, num_splits=1))
-    check(out, numpy_attention(case))
+    check(out, float64_attention(case))
 
 
 def test_kernel_block128_small_pages_and_nan_padding_rows():
     """block_kv=128 (16 copies per tile for 8-token pages); length-0 padding rows give zeros; every
     slot outside a live token is NaN and must not leak."""
-    case = make_case(2, lengths=[0, 9, 200, 0, 129], page_sizes=[8, 8, 16, 64, 256],
+    case = random_paged_case(2, lengths=[0, 9, 200, 0, 129], page_sizes=[8, 8, 16, 64, 256],
                      num_q_heads=4, num_kv_heads=1, head_dim=64)
     out = run_kernel(case, config=TuningConfig(block_kv=128, num_stages=3, num_splits=1))
-    check(out, numpy_attention(case))
+    check(out, float64_attention(case))
     out = np.asarray(out.astype(jnp.float32))
     assert np.all(out[0] == 0) and np.all(out[3] == 0)
 
 
 def test_kernel_split_k_and_soft_cap():
     """Split-K over 3 CTAs per (sequence, kv head) incl. splits with no tiles, plus the soft cap."""
-    case = make_case(3, lengths=[700, 5, 0, 190], page_sizes=[32, 256, 8, 64], num_q_heads=4,
+    case = random_paged_case(3, lengths=[700, 5, 0, 190], page_sizes=[32, 256, 8, 64], num_q_heads=4,
                      num_kv_heads=2, head_dim=64)
     cfg = TuningConfig(block_kv=64, num_stages=3, num_splits=3)
     check(run_kernel(case, config=cfg, soft_cap=8.0, sm_scale=0.2),
-          numpy_attention(case, soft_cap=8.0, sm_scale=0.2))
+          float64_attention(case, soft_cap=8.0, sm_scale=0.2))
 
 
 def test_kernel_unaligned_group_and_fp32_q():
     """q_per_kv 3 (groups padded to 8 rows in the wrapper) and an fp32 query (fp32 output)."""
-    case = make_case(4, lengths=[40, 257], page_sizes=[16, 128], num_q_heads=6, num_kv_heads=2,
+    case = random_paged_case(4, lengths=[40, 257], page_sizes=[16, 128], num_q_heads=6, num_kv_heads=2,
                      head_dim=64, q_dtype=jnp.float32)
     out = run_kernel(case, config=TuningConfig(block_kv=64, num_stages=2, num_splits=2))
     assert out.dtype == jnp.float32
-    check(out, numpy_attention(case))
+    check(out, float64_attention(case))
 
 
 def test_kernel_random_permutations():
@@ -209,25 +116,25 @@ def test_kernel_random_permutations():
     rng = np.random.default_rng(5)
     sizes = [int(s) for s in rng.choice(PAGE_SIZES, size=4)]
     lengths = [int(x) for x in rng.integers(1, 260, size=4)]
-    case = make_case(6, lengths=lengths, page_sizes=sizes, num_q_heads=4, num_kv_heads=1,
+    case = random_paged_case(6, lengths=lengths, page_sizes=sizes, num_q_heads=4, num_kv_heads=1,
                      head_dim=64, num_slots=4096)
     check(run_kernel(case, config=TuningConfig(block_kv=64, num_stages=4, num_splits=1, no_auto_barriers=True)),
-          numpy_attention(case))
+          float64_attention(case))
 
 
 def test_kernel_default_config_auto_split():
     """The default config at a tiny grid picks a large split (16 CTAs per sequence here), so most
     splits are empty; the combine must ignore them."""
-    case = make_case(10, lengths=[300, 3], page_sizes=[32, 8], num_q_heads=4, num_kv_heads=1, head_dim=64)
-    check(run_kernel(case), numpy_attention(case))
+    case = random_paged_case(10, lengths=[300, 3], page_sizes=[32, 8], num_q_heads=4, num_kv_heads=1, head_dim=64)
+    check(run_kernel(case), float64_attention(case))
 
 
 def test_interpret_context_manager():
     """`with mosaic_gpu_interpret():` runs the kernel without interpret=True (engine use)."""
-    case = make_case(7, lengths=[20], page_sizes=[16], num_q_heads=2, num_kv_heads=1, head_dim=64)
+    case = random_paged_case(7, lengths=[20], page_sizes=[16], num_q_heads=2, num_kv_heads=1, head_dim=64)
     with mosaic_gpu_interpret():
         out = paged_attention(**case, config=TuningConfig(num_splits=1, num_stages=2))
-    check(out, numpy_attention(case))
+    check(out, float64_attention(case))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,17 +150,17 @@ def _offset_case(case, k_shift, q_shift):
 
 
 def test_reference_score_var_matches_float64():
-    case = make_case(11, lengths=[1, 37, 300, 64, 0, 129], page_sizes=[8, 16, 32, 64, 128, 256],
+    case = random_paged_case(11, lengths=[1, 37, 300, 64, 0, 129], page_sizes=[8, 16, 32, 64, 128, 256],
                      num_q_heads=8, num_kv_heads=2, head_dim=64)
     plain = paged_attention_reference(**case)
     out, var = paged_attention_reference(**case, return_score_stats=True)
     assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
-    check_var(var, numpy_score_var(case))
+    check_var(var, float64_score_variance(case))
     _, var = paged_attention_reference(**case, return_score_stats=True, soft_cap=5.0, sm_scale=0.3)
-    check_var(var, numpy_score_var(case, soft_cap=5.0, sm_scale=0.3))
+    check_var(var, float64_score_variance(case, soft_cap=5.0, sm_scale=0.3))
     shifted = _offset_case(case, 1.0, 1.5)
     _, var = paged_attention_reference(**shifted, return_score_stats=True)
-    check_var(var, numpy_score_var(shifted))
+    check_var(var, float64_score_variance(shifted))
 
 
 @pytest.mark.parametrize("kind", ["gqa4_d128_offset", "split3_softcap_group3"])
@@ -266,18 +173,18 @@ def test_kernel_score_var(kind):
     - split3_softcap_group3: block_kv 128 (per-tile row sums), split-K over 3 CTAs (one empty),
       soft cap, sm_scale, q_per_kv 3 (padded q rows), P >= T and P < T pages."""
     if kind == "gqa4_d128_offset":
-        case = make_case(12, lengths=[1, 15, 33, 65, 127, 300, 0], page_sizes=[8, 16, 32, 64, 128, 256, 8],
+        case = random_paged_case(12, lengths=[1, 15, 33, 65, 127, 300, 0], page_sizes=[8, 16, 32, 64, 128, 256, 8],
                          num_q_heads=8, num_kv_heads=2, head_dim=128)
         case = _offset_case(case, 1.0, 1.25)
         cfg, kw = TuningConfig(block_kv=64, num_stages=2, num_splits=1), {}
     else:
-        case = make_case(13, lengths=[450, 5, 0, 130, 1], page_sizes=[32, 256, 8, 64, 16], num_q_heads=6,
+        case = random_paged_case(13, lengths=[450, 5, 0, 130, 1], page_sizes=[32, 256, 8, 64, 16], num_q_heads=6,
                          num_kv_heads=2, head_dim=64)
         cfg, kw = TuningConfig(block_kv=128, num_stages=2, num_splits=3), dict(soft_cap=8.0, sm_scale=0.2)
     out, var = run_kernel(case, config=cfg, return_score_stats=True, **kw)
-    want = numpy_score_var(case, **kw)
+    want = float64_score_variance(case, **kw)
     check_var(var, want)
-    check(out, numpy_attention(case, **kw))
+    check(out, float64_attention(case, **kw))
     plain = run_kernel(case, config=cfg, **kw)
     assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32), equal_nan=True)
     # The reference agrees too (same flag, same return).
@@ -290,7 +197,7 @@ def test_kernel_score_var(kind):
 # ---------------------------------------------------------------------------------------------
 
 def test_entry_point_shape_errors():
-    case = make_case(8, lengths=[5], page_sizes=[8], num_q_heads=4, num_kv_heads=2, head_dim=64,
+    case = random_paged_case(8, lengths=[5], page_sizes=[8], num_q_heads=4, num_kv_heads=2, head_dim=64,
                      nan_outside=False)
     bad = [
         (dict(q=case["q"][0]), "q must be"),
@@ -333,9 +240,9 @@ def test_tuning_config_validation():
 @pytest.mark.parametrize("config", [TuningConfig(), TuningConfig(block_kv=128, num_stages=2, num_splits=2),
                                     TuningConfig(p_via_smem=True, num_splits=1)])
 def test_kernel_compiled_on_gpu(config):
-    case = make_case(9, lengths=[1, 15, 33, 65, 127, 300, 0, 1000], page_sizes=[8, 16, 32, 64, 128, 256, 8, 32],
+    case = random_paged_case(9, lengths=[1, 15, 33, 65, 127, 300, 0, 1000], page_sizes=[8, 16, 32, 64, 128, 256, 8, 32],
                      num_q_heads=32, num_kv_heads=8, head_dim=128)
-    check(paged_attention(**case, config=config), numpy_attention(case))
+    check(paged_attention(**case, config=config), float64_attention(case))
 
 
 @pytest.mark.gpu
@@ -346,14 +253,14 @@ def test_kernel_score_stats_compiled_on_gpu(config, soft_cap):
     """return_score_stats=True, compiled: B=8, Hq=32, Hkv=8, D=128, contexts up to ~1K, mixed pages,
     NaN in free slots. The variance is checked against float64 and the jnp reference; `out` must be
     bit-identical to the stats-off kernel's. Looser than interpret mode: approx-math tanh (soft cap)."""
-    case = make_case(14, lengths=[1, 15, 33, 65, 127, 300, 0, 1024], page_sizes=[8, 16, 32, 64, 128, 256, 8, 32],
+    case = random_paged_case(14, lengths=[1, 15, 33, 65, 127, 300, 0, 1024], page_sizes=[8, 16, 32, 64, 128, 256, 8, 32],
                      num_q_heads=32, num_kv_heads=8, head_dim=128)
     case = _offset_case(case, 0.5, 0.5)
     out, var = paged_attention(**case, config=config, soft_cap=soft_cap, return_score_stats=True)
-    want = numpy_score_var(case, soft_cap=soft_cap)
+    want = float64_score_variance(case, soft_cap=soft_cap)
     check_var(var, want, rtol=2e-3, atol=1e-4)
     _, ref_var = paged_attention_reference(**case, soft_cap=soft_cap, return_score_stats=True)
     check_var(ref_var, want)
     plain = paged_attention(**case, config=config, soft_cap=soft_cap)
     assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32), equal_nan=True)
-    check(out, numpy_attention(case, soft_cap=soft_cap))
+    check(out, float64_attention(case, soft_cap=soft_cap))

@@ -1,0 +1,101 @@
+"""Random paged-attention inputs and float64 ground truths, shared by the kernel tests and the kernel
+benchmark's correctness checks (tests/test_paged_attention.py, benchmarks/kernels.py).
+
+A case is a dict of the kernel's arguments: q [B, Hq, D], k_pool/v_pool [Hkv, num_slots, D] (bf16),
+lengths [B], page_starts [B, max_pages], page_sizes [B]. Pages are placed as the engine's buddy
+allocator would (a page of P tokens at a P-aligned slot, random placement), every slot outside a
+sequence holds NaN (so a kernel that reads one is caught), and table entries past a sequence's last
+page are garbage (huge, negative or unaligned), so a kernel that reads one is caught too.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.paged_attention import PAGE_SIZES
+
+
+def _alloc_pages(rng, num_slots, lengths, page_sizes):
+    """Random buddy allocation: page_starts [B, max_pages] (garbage past each sequence's pages) and a
+    bool mask [num_slots] of the slots that hold live tokens."""
+    free = {p: [] for p in PAGE_SIZES}
+    free[256] = list(rng.permutation(np.arange(0, num_slots, 256)))
+
+    def take(p):
+        if not free[p]:
+            if p == 256:
+                raise RuntimeError("pool too small for this batch")
+            big = take(2 * p)
+            halves = [big, big + p]
+            rng.shuffle(halves)
+            free[p].extend(halves)
+        return int(free[p].pop(rng.integers(len(free[p]))))
+
+    max_pages = max(1, max(-(-int(L) // int(P)) for L, P in zip(lengths, page_sizes)) + 1)
+    starts = rng.choice([-12345, 10**8 + 3, num_slots * 7 + 1], size=(len(lengths), max_pages)).astype(np.int32)
+    live = np.zeros(num_slots, bool)
+    for b, (L, P) in enumerate(zip(lengths, page_sizes)):
+        for i in range(-(-int(L) // int(P))):
+            s = take(int(P))
+            starts[b, i] = s
+            n = min(int(P), int(L) - i * int(P))
+            live[s:s + n] = True
+    return starts, live
+
+
+def random_paged_case(seed, *, lengths, page_sizes, num_q_heads, num_kv_heads, head_dim, num_slots=None,
+                      q_dtype=jnp.bfloat16, nan_outside=True) -> dict:
+    """A random ragged batch: sequence b has lengths[b] tokens in pages of page_sizes[b] tokens."""
+    rng = np.random.default_rng(seed)
+    need = sum(-(-L // P) * P for L, P in zip(lengths, page_sizes))
+    num_slots = num_slots or max(256, -(-(2 * need + 256) // 256) * 256)
+    starts, live = _alloc_pages(rng, num_slots, lengths, page_sizes)
+    k = rng.standard_normal((num_kv_heads, num_slots, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_kv_heads, num_slots, head_dim)).astype(np.float32)
+    if nan_outside:
+        k[:, ~live] = np.nan
+        v[:, ~live] = np.nan
+    q = (rng.standard_normal((len(lengths), num_q_heads, head_dim)) * 1.5).astype(np.float32)
+    return dict(q=jnp.asarray(q, q_dtype), k_pool=jnp.asarray(k, jnp.bfloat16),
+                v_pool=jnp.asarray(v, jnp.bfloat16), lengths=jnp.asarray(lengths, jnp.int32),
+                page_starts=jnp.asarray(starts), page_sizes=jnp.asarray(page_sizes, jnp.int32))
+
+
+def _float64_scores(case, sm_scale, soft_cap):
+    """Yields (b, hq, scores [L] float64, v rows [L, D]) for every non-empty row, from the bf16-rounded
+    inputs the kernel sees."""
+    q = np.asarray(case["q"].astype(jnp.float32), np.float64)
+    k = np.asarray(case["k_pool"].astype(jnp.float32), np.float64)
+    v = np.asarray(case["v_pool"].astype(jnp.float32), np.float64)
+    lengths, starts, sizes = (np.asarray(case[n]) for n in ("lengths", "page_starts", "page_sizes"))
+    B, Hq, D = q.shape
+    group = Hq // k.shape[0]
+    scale = 1.0 / np.sqrt(D) if sm_scale is None else sm_scale
+    for b in range(B):
+        L, P = int(lengths[b]), int(sizes[b])
+        if L == 0:
+            continue
+        slots = np.array([starts[b, t // P] + t % P for t in range(L)])
+        for hq in range(Hq):
+            s = k[hq // group, slots] @ q[b, hq] * scale
+            if soft_cap is not None:
+                s = soft_cap * np.tanh(s / soft_cap)
+            yield b, hq, s, v[hq // group, slots]
+
+
+def float64_attention(case, *, sm_scale=None, soft_cap=None) -> np.ndarray:
+    """Ground truth of the kernel's output: [B, Hq, D] float64 (zeros for length-0 rows)."""
+    out = np.zeros(case["q"].shape, np.float64)
+    for b, hq, s, vv in _float64_scores(case, sm_scale, soft_cap):
+        p = np.exp(s - s.max())
+        out[b, hq] = p @ vv / p.sum()
+    return out
+
+
+def float64_score_variance(case, *, sm_scale=None, soft_cap=None) -> np.ndarray:
+    """Ground truth of the per-row score variance: [B, Hq] float64, the population variance over the
+    valid keys of s = sm_scale * q.k (soft-capped if set); 0 for length-0 rows."""
+    out = np.zeros(case["q"].shape[:2], np.float64)
+    for b, hq, s, _ in _float64_scores(case, sm_scale, soft_cap):
+        out[b, hq] = s.var()
+    return out
