@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 PAGE_SIZE_CLASSES = (8, 16, 32, 64, 128, 256)   # tokens per page: 8 * 2^k
-ATTENTION_BACKENDS = ("reference", "kernel")
+ATTENTION_BACKENDS = ("auto", "reference", "kernel")
 CACHE_POLICIES = ("lru", "dmlp")
 DMLP_CONFIDENCE_RANGE = (0.5, 0.95)    # the bounds of ConfidenceThreshold (stratum_jax/dmlp/policy.py)
 
@@ -42,7 +42,8 @@ class RuntimeConfig:
     prefill_chunk: int = 256         # prompt tokens per prefill step (long prompts are split)
     decode_steps: int = 4            # decode steps per device call (tokens reach the host in bursts of this)
     page_size: int | None = None     # force one page size for every request; None = adaptive rule
-    attention: str = "reference"     # "reference" (pure jnp) or "kernel" (Pallas Mosaic GPU)
+    attention: str = "auto"          # "kernel" (Pallas Mosaic GPU), "reference" (pure jnp), or "auto": the
+                                     # kernel on a Hopper GPU when the model fits it, else the reference
     interpret_kernels: bool = False  # run Pallas kernels in the Mosaic GPU interpreter (CPU tests)
     cache_policy: str = "lru"        # eviction/page-size policy for cached prefix pages: lru or dmlp
     dmlp_checkpoint: str | None = None   # DMLP checkpoint directory (train_dmlp --out); needed by dmlp
@@ -138,7 +139,9 @@ class RuntimeConfig:
                        help="decode steps per device call: more = less host overhead, burstier streams")
         g.add_argument("--page-size", type=int, default=d.page_size,
                        help=f"force one page size {PAGE_SIZE_CLASSES}; default: adaptive per request")
-        g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS)
+        g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
+                       help="decode attention: the Pallas kernel, the jnp reference, or auto (the kernel on a "
+                            "Hopper GPU for bf16 models with head_dim 64/128, else the reference)")
         g.add_argument("--interpret-kernels", action="store_true",
                        help="run Pallas kernels in the Mosaic GPU interpreter (for CPU)")
         g.add_argument("--cache-policy", default=d.cache_policy, choices=CACHE_POLICIES,

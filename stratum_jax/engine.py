@@ -70,6 +70,33 @@ class GenerationResult:
     cached_prompt_tokens: int
 
 
+KERNEL_HEAD_DIMS = (64, 128)
+
+
+def _resolve_attention(config: RuntimeConfig, model_config) -> str:
+    """The decode attention backend: --attention, with "auto" = the Pallas kernel where it runs (a Hopper
+    GPU, bf16 KV, head_dim 64/128), else the jnp reference. An explicit "kernel" that cannot run is an
+    error that says what to change."""
+    # jax's CUDA devices report compute_capability ("9.0" on H100/H200); if a build does not, trust
+    # the GPU to be one the kernel compiles for (the compile then says so if not).
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    on_hopper = jax.default_backend() == "gpu" and (cc is None or str(cc).startswith("9"))
+    fits = model_config.dtype == "bfloat16" and model_config.head_dim in KERNEL_HEAD_DIMS
+    if config.attention == "auto":
+        return "kernel" if on_hopper and fits else "reference"
+    if config.attention == "kernel":
+        if not config.interpret_kernels and not on_hopper:
+            raise ValueError("--attention kernel needs an NVIDIA Hopper GPU (sm_90); on CPU add "
+                             "--interpret-kernels (slow, for tests) or use --attention reference")
+        if model_config.dtype != "bfloat16":
+            raise ValueError("--attention kernel reads bfloat16 KV pages; add --dtype bfloat16 "
+                             f"(the model is {model_config.dtype})")
+        if model_config.head_dim not in KERNEL_HEAD_DIMS:
+            raise ValueError(f"--attention kernel supports head_dim {KERNEL_HEAD_DIMS}, the model has "
+                             f"{model_config.head_dim}: use --attention reference")
+    return config.attention
+
+
 def _pow2_at_least(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
@@ -88,12 +115,7 @@ class Engine:
         if config.max_context > self.model_config.max_position_embeddings:
             raise ValueError(f"--max-context {config.max_context} exceeds the model's "
                              f"max_position_embeddings {self.model_config.max_position_embeddings}")
-        if config.attention == "kernel" and not config.interpret_kernels and jax.default_backend() != "gpu":
-            raise ValueError("--attention kernel needs an NVIDIA GPU; on CPU add --interpret-kernels "
-                             "(slow, for tests) or use --attention reference")
-        if config.attention == "kernel" and self.model_config.dtype != "bfloat16":
-            raise ValueError("--attention kernel reads bfloat16 KV pages; add --dtype bfloat16 "
-                             f"(the model is {self.model_config.dtype})")
+        self.attention_backend = _resolve_attention(config, self.model_config)
         self.num_slots = config.kv_pool_slots
         self.kv_cache = init_kv_cache(self.model_config, self.num_slots)
         # The cache policy (eviction, page size); with --dmlp-online also the fine-tuner, which the
@@ -307,7 +329,7 @@ class Engine:
         return StepOptions(
             # The kernel serves decode; prefill chunks take the reference path whatever the backend, so
             # the backend only keys decode compilations.
-            max_context=max_ctx, backend=self.config.attention if decode else "reference",
+            max_context=max_ctx, backend=self.attention_backend if decode else "reference",
             interpret=self.config.interpret_kernels and decode,
             greedy_only=all(s.params.temperature == 0 for s in batch.seqs),
             top_logprobs=max(s.params.logprobs for s in batch.seqs),

@@ -48,6 +48,21 @@ def test_kernel_on_cpu_without_interpret_is_refused():
         Engine(RuntimeConfig(attention="kernel"), model=_tiny_d64())
 
 
+def test_auto_picks_the_kernel_only_where_it_runs():
+    fp32_tiny = LoadedModel(config=PRESETS["tiny"], params=None, tokenizer=ByteTokenizer(PRESETS["tiny"].vocab_size),
+                            name="tiny")
+    assert Engine(RuntimeConfig(), model=fp32_tiny).attention_backend == "reference"     # fp32 KV
+    want = "kernel" if on_gpu else "reference"
+    assert Engine(RuntimeConfig(), model=_tiny_d64()).attention_backend == want
+
+
+def test_kernel_refuses_a_head_dim_it_does_not_support():
+    cfg = dataclasses.replace(PRESETS["tiny"], head_dim=96, dtype="bfloat16")
+    model = LoadedModel(config=cfg, params=None, tokenizer=ByteTokenizer(cfg.vocab_size), name="tiny-d96")
+    with pytest.raises(ValueError, match="head_dim"):
+        Engine(RuntimeConfig(attention="kernel", interpret_kernels=True), model=model)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_gpu, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("page_size", [None, 16, 128])
