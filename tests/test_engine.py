@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from engine_load import run_random_load
 from stratum_jax.config import RuntimeConfig
 from stratum_jax.engine import Engine
 from stratum_jax.model.loader import load_model
@@ -92,31 +93,9 @@ def test_prefix_cache_across_page_sizes(tiny):
 def test_no_leaks_with_preemption_and_cancellation(tiny):
     """300 random requests, random cancellations, a pool small enough to force preemption: every page is
     free afterwards and every request got exactly one final output."""
-    rng = random.Random(7)
     engine = make_engine(tiny, kv_pool_tokens=512, max_context=128, max_batch_size=16, max_queue=400)
-    finals: dict[str, int] = {}
-    live: list[str] = []
-    submitted = 0
-    steps = 0
-    while submitted < 300 or engine.has_unfinished():
-        for _ in range(rng.randrange(0, 4)):
-            if submitted < 300:
-                prompt = [rng.randrange(3, 250) for _ in range(rng.randrange(1, 70))]
-                if rng.random() < 0.3:
-                    prompt = [11] * 24 + prompt                          # shared prefix
-                sp = SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.9,
-                                    seed=rng.randrange(1000), ignore_eos=True)
-                live.append(engine.add_request(prompt[:88], sp))
-                submitted += 1
-        if live and rng.random() < 0.1:
-            engine.cancel(live.pop(rng.randrange(len(live))))
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = finals.get(out.request_id, 0) + 1
-                if out.request_id in live:
-                    live.remove(out.request_id)
-        steps += 1
-        assert steps < 20000
+    finals = run_random_load(engine, random.Random(7), requests=300, shared_fraction=0.3, params=lambda rng: SamplingParams(
+        max_tokens=rng.randrange(1, 40), temperature=0.9, seed=rng.randrange(1000), ignore_eos=True))
     assert len(finals) == 300 and set(finals.values()) == {1}
     st = engine.stats()
     assert st.preemptions > 0, "the pool was meant to be small enough to force preemption"

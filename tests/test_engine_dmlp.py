@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from engine_load import run_random_load
 from stratum_jax.config import RuntimeConfig, parse_cores
 from stratum_jax.dmlp.features import FEATURE_NAMES, Normalizer
 from stratum_jax.dmlp.model import DmlpConfig, init_params
@@ -263,29 +264,11 @@ def test_dmlp_engine_matches_lru_and_leaks_nothing(tiny, ckpt, tmp_path):
 
 
 def test_dmlp_no_leaks_with_preemption_and_cancellation(tiny, ckpt):
-    rng = random.Random(11)
     engine = Engine(RuntimeConfig(model="tiny", kv_pool_tokens=512, max_context=128, max_batch_size=16,
                                   max_queue=400, prefill_chunk=32, max_tokens_cap=64,
                                   cache_policy="dmlp", dmlp_checkpoint=ckpt), model=tiny)
-    finals, live, submitted, steps = {}, [], 0, 0
-    while submitted < 80 or engine.has_unfinished():
-        for _ in range(rng.randrange(0, 4)):
-            if submitted < 80:
-                prompt = [rng.randrange(3, 250) for _ in range(rng.randrange(1, 70))]
-                if rng.random() < 0.5:
-                    prompt = [11] * 24 + prompt
-                sp = SamplingParams(max_tokens=rng.randrange(1, 40), **GREEDY)
-                live.append(engine.add_request(prompt[:88], sp))
-                submitted += 1
-        if live and rng.random() < 0.1:
-            engine.cancel(live.pop(rng.randrange(len(live))))
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = finals.get(out.request_id, 0) + 1
-                if out.request_id in live:
-                    live.remove(out.request_id)
-        steps += 1
-        assert steps < 20000
+    finals = run_random_load(engine, random.Random(11), requests=80, shared_fraction=0.5,
+                             params=lambda rng: SamplingParams(max_tokens=rng.randrange(1, 40), **GREEDY))
     assert len(finals) == 80 and set(finals.values()) == {1}
     st = engine.stats()
     assert engine.pool.evictions > 0 and st.prefix_cache_hits > 0
