@@ -168,14 +168,18 @@ def main(argv=None) -> int:
 
     walls = {n: [] for n in names}
     per_token = {n: [] for n in names}
+    round_medians = {n: [] for n in names}     # step ms p50 of each block, for the paired comparison
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
+            block = []
             for _ in range(args.block_steps):
                 wall, kind, tok = streams[name].step()
                 if kind == "decode":
                     walls[name].append(wall * 1e3)
                     per_token[name].append(tok)
+                    block.append(wall * 1e3)
+            round_medians[name].append(statistics.median(block) if block else float("nan"))
         print(f"round {r + 1}/{args.rounds}, step ms p50 so far: " + "  ".join(
             f"{n} {statistics.median(walls[n]):.3f}" for n in names if walls[n]), flush=True)
         if args.out:        # the raw samples so far, so a run cut short by a time limit still leaves data
@@ -203,11 +207,20 @@ def main(argv=None) -> int:
         if name == "dmlp-online":
             row["online_updates"] = updates
             row["online_dropped"] = e.dmlp_tuner.dropped
+        # Paired: each round's block median against the first condition's in the same round, so drifts
+        # of the machine between rounds cancel; the median and spread of those per-round ratios.
+        paired = sorted(100.0 * (a / b - 1.0) for a, b in zip(round_medians[name], round_medians[names[0]]))
+        row["paired_step_vs_first_pct"] = {"median": statistics.median(paired), "min": paired[0],
+                                           "max": paired[-1], "rounds": len(paired)}
         result["conditions"][name] = row
         print(f"{name:<12} {med:>14.3f} {row['step_ms_p90']:>8.3f} {row['step_vs_first_pct']:>+8.2f}% "
               f"{tok:>14.3f} {row['decode_vs_first_pct']:>+8.2f}% {len(w):>6} {e.pool.evictions:>10} "
               f"{row['prefix_hit_rate']:>9.3f}")
-    result["samples"] = {"step_ms": walls, "decode_ms_per_token": per_token}
+    result["samples"] = {"step_ms": walls, "decode_ms_per_token": per_token, "round_step_ms_p50": round_medians}
+    for name in names[1:]:
+        pr = result["conditions"][name]["paired_step_vs_first_pct"]
+        print(f"paired per-round step time, {name} vs {names[0]}: median {pr['median']:+.2f}% "
+              f"(range {pr['min']:+.2f}% .. {pr['max']:+.2f}% over {pr['rounds']} rounds)")
     if args.out:
         _write(args.out, result)
         print(f"wrote {args.out}")
