@@ -109,6 +109,7 @@ class EngineRunner:
 
     def __init__(self, engine, metrics=None, name: str = "stratum-engine") -> None:
         self.engine = engine
+        self._idle_tick_s = getattr(engine, "idle_tick_s", None)   # None unless the cache policy wants ticks
         self.metrics = metrics
         self._cond = threading.Condition()
         self._inbox: list[object] = []
@@ -188,11 +189,17 @@ class EngineRunner:
 
     def _run(self) -> None:
         while True:
+            idle_ticked = False
             with self._cond:
                 while not (self._inbox or self._busy or self._stop or self._profile_expired()):
-                    self._cond.wait(self._profile_wait())
+                    timeout = self._idle_wait()
+                    if not self._cond.wait(timeout) and timeout == self._idle_tick_s:
+                        idle_ticked = True      # the idle tick is due (a profile deadline is not)
+                        break
                 commands, self._inbox = self._inbox, []
                 closed, stop = self._closed, self._stop
+            if idle_ticked and not commands:
+                self.engine.tick()
             with jax.profiler.TraceAnnotation("stratum.scheduler.admit"):
                 for command in commands:
                     self._apply(command, closed)
@@ -317,6 +324,12 @@ class EngineRunner:
 
     def _profile_wait(self) -> float | None:
         return None if self._profile is None else max(0.0, self._profile.remaining_s())
+
+    def _idle_wait(self) -> float | None:
+        """How long the idle engine thread may sleep: until a profile ends or the engine's idle tick
+        (a DMLP feeding online fine-tuning wants one per horizon), else until woken."""
+        waits = [w for w in (self._profile_wait(), self._idle_tick_s) if w is not None]
+        return min(waits) if waits else None
 
 
 __all__ = ["Delivery", "EngineRunner", "ProfileResult", "RequestStream", "RunnerClosedError"]

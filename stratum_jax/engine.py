@@ -207,6 +207,18 @@ class Engine:
                 self._write_block_events(batch)
         return list(outputs.values())
 
+    @property
+    def idle_tick_s(self) -> float | None:
+        """How often a driver with no work should call `tick` (seconds), or None when nothing needs it
+        (only a DMLP policy feeding online fine-tuning does)."""
+        ms = getattr(self.cache_policy, "idle_tick_ms", None)
+        return None if ms is None else ms / 1e3
+
+    def tick(self) -> None:
+        """Housekeeping while idle: the cache policy closes block accesses whose horizons have passed,
+        so online fine-tuning keeps getting labelled examples when traffic stops."""
+        self.cache_policy.tick(self.clock())
+
     def close(self) -> None:
         """Flushes and closes the block event log, if any."""
         if self._trace is not None:

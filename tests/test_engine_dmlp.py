@@ -342,3 +342,25 @@ def test_corrupt_checkpoint_fails_at_start_up_naming_the_file(tmp_path):
                                                "normalizer": {"mean": [0.0] * f, "std": [1.0] * f}}))
     with pytest.raises(CheckpointError, match="params"):
         build_cache_policy(cfg)
+
+
+def test_idle_engine_still_labels_accesses_for_online_fine_tuning(tiny):
+    """With no traffic, the engine's idle tick closes accesses whose horizons passed (labels all 0), so
+    online fine-tuning keeps learning when a server goes quiet."""
+    from training.outcomes import OutcomeTracker
+    got = []
+    tracker = OutcomeTracker(H, lambda raw, labels: got.append((raw, labels)))
+    policy = DmlpPolicy(StubPredictor(), on_access=tracker.accessed, on_idle=tracker.idle, score_on_access=False)
+    clock = FakeClock()
+    engine = Engine(RuntimeConfig(model="tiny", max_context=128, kv_pool_tokens=1024, page_size=8), model=tiny,
+                    policy=policy, clock=clock)
+    assert engine.idle_tick_s == H[-1] / 1e3
+    engine.generate([list(range(3, 43))], SamplingParams(max_tokens=4, **GREEDY))    # 5 full prompt pages
+    engine.tick()
+    assert not got                                   # nothing has expired yet
+    clock.t += H[-1] + 1.0
+    engine.tick()
+    raw = np.concatenate([r for r, _ in got])
+    labels = np.concatenate([lab for _, lab in got])
+    assert len(raw) == 5 and labels.shape == (5, len(H)) and not labels.any()
+    assert Engine(RuntimeConfig(model="tiny", max_context=128), model=tiny).idle_tick_s is None   # lru

@@ -199,3 +199,27 @@ def test_profile_counts_engine_steps(runner, tmp_path):
     assert result.steps_captured == 2
     with pytest.raises(RuntimeError, match="already being captured"):
         second.result(timeout=5)
+
+
+def test_idle_engine_gets_periodic_ticks_only_when_it_asks():
+    """An engine with `idle_tick_s` (a DMLP feeding online fine-tuning) is ticked while idle; one without
+    is never woken (an idle server burns no CPU)."""
+    import time
+
+    class TickingEngine(FakeEngine):
+        def __init__(self, idle_tick_s):
+            super().__init__()
+            self.idle_tick_s = idle_tick_s
+            self.ticks = 0
+
+        def tick(self):
+            self.ticks += 1
+
+    ticking, plain = TickingEngine(0.02), TickingEngine(None)
+    runners = [EngineRunner(ticking), EngineRunner(plain)]
+    for r in runners:
+        r.start()
+    time.sleep(0.3)
+    for r in runners:
+        r.stop()
+    assert ticking.ticks >= 5 and plain.ticks == 0

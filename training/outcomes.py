@@ -57,6 +57,12 @@ class OutcomeTracker:
     def flush(self) -> None:
         self._flush(force=True)
 
+    def idle(self, now_ms: float) -> None:
+        """No traffic: closes what has expired by now and hands over every finished example, however
+        few (with no new accesses the batch would never fill)."""
+        self.expire(now_ms)
+        self._flush(force=True)
+
     def _finish(self, raw: np.ndarray, labels: np.ndarray) -> None:
         self._raw.append(raw)
         self._labels.append(labels)

@@ -126,8 +126,12 @@ class LruPolicy:
     """
 
     pool_lru = True
+    idle_tick_ms = None     # no work to do while the engine is idle
 
     def observe_access(self, infos: Sequence[BlockInfo]) -> None:
+        return None
+
+    def tick(self, now_ms: float) -> None:
         return None
 
     def forget(self, block_ids) -> None:
@@ -153,6 +157,8 @@ class DmlpPolicy:
     decision_horizon: index of the horizon that hot/cold and prefetch refer to (default the longest).
     on_access(block_ids, raw [N, F], now_ms): called by `observe_access` with the features it scored,
     e.g. `OutcomeTracker.accessed`, which turns them into online training examples.
+    on_idle(now_ms): called by `tick` while the engine has no work, e.g. `OutcomeTracker.idle`, so
+    accesses whose horizons have passed become training examples even when no new access comes.
     score_on_access: run the model in `observe_access` (True), or only when a decision needs a block's
     curve (False: the engine's choice; a block accessed and evicted without ever being ranked is never
     scored, and a cache whose victims are all idle past the horizons never runs the model at all).
@@ -162,16 +168,28 @@ class DmlpPolicy:
     pool_lru = False
 
     def __init__(self, predictor: "Predictor", threshold: ConfidenceThreshold | None = None,
-                 decision_horizon: int = -1, on_access=None, score_on_access: bool = True):
+                 decision_horizon: int = -1, on_access=None, score_on_access: bool = True, on_idle=None):
         self.predictor = predictor
         self.threshold = threshold or ConfidenceThreshold()
         self.on_access = on_access
+        self.on_idle = on_idle
         self.score_on_access = score_on_access
         self.horizons_ms = tuple(predictor.config.horizons_ms)
         self.decision_horizon = decision_horizon
         self.residency = Residency(initial_ms=self.horizons_ms[-1])
         self._curves: dict[object, tuple[np.ndarray, float]] = {}   # block id -> (curve [H], access ms)
         self._lock = threading.Lock()
+
+    @property
+    def idle_tick_ms(self) -> float | None:
+        """How often an idle engine should call `tick` (its longest horizon), or None when there is no
+        `on_idle` to feed."""
+        return self.horizons_ms[-1] if self.on_idle is not None else None
+
+    def tick(self, now_ms: float) -> None:
+        """The engine is idle: lets `on_idle` close the accesses whose horizons have passed."""
+        if self.on_idle is not None:
+            self.on_idle(now_ms)
 
     @property
     def lru_beyond_ms(self) -> float:

@@ -35,15 +35,16 @@ def build_cache_policy(config: RuntimeConfig, metrics_registry=None):
     ckpt = load_checkpoint(config.dmlp_checkpoint)
     predictor = Predictor(ckpt.config, ckpt.params, ckpt.normalizer)
     threshold = ConfidenceThreshold(config.dmlp_confidence)
-    tuner, on_access = None, None
+    tuner, on_access, on_idle = None, None, None
     if config.dmlp_online:
         from training.online import OnlineConfig, OnlineFineTuner
         from training.outcomes import OutcomeTracker
 
         tuner = OnlineFineTuner(predictor, OnlineConfig(cpu_cores=config.dmlp_online_cores),
                                 config.dmlp_online_dir, threshold=threshold)
-        on_access = OutcomeTracker(ckpt.config.horizons_ms, tuner.observe).accessed
-    policy = DmlpPolicy(predictor, threshold, on_access=on_access, score_on_access=False)
+        tracker = OutcomeTracker(ckpt.config.horizons_ms, tuner.observe)
+        on_access, on_idle = tracker.accessed, tracker.idle
+    policy = DmlpPolicy(predictor, threshold, on_access=on_access, score_on_access=False, on_idle=on_idle)
     log.info("cache policy dmlp: %s (horizons %s ms, confidence %.2f, online %s)", config.dmlp_checkpoint,
              list(ckpt.config.horizons_ms), threshold.value, "on" if tuner else "off")
     if metrics_registry is not None:
