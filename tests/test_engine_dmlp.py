@@ -364,3 +364,28 @@ def test_idle_engine_still_labels_accesses_for_online_fine_tuning(tiny):
     labels = np.concatenate([lab for _, lab in got])
     assert len(raw) == 5 and labels.shape == (5, len(H)) and not labels.any()
     assert Engine(RuntimeConfig(model="tiny", max_context=128), model=tiny).idle_tick_s is None   # lru
+
+
+def test_residency_estimate_counts_each_eviction_once():
+    """The pool asks for rankings of up to 16 victims but may use them in part: the policy's residency
+    estimate must see exactly the evictions made, not the batch sizes asked for."""
+    counted = []
+
+    class Spy(DmlpPolicy):
+        def __init__(self):
+            super().__init__(StubPredictor())
+            real = self.residency.update
+            self.residency.update = lambda now, evicted, cached: counted.append(evicted) or real(now, evicted, cached)
+
+    clock = FakeClock()
+    pool = pool_with(Spy(), clock)
+    tables = []
+    for i, name in enumerate(["hot-a", "cold-b", "warm-c"]):
+        clock.t += 1.0
+        tables.append(cached_table(pool, name, 1000 * (i + 1))[0])
+    for t in tables:
+        t.release()                                   # 6 unowned cached pages
+    pool.new_step()
+    while pool.evictions < 2:                         # room for two more pages only: a partial ranking
+        assert pool.allocate(16) is not None
+    assert pool.evictions == 2 and sum(counted) == 2

@@ -134,10 +134,13 @@ class LruPolicy:
     def tick(self, now_ms: float) -> None:
         return None
 
+    def note_evictions(self, n: int, now_ms: float, cached: int) -> None:
+        return None
+
     def forget(self, block_ids) -> None:
         return None
 
-    def choose_victims(self, candidates: Sequence[BlockInfo], n: int, now_ms: float) -> list:
+    def choose_victims(self, candidates: Sequence[BlockInfo], n: int, now_ms: float, evicting=None) -> list:
         free = [b for b in candidates if not b.needed_by_running]
         return [b.block_id for b in sorted(free, key=lambda b: b.last_access_ms)[:max(n, 0)]]
 
@@ -200,17 +203,21 @@ class DmlpPolicy:
         return self.horizons_ms[-1]
 
     def note_evictions(self, n: int, now_ms: float, cached: int) -> None:
-        """Counts evictions made without `choose_victims` (see `lru_beyond_ms`)."""
+        """Counts evictions that no `choose_victims` call counted: ones past `lru_beyond_ms`, and each
+        one a caller makes from a ranking it asked for with evicting=0."""
         self.residency.update(now_ms, n, cached)
 
     # ---- array level (the simulator calls this directly) ----
 
     def order_victims(self, curves: np.ndarray, idle_ms: np.ndarray, n: int, now_ms: float,
-                      cached: int, access_seq: np.ndarray | None = None) -> np.ndarray:
+                      cached: int, access_seq: np.ndarray | None = None, evicting: int | None = None) -> np.ndarray:
         """curves [N, H] predicted at each candidate's last access, idle_ms [N] since then. Returns the
         indices of the n victims, best first. `cached`: blocks in the cache (for the residency).
-        access_seq [N]: order of the last accesses, to break ties between equal times as LRU does."""
-        window = self.residency.update(now_ms, min(n, len(curves)), cached)
+        access_seq [N]: order of the last accesses, to break ties between equal times as LRU does.
+        evicting: how many of them are evicted now, for the residency estimate (default all n); a caller
+        that uses a ranking only in part passes 0 and reports each eviction with `note_evictions`."""
+        evicted = min(n, len(curves)) if evicting is None else evicting
+        window = self.residency.update(now_ms, evicted, cached)
         score = reuse_within(curves, self.horizons_ms, idle_ms, window)
         seq = np.zeros(len(idle_ms)) if access_seq is None else access_seq
         return np.lexsort((seq, -idle_ms, score))[:n]
@@ -246,16 +253,16 @@ class DmlpPolicy:
                 self._curves.pop(b, None)
 
     def choose_victims(self, candidates: Sequence[BlockInfo], n: int, now_ms: float,
-                       cached: int | None = None) -> list:
+                       cached: int | None = None, evicting: int | None = None) -> list:
         """The n victims, first to evict first. cached: blocks in the cache, when `candidates` is not
-        all of them (for the residency estimate); default len(candidates)."""
+        all of them (for the residency estimate); default len(candidates). evicting: see order_victims."""
         free = [b for b in candidates if not b.needed_by_running]
         if not free or n <= 0:
             return []
         curves = self._curves_of(free)
         idle = now_ms - np.fromiter((b.last_access_ms for b in free), np.float64, len(free))
         cached = len(candidates) if cached is None else cached
-        return [free[i].block_id for i in self.order_victims(curves, idle, n, now_ms, cached)]
+        return [free[i].block_id for i in self.order_victims(curves, idle, n, now_ms, cached, evicting=evicting)]
 
     def prefetch_order(self, candidates: Sequence[BlockInfo], now_ms: float) -> list:
         """Host-tier blocks of queued requests, most likely to be used within the decision horizon first."""

@@ -264,25 +264,30 @@ class PagePool:
         now = self.clock()
         if now - self._victims_ms > VICTIM_TTL_MS:
             self._victims.clear()
-        while self._victims:
-            page = self._by_hash.get(self._victims.popleft())
-            if page is not None and self._evictable.get(page.start_slot) is page:
-                return page
-        if self._lru_beyond_ms is not None:
+        page = self._next_ranked()
+        if page is None and self._lru_beyond_ms is not None:
             oldest = self._oldest_evictable()
             if oldest is not None and now - oldest.meta.last_access_ms > self._lru_beyond_ms:
-                self.policy.note_evictions(1, now, len(self._evictable))
-                return oldest
-        self.flush_accesses()
-        candidates = [self.block_info(p) for p in self._evictable.values()]
-        ranked = self.policy.choose_victims(candidates, min(len(candidates), VICTIM_BATCH), now)
-        self._victims.extend(ranked)
-        self._victims_ms = now
+                page = oldest
+        if page is None:
+            self.flush_accesses()
+            candidates = [self.block_info(p) for p in self._evictable.values()]
+            # evicting=0: the ranking is a batch the pool may use only in part; the residency estimate is
+            # fed each eviction actually made (note_evictions below).
+            self._victims.extend(self.policy.choose_victims(
+                candidates, min(len(candidates), VICTIM_BATCH), now, evicting=0))
+            self._victims_ms = now
+            page = self._next_ranked() or next(iter(self._evictable.values()))   # none chosen: LRU
+        self.policy.note_evictions(1, now, len(self._evictable))
+        return page
+
+    def _next_ranked(self) -> Page | None:
+        """The next page of the current ranking that is still evictable (skipping ones re-used since)."""
         while self._victims:
             page = self._by_hash.get(self._victims.popleft())
             if page is not None and self._evictable.get(page.start_slot) is page:
                 return page
-        return next(iter(self._evictable.values()))    # the policy chose none: fall back to LRU
+        return None
 
     def _oldest_evictable(self) -> Page | None:
         """The evictable page with the oldest last access (heap top, stale entries dropped)."""
