@@ -22,6 +22,7 @@ from stratum_jax.decode import StepOptions, decode_steps, model_step
 from stratum_jax.dmlp.features import FEATURE_NAMES
 from stratum_jax.dmlp.runtime import build_cache_policy, warm_predictor
 from stratum_jax.kv.block_meta import Clock, EngineClock, RequestFeatures, features_of
+from stratum_jax.gpu_idle import GpuIdleMeter
 from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.model.llama import init_kv_cache
 from stratum_jax.model.loader import LoadedModel, load_model
@@ -48,6 +49,8 @@ class EngineStats:
     steps: int
     decode_step_ms: float         # median wall time per decode step (per token) over recent calls
     prefill_tokens_per_s: float   # median over recent prefill steps
+    gpu_idle_frac: float | None = None   # share of the last second with no step on the device (gpu_idle.py)
+    gpu_idle_gap_ms: float | None = None # idle gap between the previous step's results and the latest dispatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +135,8 @@ class Engine:
         # features or the block event log. It costs ~4-6% of the kernel's time at 1K context on an H200
         # (benchmarks/results/score_stats_cost_h200.json); the page-size rule uses it when it is there.
         self._measure_attention_stats = config.cache_policy == "dmlp" or config.trace_out is not None
+        # Device idle time between steps: the DMLP's gpu_idle_frac and the stratum_gpu_idle_* metrics.
+        self.gpu_idle = GpuIdleMeter()
         self.scheduler = FcfsScheduler(config, self.pool)     # page size: --page-size, else the policy
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -228,9 +233,9 @@ class Engine:
         """Drains the pool's block events into the --trace-out log, each with its time and the block's
         features at that access (the same `BlockInfo` the cache policy sees; see kv/block_meta.py).
 
-        Features the engine cannot give are logged as null (missing), never as 0: the GPU idle fraction,
-        and attn_var5 for a block created before its request's first step finished. With no host tier yet,
-        all KV is in HBM.
+        Features the engine cannot give are logged as null (missing), never as 0: attn_var5 for a block
+        created before its request's first step finished (or when nothing measures it), gpu_idle_frac
+        before the first step. With no host tier yet, all KV is in HBM.
         """
         for event, t_ms, content_hash, request_id, info in self.pool.events:
             features = features_of(info, FEATURE_NAMES) if info is not None else {}
@@ -249,7 +254,7 @@ class Engine:
             prompt_pages=len(seq.prompt_ids) // seq.blocks.page_size if seq.blocks is not None else None,
             kv_hbm_frac=1.0,               # no host tier yet: every KV page is in HBM
             attn_var5=seq.attn_var5,       # from the steps' score statistics; None before the first step
-            gpu_idle_frac=None)            # not measured yet
+            gpu_idle_frac=self.gpu_idle.idle_fraction(self.clock()))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[GenerationResult]:
@@ -296,7 +301,8 @@ class Engine:
             preemptions=self.scheduler.preemptions, steps=self._steps,
             decode_step_ms=statistics.median(self._recent_decode_ms) if self._recent_decode_ms else 0.0,
             prefill_tokens_per_s=(statistics.median(self._recent_prefill_tps)
-                                  if self._recent_prefill_tps else 0.0))
+                                  if self._recent_prefill_tps else 0.0),
+            gpu_idle_frac=self.gpu_idle.idle_fraction(self.clock()), gpu_idle_gap_ms=self.gpu_idle.last_gap_ms)
 
     # -- one batch ----------------------------------------------------------------------------------
     def _run_batch(self, batch: ScheduledBatch, outputs: dict[str, StepOutput]) -> None:
@@ -366,10 +372,12 @@ class Engine:
             pos[r] = seq.num_tokens - 1
             allowed[r] = n
         opts = self._step_options(batch, max_ctx, decode=True)
+        dispatch_ms = self.clock()
         result, self.kv_cache = decode_steps(self.model.params, self.kv_cache, last, pos, allowed, page_starts,
                                              page_sizes, sampling, cfg=self.model_config, opts=opts,
                                              num_steps=num_steps)
         result = jax.device_get(result)
+        self.gpu_idle.step(dispatch_ms, self.clock())
         self._record(batch, t0, int(allowed.sum()))
         with jax.profiler.TraceAnnotation("postprocess"):
             for r, (seq, n) in enumerate(zip(seqs, steps)):
@@ -411,9 +419,11 @@ class Engine:
         opts = self._step_options(batch, max_ctx, decode=False)
         # Host numpy arrays go straight into the jitted call, which transfers them in its C++ path.
         meta = AttentionMetadata(q_pos, ctx, page_starts, page_sizes)
+        dispatch_ms = self.clock()
         result, self.kv_cache = model_step(self.model.params, self.kv_cache, tokens, slots, meta, sample_cols,
                                            sampling, next_tok, cfg=self.model_config, opts=opts)
         result = jax.device_get(result)
+        self.gpu_idle.step(dispatch_ms, self.clock())
         self._record(batch, t0, sum(batch.chunk_lens))
         with jax.profiler.TraceAnnotation("postprocess"):
             for r, (seq, n) in enumerate(zip(seqs, batch.chunk_lens)):

@@ -33,6 +33,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "stratum_engine_steps_total": ("counter", "Engine steps run."),
     "stratum_decode_step_seconds": ("gauge", "Recent decode step wall time (moving average)."),
     "stratum_prefill_tokens_per_second": ("gauge", "Recent prefill throughput (moving average)."),
+    "stratum_gpu_idle_fraction": ("gauge", "Share of the last second with no engine step on the device."),
+    "stratum_gpu_idle_ms": ("histogram", "Device idle gap between a step's results and the next step's dispatch."),
     "stratum_requests_total": ("counter", "Messages requests by terminal gRPC status (ok, invalid_argument, ...)."),
     "stratum_stop_reasons_total": ("counter", "Completed Messages requests by stop reason."),
     "stratum_input_tokens_total": ("counter", "Prompt tokens of requests that ended."),
@@ -60,6 +62,7 @@ LABELS = {"stratum_kv_pages_used": "tier", "stratum_kv_pages_free": "tier", "str
 KV_TIER = "device"   # the only tier until the host tier of DKVC lands
 _RECENT = 2048       # requests kept for the percentiles of GetMetrics
 
+_IDLE_MS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0)
 _TTFT_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5)
 _WEIGHT_BUCKETS = (0, .1, .2, .3, .4, .5, .6, .7, .8, .9, 1)
@@ -144,6 +147,8 @@ class ServingMetrics:
         self.steps = counter("stratum_engine_steps_total")
         self.decode_step = gauge("stratum_decode_step_seconds")
         self.prefill_tps = gauge("stratum_prefill_tokens_per_second")
+        self.gpu_idle_fraction = gauge("stratum_gpu_idle_fraction")
+        self.gpu_idle_ms = histogram("stratum_gpu_idle_ms", _IDLE_MS_BUCKETS)
         self.requests = counter("stratum_requests_total")
         self.stop_reasons = counter("stratum_stop_reasons_total")
         self.input_tokens = counter("stratum_input_tokens_total")
@@ -181,6 +186,13 @@ class ServingMetrics:
             self._last_engine_counts[name] = value
         queries = stats.prefix_cache_queries
         self.cache_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
+        idle = getattr(stats, "gpu_idle_frac", None)
+        if idle is not None:
+            self.gpu_idle_fraction.set(idle)
+        gap = getattr(stats, "gpu_idle_gap_ms", None)
+        if gap is not None and self._last_engine_counts.get("idle_gap_step") != stats.steps:
+            self.gpu_idle_ms.observe(gap)          # once per engine step that reported a new gap
+            self._last_engine_counts["idle_gap_step"] = stats.steps
 
     # ---- request side (gRPC handlers) ----
 

@@ -89,3 +89,19 @@ def test_trace_out_logs_attn_var5_once_measured(tiny, tmp_path):
     # 20 prompt tokens + 30 generated: pages 0-1 after prefill, pages 2-5 during decode.
     assert len(created) == 6
     assert all(e["features"]["attn_var5"] is not None and e["features"]["attn_var5"] > 0 for e in created)
+
+
+def test_gpu_idle_fraction_is_measured_and_logged(tiny, tmp_path):
+    """The engine times each device step; the idle share of the last second reaches EngineStats and the
+    gpu_idle_frac feature of every block event after the first step."""
+    path = tmp_path / "events.jsonl"
+    engine = Engine(RuntimeConfig(model="tiny", max_context=128, kv_pool_tokens=1024, page_size=8,
+                                  trace_out=str(path)), model=tiny)
+    assert engine.stats().gpu_idle_frac is None
+    engine.generate([list(range(3, 23))], SamplingParams(max_tokens=30, **GREEDY))
+    engine.close()
+    st = engine.stats()
+    assert 0.0 <= st.gpu_idle_frac <= 1.0 and st.gpu_idle_gap_ms is not None and st.gpu_idle_gap_ms >= 0.0
+    created = [json.loads(line) for line in path.read_text().splitlines()]
+    values = [e["features"]["gpu_idle_frac"] for e in created if e["event"] == "created"]
+    assert values and all(v is not None and 0.0 <= v <= 1.0 for v in values)
