@@ -517,6 +517,8 @@ class Engine:
             seq.emitted_text += seq.pending_text
         seq.pending_text = ""
         seq.finish_reason = reason
+        if seq.attn_var5 is not None:
+            self.scheduler.variance_scale.observe(seq.attn_var5)
         seq.state = RequestState.CANCELLED if reason == FinishReason.CANCELLED else RequestState.FINISHED
         out.finished = True
         out.finish_reason = reason

@@ -104,3 +104,19 @@ def test_page_size_rule():
     assert rule(PageSizeHints(expected_tokens=1024)) == 64
     assert rule(PageSizeHints(expected_tokens=4096, shared_prefix_tokens=512)) == 32
     assert rule(PageSizeHints(expected_tokens=1024, attention_score_variance=5.0)) == 128
+
+
+def test_variance_scale_judges_against_the_running_median():
+    from stratum_jax.kv.page_size import VarianceScale
+    scale = VarianceScale(window=3)
+    assert scale.relative(2.0) is None                       # nothing seen yet
+    for v in (1.0, 2.0, 4.0):
+        scale.observe(v)
+    assert scale.relative(None) is None
+    assert scale.relative(4.0) == pytest.approx(2.0)         # median 2
+    scale.observe(8.0)                                       # window slides: 2, 4, 8
+    assert scale.relative(4.0) == pytest.approx(1.0)
+    rule = DefaultPageSizeRule()
+    base = rule(PageSizeHints(expected_tokens=1024))
+    assert rule(PageSizeHints(expected_tokens=1024, attention_score_variance=scale.relative(8.0))) == 2 * base
+    assert rule(PageSizeHints(expected_tokens=1024, attention_score_variance=scale.relative(4.0))) == base

@@ -1,6 +1,8 @@
 """The per-request page-size rule. Replaceable: the reuse predictor (DMLP) will choose page sizes later."""
 from __future__ import annotations
 
+import bisect
+import collections
 import dataclasses
 from typing import Protocol
 
@@ -11,7 +13,9 @@ from stratum_jax.config import PAGE_SIZE_CLASSES
 class PageSizeHints:
     expected_tokens: int                    # prompt + max_tokens
     shared_prefix_tokens: int = 0           # tokens a prefix-cache lookup would reuse at some page size
-    attention_score_variance: float | None = None   # over the last tokens; None when unknown
+    # The request's attention-score variance over its last tokens relative to recent requests' (1.0 = the
+    # running median; see VarianceScale); None when unknown.
+    attention_score_variance: float | None = None
 
 
 class PageSizeRule(Protocol):
@@ -30,7 +34,7 @@ class DefaultPageSizeRule:
     """
 
     tokens_per_page: int = 16     # aim for about this many pages per request
-    high_variance: float = 1.0
+    high_variance: float = 1.5    # relative variance (1.0 = the median of recent requests) that counts as high
 
     def __call__(self, hints: PageSizeHints) -> int:
         target = max(hints.expected_tokens // self.tokens_per_page, PAGE_SIZE_CLASSES[0])
@@ -52,3 +56,28 @@ class FixedPageSize:
 
     def __call__(self, hints: PageSizeHints) -> int:
         return self.page_size
+
+
+class VarianceScale:
+    """Makes attention-score variances relative: a raw variance depends on the model (its head size, its
+    training), so "high" is judged against the median of the last `window` requests' values. Engine
+    thread only."""
+
+    def __init__(self, window: int = 256):
+        self._recent: collections.deque[float] = collections.deque(maxlen=window)
+        self._sorted: list[float] = []
+
+    def observe(self, value: float) -> None:
+        """A finished request's variance (Sequence.attn_var5)."""
+        if len(self._recent) == self._recent.maxlen:
+            old = self._recent[0]
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._recent.append(value)
+        bisect.insort(self._sorted, value)
+
+    def relative(self, value: float | None) -> float | None:
+        """value / the running median; None when either is unknown (no value, or no request seen yet)."""
+        if value is None or not self._sorted:
+            return None
+        median = self._sorted[len(self._sorted) // 2]
+        return value / median if median > 0 else None

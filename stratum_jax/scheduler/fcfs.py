@@ -16,7 +16,7 @@ import time
 from stratum_jax.config import PAGE_SIZE_CLASSES, RuntimeConfig
 from stratum_jax.kv.block_table import BlockTable
 from stratum_jax.kv.page_pool import PagePool
-from stratum_jax.kv.page_size import FixedPageSize, PageSizeHints, PageSizeRule
+from stratum_jax.kv.page_size import FixedPageSize, PageSizeHints, PageSizeRule, VarianceScale
 from stratum_jax.request import RequestState
 from stratum_jax.sequence import Sequence
 
@@ -32,9 +32,12 @@ class FcfsScheduler:
     """page_rule: a fixed rule that overrides the cache policy's page size (None: `pool.policy` picks,
     unless --page-size forces one)."""
 
-    def __init__(self, config: RuntimeConfig, pool: PagePool, page_rule: PageSizeRule | None = None):
+    def __init__(self, config: RuntimeConfig, pool: PagePool, page_rule: PageSizeRule | None = None,
+                 variance_scale: VarianceScale | None = None):
         self.config = config
         self.pool = pool
+        # Judges a request's attention-score variance against recent requests' (the engine feeds it).
+        self.variance_scale = variance_scale or VarianceScale()
         if page_rule is None and config.page_size is not None:
             page_rule = FixedPageSize(config.page_size)
         self.page_rule = page_rule
@@ -121,7 +124,7 @@ class FcfsScheduler:
         expected = len(seq.prompt_ids) + seq.params.max_tokens
         # Known only for a request that already ran (re-admitted after preemption): a new request's
         # scores are measured from its first step on.
-        variance = seq.attn_var5
+        variance = self.variance_scale.relative(seq.attn_var5)
         if self.config.page_size is not None:
             page_size = self.config.page_size
             if best_size != page_size:
