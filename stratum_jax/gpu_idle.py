@@ -17,6 +17,7 @@ class GpuIdleMeter:
     def __init__(self, window_ms: float = 1000.0):
         self.window_ms = window_ms
         self._busy: collections.deque[tuple[float, float]] = collections.deque()   # (start, end), oldest first
+        self._busy_ms = 0.0            # total length of the intervals in _busy (kept so reads are O(1))
         self._first_ms: float | None = None
         self.last_gap_ms: float | None = None     # idle gap before the latest step (None before the second)
 
@@ -27,6 +28,7 @@ class GpuIdleMeter:
         elif self._busy:
             self.last_gap_ms = max(0.0, start_ms - self._busy[-1][1])
         self._busy.append((start_ms, end_ms))
+        self._busy_ms += end_ms - start_ms
         self._trim(end_ms)
 
     def idle_fraction(self, now_ms: float) -> float | None:
@@ -39,9 +41,15 @@ class GpuIdleMeter:
         span = now_ms - since
         if span <= 0:
             return 0.0
-        busy = sum(min(end, now_ms) - max(start, since) for start, end in self._busy if end > since)
+        busy = self._busy_ms
+        if self._busy:       # intervals are in time order: only the oldest can start before the window,
+            start, end = self._busy[0]                 # and only the newest can end after `now_ms`
+            busy -= max(0.0, min(end, since) - start)
+            start, end = self._busy[-1]
+            busy -= max(0.0, end - max(start, now_ms))
         return min(1.0, max(0.0, 1.0 - busy / span))
 
     def _trim(self, now_ms: float) -> None:
         while self._busy and self._busy[0][1] < now_ms - self.window_ms:
-            self._busy.popleft()
+            start, end = self._busy.popleft()
+            self._busy_ms -= end - start
