@@ -81,7 +81,10 @@ def inference_speed(ckpt_dir: str) -> dict:
     for _ in range(10):
         np.argsort(reuse_within(curves, ck.config.horizons_ms, idle, 200.0))
     evict_ms = (time.perf_counter() - t) / 10 * 1e3
-    return {"device": "cpu (2 cores)", "predict_blocks_per_s": 65536 / predict_s,
+    import jax
+    dev = jax.devices()[0]
+    where = f"cpu ({os.cpu_count()} cores)" if dev.platform == "cpu" else f"{dev.platform}: {dev.device_kind}"
+    return {"device": where, "predict_blocks_per_s": 65536 / predict_s,
             "predict_65536_blocks_s": predict_s, "predict_32_blocks_ms": per_request_ms,
             "evict_rank_100k_cached_blocks_ms": evict_ms,
             "note": "the model runs once per block access (batched per request); evictions rank stored "

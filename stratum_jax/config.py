@@ -51,6 +51,7 @@ class RuntimeConfig:
     dmlp_online: bool = False        # fine-tune the DMLP online from live traffic (the server starts it)
     dmlp_online_dir: str | None = None   # where the online fine-tuner writes its orbax checkpoints
     dmlp_online_cores: tuple[int, ...] | None = None   # CPU cores to pin the fine-tuning worker to
+    dmlp_online_track: float = 0.25  # share of KV blocks (by id) whose accesses become online examples
     enable_prefix_caching: bool = True
     seed: int = 0                    # seeds requests that bring no seed of their own
     trace_out: str | None = None     # write the block event log (JSONL, see training/traces.py) here
@@ -99,6 +100,8 @@ class RuntimeConfig:
         lo, hi = DMLP_CONFIDENCE_RANGE
         need(isinstance(self.dmlp_confidence, (int, float)) and lo <= self.dmlp_confidence <= hi,
              f"--dmlp-confidence must lie in [{lo}, {hi}], got {self.dmlp_confidence!r}")
+        need(isinstance(self.dmlp_online_track, (int, float)) and 0.0 < self.dmlp_online_track <= 1.0,
+             f"--dmlp-online-track must lie in (0, 1], got {self.dmlp_online_track!r}")
         if self.dmlp_online:
             need(self.dmlp_online_dir is not None,
                  "--dmlp-online needs --dmlp-online-dir DIR, where its checkpoints go")
@@ -157,6 +160,9 @@ class RuntimeConfig:
                        help="where online fine-tuning writes its orbax checkpoints (step-N)")
         g.add_argument("--dmlp-online-cores", type=parse_cores, default=None, metavar="CORES",
                        help="pin the fine-tuning worker to these CPU cores, e.g. 14,15 or 12-15")
+        g.add_argument("--dmlp-online-track", type=float, default=d.dmlp_online_track, metavar="FRACTION",
+                       help="share of KV blocks, sampled by block id, whose accesses become online training "
+                            "examples (each costs the engine thread a little), in (0, 1]")
         g.add_argument("--trace-out", default=None, metavar="PATH",
                        help="append the KV block event log (JSONL) to PATH, for DMLP training")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")

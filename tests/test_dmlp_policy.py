@@ -102,3 +102,23 @@ def test_on_access_hook_gets_the_scored_features():
     pol.observe_access([block("x", 1, 7.0), block("y", 2, 7.0)])
     pol.choose_victims([block("z", 1, 1.0)], 1, 9.0)      # scoring for eviction is not an access
     assert seen == [(["x", "y"], (2, len(FEATURE_NAMES)), 7.0)]
+
+
+@pytest.mark.parametrize("score_on_access", [True, False])
+def test_only_the_tracked_share_of_blocks_reaches_on_access(score_on_access):
+    """track_fraction samples blocks by id: every access of a tracked block is handed over (so its labels
+    stay exact), none of an untracked one, and the rows are those blocks' own features."""
+    from stratum_jax.dmlp.policy import tracked_block
+    seen = []
+    pol = DmlpPolicy(StubPredictor(), on_access=lambda ids, raw, now: seen.append((list(ids), raw.copy())),
+                     score_on_access=score_on_access, track_fraction=0.25)
+    blocks = [block(i, i % 3, 5.0) for i in range(400)]
+    for t in (5.0, 6.0):                                    # the same blocks, accessed twice
+        pol.observe_access([block(b.block_id, b.depth, t) for b in blocks])
+    tracked = [b.block_id for b in blocks if tracked_block(b.block_id, 0.25)]
+    assert 60 <= len(tracked) <= 140                        # about a quarter
+    assert [ids for ids, _ in seen] == [tracked, tracked]
+    depths = seen[0][1][:, DEPTH]
+    assert depths.tolist() == [float(i % 3) for i in tracked]
+    with pytest.raises(ValueError, match="track_fraction"):
+        DmlpPolicy(StubPredictor(), track_fraction=0.0)

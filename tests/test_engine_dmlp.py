@@ -317,15 +317,19 @@ def test_bad_flags_say_what_to_fix(ckpt, tmp_path):
         RuntimeConfig(dmlp_checkpoint=ckpt)
     with pytest.raises(ValueError, match="--cache-policy must be one of"):
         RuntimeConfig(cache_policy="lfu")
+    with pytest.raises(ValueError, match="--dmlp-online-track"):
+        RuntimeConfig(cache_policy="dmlp", dmlp_checkpoint=ckpt, dmlp_online_track=1.5)
     with pytest.raises(ValueError, match="--dmlp-online-cores"):
         parse_cores("3-1")
     assert parse_cores("0,2-3") == (0, 2, 3) and parse_cores("") is None
     # Through the server's parser: flags land in the config.
     from stratum_jax.serve import build_parser
     args = build_parser().parse_args(["--cache-policy", "dmlp", "--dmlp-checkpoint", ckpt, "--dmlp-online",
-                                      "--dmlp-online-dir", str(tmp_path / "on"), "--dmlp-online-cores", "0"])
+                                      "--dmlp-online-dir", str(tmp_path / "on"), "--dmlp-online-cores", "0",
+                                      "--dmlp-online-track", "0.5"])
     cfg = RuntimeConfig.from_cli_args(args)
     assert cfg.dmlp_online and cfg.dmlp_online_cores == (0,) and cfg.dmlp_confidence == 0.75
+    assert cfg.dmlp_online_track == 0.5
 
 
 def test_corrupt_checkpoint_fails_at_start_up_naming_the_file(tmp_path):

@@ -17,7 +17,7 @@ and never confuses it with a real zero.
 from __future__ import annotations
 
 import dataclasses
-import math
+import operator
 from typing import Sequence
 
 import numpy as np
@@ -103,10 +103,16 @@ def raw_features(cols: dict[str, np.ndarray]) -> np.ndarray:
     return out
 
 
+_feature_values = operator.attrgetter(*FEATURE_NAMES)
+
+
 def raw_from_infos(infos: Sequence[BlockInfo]) -> np.ndarray:
-    """float32 [N, F] from `BlockInfo`s (None -> NaN)."""
-    return np.array([[math.nan if getattr(b, name) is None else getattr(b, name) for name in FEATURE_NAMES]
-                     for b in infos], dtype=np.float32).reshape(len(infos), len(FEATURE_NAMES))
+    """float32 [N, F] from `BlockInfo`s (None -> NaN).
+
+    On the engine thread for every scored or tracked access, hence one C-level attrgetter per block and
+    numpy's own None -> NaN conversion (float64), not a Python loop over features."""
+    rows = [_feature_values(b) for b in infos]
+    return np.array(rows, dtype=np.float64).astype(np.float32).reshape(len(infos), len(FEATURE_NAMES))
 
 
 @dataclasses.dataclass(frozen=True)

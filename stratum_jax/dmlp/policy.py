@@ -117,6 +117,13 @@ class ConfidenceThreshold:
                    "horizon).", registry=registry).set_function(lambda: self._value)
 
 
+def tracked_block(block_id, fraction: float) -> bool:
+    """Whether a block belongs to the sampled `fraction` of blocks (by its id's hash: stable within a
+    process, independent of the block's features, so the sample is unbiased)."""
+    mixed = (hash(block_id) * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF   # spreads small ints too
+    return (mixed >> 48) < fraction * 0x10000
+
+
 class LruPolicy:
     """The baseline: evict the least recently used, prefetch the most recently used first.
 
@@ -165,13 +172,20 @@ class DmlpPolicy:
     score_on_access: run the model in `observe_access` (True), or only when a decision needs a block's
     curve (False: the engine's choice; a block accessed and evicted without ever being ranked is never
     scored, and a cache whose victims are all idle past the horizons never runs the model at all).
+    track_fraction: the share of blocks whose accesses reach `on_access` (chosen by block id, so a tracked
+    block has every access tracked and its labels stay exact). Online fine-tuning does not need every
+    access of a busy server, and the engine thread pays for each one it hands over.
     Thread-safe: the curve store is guarded by a lock.
     """
 
     pool_lru = False
 
     def __init__(self, predictor: "Predictor", threshold: ConfidenceThreshold | None = None,
-                 decision_horizon: int = -1, on_access=None, score_on_access: bool = True, on_idle=None):
+                 decision_horizon: int = -1, on_access=None, score_on_access: bool = True, on_idle=None,
+                 track_fraction: float = 1.0):
+        if not 0.0 < track_fraction <= 1.0:
+            raise ValueError(f"track_fraction must lie in (0, 1], got {track_fraction}")
+        self.track_fraction = track_fraction
         self.predictor = predictor
         self.threshold = threshold or ConfidenceThreshold()
         self.on_access = on_access
@@ -233,10 +247,17 @@ class DmlpPolicy:
             return np.zeros((0, len(self.horizons_ms)), np.float32)
         if not self.score_on_access and self.on_access is None:
             return None
-        raw = raw_from_infos(infos)
+        raw = raw_from_infos(infos) if self.score_on_access or self.track_fraction >= 1.0 else None
         probs = self._score(infos, raw) if self.score_on_access else None
         if self.on_access is not None:
-            self.on_access([b.block_id for b in infos], raw, max(b.last_access_ms for b in infos))
+            now = max(b.last_access_ms for b in infos)
+            if self.track_fraction < 1.0:
+                keep = [i for i, b in enumerate(infos) if tracked_block(b.block_id, self.track_fraction)]
+                if not keep:
+                    return probs
+                infos = [infos[i] for i in keep]
+                raw = raw[keep] if raw is not None else raw_from_infos(infos)
+            self.on_access([b.block_id for b in infos], raw, now)
         return probs
 
     def _score(self, infos: Sequence[BlockInfo], raw: np.ndarray) -> np.ndarray:

@@ -6,7 +6,8 @@
 
     load_checkpoint -> Predictor -> ConfidenceThreshold(--dmlp-confidence)
         -> OnlineFineTuner (with --dmlp-online) -> OutcomeTracker(horizons, tuner.observe)
-        -> DmlpPolicy(predictor, threshold, on_access=tracker.accessed)
+        -> DmlpPolicy(predictor, threshold, on_access=tracker.accessed,
+                      track_fraction=--dmlp-online-track: the share of blocks, by id, it labels)
 
 The tracker runs on the engine thread (the policy calls it after scoring each batch of accesses) and
 hands finished (features, observed reuse) pairs to `tuner.observe`, which never blocks. The tuner is
@@ -44,7 +45,8 @@ def build_cache_policy(config: RuntimeConfig, metrics_registry=None):
                                 config.dmlp_online_dir, threshold=threshold)
         tracker = OutcomeTracker(ckpt.config.horizons_ms, tuner.observe)
         on_access, on_idle = tracker.accessed, tracker.idle
-    policy = DmlpPolicy(predictor, threshold, on_access=on_access, score_on_access=False, on_idle=on_idle)
+    policy = DmlpPolicy(predictor, threshold, on_access=on_access, score_on_access=False, on_idle=on_idle,
+                        track_fraction=config.dmlp_online_track)
     log.info("cache policy dmlp: %s (horizons %s ms, confidence %.2f, online %s)", config.dmlp_checkpoint,
              list(ckpt.config.horizons_ms), threshold.value, "on" if tuner else "off")
     if metrics_registry is not None:
