@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 from stratum_jax.dmlp.features import FEATURE_NAMES                      # noqa: E402
 from stratum_jax.dmlp.model import Predictor                             # noqa: E402
-from stratum_jax.dmlp.policy import reuse_within                         # noqa: E402
+from stratum_jax.dmlp.policy import reuse_before_eviction                # noqa: E402
 from training.checkpoint import load_checkpoint                          # noqa: E402
 from training.pipeline import EvalOptions, run_eval, run_train, write_report  # noqa: E402
 from training.trainer import TrainConfig                                 # noqa: E402
@@ -79,7 +79,7 @@ def inference_speed(ckpt_dir: str) -> dict:
     idle = np.random.default_rng(1).uniform(0, 1000, len(curves))
     t = time.perf_counter()
     for _ in range(10):
-        np.argsort(reuse_within(curves, ck.config.horizons_ms, idle, 200.0))
+        np.argsort(reuse_before_eviction(curves, ck.config.horizons_ms, idle, 200.0))
     evict_ms = (time.perf_counter() - t) / 10 * 1e3
     import jax
     dev = jax.devices()[0]

@@ -9,8 +9,13 @@ used within the next `window` ms is
 
     (F(idle + window) - F(idle)) / (1 - F(idle)),   F linear between horizons, flat past the longest.
 
-`window` is the cache's own residency (Little's law: cached blocks / eviction rate), i.e. "will it be
-used before it would leave the cache anyway?". Victims are the lowest scores; ties, which include every
+The eviction score asks "will it be used before it would leave the cache anyway?". How long a block
+still stays is not one number: the cache's residency R (Little's law: cached blocks / eviction rate) is
+only its mean, and blocks the policy keeps stay longer than those it drops. So the time left is taken as
+exponential with mean R, and the score is P(used within that time), averaged over the quartile
+midpoints of that distribution (windows 0.13, 0.47, 0.98 and 2.08 x R: `EVICTION_WINDOW_MULTIPLES`,
+`reuse_before_eviction`). Chosen on the training part of the Mooncake trace over a single window R
+(see benchmarks/DMLP_NOTES.md, section 6). Victims are the lowest scores; ties, which include every
 block idle past the longest horizon (the model knows nothing there, so its score is 0), go to the least
 recently used. A cache whose victims are all that old therefore behaves exactly like LRU.
 """
@@ -47,6 +52,21 @@ def reuse_within(curves: np.ndarray, horizons_ms: Sequence[float], idle_ms: np.n
     f0 = curve_at(curves, horizons_ms, idle_ms)
     f1 = curve_at(curves, horizons_ms, idle_ms + window_ms)
     return (f1 - f0) / np.maximum(1.0 - f0, 1e-9)
+
+
+# Windows, in units of the residency, over which `reuse_before_eviction` averages: the midpoints of the
+# four quartiles of an exponential distribution with mean 1, -ln(1 - (i + 0.5) / 4).
+EVICTION_WINDOW_MULTIPLES = tuple(float(-np.log(1.0 - (i + 0.5) / 4)) for i in range(4))
+
+
+def reuse_before_eviction(curves: np.ndarray, horizons_ms: Sequence[float], idle_ms: np.ndarray,
+                          residency_ms: float, multiples: Sequence[float] = EVICTION_WINDOW_MULTIPLES) -> np.ndarray:
+    """The eviction score [N]: P(used in the next t ms | idle for idle_ms), averaged over t = residency_ms
+    x each of `multiples` (the time a block still stays, taken as exponential with mean residency_ms).
+    0 for a block idle past the longest horizon, as `reuse_within` is."""
+    f0 = curve_at(curves, horizons_ms, idle_ms)
+    gain = np.mean([curve_at(curves, horizons_ms, idle_ms + residency_ms * k) for k in multiples], axis=0) - f0
+    return gain / np.maximum(1.0 - f0, 1e-9)
 
 
 class Residency:
@@ -231,8 +251,8 @@ class DmlpPolicy:
         evicting: how many of them are evicted now, for the residency estimate (default all n); a caller
         that uses a ranking only in part passes 0 and reports each eviction with `note_evictions`."""
         evicted = min(n, len(curves)) if evicting is None else evicting
-        window = self.residency.update(now_ms, evicted, cached)
-        score = reuse_within(curves, self.horizons_ms, idle_ms, window)
+        residency = self.residency.update(now_ms, evicted, cached)
+        score = reuse_before_eviction(curves, self.horizons_ms, idle_ms, residency)
         seq = np.zeros(len(idle_ms)) if access_seq is None else access_seq
         return np.lexsort((seq, -idle_ms, score))[:n]
 
