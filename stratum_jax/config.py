@@ -39,6 +39,8 @@ class RuntimeConfig:
     max_tokens_cap: int = 1024       # the largest max_tokens a request may ask for
     max_queue: int = 256             # waiting requests before add_request raises QueueFullError
     kv_pool_tokens: int = 65536      # KV capacity in token slots (rounded up to a multiple of 256)
+    kv_host_tokens: int = 0          # host-memory tier for evicted prefix pages, in tokens (0 = none)
+    kv_prefetch_pages: int = 64      # host-tier pages of queued requests recalled ahead, per step (0 = off)
     prefill_chunk: int = 256         # prompt tokens per prefill step (long prompts are split)
     decode_steps: int = 4            # decode steps per device call (tokens reach the host in bursts of this)
     page_size: int | None = None     # force one page size for every request; None = adaptive rule
@@ -79,6 +81,13 @@ class RuntimeConfig:
         need(self.cache_policy in CACHE_POLICIES,
              f"--cache-policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
         self._check_dmlp(need)
+        for name in ("kv_host_tokens", "kv_prefetch_pages"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value >= 0,
+                 f"--{name.replace('_', '-')} must be an integer >= 0, got {value!r}")
+        need(not self.kv_host_tokens or self.enable_prefix_caching,
+             "--kv-host-tokens keeps evicted prefix-cache pages: it needs prefix caching "
+             "(drop --no-prefix-caching or --kv-host-tokens)")
         need(self.kv_pool_tokens >= self.max_context,
              f"--kv-pool-tokens ({self.kv_pool_tokens}) must hold at least one full context "
              f"(--max-context {self.max_context})")
@@ -137,6 +146,12 @@ class RuntimeConfig:
         g.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap)
         g.add_argument("--max-queue", type=int, default=d.max_queue)
         g.add_argument("--kv-pool-tokens", type=int, default=d.kv_pool_tokens)
+        g.add_argument("--kv-host-tokens", type=int, default=d.kv_host_tokens, metavar="TOKENS",
+                       help="host-memory tier: evicted prefix pages move there and are copied back on a "
+                            "prefix hit instead of recomputed (0 = no host tier)")
+        g.add_argument("--kv-prefetch-pages", type=int, default=d.kv_prefetch_pages, metavar="N",
+                       help="with --kv-host-tokens: host-tier pages of queued requests copied back into free "
+                            "HBM per step, in the cache policy's order (0 = no prefetch)")
         g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
         g.add_argument("--decode-steps", type=int, default=d.decode_steps,
                        help="decode steps per device call: more = less host overhead, burstier streams")

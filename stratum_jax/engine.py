@@ -23,7 +23,8 @@ from stratum_jax.dmlp.features import FEATURE_NAMES
 from stratum_jax.dmlp.runtime import build_cache_policy, warm_predictor
 from stratum_jax.kv.block_meta import Clock, EngineClock, RequestFeatures, features_of
 from stratum_jax.gpu_idle import GpuIdleMeter
-from stratum_jax.kv.page_pool import PagePool
+from stratum_jax.kv.page_pool import PagePool, prompt_chain_hashes
+from stratum_jax.kv.transfer import KvTransfers
 from stratum_jax.model.llama import init_kv_cache
 from stratum_jax.model.loader import LoadedModel, load_model
 from stratum_jax.model.tokenizer import IncrementalDetokenizer
@@ -51,6 +52,12 @@ class EngineStats:
     prefill_tokens_per_s: float   # median over recent prefill steps
     gpu_idle_frac: float | None = None   # share of the last second with no step on the device (gpu_idle.py)
     gpu_idle_gap_ms: float | None = None # idle gap between the previous step's results and the latest dispatch
+    kv_host_tokens_total: int = 0        # host tier capacity (0: no host tier)
+    kv_host_tokens_used: int = 0         # tokens of the pages it holds
+    kv_host_hits: int = 0                # prefix pages a request got from the host tier (also in prefix_cache_hits)
+    kv_prefetched_pages: int = 0         # host-tier pages recalled ahead of their request's admission
+    kv_offloaded_pages: int = 0          # pages copied HBM -> host
+    kv_recalled_pages: int = 0           # pages copied host -> HBM (host hits + prefetches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +136,8 @@ class Engine:
             self.cache_policy, self.dmlp_tuner = policy, None
         self.clock: Clock = clock if clock is not None else EngineClock()
         self.pool = PagePool(self.num_slots, enable_prefix_caching=config.enable_prefix_caching,
-                             policy=self.cache_policy, clock=self.clock)
+                             policy=self.cache_policy, clock=self.clock, host_tokens=config.kv_host_tokens)
+        self.transfers = KvTransfers()             # host-tier copies (kv/transfer.py)
         self.pool.request_features = self._request_features
         # Attention-score variance (attn_var5) is measured only when something reads it: the DMLP's
         # features or the block event log. It costs ~4-6% of the kernel's time at 1K context on an H200
@@ -199,6 +207,12 @@ class Engine:
             for seq in [s for s in self._requests.values() if s.cancel_requested]:
                 self._finish(seq, FinishReason.CANCELLED, outputs)
             batch = self.scheduler.schedule()
+        if self.pool.host is not None:
+            with jax.profiler.TraceAnnotation("kv_transfers"):
+                self._prefetch()
+                # Before the step: offloads read pages scheduling just evicted, recalls fill pages it
+                # just allocated (kv/transfer.py).
+                self.kv_cache = self.transfers.run(self.kv_cache, self.pool.take_transfers())
         if batch is not None:
             with jax.profiler.TraceAnnotation(batch.kind):
                 self._run_batch(batch, outputs)
@@ -211,6 +225,25 @@ class Engine:
             if self._trace is not None:
                 self._write_block_events(batch)
         return list(outputs.values())
+
+    def _prefetch(self) -> None:
+        """Recalls host-tier pages of queued requests into free HBM, in the cache policy's order, so their
+        prefix is resident when they are admitted. Looks at as many queued requests as one batch holds."""
+        budget = self.config.kv_prefetch_pages
+        if budget <= 0 or not self.pool.host_pages or not self.scheduler.waiting:
+            return
+        candidates, keep = [], []
+        for seq in itertools.islice(self.scheduler.waiting, self.config.max_batch_size):
+            if seq.wants_prompt_logprobs:
+                continue                   # admitted without the prefix cache
+            tokens = seq.all_token_ids
+            if seq.queued_chain_hashes is None or seq.queued_chain_hashes[0] != len(tokens):
+                seq.queued_chain_hashes = (len(tokens), prompt_chain_hashes(tokens))
+            host, hbm = self.pool.host_candidates(seq.queued_chain_hashes[1])
+            candidates += host
+            keep += hbm
+        if candidates:
+            self.pool.prefetch(candidates, budget, keep=keep)
 
     @property
     def idle_tick_s(self) -> float | None:
@@ -235,7 +268,7 @@ class Engine:
 
         Features the engine cannot give are logged as null (missing), never as 0: attn_var5 for a block
         created before its request's first step finished (or when nothing measures it), gpu_idle_frac
-        before the first step. With no host tier yet, all KV is in HBM.
+        before the first step.
         """
         for event, t_ms, content_hash, request_id, info in self.pool.events:
             features = features_of(info, FEATURE_NAMES) if info is not None else {}
@@ -252,7 +285,7 @@ class Engine:
             gen_frac=len(seq.output_ids) / p.max_tokens, input_tokens=len(seq.prompt_ids), max_tokens=p.max_tokens,
             queue_wait_ms=self._mean_queue_ms,
             prompt_pages=len(seq.prompt_ids) // seq.blocks.page_size if seq.blocks is not None else None,
-            kv_hbm_frac=1.0,               # no host tier yet: every KV page is in HBM
+            kv_hbm_frac=self.pool.hbm_fraction,   # cached pages in HBM / in HBM and the host tier
             attn_var5=seq.attn_var5,       # from the steps' score statistics; None before the first step
             gpu_idle_frac=self.gpu_idle.idle_fraction(self.clock()))
 
@@ -302,7 +335,12 @@ class Engine:
             decode_step_ms=statistics.median(self._recent_decode_ms) if self._recent_decode_ms else 0.0,
             prefill_tokens_per_s=(statistics.median(self._recent_prefill_tps)
                                   if self._recent_prefill_tps else 0.0),
-            gpu_idle_frac=self.gpu_idle.idle_fraction(self.clock()), gpu_idle_gap_ms=self.gpu_idle.last_gap_ms)
+            gpu_idle_frac=self.gpu_idle.idle_fraction(self.clock()), gpu_idle_gap_ms=self.gpu_idle.last_gap_ms,
+            kv_host_tokens_total=self.pool.host.capacity_tokens if self.pool.host is not None else 0,
+            kv_host_tokens_used=self.pool.host.tokens if self.pool.host is not None else 0,
+            kv_host_hits=self.pool.host_hits, kv_prefetched_pages=self.pool.prefetched,
+            kv_offloaded_pages=self.transfers.stats.offloaded_pages,
+            kv_recalled_pages=self.transfers.stats.recalled_pages)
 
     # -- one batch ----------------------------------------------------------------------------------
     def _run_batch(self, batch: ScheduledBatch, outputs: dict[str, StepOutput]) -> None:

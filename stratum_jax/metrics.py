@@ -29,6 +29,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "stratum_prefix_cache_hits_total": ("counter", "Full prompt pages found in the prefix cache."),
     "stratum_prefix_cache_queries_total": ("counter", "Full prompt pages looked up in the prefix cache."),
     "stratum_cache_hit_rate": ("gauge", "stratum_prefix_cache_hits_total / stratum_prefix_cache_queries_total."),
+    "stratum_kv_host_hits_total": ("counter", "Prefix pages a request got from the host tier (copied back, "
+                                   "not recomputed); also counted in stratum_prefix_cache_hits_total."),
+    "stratum_kv_prefetched_pages_total": ("counter", "Host-tier pages copied back ahead of their request's admission."),
+    "stratum_kv_offloaded_pages_total": ("counter", "KV pages copied from HBM to the host tier on eviction."),
     "stratum_preemptions_total": ("counter", "Running requests preempted because the KV pool was full."),
     "stratum_engine_steps_total": ("counter", "Engine steps run."),
     "stratum_decode_step_seconds": ("gauge", "Recent decode step wall time (moving average)."),
@@ -59,7 +63,8 @@ LABELS = {"stratum_kv_pages_used": "tier", "stratum_kv_pages_free": "tier", "str
           "stratum_kv_tokens_total": "tier", "stratum_requests_total": "status", "stratum_stop_reasons_total": "reason",
           "stratum_routed_requests_total": "route"}
 
-KV_TIER = "device"   # the only tier until the host tier of DKVC lands
+KV_TIER = "device"
+HOST_TIER = "host"   # the host-memory tier (--kv-host-tokens), only when there is one
 _RECENT = 2048       # requests kept for the percentiles of GetMetrics
 
 _IDLE_MS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0)
@@ -142,6 +147,9 @@ class ServingMetrics:
         self.kv_tokens_total = gauge("stratum_kv_tokens_total")
         self.cache_hits = counter("stratum_prefix_cache_hits_total")
         self.cache_queries = counter("stratum_prefix_cache_queries_total")
+        self.host_hits = counter("stratum_kv_host_hits_total")
+        self.prefetched = counter("stratum_kv_prefetched_pages_total")
+        self.offloaded = counter("stratum_kv_offloaded_pages_total")
         self.cache_hit_rate = gauge("stratum_cache_hit_rate")
         self.preemptions = counter("stratum_preemptions_total")
         self.steps = counter("stratum_engine_steps_total")
@@ -175,11 +183,20 @@ class ServingMetrics:
         self.kv_pages_free.labels(KV_TIER).set(stats.kv_pages_free)
         self.kv_tokens_used.labels(KV_TIER).set(stats.kv_tokens_used)
         self.kv_tokens_total.labels(KV_TIER).set(stats.kv_tokens_total)
+        host_total = getattr(stats, "kv_host_tokens_total", 0)
+        if host_total:
+            used = stats.kv_host_tokens_used
+            self.kv_tokens_used.labels(HOST_TIER).set(used)
+            self.kv_tokens_total.labels(HOST_TIER).set(host_total)
+            self.kv_pages_used.labels(HOST_TIER).set(used // 8)          # in 8-token base pages, like HBM
+            self.kv_pages_free.labels(HOST_TIER).set((host_total - used) // 8)
         self.decode_step.set(stats.decode_step_ms / 1e3)
         self.prefill_tps.set(stats.prefill_tokens_per_s)
         for name, metric in (("prefix_cache_hits", self.cache_hits), ("prefix_cache_queries", self.cache_queries),
-                             ("preemptions", self.preemptions), ("steps", self.steps)):
-            value = int(getattr(stats, name))
+                             ("preemptions", self.preemptions), ("steps", self.steps),
+                             ("kv_host_hits", self.host_hits), ("kv_prefetched_pages", self.prefetched),
+                             ("kv_offloaded_pages", self.offloaded)):
+            value = int(getattr(stats, name, 0))
             delta = value - self._last_engine_counts.get(name, 0)
             if delta > 0:
                 metric.inc(delta)

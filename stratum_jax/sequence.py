@@ -37,6 +37,9 @@ class Sequence:
     # Attention-score variance of the latest tokens (decode: one value per token; prefill: one value for
     # the chunk's last <= 5 tokens), newest last. Feeds the page-size rule and the DMLP's attn_var5.
     recent_attn_var: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=5))
+    # Chain hashes of the tokens while queued, per page size (host-tier prefetch looks them up each step):
+    # (token count they cover, {page size: hashes}).
+    queued_chain_hashes: tuple[int, dict[int, list[bytes]]] | None = None
 
     @property
     def attn_var5(self) -> float | None:

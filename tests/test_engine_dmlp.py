@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from dmlp_checkpoint import write_checkpoint
 from engine_load import run_random_load
 from stratum_jax.config import RuntimeConfig, parse_cores
 from stratum_jax.dmlp.features import FEATURE_NAMES, Normalizer
@@ -24,14 +25,6 @@ from training.checkpoint import CheckpointError, save_checkpoint, DmlpCheckpoint
 H = (10.0, 50.0, 100.0, 200.0, 500.0)
 INPUT = FEATURE_NAMES.index("input_tokens")
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def write_checkpoint(path, hidden=(32, 32), seed=0):
-    """A randomly initialised DMLP saved as a real checkpoint (fast; its predictions are arbitrary)."""
-    cfg = DmlpConfig(num_inputs=2 * len(FEATURE_NAMES), horizons_ms=H, hidden=hidden)
-    raw = np.random.default_rng(seed).uniform(0, 100, (256, len(FEATURE_NAMES))).astype(np.float32)
-    save_checkpoint(str(path), DmlpCheckpoint(cfg, jax.device_get(init_params(cfg, seed)), Normalizer.fit(raw), {}))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

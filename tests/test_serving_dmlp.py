@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.background import BackgroundServer
 from serving.options import ServerOptions
+from dmlp_checkpoint import write_checkpoint
 from serving.proto.stratum.v1 import stratum_pb2 as pb
 from serving.proto.stratum.v1 import stratum_pb2_grpc as pb_grpc
 from stratum_jax.config import RuntimeConfig
@@ -19,13 +20,6 @@ from stratum_jax.dmlp.features import FEATURE_NAMES, Normalizer
 from stratum_jax.dmlp.model import DmlpConfig, init_params
 from stratum_jax.metrics import DMLP_METRICS
 from training.checkpoint import DmlpCheckpoint, latest_checkpoint, load_checkpoint, save_checkpoint
-
-
-def write_checkpoint(path) -> str:
-    cfg = DmlpConfig(num_inputs=2 * len(FEATURE_NAMES), hidden=(32, 32))
-    raw = np.random.default_rng(0).uniform(0, 100, (256, len(FEATURE_NAMES))).astype(np.float32)
-    save_checkpoint(str(path), DmlpCheckpoint(cfg, jax.device_get(init_params(cfg, 0)), Normalizer.fit(raw), {}))
-    return str(path)
 
 
 def test_server_with_dmlp_and_online_fine_tuning(tmp_path):

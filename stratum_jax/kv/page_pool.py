@@ -16,6 +16,12 @@ while the least recently used candidate is idle past its longest horizon (see `l
 
 Each cached page carries a `BlockMeta` (block_meta.py): its history and its features at the last
 access, which feed the policy and the --trace-out event log alike.
+
+With a host tier (`host_tokens` > 0, kv/host_tier.py), an evicted page moves to host memory instead of
+being dropped, keeping its hash and its BlockMeta; `match_prefix` finds it there, `acquire_prefix`
+recalls it into a fresh HBM page, and `prefetch` recalls queued requests' pages into free HBM ahead of
+their admission. The pool only books these moves (`take_transfers`); the engine copies the data before
+its next device step (kv/transfer.py).
 """
 from __future__ import annotations
 
@@ -27,10 +33,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from stratum_jax.config import PAGE_SIZE_CLASSES
 from stratum_jax.dmlp.features import BlockInfo
 from stratum_jax.dmlp.policy import LruPolicy
 from stratum_jax.kv.block_meta import NO_REQUEST, BlockMeta, Clock, EngineClock, RequestFeatures
 from stratum_jax.kv.buddy import BASE_PAGE_TOKENS, BuddyAllocator, order_for_page_size
+from stratum_jax.kv.host_tier import HostPage, HostTier, PendingTransfers
 
 VICTIM_BATCH = 16     # victims asked of a non-LRU policy at a time
 VICTIM_TTL_MS = 10.0  # how long such a ranking is used (in order, skipping pages re-used since)
@@ -43,6 +51,8 @@ class Page:
     ref_count: int = 0
     content_hash: bytes | None = None   # set once the page is full and registered in the prefix cache
     meta: BlockMeta | None = None       # set while the page is in the prefix cache (_by_hash)
+    parent_hash: bytes | None = None    # the previous page's hash in the chain (None for the first)
+    recall_source: HostPage | None = None   # set while this step's host->device copy into it is pending
 
 
 def chain_hash(parent: bytes | None, page_size: int, token_ids: Sequence[int]) -> bytes:
@@ -54,6 +64,19 @@ def chain_hash(parent: bytes | None, page_size: int, token_ids: Sequence[int]) -
     return h.digest()
 
 
+def prompt_chain_hashes(token_ids: Sequence[int]) -> dict[int, list[bytes]]:
+    """page size -> chain hashes of the prompt's full pages under that size, all but the last token (the
+    pages a prefix-cache lookup of this prompt can hit)."""
+    out = {}
+    for page_size in PAGE_SIZE_CLASSES:
+        parent, hashes = None, []
+        for i in range((len(token_ids) - 1) // page_size):
+            parent = chain_hash(parent, page_size, token_ids[i * page_size:(i + 1) * page_size])
+            hashes.append(parent)
+        out[page_size] = hashes
+    return out
+
+
 class PagePool:
     """Owns every page of the KV cache. Not thread-safe: the engine thread is its only user.
 
@@ -63,7 +86,7 @@ class PagePool:
     """
 
     def __init__(self, num_slots: int, enable_prefix_caching: bool = True, policy=None,
-                 clock: Clock | None = None):
+                 clock: Clock | None = None, host_tokens: int = 0):
         if num_slots % (BASE_PAGE_TOKENS << 5):
             raise ValueError(f"num_slots must be a multiple of 256, got {num_slots}")
         self.num_slots = num_slots
@@ -84,9 +107,15 @@ class PagePool:
         self._victims: collections.deque[bytes] = collections.deque()
         self._victims_ms = 0.0
         self._pending: list[BlockInfo] = []
+        self._recalled_pages: list[Page] = []     # pages whose recall copy is booked but not yet run
         self._access_seq = 0
         self._request_prefix: dict[str, tuple[float, int | None, float | None]] = {}
-        self.prefix_hits = 0          # full pages reused from the cache
+        # The host tier (None: evicted pages are dropped) and the copies booked for the next step.
+        self.host = HostTier(host_tokens, on_drop=self._host_dropped) if host_tokens and enable_prefix_caching else None
+        self._transfers = PendingTransfers()
+        self.host_hits = 0            # prefix pages recalled from the host tier for a request
+        self.prefetched = 0           # pages recalled ahead of their request's admission
+        self.prefix_hits = 0          # full pages reused from the cache (HBM or host tier)
         self.prefix_queries = 0       # full prompt pages looked up
         self.evictions = 0
         # Block events for the engine's --trace-out log: (event, time ms, content hash, request id,
@@ -108,6 +137,17 @@ class PagePool:
     @property
     def cached_pages(self) -> int:
         return len(self._by_hash)
+
+    @property
+    def host_pages(self) -> int:
+        return len(self.host) if self.host is not None else 0
+
+    @property
+    def hbm_fraction(self) -> float:
+        """Cached pages in HBM / cached pages in HBM and the host tier (1.0 with no host tier): the DMLP's
+        KV occupancy feature."""
+        hbm = len(self._by_hash)
+        return hbm / max(1, hbm + self.host_pages) if self.host_pages else 1.0
 
     @property
     def lru_fast_path(self) -> bool:
@@ -138,15 +178,18 @@ class PagePool:
         if page.ref_count:
             return
         if page.content_hash is not None and self._by_hash.get(page.content_hash) is page:
-            self._evictable[page.start_slot] = page
-            self._evictable_slots += page.page_size
-            if not self._pool_lru:
-                heapq.heappush(self._by_access, (page.meta.access_seq, page.start_slot))
-                if len(self._by_access) > 2 * len(self._evictable) + 1024:
-                    self._by_access = [(p.meta.access_seq, s) for s, p in self._evictable.items()]
-                    heapq.heapify(self._by_access)
+            self._make_evictable(page)
         else:
             self._buddy.free(page.start_slot // BASE_PAGE_TOKENS)
+
+    def _make_evictable(self, page: Page) -> None:
+        self._evictable[page.start_slot] = page
+        self._evictable_slots += page.page_size
+        if not self._pool_lru:
+            heapq.heappush(self._by_access, (page.meta.access_seq, page.start_slot))
+            if len(self._by_access) > 2 * len(self._evictable) + 1024:
+                self._by_access = [(p.meta.access_seq, s) for s, p in self._evictable.items()]
+                heapq.heapify(self._by_access)
 
     def new_step(self) -> None:
         """The engine starts a step: shows the accesses since the last one to the policy, in one batch."""
@@ -157,26 +200,34 @@ class PagePool:
         self._request_prefix.pop(request_id, None)
 
     # -- prefix caching -----------------------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int], page_size: int, max_pages: int) -> list[Page]:
-        """The longest run of cached full pages (at most `max_pages`) that prefixes `token_ids`.
+    def match_prefix(self, token_ids: Sequence[int], page_size: int, max_pages: int) -> list[Page | HostPage]:
+        """The longest run of cached full pages (at most `max_pages`) that prefixes `token_ids`: HBM pages,
+        and host-tier pages (`HostPage`) where HBM has none.
 
         A pure lookup: nothing is acquired or counted, so the engine can probe every page size.
         """
         if not self.enable_prefix_caching:
             return []
-        found: list[Page] = []
+        found: list[Page | HostPage] = []
         parent = None
         for i in range(max_pages):
             parent = chain_hash(parent, page_size, token_ids[i * page_size:(i + 1) * page_size])
             page = self._by_hash.get(parent)
+            if page is None and self.host is not None:
+                page = self.host.get(parent)
             if page is None:
                 break
             found.append(page)
         return found
 
-    def acquire_prefix(self, pages: list[Page], queried_pages: int, request_id: str | None = None) -> None:
-        """Takes a reference on pages returned by match_prefix and counts the hits and queries."""
+    def acquire_prefix(self, pages: list[Page | HostPage], queried_pages: int,
+                       request_id: str | None = None) -> list[Page]:
+        """Takes a reference on pages returned by match_prefix (recalling host-tier ones into new HBM pages)
+        and counts the hits and queries. Returns the HBM pages of the prefix: all of them, or fewer when
+        HBM has no room left for a recall (the prefix then ends before that page)."""
         self.prefix_queries += queried_pages
+        if any(isinstance(p, HostPage) for p in pages):
+            pages = self._recall_prefix(pages)
         self.prefix_hits += len(pages)
         now = self.clock()
         if request_id is not None:
@@ -194,6 +245,143 @@ class PagePool:
             page.ref_count += 1
         if pages:
             self._accessed(pages, request_id, now, "accessed")
+        return pages
+
+    def _recall_prefix(self, pages: list[Page | HostPage]) -> list[Page]:
+        """Recalls the host-tier pages of a matched prefix. Returns it as HBM pages, unowned (the caller
+        takes the references), cut before the first page that found no room."""
+        held = [p for p in pages if isinstance(p, Page)]
+        for p in held:                     # hold the HBM part while recalls evict to make room
+            self._hold(p)
+        taken = [self.host.take(p.content_hash) if isinstance(p, HostPage) else None for p in pages]
+        out: list[Page] = []
+        for i, (page, hp) in enumerate(zip(pages, taken)):
+            if hp is not None:
+                page = self._recall(hp, ref_count=1)
+                if page is None:           # no room: the prefix ends here; the rest goes back
+                    for rest in taken[i:]:
+                        if rest is not None:
+                            self.host.give_back(rest)
+                    break
+                self.host_hits += 1
+            out.append(page)
+        for p in out:                      # the caller takes its own references
+            self.release(p)
+        for p in held:
+            if p not in out:
+                self.release(p)
+        return out
+
+    def _hold(self, page: Page) -> None:
+        if page.ref_count == 0:
+            del self._evictable[page.start_slot]
+            self._evictable_slots -= page.page_size
+        page.ref_count += 1
+
+    def _recall(self, hp: HostPage, ref_count: int, evict: bool = True) -> Page | None:
+        """A new HBM page for a host-tier page taken out of the tier, with its copy booked; None when
+        there is no room (without `evict`: no free room)."""
+        if evict:
+            page = self.allocate(hp.page_size)
+        else:
+            start = self._buddy.alloc(order_for_page_size(hp.page_size))
+            page = None if start is None else Page(start * BASE_PAGE_TOKENS, hp.page_size, ref_count=1)
+        if page is None:
+            return None
+        page.ref_count = ref_count
+        page.content_hash, page.parent_hash, page.meta = hp.content_hash, hp.parent_hash, hp.meta
+        page.recall_source = hp
+        self._by_hash[hp.content_hash] = page
+        self._transfers.recalls[page.start_slot] = hp
+        self._recalled_pages.append(page)
+        if self.record_events:
+            self.events.append(("recalled", self.clock(), hp.content_hash, None, None))
+        return page
+
+    # -- host tier --------------------------------------------------------------------------------------
+    def host_candidates(self, hashes_by_size: dict[int, Sequence[bytes]]) -> tuple[list[HostPage], list[Page]]:
+        """A queued prompt's cached prefix: its host-tier pages (prefetch candidates) and its HBM pages
+        (which a prefetch must not evict). hashes_by_size: page size -> the prompt's full-page chain
+        hashes under that size (`prompt_chain_hashes`). A prefix is usable only from its start, so each
+        chain is walked until a page is in neither tier."""
+        if self.host is None or not len(self.host):
+            return [], []
+        host, hbm = [], []
+        for hashes in hashes_by_size.values():
+            for h in hashes:
+                page = self._by_hash.get(h)
+                if page is not None:
+                    hbm.append(page)
+                    continue
+                hp = self.host.get(h)
+                if hp is None:
+                    break
+                host.append(hp)
+        return host, hbm
+
+    def prefetch(self, candidates: Sequence[HostPage], max_pages: int, keep: Sequence[Page] = ()) -> int:
+        """Recalls up to `max_pages` host-tier pages of queued requests into HBM, in the policy's prefetch
+        order, a page only after its parent (a prefix is only usable from its start). Room comes from free
+        slots first, then from evicting cached pages the policy ranks lowest, never `keep` (the queued
+        requests' HBM prefix pages) nor a page prefetched here: a queued request's page is about to be
+        used, which an idle cached page is not known to be. The pages stay cached and unowned until a
+        request takes them. Returns how many were recalled."""
+        if self.host is None or max_pages <= 0:
+            return 0
+        unique = {hp.content_hash: hp for hp in candidates if hp.content_hash in self.host}
+        if not unique:
+            return 0
+        now = self.clock()
+        order = self.policy.prefetch_order([self._info_of(hp.meta) for hp in unique.values()], now)
+        held = list({id(p): p for p in keep if p.content_hash is not None and self._by_hash.get(p.content_hash) is p}.values())
+        for p in held:
+            self._hold(p)
+        waiting: dict[bytes, list[HostPage]] = collections.defaultdict(list)   # parent -> deferred
+        recalled: list[Page] = []
+        full = False
+        for h in order:
+            stack = [unique[h]]
+            while stack and not full and len(recalled) < max_pages:
+                hp = stack.pop()
+                if hp.content_hash not in self.host:
+                    continue
+                if hp.parent_hash is not None and hp.parent_hash not in self._by_hash:
+                    waiting[hp.parent_hash].append(hp)
+                    continue
+                taken = self.host.take(hp.content_hash)
+                page = self._recall(taken, ref_count=1)      # held until the end: not evicted by the next
+                if page is None:                             # no room left that may be taken
+                    self.host.give_back(taken)
+                    full = True
+                    break
+                recalled.append(page)
+                stack.extend(reversed(waiting.pop(hp.content_hash, [])))
+            if full or len(recalled) >= max_pages:
+                break
+        for p in recalled + held:
+            self.release(p)
+        self.prefetched += len(recalled)
+        return len(recalled)
+
+    def take_transfers(self) -> PendingTransfers:
+        """The copies booked since the last call (the engine runs them before its next device step)."""
+        out, self._transfers = self._transfers, PendingTransfers()
+        for page in self._recalled_pages:
+            page.recall_source = None
+        self._recalled_pages = []
+        return out
+
+    def _host_dropped(self, hp: HostPage) -> None:
+        """A page left the host tier for lack of room: it leaves every tier."""
+        if self.record_events:
+            self.events.append(("freed", self.clock(), hp.content_hash, None, None))
+        if not self._pool_lru:
+            self.policy.forget((hp.content_hash,))
+
+    def _info_of(self, meta: BlockMeta) -> BlockInfo:
+        if meta.info is None:
+            meta.info = meta.snapshot(self._request_context(None))
+        return meta.info
 
     def register_full_page(self, page: Page, parent_hash: bytes | None, token_ids: Sequence[int],
                            depth: int = 0, request_id: str | None = None) -> bytes:
@@ -202,6 +390,7 @@ class PagePool:
         A new cached page counts as an access (its creation)."""
         h = chain_hash(parent_hash, page.page_size, token_ids)
         page.content_hash = h
+        page.parent_hash = parent_hash
         if self.enable_prefix_caching and h not in self._by_hash:
             self._by_hash[h] = page
             now = self.clock()
@@ -218,14 +407,15 @@ class PagePool:
             batch, self._pending = self._pending, []
             self.policy.observe_access(batch)
 
-    def block_info(self, page: Page) -> BlockInfo | None:
-        """The page's features at its last access (None for a page outside the prefix cache)."""
+    def block_info(self, page: Page | HostPage) -> BlockInfo | None:
+        """The page's features at its last access (None for a page outside the prefix cache and the host
+        tier)."""
         m = page.meta
+        if isinstance(page, HostPage):
+            return self._info_of(m) if self.host is not None and self.host.get(page.content_hash) is page else None
         if m is None or self._by_hash.get(page.content_hash) is not page:
             return None
-        if m.info is None:
-            m.info = m.snapshot(self._request_context(None))
-        return m.info
+        return self._info_of(m)
 
     def _request_context(self, request_id: str | None) -> RequestFeatures:
         req = None
@@ -304,10 +494,26 @@ class PagePool:
         del self._evictable[page.start_slot]
         self._evictable_slots -= page.page_size
         del self._by_hash[page.content_hash]
-        if self.record_events:
-            self.events.append(("freed", self.clock(), page.content_hash, None, None))
-        if not self._pool_lru:
-            self.policy.forget((page.content_hash,))
+        if self.host is not None:
+            # To the host tier. Its KV is in the device cache as it was when this step's scheduling began,
+            # unless the page was itself recalled during this scheduling (then it is that recall's data).
+            hp = HostPage(page.content_hash, page.parent_hash, page.page_size, page.meta,
+                          src_slot=None if page.recall_source is not None else page.start_slot,
+                          same_as=page.recall_source)
+            if page.recall_source is not None:     # its own recall copy is moot now
+                del self._transfers.recalls[page.start_slot]
+            if hp.src_slot is not None:
+                self._transfers.offloads.append(hp)
+            if self.record_events:
+                self.events.append(("evicted", self.clock(), page.content_hash, None, None))
+            self.host.put(hp)
+        else:
+            if self.record_events:
+                self.events.append(("freed", self.clock(), page.content_hash, None, None))
+            if not self._pool_lru:
+                self.policy.forget((page.content_hash,))
+        page.recall_source = None
+        page.parent_hash = None
         page.content_hash = None
         page.meta = None
         self._buddy.free(page.start_slot // BASE_PAGE_TOKENS)
@@ -319,3 +525,6 @@ class PagePool:
             assert page.ref_count == 0 and self._by_hash.get(page.content_hash) is page
         assert self._evictable_slots == sum(p.page_size for p in self._evictable.values())
         assert all(p.meta is not None and p.meta.block_id == h for h, p in self._by_hash.items())
+        if self.host is not None:
+            assert self.host.tokens == sum(p.page_size for p in self.host.pages()) <= self.host.capacity_tokens
+            assert not any(p.content_hash in self._by_hash for p in self.host.pages())

@@ -15,7 +15,7 @@ import time
 
 from stratum_jax.config import PAGE_SIZE_CLASSES, RuntimeConfig
 from stratum_jax.kv.block_table import BlockTable
-from stratum_jax.kv.page_pool import PagePool
+from stratum_jax.kv.page_pool import Page, PagePool
 from stratum_jax.kv.page_size import FixedPageSize, PageSizeHints, PageSizeRule, VarianceScale
 from stratum_jax.request import RequestState
 from stratum_jax.sequence import Sequence
@@ -145,13 +145,16 @@ class FcfsScheduler:
             page_size = self.pool.policy.page_size_for(
                 PageSizeHints(expected_tokens=expected, attention_score_variance=variance), (), self.pool.clock())
         first_chunk = min(len(tokens) - len(best_hit) * page_size, self.config.prefill_chunk)
-        if not self.pool.can_allocate(page_size, -(-first_chunk // page_size) + 1):
+        recalls = sum(not isinstance(p, Page) for p in best_hit)      # host-tier pages need HBM room too
+        if not self.pool.can_allocate(page_size, -(-first_chunk // page_size) + 1 + recalls):
             return False
         blocks = BlockTable(self.pool, page_size)
         seq.blocks = blocks              # before the access: its features read the page size
         if use_cache:
-            self.pool.acquire_prefix(best_hit, queried_pages=max(1, max_pages_for[page_size]),
-                                     request_id=seq.request_id)
+            # Host-tier pages are recalled here; with too little room left the prefix may come back shorter.
+            best_hit = self.pool.acquire_prefix(best_hit, queried_pages=max(1, max_pages_for[page_size]),
+                                                request_id=seq.request_id)
+        seq.queued_chain_hashes = None
         blocks.adopt_prefix(best_hit)
         seq.num_computed = len(best_hit) * page_size
         if seq.preemptions == 0:

@@ -1,0 +1,213 @@
+"""Multi-turn conversations through an HBM pool too small for them: no host tier vs a host tier, with and
+without prefetch. What a host tier buys is prompt tokens not recomputed; what it costs is copies.
+
+    PYTHONPATH=$PWD python3 benchmarks/host_tier.py                                   # tiny, CPU, seconds
+    PYTHONPATH=$PWD python3 benchmarks/host_tier.py --model llama-1b --dtype bfloat16 --conversations 96 \\
+        --kv-pool-tokens 65536 --kv-host-tokens 524288 --out benchmarks/results/host_tier_h200.json
+
+Workload (the same for every condition, greedy): `--conversations` chats, `--turns` turns each. Every
+prompt starts with one shared system prompt; turn t+1's prompt is turn t's prompt, its answer and a new
+user message. Turns go round-robin (all first turns, then all second turns, ...), at most `--batch`
+requests running, so by the time a chat comes back its KV has usually been pushed out of the HBM pool
+by the others: without a host tier its whole history is prefilled again.
+
+Measured per condition: prompt tokens computed vs served from cache (HBM or host), host hits, prefetched
+pages, bytes copied each way, wall time, output tokens/s, and time to first token (p50/p90) of the
+turns after the first. Writes JSON (--out) and a PNG beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def run_condition(model, args, name: str, host_tokens: int, prefetch_pages: int) -> dict:
+    import tqdm
+
+    from stratum_jax.config import RuntimeConfig
+    from stratum_jax.engine import Engine
+    from stratum_jax.request import SamplingParams
+
+    per_chat = args.system_len + args.turns * (args.user_len + args.answer_len)
+    max_context = 1 << max(8, (per_chat - 1).bit_length())
+    config = RuntimeConfig(model=args.model, dtype=args.dtype, max_batch_size=args.batch, max_context=max_context,
+                           kv_pool_tokens=max(args.kv_pool_tokens, max_context), prefill_chunk=args.prefill_chunk,
+                           max_tokens_cap=args.answer_len, max_queue=args.conversations + 8,
+                           kv_host_tokens=host_tokens, kv_prefetch_pages=prefetch_pages,
+                           attention=args.attention)
+    engine = Engine(config, model=model)
+    engine.warmup()
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(args.seed)                     # the same tokens in every condition
+    system = [rng.randrange(3, vocab) for _ in range(args.system_len)]
+    users = [[[rng.randrange(3, vocab) for _ in range(args.user_len)] for _ in range(args.turns)]
+             for _ in range(args.conversations)]
+    history = [list(system) for _ in range(args.conversations)]
+    params = SamplingParams(max_tokens=args.answer_len, temperature=0.0, ignore_eos=True)
+    ttft, computed, cached, out_tokens = [], 0, 0, 0
+    s0 = engine.stats()
+    t_start = time.perf_counter()
+    bar = tqdm.tqdm(total=args.conversations * args.turns, desc=name, unit="turn", leave=False)
+    for turn in range(args.turns):
+        pending = {}
+        for c in range(args.conversations):
+            prompt = history[c] + users[c][turn]
+            pending[engine.add_request(prompt, params)] = (c, prompt, time.perf_counter())
+        answers = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                c, prompt, t0 = pending[out.request_id]
+                if out.new_token_ids and out.request_id not in answers:
+                    if turn > 0:
+                        ttft.append((time.perf_counter() - t0) * 1e3)
+                    answers[out.request_id] = []
+                answers.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    bar.update(1)
+                    cached += out.cached_prompt_tokens
+                    computed += out.prompt_tokens - out.cached_prompt_tokens
+                    out_tokens += len(answers[out.request_id])
+        for rid, (c, prompt, _) in pending.items():
+            history[c] = prompt + answers[rid]
+    wall = time.perf_counter() - t_start
+    bar.close()
+    st = engine.stats()
+    ts = engine.transfers.stats
+    q = statistics.quantiles(ttft, n=10) if len(ttft) >= 10 else [float("nan")] * 9
+    return {
+        "condition": name, "kv_host_tokens": host_tokens, "kv_prefetch_pages": prefetch_pages,
+        "wall_s": wall, "output_tokens_per_s": out_tokens / wall,
+        "prompt_tokens_computed": computed, "prompt_tokens_cached": cached,
+        "cached_share": cached / max(1, cached + computed),
+        "ttft_ms_p50_later_turns": statistics.median(ttft) if ttft else float("nan"), "ttft_ms_p90_later_turns": q[8],
+        "host_hit_pages": st.kv_host_hits - s0.kv_host_hits, "prefetched_pages": st.kv_prefetched_pages - s0.kv_prefetched_pages,
+        "offloaded_pages": ts.offloaded_pages, "recalled_pages": ts.recalled_pages,
+        "offloaded_gb": ts.offloaded_bytes / 1e9, "recalled_gb": ts.recalled_bytes / 1e9,
+        "transfer_s": ts.seconds, "transfer_device_get_s": ts.device_get_s, "transfer_upload_s": ts.upload_s,
+        "preemptions": st.preemptions - s0.preemptions,
+        "final_answers_digest": hash(tuple(tuple(h[-args.answer_len:]) for h in history)) & 0xFFFFFFFF,
+    }
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["conditions"]
+    names = [r["condition"] for r in rows]
+    fig, ax = plt.subplots(1, 3, figsize=(12, 3.6))
+    ax[0].bar(names, [r["prompt_tokens_computed"] / 1e3 for r in rows], label="computed")
+    ax[0].bar(names, [r["prompt_tokens_cached"] / 1e3 for r in rows],
+              bottom=[r["prompt_tokens_computed"] / 1e3 for r in rows], label="from cache")
+    ax[0].set_ylabel("prompt tokens (K)")
+    ax[0].legend()
+    ax[1].bar(names, [r["wall_s"] for r in rows])
+    ax[1].set_ylabel("wall time (s)")
+    ax[2].bar(names, [r["ttft_ms_p50_later_turns"] for r in rows], label="p50")
+    ax[2].plot(names, [r["ttft_ms_p90_later_turns"] for r in rows], "k^", label="p90")
+    ax[2].set_ylabel("TTFT, turns 2+ (ms)")
+    ax[2].legend()
+    for a in ax:
+        a.tick_params(axis="x", labelrotation=15)
+    fig.suptitle(f"{result['model']} on {result['device']}: {result['args']['conversations']} chats x "
+                 f"{result['args']['turns']} turns, HBM pool {result['args']['kv_pool_tokens']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
+    ap.add_argument("--attention", default="auto", choices=["auto", "reference", "kernel"])
+    ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--system-len", type=int, default=64)
+    ap.add_argument("--user-len", type=int, default=48)
+    ap.add_argument("--answer-len", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=4, help="requests running at once")
+    ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--kv-pool-tokens", type=int, default=512, help="HBM pool, in tokens")
+    ap.add_argument("--kv-host-tokens", type=int, default=8192, help="host tier, in tokens")
+    ap.add_argument("--prefetch-pages", type=int, default=64)
+    ap.add_argument("--conditions", default="no-host,host,host+prefetch")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="run every condition this many times and report the last (the first ones compile)")
+    ap.add_argument("--out", default=None, help="write JSON here (and a PNG beside it)")
+    ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw the PNG of a result file")
+    args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), os.path.splitext(args.replot)[0] + ".png")
+        return 0
+    for name in ("conversations", "turns", "user_len", "answer_len", "batch", "kv_pool_tokens", "kv_host_tokens",
+                 "rounds"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0")
+    known = {"no-host": (0, 0), "host": (args.kv_host_tokens, 0), "host+prefetch": (args.kv_host_tokens, args.prefetch_pages)}
+    names = [c for c in args.conditions.split(",") if c]
+    bad = [c for c in names if c not in known]
+    if bad:
+        ap.error(f"--conditions: unknown {bad}; choose from {list(known)}")
+
+    import jax
+
+    from stratum_jax.model.loader import load_model
+    model = load_model(args.model, dtype=args.dtype, seed=0)
+    dev = jax.devices()[0]
+    result = {"model": args.model, "device": dev.device_kind if dev.platform != "cpu" else f"cpu ({os.cpu_count()} cores)",
+              "jax": jax.__version__, "date": datetime.date.today().isoformat(), "args": vars(args), "conditions": []}
+    result["earlier_rounds"] = []
+    for rnd in range(args.rounds):
+        last = rnd == args.rounds - 1
+        rows = []
+        for name in names:
+            r = run_condition(model, args, name, *known[name])
+            rows.append(r)
+            if last:
+                result["conditions"] = rows
+            print(f"[round {rnd + 1}/{args.rounds}] ", end="")
+            print_row(r)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
+        if not last:
+            result["earlier_rounds"].append(rows)
+    digests = {r["final_answers_digest"] for r in result["conditions"]}
+    result["same_answers_in_every_condition"] = len(digests) == 1
+    # bf16 prefill over a cached prefix and over the whole prompt round differently, so greedy answers may
+    # legitimately differ between conditions there; with float32 they should not.
+    print(f"same answers in every condition: {len(digests) == 1}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
+        try:
+            plot(result, os.path.splitext(args.out)[0] + ".png")
+        except ImportError:
+            print(f"no matplotlib here: plot later with --replot {args.out}")
+    return 0
+
+
+def print_row(r: dict) -> None:
+    name = r["condition"]
+    print(f"{name:<14} wall {r['wall_s']:7.2f} s  computed {r['prompt_tokens_computed']:>8}  cached "
+              f"{r['prompt_tokens_cached']:>8}  TTFT p50 {r['ttft_ms_p50_later_turns']:8.1f} ms  p90 "
+              f"{r['ttft_ms_p90_later_turns']:8.1f}  host hits {r['host_hit_pages']:>6}  prefetched "
+              f"{r['prefetched_pages']:>6}  copies {r['offloaded_gb']:.2f}/{r['recalled_gb']:.2f} GB "
+              f"in {r['transfer_s']:.2f} s", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""KV copies between HBM and the host tier, run once per engine step before its device work.
+
+The page pool books the moves while it schedules (kv/host_tier.py `PendingTransfers`); `run_transfers`
+does them in two batched device calls: one gather of every offloaded page's slots (device -> host,
+reading the cache as scheduling found it), then one scatter of every recalled page's data into its new
+slots (host -> device, donating the cache). Recalls may reuse slots that offloads just vacated, hence
+that order.
+
+Shapes: cache = per layer (k_pool, v_pool), each [kv_heads, num_slots, head_dim]; on the host the
+data is slot-major, [n_slots, layers, 2, kv_heads, head_dim], so each page is one contiguous block and
+splitting a gather into pages, or joining pages for a scatter, is a plain memcpy per page (the slot axis
+in the middle made that a strided copy of head_dim-sized pieces, which dominated the copy time on the
+H200). Slot counts are padded to a quarter-octave bucket (>= 64, < 25% waste), so few shapes compile;
+padded gather slots read slot 0 and are discarded, padded scatter slots point past the pool and are
+dropped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stratum_jax.kv.host_tier import PendingTransfers
+
+
+@dataclasses.dataclass
+class TransferStats:
+    offloaded_pages: int = 0
+    offloaded_bytes: int = 0
+    recalled_pages: int = 0
+    recalled_bytes: int = 0
+    seconds: float = 0.0       # wall time spent in run_transfers (host side, copies included)
+    device_get_s: float = 0.0  # of which: waiting for the gathered pages to reach host memory
+    upload_s: float = 0.0      # of which: handing the recalled pages to the device (host -> device copy)
+
+
+def _bucket(n: int) -> int:
+    """n rounded up to a multiple of a quarter of its power of two (at least 64)."""
+    step = max(64, (1 << max(0, (n - 1).bit_length())) // 4)
+    return -(-n // step) * step
+
+
+@jax.jit
+def _gather(cache, slots):
+    """slots int32 [n] -> [n, layers, 2, kv_heads, head_dim]."""
+    kv = jnp.stack([jnp.stack([k[:, slots], v[:, slots]]) for k, v in cache])   # [layers, 2, heads, n, dim]
+    return jnp.transpose(kv, (3, 0, 1, 2, 4))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter(cache, slots, data):
+    """Writes data [n, layers, 2, kv_heads, head_dim] at slots [n]; slots past the pool are dropped."""
+    kv = jnp.transpose(data, (1, 2, 3, 0, 4))                                    # [layers, 2, heads, n, dim]
+    return [(k.at[:, slots].set(kv[i, 0], mode="drop"), v.at[:, slots].set(kv[i, 1], mode="drop"))
+            for i, (k, v) in enumerate(cache)]
+
+
+class _Offload:
+    """One gather of offloaded pages, copying to host memory in the background (`copy_to_host_async`)
+    while the engine runs its step; `finish` waits for it and gives each page its own block."""
+
+    def __init__(self, gathered: jax.Array, pages: list, stats: TransferStats):
+        self.gathered, self.pages, self.stats = gathered, pages, stats
+        gathered.copy_to_host_async()
+        for hp in pages:
+            hp.in_flight = self
+
+    def finish(self) -> None:
+        if self.gathered is None:
+            return
+        t = time.perf_counter()
+        host = np.asarray(self.gathered)
+        self.stats.device_get_s += time.perf_counter() - t
+        at = 0
+        for hp in self.pages:
+            hp.data = host[at:at + hp.page_size].copy()       # one memcpy; a view would pin the whole batch
+            hp.src_slot = hp.in_flight = None
+            at += hp.page_size
+        self.stats.offloaded_bytes += host[:at].nbytes
+        self.gathered = None
+        self.stats.seconds += time.perf_counter() - t
+
+
+class KvTransfers:
+    """Runs the booked copies, once per engine step (`run`). Offloads finish asynchronously: their host
+    copy overlaps the step and is collected at the next `run` (or at once, when a page is recalled
+    before that). `sync=True` finishes everything inside `run` (tests)."""
+
+    def __init__(self, sync: bool = False):
+        self.sync = sync
+        self.stats = TransferStats()
+        self._in_flight: list[_Offload] = []
+
+    def run(self, cache, pending: PendingTransfers):
+        """Returns the cache (a new one when something was recalled)."""
+        for job in self._in_flight:              # last step's offloads: done by now, as a rule
+            job.finish()
+        self._in_flight = []
+        if not pending:
+            return cache
+        t0 = time.perf_counter()
+        stats = self.stats
+        num_slots = cache[0][0].shape[1]
+        if pending.offloads:
+            slots = np.concatenate([np.arange(hp.src_slot, hp.src_slot + hp.page_size) for hp in pending.offloads])
+            padded = np.zeros(_bucket(len(slots)), np.int32)
+            padded[:len(slots)] = slots
+            job = _Offload(_gather(cache, jnp.asarray(padded)), list(pending.offloads), stats)
+            stats.offloaded_pages += len(pending.offloads)
+            if self.sync:
+                job.finish()
+            else:
+                self._in_flight.append(job)
+        if pending.recalls:
+            starts = list(pending.recalls)
+            datas = [pending.recalls[s].resolved() for s in starts]   # waits for an offload of this step
+            n = sum(len(d) for d in datas)
+            padded_slots = np.full(_bucket(n), num_slots, np.int32)       # out of range: dropped
+            padded = np.empty((len(padded_slots),) + datas[0].shape[1:], datas[0].dtype)
+            at = 0
+            for s, d in zip(starts, datas):
+                padded_slots[at:at + len(d)] = np.arange(s, s + len(d))
+                padded[at:at + len(d)] = d
+                at += len(d)
+            padded[n:] = 0
+            t1 = time.perf_counter()
+            on_device = jax.device_put(padded)
+            on_device.block_until_ready()
+            stats.upload_s += time.perf_counter() - t1
+            cache = _scatter(cache, jnp.asarray(padded_slots), on_device)
+            stats.recalled_pages += len(starts)
+            stats.recalled_bytes += padded[:n].nbytes
+        stats.seconds += time.perf_counter() - t0
+        return cache
+
+
+def run_transfers(cache, pending: PendingTransfers):
+    """Does the booked copies and waits for all of them; returns the cache."""
+    return KvTransfers(sync=True).run(cache, pending)

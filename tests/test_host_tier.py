@@ -1,0 +1,244 @@
+"""The host-memory KV tier: evicted prefix pages move to host memory and come back byte for byte, on a
+prefix hit or by prefetch for queued requests, without leaks (kv/host_tier.py, kv/transfer.py)."""
+import random
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dmlp_checkpoint import write_checkpoint
+from engine_load import run_random_load
+from stratum_jax.config import RuntimeConfig
+from stratum_jax.dmlp.policy import LruPolicy
+from stratum_jax.engine import Engine
+from stratum_jax.kv.host_tier import HostPage, HostTier
+from stratum_jax.kv.page_pool import PagePool, prompt_chain_hashes
+from stratum_jax.kv.transfer import run_transfers
+from stratum_jax.model.loader import load_model
+from stratum_jax.request import SamplingParams
+from training.traces import read_traces
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+PS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", dtype="float32", seed=0)
+
+
+def make_engine(tiny, **kw):
+    defaults = dict(model="tiny", max_context=256, kv_pool_tokens=512, max_batch_size=4, prefill_chunk=64,
+                    max_tokens_cap=256, page_size=PS)
+    defaults.update(kw)
+    return Engine(RuntimeConfig(**defaults), model=tiny)
+
+
+def _prompts(n, length, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(length)] for _ in range(n)]
+
+
+def _slots_of(engine, prompt):
+    """The HBM pages holding `prompt`'s cached prefix and their KV, read from the device cache."""
+    pages = engine.pool.match_prefix(prompt, PS, (len(prompt) - 1) // PS)
+    slots = np.concatenate([np.arange(p.start_slot, p.start_slot + PS) for p in pages])
+    kv = np.stack([np.stack([np.asarray(k)[:, slots], np.asarray(v)[:, slots]]) for k, v in engine.kv_cache])
+    return pages, kv
+
+
+# ---- engine level --------------------------------------------------------------------------------
+
+def test_evicted_prefix_comes_back_from_the_host_tier_byte_for_byte(tiny, tmp_path):
+    prompt, *others = _prompts(5, 150, seed=1)
+    sp = SamplingParams(max_tokens=8, **GREEDY)
+    log = tmp_path / "blocks.jsonl"
+    engine = make_engine(tiny, kv_host_tokens=4096, trace_out=str(log))
+    first = engine.generate([prompt], sp)[0]
+    pages, kv_before = _slots_of(engine, prompt)
+    assert len(pages) == 9
+    for other in others:                          # 4 x 150 tokens through a 512-token pool: prompt's pages go
+        engine.generate([other], sp)
+    assert not any(h in engine.pool._by_hash for h in prompt_chain_hashes(prompt)[PS])
+    assert all(h in engine.pool.host for h in prompt_chain_hashes(prompt)[PS])
+    again = engine.generate([prompt], sp)[0]
+    st = engine.stats()
+    assert again.cached_prompt_tokens == 9 * PS and st.kv_host_hits == 9
+    assert again.token_ids == first.token_ids
+    pages_after, kv_after = _slots_of(engine, prompt)
+    assert [p.start_slot for p in pages_after] != [p.start_slot for p in pages]   # really moved
+    np.testing.assert_array_equal(kv_after, kv_before)
+    assert st.kv_offloaded_pages >= 9 and st.kv_recalled_pages >= 9
+    assert 0 < st.kv_host_tokens_used <= st.kv_host_tokens_total == 4096
+    engine.pool.check_invariants()
+    engine.close()
+    text = log.read_text()
+    assert '"evicted"' in text and '"recalled"' in text
+    read_traces([str(log)], "stratum")          # the trainer reads the log, host-tier events included
+
+
+def test_without_a_host_tier_the_evicted_prefix_is_recomputed(tiny):
+    """The control for the test above: same traffic, no host tier, no hit."""
+    prompt, *others = _prompts(5, 150, seed=1)
+    sp = SamplingParams(max_tokens=8, **GREEDY)
+    engine = make_engine(tiny)
+    first = engine.generate([prompt], sp)[0]
+    for other in others:
+        engine.generate([other], sp)
+    again = engine.generate([prompt], sp)[0]
+    assert again.cached_prompt_tokens == 0 and again.token_ids == first.token_ids
+    assert engine.stats().kv_host_hits == 0 and engine.stats().kv_host_tokens_total == 0
+
+
+def test_queued_requests_prefix_is_prefetched_before_admission(tiny):
+    """With one running slot, a queued request's host-tier pages are recalled while it waits, so it is
+    admitted with an HBM hit (counted as prefetched, not as a host hit)."""
+    prompt, *others = _prompts(5, 150, seed=2)
+    sp = SamplingParams(max_tokens=8, **GREEDY)
+    engine = make_engine(tiny, kv_host_tokens=4096, max_batch_size=1)
+    first = engine.generate([prompt], sp)[0]
+    for other in others:
+        engine.generate([other], sp)
+    assert sum(h in engine.pool.host for h in prompt_chain_hashes(prompt)[PS]) == 9
+    blocker = engine.add_request([5] * 40, SamplingParams(max_tokens=30, **GREEDY))   # shares nothing
+    engine.step()                                           # blocker admitted, holds the one slot
+    rid = engine.add_request(prompt, sp)
+    engine.step()
+    assert engine.stats().kv_prefetched_pages == 9          # prompt's pages while it waited
+    assert all(h in engine.pool._by_hash for h in prompt_chain_hashes(prompt)[PS])
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert out[rid] == first.token_ids
+    assert engine.stats().kv_host_hits == 0                 # it found them in HBM
+    del blocker
+
+
+@pytest.mark.parametrize("policy", ["lru", "dmlp"])
+def test_no_leaks_with_host_tier_preemption_and_cancellation(tiny, policy, tmp_path):
+    """Random load (shared prefixes, cancellations, preemption) through a small pool and host tier."""
+    kw = {}
+    if policy == "dmlp":
+        kw = dict(cache_policy="dmlp", dmlp_checkpoint=write_checkpoint(tmp_path / "ck"))
+    engine = make_engine(tiny, kv_pool_tokens=512, max_context=128, max_batch_size=16, max_queue=400,
+                         page_size=None, kv_host_tokens=1024, **kw)
+    finals = run_random_load(engine, random.Random(11), requests=120, shared_fraction=0.5,
+                             params=lambda rng: SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.9,
+                                                               seed=rng.randrange(1000), ignore_eos=True))
+    assert len(finals) == 120 and set(finals.values()) == {1}
+    st = engine.stats()
+    assert st.preemptions > 0 and st.kv_offloaded_pages > 0 and st.kv_host_hits > 0
+    assert st.kv_tokens_used == 0 and st.running == 0 and st.queued == 0
+    assert st.kv_host_tokens_used <= 1024
+    engine.pool.check_invariants()
+
+
+def test_bad_host_tier_flags_say_what_to_fix():
+    with pytest.raises(ValueError, match="--kv-host-tokens"):
+        RuntimeConfig(kv_host_tokens=-1)
+    with pytest.raises(ValueError, match="--kv-prefetch-pages"):
+        RuntimeConfig(kv_prefetch_pages=-5)
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        RuntimeConfig(kv_host_tokens=1024, enable_prefix_caching=False)
+    from stratum_jax.serve import build_parser
+    cfg = RuntimeConfig.from_cli_args(build_parser().parse_args(["--kv-host-tokens", "8192",
+                                                                 "--kv-prefetch-pages", "0"]))
+    assert cfg.kv_host_tokens == 8192 and cfg.kv_prefetch_pages == 0
+
+
+# ---- pool level: the copies, with a small fake cache ---------------------------------------------
+
+def _cache(num_slots, layers=2, heads=2, dim=4):
+    """Per layer (k, v) [heads, num_slots, dim] where every value names its slot, layer and k/v."""
+    base = np.arange(num_slots, dtype=np.float32)[None, :, None]
+    return [(jnp.asarray(np.broadcast_to(base + 1000 * l, (heads, num_slots, dim)).copy()),
+             jnp.asarray(np.broadcast_to(base + 1000 * l + 500, (heads, num_slots, dim)).copy()))
+            for l in range(layers)]
+
+
+def _page_values(cache, page):
+    return np.stack([np.asarray(k)[:, page.start_slot:page.start_slot + page.page_size] for k, _ in cache])
+
+
+def _fill(pool, tokens, parent=None):
+    page = pool.allocate(PS)
+    h = pool.register_full_page(page, parent, tokens, depth=0, request_id="r")
+    return page, h
+
+
+def test_recalled_then_evicted_again_in_one_pass_keeps_its_data():
+    """A page recalled and evicted again before the copies run: its host copy is the recall's source,
+    and the moot recall copy is not run (it would overwrite the slot's new owner)."""
+    pool = PagePool(256, host_tokens=1024)
+    cache = _cache(256)
+    a, ha = _fill(pool, list(range(16)))
+    want = _page_values(cache, a)
+    pool.release(a)
+    hogs = [pool.allocate(PS) for _ in range(16)]           # the pool is full: a goes to the host tier
+    assert ha in pool.host and pool.allocate(PS) is None
+    cache = run_transfers(cache, pool.take_transfers())
+    for p in hogs:
+        pool.release(p)
+    # One scheduling pass: recall a, let it go, fill the pool so it is evicted again, then recall it again.
+    [page] = pool.acquire_prefix(pool.match_prefix(list(range(16)) + [0], PS, 1), 1)
+    pool.release(page)
+    hogs = [pool.allocate(PS) for _ in range(16)]
+    assert ha in pool.host and pool.host.get(ha).same_as is not None
+    for p in hogs[:1]:
+        pool.release(p)                                       # unhashed: its slots are free again
+    [again] = pool.acquire_prefix(pool.match_prefix(list(range(16)) + [0], PS, 1), 1)
+    pending = pool.take_transfers()
+    assert list(pending.recalls) == [again.start_slot]        # the first recall's copy was dropped
+    cache = run_transfers(cache, pending)
+    np.testing.assert_array_equal(_page_values(cache, again), want)
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("max_pages", [10, 2])
+def test_prefetch_takes_policy_order_parents_first_and_spares_queued_prefixes(max_pages):
+    class DeepestFirst(LruPolicy):
+        def prefetch_order(self, candidates, now_ms):
+            return [b.block_id for b in sorted(candidates, key=lambda b: b.depth, reverse=True)]
+
+    pool = PagePool(256, host_tokens=2048, policy=DeepestFirst())
+    tokens = list(range(100, 164)) + [0]
+    parent, chain = None, []
+    for i in range(4):                                       # a queued prompt's 4-page prefix ...
+        page, parent = _fill(pool, tokens[i * PS:(i + 1) * PS], parent)
+        page.meta.depth = i
+        chain.append((page, parent))
+    for page, _ in chain:
+        pool.release(page)
+    hogs = [pool.allocate(PS) for _ in range(16)]           # ... all in the host tier now
+    assert all(h in pool.host for _, h in chain)
+    for p in hogs[:6]:
+        pool.release(p)
+    cached = [_fill(pool, [7 + i] * PS)[0] for i in range(6)]   # 6 idle cached pages, 10 owned ones
+    for p in cached:
+        pool.release(p)
+    pool.take_transfers()
+    keep = cached[:2]                                        # say another queued request's prefix
+    host, hbm = pool.host_candidates(prompt_chain_hashes(tokens))
+    assert [c.content_hash for c in host] == [h for _, h in chain] and hbm == []
+    n = min(max_pages, 4)
+    assert pool.prefetch(host, max_pages=max_pages, keep=keep) == n
+    # The policy asked deepest first, but a page only comes after its parent.
+    assert [h in pool._by_hash for _, h in chain] == [i < n for i in range(4)]
+    assert [hp.content_hash for hp in pool.take_transfers().recalls.values()] == [h for _, h in chain[:n]]
+    assert all(pool._by_hash.get(p.content_hash) is p for p in keep)     # spared
+    assert sum(p.content_hash in pool._by_hash for p in cached[2:]) == 4 - n  # room came from these
+    pool.check_invariants()
+
+
+def test_host_tier_drops_oldest_beyond_capacity():
+    dropped = []
+    tier = HostTier(32, on_drop=dropped.append)
+    pages = [HostPage(bytes([i]) * 16, None, PS, meta=None) for i in range(3)]
+    for p in pages:
+        tier.put(p)
+    assert dropped == [pages[0]] and tier.tokens == 32 and len(tier) == 2
+    taken = tier.take(pages[1].content_hash)
+    tier.give_back(taken)                                    # back as the newest
+    tier.put(HostPage(b"\x09" * 16, None, PS, meta=None))
+    assert dropped == [pages[0], pages[2]]
