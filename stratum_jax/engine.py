@@ -137,7 +137,8 @@ class Engine:
         self.clock: Clock = clock if clock is not None else EngineClock()
         self.pool = PagePool(self.num_slots, enable_prefix_caching=config.enable_prefix_caching,
                              policy=self.cache_policy, clock=self.clock, host_tokens=config.kv_host_tokens)
-        self.transfers = KvTransfers()             # host-tier copies (kv/transfer.py)
+        # Host-tier copies (kv/transfer.py), into the tier's recycled page buffers.
+        self.transfers = KvTransfers(buffers=self.pool.host.buffers if self.pool.host is not None else None)
         self.pool.request_features = self._request_features
         # Attention-score variance (attn_var5) is measured only when something reads it: the DMLP's
         # features or the block event log. It costs ~4-6% of the kernel's time at 1K context on an H200

@@ -13,7 +13,7 @@ from stratum_jax.dmlp.policy import LruPolicy
 from stratum_jax.engine import Engine
 from stratum_jax.kv.host_tier import HostPage, HostTier
 from stratum_jax.kv.page_pool import PagePool, prompt_chain_hashes
-from stratum_jax.kv.transfer import run_transfers
+from stratum_jax.kv.transfer import KvTransfers, run_transfers
 from stratum_jax.model.loader import load_model
 from stratum_jax.request import SamplingParams
 from training.traces import read_traces
@@ -177,7 +177,7 @@ def test_recalled_then_evicted_again_in_one_pass_keeps_its_data():
     pool.release(a)
     hogs = [pool.allocate(PS) for _ in range(16)]           # the pool is full: a goes to the host tier
     assert ha in pool.host and pool.allocate(PS) is None
-    cache = run_transfers(cache, pool.take_transfers())
+    cache = run_transfers(cache, pool.take_transfers(), pool.host.buffers)
     for p in hogs:
         pool.release(p)
     # One scheduling pass: recall a, let it go, fill the pool so it is evicted again, then recall it again.
@@ -190,8 +190,11 @@ def test_recalled_then_evicted_again_in_one_pass_keeps_its_data():
     [again] = pool.acquire_prefix(pool.match_prefix(list(range(16)) + [0], PS, 1), 1)
     pending = pool.take_transfers()
     assert list(pending.recalls) == [again.start_slot]        # the first recall's copy was dropped
-    cache = run_transfers(cache, pending)
+    cache = run_transfers(cache, pending, pool.host.buffers)
     np.testing.assert_array_equal(_page_values(cache, again), want)
+    # Both host copies of a went back to the free list (the first after its recall, the alias after
+    # the second); the next offload of that size reuses one of them.
+    assert len(pool.host.buffers._free[next(iter(pool.host.buffers._free))]) == 2
     pool.check_invariants()
 
 
@@ -242,3 +245,50 @@ def test_host_tier_drops_oldest_beyond_capacity():
     tier.give_back(taken)                                    # back as the newest
     tier.put(HostPage(b"\x09" * 16, None, PS, meta=None))
     assert dropped == [pages[0], pages[2]]
+
+
+def test_recycled_buffers_never_hold_two_live_pages():
+    """Offload, recall and drop pages through a small tier for many steps with buffer recycling on; every
+    recall must bring back exactly the page's values (a buffer shared by two live pages would not)."""
+    rng = np.random.default_rng(0)
+    pool = PagePool(512, host_tokens=256)
+    cache = _cache(512)
+    transfers = KvTransfers(buffers=pool.host.buffers)        # asynchronous, as in the engine
+    truth = {}                                                # content hash -> its values when written
+    live = []
+    for step in range(150):
+        while live and rng.random() < 0.6:                    # requests let go of pages
+            pool.release(live.pop(rng.integers(len(live))))
+        writes = []                                           # what this step's "device step" writes
+        for _ in range(rng.integers(1, 4)):                   # new full pages with fresh values
+            page = pool.allocate(PS)
+            if page is None:
+                break
+            h = pool.register_full_page(page, None, [step, len(truth)] * 8, depth=0, request_id="r")
+            truth[h] = float(len(truth))
+            writes.append((page.start_slot, truth[h]))
+            live.append(page)
+        if len(pool.host) and rng.random() < 0.8:             # a prefix hit on the host tier
+            hp = list(pool.host.pages())[rng.integers(len(pool.host))]
+            for p in pool._recall_prefix([hp]):
+                if rng.random() < 0.5:
+                    pool._hold(p)
+                    live.append(p)
+                else:                                         # let go at once: the next allocation of
+                    pool._hold(p)                             # this pass may evict it again (an alias)
+                    pool.release(p)
+                    page = pool.allocate(PS)
+                    if page is not None:
+                        h = pool.register_full_page(page, None, [step, len(truth), 1] * 8, depth=0)
+                        truth[h] = float(len(truth))
+                        writes.append((page.start_slot, truth[h]))
+                        live.append(page)
+        cache = transfers.run(cache, pool.take_transfers())   # before the step, as in the engine
+        for slot, value in writes:
+            cache = [(k.at[:, slot:slot + PS].set(value), v.at[:, slot:slot + PS].set(-value)) for k, v in cache]
+        for p in live:
+            value = np.asarray(cache[0][0])[0, p.start_slot, 0]
+            assert value == truth[p.content_hash], f"step {step}: page holds {value}, wants {truth[p.content_hash]}"
+    assert transfers.stats.recalled_pages > 20 and pool.host.dropped > 50
+    pool.check_invariants()
+

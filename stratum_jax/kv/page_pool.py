@@ -502,6 +502,7 @@ class PagePool:
                           same_as=page.recall_source)
             if page.recall_source is not None:     # its own recall copy is moot now
                 del self._transfers.recalls[page.start_slot]
+                self._transfers.aliases.append(hp)
             if hp.src_slot is not None:
                 self._transfers.offloads.append(hp)
             if self.record_events:

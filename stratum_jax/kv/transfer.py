@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stratum_jax.kv.host_tier import PendingTransfers
+from stratum_jax.kv.host_tier import PageBuffers, PendingTransfers, copy_into
 
 
 @dataclasses.dataclass
@@ -61,10 +61,10 @@ def _scatter(cache, slots, data):
 
 class _Offload:
     """One gather of offloaded pages, copying to host memory in the background (`copy_to_host_async`)
-    while the engine runs its step; `finish` waits for it and gives each page its own block."""
+    while the engine runs its step; `finish` waits for it and copies each page into its own buffer."""
 
-    def __init__(self, gathered: jax.Array, pages: list, stats: TransferStats):
-        self.gathered, self.pages, self.stats = gathered, pages, stats
+    def __init__(self, gathered: jax.Array, pages: list, stats: TransferStats, buffers: PageBuffers | None):
+        self.gathered, self.pages, self.stats, self.buffers = gathered, pages, stats, buffers
         gathered.copy_to_host_async()
         for hp in pages:
             hp.in_flight = self
@@ -77,9 +77,14 @@ class _Offload:
         self.stats.device_get_s += time.perf_counter() - t
         at = 0
         for hp in self.pages:
-            hp.data = host[at:at + hp.page_size].copy()       # one memcpy; a view would pin the whole batch
-            hp.src_slot = hp.in_flight = None
+            piece = host[at:at + hp.page_size]
             at += hp.page_size
+            hp.src_slot = hp.in_flight = None
+            if hp.dropped:
+                continue                          # left the tier before its copy landed
+            buf = self.buffers.get(piece.shape, piece.dtype) if self.buffers is not None else np.empty_like(piece)
+            copy_into(buf, piece)
+            hp.data = buf
         self.stats.offloaded_bytes += host[:at].nbytes
         self.gathered = None
         self.stats.seconds += time.perf_counter() - t
@@ -88,10 +93,12 @@ class _Offload:
 class KvTransfers:
     """Runs the booked copies, once per engine step (`run`). Offloads finish asynchronously: their host
     copy overlaps the step and is collected at the next `run` (or at once, when a page is recalled
-    before that). `sync=True` finishes everything inside `run` (tests)."""
+    before that). `sync=True` finishes everything inside `run` (tests). `buffers`: the host tier's
+    recycled page buffers (None: fresh arrays)."""
 
-    def __init__(self, sync: bool = False):
+    def __init__(self, sync: bool = False, buffers: PageBuffers | None = None):
         self.sync = sync
+        self.buffers = buffers
         self.stats = TransferStats()
         self._in_flight: list[_Offload] = []
 
@@ -103,30 +110,37 @@ class KvTransfers:
         if not pending:
             return cache
         t0 = time.perf_counter()
-        stats = self.stats
+        stats, buffers = self.stats, self.buffers
         num_slots = cache[0][0].shape[1]
         if pending.offloads:
             slots = np.concatenate([np.arange(hp.src_slot, hp.src_slot + hp.page_size) for hp in pending.offloads])
             padded = np.zeros(_bucket(len(slots)), np.int32)
             padded[:len(slots)] = slots
-            job = _Offload(_gather(cache, jnp.asarray(padded)), list(pending.offloads), stats)
+            job = _Offload(_gather(cache, jnp.asarray(padded)), list(pending.offloads), stats, buffers)
             stats.offloaded_pages += len(pending.offloads)
             if self.sync:
                 job.finish()
             else:
                 self._in_flight.append(job)
+        # Pages evicted again right after their recall: their own copy first, then the sources' buffers
+        # may be recycled below.
+        spent = []
+        for hp in pending.aliases:
+            if not hp.dropped and hp.data is None:
+                spent.append(hp.same_as)
+                hp.resolved(buffers)
         if pending.recalls:
             starts = list(pending.recalls)
-            datas = [pending.recalls[s].resolved() for s in starts]   # waits for an offload of this step
+            datas = [pending.recalls[s].resolved(buffers) for s in starts]   # may wait for this step's offload
             n = sum(len(d) for d in datas)
             padded_slots = np.full(_bucket(n), num_slots, np.int32)       # out of range: dropped
             padded = np.empty((len(padded_slots),) + datas[0].shape[1:], datas[0].dtype)
             at = 0
             for s, d in zip(starts, datas):
                 padded_slots[at:at + len(d)] = np.arange(s, s + len(d))
-                padded[at:at + len(d)] = d
+                copy_into(padded[at:at + len(d)], d)
                 at += len(d)
-            padded[n:] = 0
+            copy_into(padded[n:], np.zeros_like(padded[n:]))
             t1 = time.perf_counter()
             on_device = jax.device_put(padded)
             on_device.block_until_ready()
@@ -134,10 +148,16 @@ class KvTransfers:
             cache = _scatter(cache, jnp.asarray(padded_slots), on_device)
             stats.recalled_pages += len(starts)
             stats.recalled_bytes += padded[:n].nbytes
+            spent += [pending.recalls[s] for s in starts]
+        if buffers is not None:                  # recalled pages left the tier: their memory is reused
+            for hp in spent:
+                if hp is not None and hp.data is not None and hp.in_flight is None:
+                    buffers.give(hp.data)
+                    hp.data = None
         stats.seconds += time.perf_counter() - t0
         return cache
 
 
-def run_transfers(cache, pending: PendingTransfers):
+def run_transfers(cache, pending: PendingTransfers, buffers: PageBuffers | None = None):
     """Does the booked copies and waits for all of them; returns the cache."""
-    return KvTransfers(sync=True).run(cache, pending)
+    return KvTransfers(sync=True, buffers=buffers).run(cache, pending)
