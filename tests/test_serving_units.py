@@ -162,6 +162,22 @@ def test_engine_counters_advance_by_deltas():
     assert value("stratum_kv_pages_used", {"tier": "device"}) == 3
 
 
+def test_host_tier_figures_only_with_a_host_tier():
+    m = ServingMetrics()
+    m.observe_engine(Stats())                                  # no host tier: no host series
+    value = m.registry.get_sample_value
+    assert value("stratum_kv_tokens_total", {"tier": "host"}) is None
+    host = dict(kv_host_tokens_total=4096, kv_host_tokens_used=1024, kv_host_hits=3, kv_prefetched_pages=2,
+                kv_offloaded_pages=7)
+    m.observe_engine(types.SimpleNamespace(**{**dataclasses.asdict(Stats()), **host}))
+    m.observe_engine(types.SimpleNamespace(**{**dataclasses.asdict(Stats()), **host, "kv_host_hits": 5}))
+    assert value("stratum_kv_tokens_total", {"tier": "host"}) == 4096
+    assert value("stratum_kv_tokens_used", {"tier": "host"}) == 1024
+    assert value("stratum_kv_pages_free", {"tier": "host"}) == 384
+    assert value("stratum_kv_host_hits_total") == 5 and value("stratum_kv_offloaded_pages_total") == 7
+    assert value("stratum_kv_prefetched_pages_total") == 2
+
+
 def test_request_figures_and_table():
     m = ServingMetrics()
     m.request_completed(stop_reason="max_tokens", output_tokens=11, ttft_s=0.5, e2e_s=1.5)

@@ -278,14 +278,10 @@ class PagePool:
             self._evictable_slots -= page.page_size
         page.ref_count += 1
 
-    def _recall(self, hp: HostPage, ref_count: int, evict: bool = True) -> Page | None:
+    def _recall(self, hp: HostPage, ref_count: int) -> Page | None:
         """A new HBM page for a host-tier page taken out of the tier, with its copy booked; None when
-        there is no room (without `evict`: no free room)."""
-        if evict:
-            page = self.allocate(hp.page_size)
-        else:
-            start = self._buddy.alloc(order_for_page_size(hp.page_size))
-            page = None if start is None else Page(start * BASE_PAGE_TOKENS, hp.page_size, ref_count=1)
+        there is no room even after evicting every unowned cached page."""
+        page = self.allocate(hp.page_size)
         if page is None:
             return None
         page.ref_count = ref_count
