@@ -140,6 +140,8 @@ class ConfidenceThreshold:
 def tracked_block(block_id, fraction: float) -> bool:
     """Whether a block belongs to the sampled `fraction` of blocks (by its id's hash: stable within a
     process, independent of the block's features, so the sample is unbiased)."""
+    if fraction >= 1.0:
+        return True
     mixed = (hash(block_id) * 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF   # spreads small ints too
     return (mixed >> 48) < fraction * 0x10000
 
@@ -267,17 +269,15 @@ class DmlpPolicy:
             return np.zeros((0, len(self.horizons_ms)), np.float32)
         if not self.score_on_access and self.on_access is None:
             return None
-        raw = raw_from_infos(infos) if self.score_on_access or self.track_fraction >= 1.0 else None
+        raw = raw_from_infos(infos) if self.score_on_access else None
         probs = self._score(infos, raw) if self.score_on_access else None
         if self.on_access is not None:
             now = max(b.last_access_ms for b in infos)
-            if self.track_fraction < 1.0:
-                keep = [i for i, b in enumerate(infos) if tracked_block(b.block_id, self.track_fraction)]
-                if not keep:
-                    return probs
-                infos = [infos[i] for i in keep]
-                raw = raw[keep] if raw is not None else raw_from_infos(infos)
-            self.on_access([b.block_id for b in infos], raw, now)
+            keep = [i for i, b in enumerate(infos) if tracked_block(b.block_id, self.track_fraction)]
+            if keep:
+                tracked = [infos[i] for i in keep]
+                self.on_access([b.block_id for b in tracked],
+                               raw[keep] if raw is not None else raw_from_infos(tracked), now)
         return probs
 
     def _score(self, infos: Sequence[BlockInfo], raw: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ import collections
 import dataclasses
 import hashlib
 import heapq
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -64,17 +64,19 @@ def chain_hash(parent: bytes | None, page_size: int, token_ids: Sequence[int]) -
     return h.digest()
 
 
+def iter_chain_hashes(token_ids: Sequence[int], page_size: int, max_pages: int) -> Iterator[bytes]:
+    """Chain hashes of the first `max_pages` full pages of `token_ids`, computed as they are consumed (a
+    lookup that stops at its first miss hashes no further)."""
+    parent = None
+    for i in range(max_pages):
+        parent = chain_hash(parent, page_size, token_ids[i * page_size:(i + 1) * page_size])
+        yield parent
+
+
 def prompt_chain_hashes(token_ids: Sequence[int]) -> dict[int, list[bytes]]:
     """page size -> chain hashes of the prompt's full pages under that size, all but the last token (the
     pages a prefix-cache lookup of this prompt can hit)."""
-    out = {}
-    for page_size in PAGE_SIZE_CLASSES:
-        parent, hashes = None, []
-        for i in range((len(token_ids) - 1) // page_size):
-            parent = chain_hash(parent, page_size, token_ids[i * page_size:(i + 1) * page_size])
-            hashes.append(parent)
-        out[page_size] = hashes
-    return out
+    return {ps: list(iter_chain_hashes(token_ids, ps, (len(token_ids) - 1) // ps)) for ps in PAGE_SIZE_CLASSES}
 
 
 class PagePool:
@@ -200,21 +202,26 @@ class PagePool:
         self._request_prefix.pop(request_id, None)
 
     # -- prefix caching -----------------------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int], page_size: int, max_pages: int) -> list[Page | HostPage]:
+    def match_prefix(self, token_ids: Sequence[int], page_size: int, max_pages: int,
+                     hashes: Sequence[bytes] | None = None) -> list[Page | HostPage]:
         """The longest run of cached full pages (at most `max_pages`) that prefixes `token_ids`: HBM pages,
-        and host-tier pages (`HostPage`) where HBM has none.
+        and host-tier pages (`HostPage`) where HBM has none. `hashes`: the pages' chain hashes when the
+        caller already has them (`prompt_chain_hashes`), else they are computed here.
 
         A pure lookup: nothing is acquired or counted, so the engine can probe every page size.
         """
         if not self.enable_prefix_caching:
             return []
+        chain = hashes[:max_pages] if hashes is not None else iter_chain_hashes(token_ids, page_size, max_pages)
+        return self._cached_run(chain)
+
+    def _cached_run(self, hashes: Iterable[bytes]) -> list[Page | HostPage]:
+        """The pages of `hashes` in order, from HBM or else the host tier, up to the first in neither."""
         found: list[Page | HostPage] = []
-        parent = None
-        for i in range(max_pages):
-            parent = chain_hash(parent, page_size, token_ids[i * page_size:(i + 1) * page_size])
-            page = self._by_hash.get(parent)
+        for h in hashes:
+            page = self._by_hash.get(h)
             if page is None and self.host is not None:
-                page = self.host.get(parent)
+                page = self.host.get(h)
             if page is None:
                 break
             found.append(page)
@@ -226,6 +233,9 @@ class PagePool:
         and counts the hits and queries. Returns the HBM pages of the prefix: all of them, or fewer when
         HBM has no room left for a recall (the prefix then ends before that page)."""
         self.prefix_queries += queried_pages
+        for page in pages:                 # held first: recalls below may evict to make room
+            if isinstance(page, Page):
+                self._hold(page)
         if any(isinstance(p, HostPage) for p in pages):
             pages = self._recall_prefix(pages)
         self.prefix_hits += len(pages)
@@ -238,41 +248,32 @@ class PagePool:
                 len(pages) / max(1, queried_pages),
                 None if deepest is None else deepest.access_count + 1,
                 None if deepest is None else now - deepest.last_access_ms)
-        for page in pages:
-            if page.ref_count == 0:
-                del self._evictable[page.start_slot]
-                self._evictable_slots -= page.page_size
-            page.ref_count += 1
         if pages:
             self._accessed(pages, request_id, now, "accessed")
         return pages
 
     def _recall_prefix(self, pages: list[Page | HostPage]) -> list[Page]:
-        """Recalls the host-tier pages of a matched prefix. Returns it as HBM pages, unowned (the caller
-        takes the references), cut before the first page that found no room."""
-        held = [p for p in pages if isinstance(p, Page)]
-        for p in held:                     # hold the HBM part while recalls evict to make room
-            self._hold(p)
+        """Recalls the host-tier pages of a matched prefix whose HBM pages are held. Returns the prefix
+        as HBM pages, each held once, cut before the first page that found no room (the held pages past
+        the cut are let go, the host pages go back to the tier)."""
         taken = [self.host.take(p.content_hash) if isinstance(p, HostPage) else None for p in pages]
         out: list[Page] = []
         for i, (page, hp) in enumerate(zip(pages, taken)):
             if hp is not None:
                 page = self._recall(hp, ref_count=1)
-                if page is None:           # no room: the prefix ends here; the rest goes back
-                    for rest in taken[i:]:
-                        if rest is not None:
-                            self.host.give_back(rest)
+                if page is None:           # no room: the prefix ends here
+                    for rest, rest_hp in zip(pages[i:], taken[i:]):
+                        if rest_hp is not None:
+                            self.host.give_back(rest_hp)
+                        else:
+                            self.release(rest)
                     break
                 self.host_hits += 1
             out.append(page)
-        for p in out:                      # the caller takes its own references
-            self.release(p)
-        for p in held:
-            if p not in out:
-                self.release(p)
         return out
 
     def _hold(self, page: Page) -> None:
+        """Takes one reference (an unowned cached page stops being evictable)."""
         if page.ref_count == 0:
             del self._evictable[page.start_slot]
             self._evictable_slots -= page.page_size
@@ -304,15 +305,8 @@ class PagePool:
             return [], []
         host, hbm = [], []
         for hashes in hashes_by_size.values():
-            for h in hashes:
-                page = self._by_hash.get(h)
-                if page is not None:
-                    hbm.append(page)
-                    continue
-                hp = self.host.get(h)
-                if hp is None:
-                    break
-                host.append(hp)
+            for page in self._cached_run(hashes):
+                (host if isinstance(page, HostPage) else hbm).append(page)
         return host, hbm
 
     def prefetch(self, candidates: Sequence[HostPage], max_pages: int, keep: Sequence[Page] = ()) -> int:

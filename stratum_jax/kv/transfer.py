@@ -87,7 +87,6 @@ class _Offload:
             hp.data = buf
         self.stats.offloaded_bytes += host[:at].nbytes
         self.gathered = None
-        self.stats.seconds += time.perf_counter() - t
 
 
 class KvTransfers:
@@ -104,13 +103,14 @@ class KvTransfers:
 
     def run(self, cache, pending: PendingTransfers):
         """Returns the cache (a new one when something was recalled)."""
+        t0 = time.perf_counter()
+        stats, buffers = self.stats, self.buffers
         for job in self._in_flight:              # last step's offloads: done by now, as a rule
             job.finish()
         self._in_flight = []
         if not pending:
+            stats.seconds += time.perf_counter() - t0
             return cache
-        t0 = time.perf_counter()
-        stats, buffers = self.stats, self.buffers
         num_slots = cache[0][0].shape[1]
         if pending.offloads:
             slots = np.concatenate([np.arange(hp.src_slot, hp.src_slot + hp.page_size) for hp in pending.offloads])
@@ -134,13 +134,12 @@ class KvTransfers:
             datas = [pending.recalls[s].resolved(buffers) for s in starts]   # may wait for this step's offload
             n = sum(len(d) for d in datas)
             padded_slots = np.full(_bucket(n), num_slots, np.int32)       # out of range: dropped
-            padded = np.empty((len(padded_slots),) + datas[0].shape[1:], datas[0].dtype)
+            padded = np.zeros((len(padded_slots),) + datas[0].shape[1:], datas[0].dtype)   # tail stays 0
             at = 0
             for s, d in zip(starts, datas):
                 padded_slots[at:at + len(d)] = np.arange(s, s + len(d))
                 copy_into(padded[at:at + len(d)], d)
                 at += len(d)
-            copy_into(padded[n:], np.zeros_like(padded[n:]))
             t1 = time.perf_counter()
             on_device = jax.device_put(padded)
             on_device.block_until_ready()
@@ -151,7 +150,7 @@ class KvTransfers:
             spent += [pending.recalls[s] for s in starts]
         if buffers is not None:                  # recalled pages left the tier: their memory is reused
             for hp in spent:
-                if hp is not None and hp.data is not None and hp.in_flight is None:
+                if hp is not None and hp.data is not None:
                     buffers.give(hp.data)
                     hp.data = None
         stats.seconds += time.perf_counter() - t0

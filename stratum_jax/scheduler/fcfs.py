@@ -117,8 +117,11 @@ class FcfsScheduler:
         best_size, best_hit = None, []
         hits: dict[int, list] = {}
         if use_cache:
+            # Hashes computed while the request was queued (host-tier prefetch), when they still fit it.
+            known = seq.queued_chain_hashes[1] if (seq.queued_chain_hashes is not None
+                                                   and seq.queued_chain_hashes[0] == len(tokens)) else {}
             for ps in PAGE_SIZE_CLASSES:
-                hit = hits[ps] = self.pool.match_prefix(tokens, ps, max_pages_for[ps])
+                hit = hits[ps] = self.pool.match_prefix(tokens, ps, max_pages_for[ps], known.get(ps))
                 if len(hit) * ps > len(best_hit) * (best_size or 1):
                     best_size, best_hit = ps, hit
         expected = len(seq.prompt_ids) + seq.params.max_tokens
