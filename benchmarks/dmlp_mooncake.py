@@ -84,7 +84,8 @@ def inference_speed(ckpt_dir: str) -> dict:
     import jax
     dev = jax.devices()[0]
     where = f"cpu ({os.cpu_count()} cores)" if dev.platform == "cpu" else f"{dev.platform}: {dev.device_kind}"
-    return {"device": where, "predict_blocks_per_s": 65536 / predict_s,
+    return {"device": where, "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+            "predict_blocks_per_s": 65536 / predict_s,
             "predict_65536_blocks_s": predict_s, "predict_32_blocks_ms": per_request_ms,
             "evict_rank_100k_cached_blocks_ms": evict_ms,
             "note": "the model runs once per block access (batched per request); evictions rank stored "

@@ -1,5 +1,6 @@
 """The host-memory KV tier: evicted prefix pages move to host memory and come back byte for byte, on a
 prefix hit or by prefetch for queued requests, without leaks (kv/host_tier.py, kv/transfer.py)."""
+import json
 import random
 
 import jax.numpy as jnp
@@ -72,8 +73,10 @@ def test_evicted_prefix_comes_back_from_the_host_tier_byte_for_byte(tiny, tmp_pa
     assert 0 < st.kv_host_tokens_used <= st.kv_host_tokens_total == 4096
     engine.pool.check_invariants()
     engine.close()
-    text = log.read_text()
-    assert '"evicted"' in text and '"recalled"' in text
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    moves = [e for e in events if e["event"] in ("evicted", "recalled")]
+    assert {e["event"] for e in moves} == {"evicted", "recalled"}
+    assert all(e["features"].get("depth") is not None for e in moves)     # each with its block's features
     read_traces([str(log)], "stratum")          # the trainer reads the log, host-tier events included
 
 

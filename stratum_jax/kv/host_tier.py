@@ -13,10 +13,10 @@ Data of one page: numpy [page_size, layers, 2 (k, v), kv_heads, head_dim] in the
 (slot-major: one contiguous block per page, see kv/transfer.py).
 
 Page buffers are recycled (`PageBuffers`): a page's host memory goes back to a free list when it leaves
-the tier, and the next offload of that size copies into it. Fresh numpy arrays for every page cost a
-page fault per 4 KB on first touch, which made the host-side copies run at ~0.4 GB/s (CPU profile);
-recycled memory is touched once. A buffer therefore has exactly one owner: a page that is the same as
-another (`same_as`) gets a copy, not a shared array.
+the tier, and the next offload of that size copies into it, so a full tier does not allocate (and
+first-touch) memory per page. On a 2-core CPU this made no measurable difference against the allocator's
+own reuse (benchmarks/host_copy_profile.py); it is not measured on a GPU server. A buffer therefore has
+exactly one owner: a page that is the same as another (`same_as`) gets a copy, not a shared array.
 
 Why the host tier is LRU whatever the HBM policy: its job is to hold what HBM could not, and a block
 reaches it only after the HBM policy judged it the least likely to be reused soon; past that, recency

@@ -292,7 +292,7 @@ class PagePool:
         self._transfers.recalls[page.start_slot] = hp
         self._recalled_pages.append(page)
         if self.record_events:
-            self.events.append(("recalled", self.clock(), hp.content_hash, None, None))
+            self.events.append(("recalled", self.clock(), hp.content_hash, None, self._info_of(hp.meta)))
         return page
 
     # -- host tier --------------------------------------------------------------------------------------
@@ -364,7 +364,7 @@ class PagePool:
     def _host_dropped(self, hp: HostPage) -> None:
         """A page left the host tier for lack of room: it leaves every tier."""
         if self.record_events:
-            self.events.append(("freed", self.clock(), hp.content_hash, None, None))
+            self.events.append(("freed", self.clock(), hp.content_hash, None, self._info_of(hp.meta)))
         if not self._pool_lru:
             self.policy.forget((hp.content_hash,))
 
@@ -496,11 +496,11 @@ class PagePool:
             if hp.src_slot is not None:
                 self._transfers.offloads.append(hp)
             if self.record_events:
-                self.events.append(("evicted", self.clock(), page.content_hash, None, None))
+                self.events.append(("evicted", self.clock(), page.content_hash, None, self._info_of(page.meta)))
             self.host.put(hp)
         else:
             if self.record_events:
-                self.events.append(("freed", self.clock(), page.content_hash, None, None))
+                self.events.append(("freed", self.clock(), page.content_hash, None, self._info_of(page.meta)))
             if not self._pool_lru:
                 self.policy.forget((page.content_hash,))
         page.recall_source = None
