@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,3 +120,151 @@ def paged_attention_for_step(q, k_pool, v_pool, meta: AttentionMetadata, *, max_
         return res[:, None]
     return paged_attention_reference_chunked(q, k_pool, v_pool, meta, max_context=max_context,
                                              return_score_stats=return_score_stats, stats_columns=stats_columns)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The packed step's attention: row tables, query tiles, and an online softmax over key blocks whose
+# trip count is data-dependent, so the context length is never a compile axis.
+# ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RowTables:
+    """Per-row block tables of one packed step (a registered pytree).
+
+    context_lens: [rows] int32, tokens in the row's cache after this step's writes (0: no such row)
+    page_starts:  [rows, table_width] int32, first slot of each page (table_width = max_context / 8)
+    page_sizes:   [rows] int32, the row's page size (8..256)
+    """
+
+    context_lens: jax.Array
+    page_starts: jax.Array
+    page_sizes: jax.Array
+
+
+jax.tree_util.register_dataclass(RowTables, data_fields=["context_lens", "page_starts", "page_sizes"],
+                                 meta_fields=[])
+
+# Keys per iteration of the tiled path's loop. Each iteration gathers [tiles, KEY_BLOCK] K/V slots.
+KEY_BLOCK = 128
+
+
+def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_pool, *,
+                          key_block: int = KEY_BLOCK, return_score_stats: bool = False):
+    """Causal attention of query tiles over their rows' paged context (the prefill path, and the
+    decode path of the reference backend with one-token tiles).
+
+    q: [tiles, tile, num_heads, head_dim]; q_positions: [tiles, tile] int32 absolute positions (-1:
+    padding query); tile_rows: [tiles] int32, the row (into `tables`) every query of a tile belongs to
+    (-1: padding tile). k_pool, v_pool: [num_kv_heads, num_slots, head_dim].
+    A query at position p sees its row's keys at positions <= p and < context_len. The loop runs
+    over blocks of `key_block` positions up to the largest any tile needs (a while_loop: its trip count
+    is data, so no context bound is compiled in); scores and the online softmax are float32, the
+    matmuls take the pools' dtype with float32 accumulation.
+    Returns out [tiles, tile, num_heads, head_dim] in q.dtype (zeros for padding queries); with
+    return_score_stats also score_var [tiles, tile, num_heads] float32: the population variance of the
+    query's scores over its visible keys (module docstring), from sums of (s - shift) and their
+    squares, shift = the row max of the first key block (which every valid query sees: it holds
+    position 0), so float32 does not cancel when scores share a large offset.
+    """
+    tiles, tile, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[0]
+    group = num_heads // num_kv_heads
+    table_width = tables.page_starts.shape[1]
+    scale = head_dim ** -0.5
+    valid_tile = tile_rows >= 0
+    rows = jnp.maximum(tile_rows, 0)
+    ctx = jnp.where(valid_tile, tables.context_lens[rows], 0)                       # [N]
+    page_size = jnp.maximum(tables.page_sizes[rows], 1)[:, None]                     # [N, 1]
+    starts = tables.page_starts[rows]                                                # [N, W]
+    need = jnp.minimum(ctx, jnp.max(q_positions, axis=1) + 1)                        # keys a tile needs
+    num_blocks = (jnp.max(need, initial=0) + key_block - 1) // key_block
+    qg = q.reshape(tiles, tile, num_kv_heads, group, head_dim).astype(k_pool.dtype)
+    neg = jnp.float32(-jnp.inf)
+    acc_shape = (tiles, num_kv_heads, group, tile)
+
+    def body(carry):
+        b, m, l, acc, shift, s1, s2, n = carry
+        pos = b * key_block + jnp.arange(key_block, dtype=jnp.int32)                 # [K]
+        page = jnp.minimum(pos[None, :] // page_size, table_width - 1)
+        slots = jnp.take_along_axis(starts, page, axis=1) + pos[None, :] % page_size  # [N, K]
+        k = k_pool[:, slots]                                                         # [Hkv, N, K, D]
+        v = v_pool[:, slots]
+        s = jnp.einsum("nqhgd,hnkd->nhgqk", qg, k, preferred_element_type=jnp.float32) * scale
+        visible = ((pos[None, None, :] <= q_positions[:, :, None])
+                   & (pos[None, None, :] < ctx[:, None, None]))                      # [N, Q, K]
+        vis = visible[:, None, None]                                                 # [N, 1, 1, Q, K]
+        s = jnp.where(vis, s, neg)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
+        alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+        l = l * alpha + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("nhgqk,hnkd->nhgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc = acc * alpha[..., None] + pv
+        if return_score_stats:
+            shift = jnp.where(b == 0, m_safe, shift)
+            d = jnp.where(vis, s - shift[..., None], 0.0)
+            s1 = s1 + jnp.sum(d, axis=-1)
+            s2 = s2 + jnp.sum(d * d, axis=-1)
+            n = n + jnp.sum(visible, axis=-1, dtype=jnp.float32)[:, None, None]
+        return b + 1, m_new, l, acc, shift, s1, s2, n
+
+    zeros = jnp.zeros(acc_shape, jnp.float32)
+    init = (jnp.int32(0), jnp.full(acc_shape, neg), zeros, jnp.zeros(acc_shape + (head_dim,), jnp.float32),
+            zeros, zeros, zeros, jnp.zeros((tiles, 1, 1, tile), jnp.float32))
+    _, _, l, acc, _, s1, s2, n = lax.while_loop(lambda c: c[0] < num_blocks, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]                                  # [N, Hkv, G, Q, D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(tiles, tile, num_heads, head_dim).astype(q.dtype)
+    if not return_score_stats:
+        return out
+    mean = s1 / jnp.maximum(n, 1.0)
+    var = jnp.where(n > 0, jnp.maximum(s2 / jnp.maximum(n, 1.0) - mean * mean, 0.0), 0.0)
+    return out, var.transpose(0, 3, 1, 2).reshape(tiles, tile, num_heads)
+
+
+def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend: str, interpret: bool = False,
+                     return_score_stats: bool = False):
+    """One query token per row: q [rows, num_heads, head_dim], positions [rows] int32 (-1: the row has no
+    decode token this step). The row's keys are positions 0..position (its context after the write).
+    backend "kernel": the Pallas Mosaic GPU kernel; "reference": the tiled jnp path with one-token tiles.
+    Returns out [rows, num_heads, head_dim] (and score_var [rows, num_heads] with return_score_stats).
+    """
+    rows = q.shape[0]
+    lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
+    if backend == "kernel":
+        from pallas_kernels.paged_attention import paged_attention
+        return paged_attention(q, k_pool, v_pool, lengths, tables.page_starts, tables.page_sizes,
+                               interpret=interpret, return_score_stats=return_score_stats)
+    own = RowTables(lengths, tables.page_starts, tables.page_sizes)
+    res = tiled_paged_attention(q[:, None], positions[:, None], jnp.arange(rows, dtype=jnp.int32), own,
+                                k_pool, v_pool, return_score_stats=return_score_stats)
+    if return_score_stats:
+        return res[0][:, 0], res[1][:, 0]
+    return res[:, 0]
+
+
+KERNEL_HEAD_DIMS = (64, 128)
+
+
+def resolve_backend(config, model_config) -> str:
+    """The decode attention backend: --attention, with "auto" = the Pallas kernel where it runs (a Hopper
+    GPU, bf16 KV, head_dim 64/128), else the jnp reference. An explicit "kernel" that cannot run is an
+    error that says what to change."""
+    # jax's CUDA devices report compute_capability ("9.0" on H100/H200); if a build does not, trust
+    # the GPU to be one the kernel compiles for (the compile then says so if not).
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    on_hopper = jax.default_backend() == "gpu" and (cc is None or str(cc).startswith("9"))
+    fits = model_config.dtype == "bfloat16" and model_config.head_dim in KERNEL_HEAD_DIMS
+    if config.attention == "auto":
+        return "kernel" if on_hopper and fits else "reference"
+    if config.attention == "kernel":
+        if not config.interpret_kernels and not on_hopper:
+            raise ValueError("--attention kernel needs an NVIDIA Hopper GPU (sm_90); on CPU add "
+                             "--interpret-kernels (slow, for tests) or use --attention reference")
+        if model_config.dtype != "bfloat16":
+            raise ValueError("--attention kernel reads bfloat16 KV pages; add --dtype bfloat16 "
+                             f"(the model is {model_config.dtype})")
+        if model_config.head_dim not in KERNEL_HEAD_DIMS:
+            raise ValueError(f"--attention kernel supports head_dim {KERNEL_HEAD_DIMS}, the model has "
+                             f"{model_config.head_dim}: use --attention reference")
+    return config.attention

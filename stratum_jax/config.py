@@ -8,6 +8,24 @@ import os
 PAGE_SIZE_CLASSES = (8, 16, 32, 64, 128, 256)   # tokens per page: 8 * 2^k
 ATTENTION_BACKENDS = ("auto", "reference", "kernel")
 CACHE_POLICIES = ("lru", "dmlp")
+SCHEDULERS = ("hab", "fcfs")
+# HAB's idle threshold: the design's default, and its profiles for high QPS and for low latency.
+HAB_PROFILES = {"default": 8.0, "high-qps": 4.0, "low-latency": 2.0}
+HAB_THRESHOLD_ENV = "STRATUM_HAB_THRESHOLD_MS"
+
+
+def _hab_threshold_default() -> float:
+    """--hab-threshold-ms's default: $STRATUM_HAB_THRESHOLD_MS (a number of ms or a profile name), else 8."""
+    text = os.environ.get(HAB_THRESHOLD_ENV, "").strip()
+    if not text:
+        return HAB_PROFILES["default"]
+    if text in HAB_PROFILES:
+        return HAB_PROFILES[text]
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"${HAB_THRESHOLD_ENV} must be a number of ms or one of {sorted(HAB_PROFILES)}, "
+                         f"got {text!r}") from None
 DMLP_CONFIDENCE_RANGE = (0.5, 0.95)    # the bounds of ConfidenceThreshold (stratum_jax/dmlp/policy.py)
 
 
@@ -41,8 +59,14 @@ class RuntimeConfig:
     kv_pool_tokens: int = 65536      # KV capacity in token slots (rounded up to a multiple of 256)
     kv_host_tokens: int = 0          # host-memory tier for evicted prefix pages, in tokens (0 = none)
     kv_prefetch_pages: int = 64      # host-tier pages of queued requests recalled ahead, per step (0 = off)
-    prefill_chunk: int = 256         # prompt tokens per prefill step (long prompts are split)
-    decode_steps: int = 4            # decode steps per device call (tokens reach the host in bursts of this)
+    prefill_chunk: int = 512         # most prompt tokens one request prefills per step (long prompts are split)
+    max_num_batched_tokens: int = 2048   # tokens per step: one decode token per row + prefill chunks
+    decode_steps: int = 4            # decode steps per device call in steps with no prefill (tokens reach
+                                     # the host in bursts of this)
+    scheduler: str = "hab"           # "hab" (hunger-aware) or "fcfs" (the ablation / baseline)
+    hab_threshold_ms: float = dataclasses.field(default_factory=_hab_threshold_default)
+    hab_max_wait_ms: float = 2000.0  # HAB's starvation bound: a request waiting this long goes first
+    compilation_cache_dir: str | None = None   # jax's persistent compilation cache (None: off)
     page_size: int | None = None     # force one page size for every request; None = adaptive rule
     attention: str = "auto"          # "kernel" (Pallas Mosaic GPU), "reference" (pure jnp), or "auto": the
                                      # kernel on a Hopper GPU when the model fits it, else the reference
@@ -74,6 +98,16 @@ class RuntimeConfig:
         need(self.prefill_chunk >= 8 and self.prefill_chunk & (self.prefill_chunk - 1) == 0,
              f"--prefill-chunk must be a power of two >= 8, got {self.prefill_chunk}")
         need(self.decode_steps <= 64, f"--decode-steps must be <= 64, got {self.decode_steps}")
+        need(isinstance(self.max_num_batched_tokens, int)
+             and self.max_num_batched_tokens >= self.max_batch_size + min(64, self.prefill_chunk),
+             f"--max-num-batched-tokens ({self.max_num_batched_tokens!r}) must hold one decode token per row "
+             f"(--max-batch-size {self.max_batch_size}) plus at least one prefill tile of "
+             f"{min(64, self.prefill_chunk)} tokens: raise it or lower --max-batch-size")
+        need(self.scheduler in SCHEDULERS, f"--scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        for name in ("hab_threshold_ms", "hab_max_wait_ms"):
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and 0 <= value < float("inf"),
+                 f"--{name.replace('_', '-')} must be a number of ms >= 0, got {value!r}")
         need(self.page_size is None or self.page_size in PAGE_SIZE_CLASSES,
              f"--page-size must be one of {PAGE_SIZE_CLASSES}, got {self.page_size!r}")
         need(self.attention in ATTENTION_BACKENDS,
@@ -153,8 +187,23 @@ class RuntimeConfig:
                        help="with --kv-host-tokens: host-tier pages of queued requests copied back into free "
                             "HBM per step, in the cache policy's order (0 = no prefetch)")
         g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk)
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, metavar="N",
+                       help="tokens per engine step: one decode token per running request plus prefill chunks "
+                            "of waiting prompts; the step shapes compiled at warm-up follow from it")
         g.add_argument("--decode-steps", type=int, default=d.decode_steps,
-                       help="decode steps per device call: more = less host overhead, burstier streams")
+                       help="decode steps per device call when no prompt is prefilling: more = less host "
+                            "overhead, burstier streams (tokens reach clients N at a time)")
+        g.add_argument("--scheduler", default=d.scheduler, choices=SCHEDULERS,
+                       help="hab: hunger-aware batching (admits by compute fit when the device idles); "
+                            "fcfs: first come, first served")
+        g.add_argument("--hab-threshold-ms", type=_threshold_arg, default=None, metavar="MS",
+                       help=f"HAB: device idle time that triggers CPM admission, ms or a profile "
+                            f"{HAB_PROFILES} (default: ${HAB_THRESHOLD_ENV}, else 8)")
+        g.add_argument("--hab-max-wait-ms", type=float, default=d.hab_max_wait_ms, metavar="MS",
+                       help="HAB's starvation bound: a request that waited this long is admitted first")
+        g.add_argument("--compilation-cache-dir", default=d.compilation_cache_dir, metavar="DIR",
+                       help="jax's persistent compilation cache, so a restart loads compiled step shapes "
+                            "(default for serve: ~/.cache/stratum-jax/xla)")
         g.add_argument("--page-size", type=int, default=d.page_size,
                        help=f"force one page size {PAGE_SIZE_CLASSES}; default: adaptive per request")
         g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
@@ -187,4 +236,17 @@ class RuntimeConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "RuntimeConfig":
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        values = {k: v for k, v in vars(args).items() if k in names}
+        if values.get("hab_threshold_ms") is None:
+            values.pop("hab_threshold_ms", None)       # the field's default reads the environment
+        return cls(**values)
+
+
+def _threshold_arg(text: str) -> float:
+    """--hab-threshold-ms: a number of ms or a profile name."""
+    if text in HAB_PROFILES:
+        return HAB_PROFILES[text]
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ms or one of {sorted(HAB_PROFILES)}, got {text!r}") from None

@@ -1,24 +1,29 @@
-"""The jit-compiled model step: one forward over a [seqs, chunk] batch on the paged cache, then sampling.
+"""The jit-compiled step: one forward over a packed token batch on the paged cache, then sampling.
 
-`model_step` serves prefill chunks (and single decode tokens); `decode_steps` runs several decode steps
-in one call with `lax.fori_loop`, feeding each sampled token back on device, so the host's per-step work
-(building inputs, reading tokens back, detokenizing) is paid once per call instead of once per token.
-Shapes are bucketed by the engine (rows, chunk, context bound and step count are powers of two), so each
-bucket compiles once. The KV cache is donated: XLA updates the pools in place.
+A step's tokens are packed into one flat array of `rows + prefill_tokens` tokens (`PackedBatch`):
+  - tokens [0, rows) are the decode tokens: token r is row r's newest token (position -1 if row r
+    does not decode this step);
+  - tokens [rows, rows + prefill_tokens) are prefill chunks, laid out in query tiles of
+    `StepGeometry.prefill_tile` tokens; every tile belongs to one row (`tile_rows`), a chunk starts on
+    a tile boundary and the rest of its last tile is padding (position -1).
+Every matmul, norm and the KV write run once over the flat array, so prefill chunks ride along with
+the decode tokens in one device call. Attention splits: decode tokens go to the Pallas kernel (or the
+tiled jnp path), prefill tiles to the tiled jnp path (stratum_jax/attention.py), whose loop over key
+blocks has a data-dependent trip count. So the only compile axis is `prefill_tokens` (a small set of
+buckets, stratum_jax/step_shapes.py); the row count and the block-table width are fixed by the config,
+and sampling settings (temperature, top-p/k, seeds, logprobs) are arrays.
 
-Attention-score variance (`attn_score_var`, for the page-size rule and the DMLP's `attn_var5` feature).
-For one query row (one q head of one sequence at one token), s_j = sm_scale * q . k_j is the softmax
-input for key j, and the row's score variance is the population variance of s_j over the keys it sees:
-mean(s^2) - mean(s)^2 (see stratum_jax/attention.py). Each step averages it over all q heads and all
-layers for each query token; then
-  - `decode_steps` returns it per step and row: DecodeResult.attn_score_var [num_steps, rows], 0 for
-    a row that is not running at that step;
-  - `model_step` returns StepResult.attn_score_var [rows]: the mean over the row's last
-    min(ATTN_VAR_LAST_TOKENS, valid tokens in the chunk) valid query tokens (valid: q_position >= 0;
-    "last" in chunk-column order, which is position order as the engine lays chunks out); 0 for a
-    row with no valid token. For a decode token (chunk 1) this is that token's value.
-The kernel backend gets it from the kernel (`return_score_stats=True`), the reference backend from
-the scores it computes anyway. StepOptions.attn_stats=False turns it off (zeros, the plain kernel).
+`decode_steps` runs up to `StepGeometry.decode_steps` decode-only steps in one call (a while_loop whose
+trip count is the largest number of steps any row may take), feeding each sampled token back on
+device, so the host's per-step work is paid once per call. The KV cache is donated: XLA updates the
+pools in place.
+
+Attention-score variance (`attn_score_var`, for the page-size rule and the DMLP's `attn_var5`).
+For one query row (one q head of one token), s_j = sm_scale * q . k_j is the softmax input for key j,
+and its score variance is the population variance of s_j over the keys it sees. A token's value is the
+mean over all q heads and layers; a row's value is the weighted sum `stats_weight` gives (the host puts
+1/n on the row's last n = min(ATTN_VAR_LAST_TOKENS, tokens of the row in the step) tokens). For a
+decode token that is the token's value. Computed only with StepGeometry.attn_stats (zeros otherwise).
 """
 from __future__ import annotations
 
@@ -29,15 +34,57 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from stratum_jax.attention import AttentionMetadata, paged_attention_for_step
+from stratum_jax.attention import RowTables, decode_attention, tiled_paged_attention
 from stratum_jax.model import llama
-from stratum_jax.sampling import SamplingArrays, sample, token_logprobs
+from stratum_jax.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
+
+# A row's attn_score_var covers its last this-many tokens of the step (the DMLP's "variance of attention
+# scores over the last 5 tokens").
+ATTN_VAR_LAST_TOKENS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGeometry:
+    """The static part of every step an engine runs, fixed by its config (one value per engine)."""
+
+    rows: int                   # decode rows = --max-batch-size
+    table_width: int            # block-table entries per row = --max-context / 8
+    prefill_tile: int           # query tokens per prefill tile
+    decode_steps: int           # most decode steps per decode_steps call
+    backend: str = "reference"  # decode attention: "kernel" (Pallas) or "reference"
+    interpret: bool = False     # run the Pallas kernel in the interpreter (CPU tests)
+    attn_stats: bool = False    # compute attn_score_var
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """One step's inputs (module docstring for the layout). T = rows + prefill_tokens.
+
+    token_ids [T] int32; positions [T] int32 (-1: padding); write_slots [T] int32 (>= num_slots:
+    dropped); stats_weight [T] float32 (module docstring); prompt_next [T] int32, the prompt token
+    after each position, for prompt logprobs (-1: none); tile_rows [prefill_tokens / tile] int32;
+    tables: RowTables over [rows]; sample_index [rows] int32, the token whose logits row r samples.
+    """
+
+    token_ids: jax.Array
+    positions: jax.Array
+    write_slots: jax.Array
+    stats_weight: jax.Array
+    prompt_next: jax.Array
+    tile_rows: jax.Array
+    tables: RowTables
+    sample_index: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    PackedBatch, data_fields=[f.name for f in dataclasses.fields(PackedBatch)], meta_fields=[])
 
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """tokens [S]; logprob [S]; top_ids/top_logprobs [S, K]; prompt_* are [S, C] / [S, C, K] or empty;
-    attn_score_var [S] float32 (module docstring: last <= 5 valid tokens of the chunk)."""
+    """tokens [rows]; logprob [rows]; top_ids / top_logprobs [rows, MAX_TOP_LOGPROBS];
+    prompt_logprob [P], prompt_top_ids / prompt_top_logprobs [P, MAX_TOP_LOGPROBS] for the prefill
+    tokens (zeros unless asked for); attn_score_var [rows] float32."""
 
     tokens: jax.Array
     logprob: jax.Array
@@ -53,99 +100,89 @@ jax.tree_util.register_dataclass(
     StepResult, data_fields=[f.name for f in dataclasses.fields(StepResult)], meta_fields=[])
 
 
-@dataclasses.dataclass(frozen=True)
-class StepOptions:
-    """The static part of a step: each distinct value compiles its own program."""
-
-    max_context: int            # gather bound of the reference attention (a power of two)
-    backend: str = "reference"
-    interpret: bool = False
-    greedy_only: bool = True
-    top_logprobs: int = 0       # K of the top-K logprobs for sampled tokens
-    prompt_logprobs: int = -1   # -1: no prompt logprobs; else K for every position of the chunk
-    attn_stats: bool = True     # compute attn_score_var (False: zeros, and the plain kernel)
-
-
-# StepResult.attn_score_var averages over the last this-many valid query tokens of a row's chunk (the
-# DMLP's "variance of attention scores over the last 5 tokens").
-ATTN_VAR_LAST_TOKENS = 5
-
-
-def last_valid_columns(q_positions, last: int = ATTN_VAR_LAST_TOKENS):
-    """Each row's last min(last, #valid) valid chunk columns (valid: q_positions >= 0; last in column
-    order): (cols [S, K] int32, ok [S, K] bool) with K = min(last, chunk); unused entries have ok
-    False (and col 0)."""
-    chunk = q_positions.shape[1]
-    k = min(last, chunk)
-    if chunk == 1:
-        return jnp.zeros_like(q_positions), q_positions >= 0
-    keyed = jnp.where(q_positions >= 0, jnp.arange(chunk, dtype=jnp.int32)[None, :], -1)
-    top, _ = lax.top_k(keyed, k)                                  # the k largest valid column indices
-    return jnp.maximum(top, 0), top >= 0
-
-
-def _model_step(params, kv_cache, token_ids, write_slots, meta: AttentionMetadata, sample_cols,
-               sampling: SamplingArrays, next_token_ids, *, cfg, opts: StepOptions):
-    """One engine step.
-
-    token_ids, write_slots, next_token_ids: [S, C] int32 (write slot >= num_slots = padding, dropped;
-    next_token_ids is the prompt token after each position, for prompt logprobs, -1 where none).
-    sample_cols: [S] int32, the chunk column whose logits are sampled (the sequence's last new token).
-    Returns (StepResult, new kv_cache).
-    """
-    seqs, chunk = token_ids.shape
-    # Per-layer head-mean score variance [S, K] of each row's last K <= 5 valid tokens, collected by
-    # the attend closure. llama.forward runs its layers as a plain Python loop inside this trace (no
-    # lifted transforms), so the collected values are ordinary values of this trace.
+def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
+    """The model over the packed tokens -> (hidden [T, hidden_size], attn_score_var [rows], kv_cache)."""
+    rows, tile = geo.rows, geo.prefill_tile
+    total = batch.token_ids.shape[0]
+    prefill = total - rows
+    tiles = prefill // tile
     layer_var = []
-    stats_cols, stats_ok = last_valid_columns(meta.q_positions)
 
     def attend(layer, q, k_pool, v_pool):
-        q = q.reshape(seqs, chunk, *q.shape[1:])
-        out = paged_attention_for_step(q, k_pool, v_pool, meta, max_context=opts.max_context,
-                                       backend=opts.backend, interpret=opts.interpret,
-                                       return_score_stats=opts.attn_stats, stats_columns=stats_cols)
-        if opts.attn_stats:
-            out, var = out
-            layer_var.append(jnp.mean(var, axis=-1))
-        return out.reshape(seqs * chunk, *out.shape[2:])
+        res = decode_attention(q[:rows], batch.positions[:rows], batch.tables, k_pool, v_pool,
+                               backend=geo.backend, interpret=geo.interpret, return_score_stats=geo.attn_stats)
+        out, var = res if geo.attn_stats else (res, None)
+        outs, variances = [out], [var]
+        if tiles:
+            res = tiled_paged_attention(q[rows:].reshape(tiles, tile, *q.shape[1:]),
+                                        batch.positions[rows:].reshape(tiles, tile), batch.tile_rows,
+                                        batch.tables, k_pool, v_pool, return_score_stats=geo.attn_stats)
+            pre, pre_var = res if geo.attn_stats else (res, None)
+            outs.append(pre.reshape(prefill, *q.shape[1:]))
+            variances.append(None if pre_var is None else pre_var.reshape(prefill, -1))
+        if geo.attn_stats:
+            layer_var.append(jnp.mean(jnp.concatenate(variances), axis=-1))          # [T]
+        return jnp.concatenate(outs) if tiles else out
 
-    positions = jnp.maximum(meta.q_positions, 0).reshape(-1)
     with jax.named_scope("forward"):
-        hidden, kv_cache = llama.forward(params, cfg, token_ids.reshape(-1), positions, kv_cache,
-                                         write_slots.reshape(-1), attend)
-    hidden = hidden.reshape(seqs, chunk, -1)
+        hidden, kv_cache = llama.forward(params, cfg, batch.token_ids, jnp.maximum(batch.positions, 0), kv_cache,
+                                         batch.write_slots, attend)
     if layer_var:
-        token_var = sum(layer_var[1:], layer_var[0]) / len(layer_var)                # [S, K]
-        n = jnp.sum(stats_ok, axis=1, dtype=jnp.float32)
-        attn_score_var = jnp.sum(jnp.where(stats_ok, token_var, 0.0), axis=1) / jnp.maximum(n, 1.0)
+        token_var = sum(layer_var[1:], layer_var[0]) / len(layer_var)
+        row_of_token = jnp.concatenate([jnp.arange(rows, dtype=jnp.int32),
+                                        jnp.repeat(jnp.maximum(batch.tile_rows, 0), tile)])
+        attn_var = jax.ops.segment_sum(token_var * batch.stats_weight, row_of_token, num_segments=rows)
     else:
-        attn_score_var = jnp.zeros((seqs,), jnp.float32)
+        attn_var = jnp.zeros((rows,), jnp.float32)
+    return hidden, attn_var, kv_cache
+
+
+def _sample_rows(params, cfg, hidden_rows, sampling: SamplingArrays):
+    """hidden_rows [rows, hidden] -> (tokens, logprob, top_ids, top_logprobs). The sort-based sampler
+    runs only when some row samples (a runtime branch, not a compile axis)."""
+    logits = llama.compute_logits(params, cfg, hidden_rows)
+    tokens = lax.cond(jnp.any(sampling.temperature > 0),
+                      lambda: sample(logits, sampling, greedy_only=False),
+                      lambda: sample(logits, sampling, greedy_only=True))
+    return (tokens, *token_logprobs(logits, tokens, top_k=MAX_TOP_LOGPROBS))
+
+
+def _prompt_logprobs(params, cfg, hidden, prompt_next, want):
+    """Logprobs of the next prompt token (and the top-K) at every prefill position, computed only when
+    `want` (a runtime branch: it costs a [P, vocab] projection)."""
+    p = hidden.shape[0]
+    k = MAX_TOP_LOGPROBS
+
+    def compute():
+        return token_logprobs(llama.compute_logits(params, cfg, hidden), prompt_next, top_k=k)
+
+    def skip():
+        return jnp.zeros((p,), jnp.float32), jnp.zeros((p, k), jnp.int32), jnp.zeros((p, k), jnp.float32)
+
+    return lax.cond(want, compute, skip)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "geo"), donate_argnames=("kv_cache",))
+def packed_step(params, kv_cache, batch: PackedBatch, sampling: SamplingArrays, want_prompt_logprobs,
+                *, cfg, geo: StepGeometry):
+    """One engine step over a packed batch (decode tokens and prefill chunks together).
+
+    sampling: SamplingArrays over [rows]; want_prompt_logprobs: a bool scalar array.
+    Returns (StepResult, new kv_cache).
+    """
+    hidden, attn_var, kv_cache = _forward(params, kv_cache, batch, cfg=cfg, geo=geo)
     with jax.named_scope("sampling"):
-        last = jnp.take_along_axis(hidden, sample_cols[:, None, None], axis=1)[:, 0]
-        logits = llama.compute_logits(params, cfg, last)
-        tokens = sample(logits, sampling, greedy_only=opts.greedy_only)
-        logprob, top_ids, top_lp = token_logprobs(logits, tokens, top_k=opts.top_logprobs)
-    if opts.prompt_logprobs >= 0:
-        all_logits = llama.compute_logits(params, cfg, hidden.reshape(seqs * chunk, -1))
-        p_lp, p_ids, p_top = token_logprobs(all_logits, next_token_ids.reshape(-1), top_k=opts.prompt_logprobs)
-        p_lp = p_lp.reshape(seqs, chunk)
-        p_ids = p_ids.reshape(seqs, chunk, -1)
-        p_top = p_top.reshape(seqs, chunk, -1)
-    else:
-        p_lp = jnp.zeros((0, 0))
-        p_ids = jnp.zeros((0, 0, 0), jnp.int32)
-        p_top = jnp.zeros((0, 0, 0))
-    return StepResult(tokens, logprob, top_ids, top_lp, p_lp, p_ids, p_top, attn_score_var), kv_cache
-
-
-model_step = jax.jit(_model_step, static_argnames=("cfg", "opts"), donate_argnames=("kv_cache",))
+        tokens, logprob, top_ids, top_lp = _sample_rows(params, cfg, hidden[batch.sample_index], sampling)
+    prefill_hidden = hidden[geo.rows:]
+    p_lp, p_ids, p_top = _prompt_logprobs(params, cfg, prefill_hidden, batch.prompt_next[geo.rows:],
+                                          want_prompt_logprobs)
+    return StepResult(tokens, logprob, top_ids, top_lp, p_lp, p_ids, p_top, attn_var), kv_cache
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeResult:
-    """tokens, logprob: [steps, rows]; top_ids, top_logprobs: [steps, rows, K];
-    attn_score_var: [steps, rows] float32 (module docstring; 0 where the row is not running)."""
+    """tokens, logprob: [steps, rows]; top_ids, top_logprobs: [steps, rows, MAX_TOP_LOGPROBS];
+    attn_score_var: [steps, rows] float32 (0 where the row did not run that step)."""
 
     tokens: jax.Array
     logprob: jax.Array
@@ -158,43 +195,48 @@ jax.tree_util.register_dataclass(
     DecodeResult, data_fields=[f.name for f in dataclasses.fields(DecodeResult)], meta_fields=[])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "num_steps"), donate_argnames=("kv_cache",))
-def decode_steps(params, kv_cache, last_tokens, positions, steps_allowed, page_starts, page_sizes,
-                 sampling: SamplingArrays, *, cfg, opts: StepOptions, num_steps: int):
-    """Up to `num_steps` decode steps for every row, in one device call.
+@functools.partial(jax.jit, static_argnames=("cfg", "geo"), donate_argnames=("kv_cache",))
+def decode_steps(params, kv_cache, last_tokens, positions, steps_allowed, tables: RowTables,
+                 sampling: SamplingArrays, *, cfg, geo: StepGeometry):
+    """Up to geo.decode_steps decode steps for every row, in one device call.
 
-    last_tokens, positions: [rows] int32, each row's newest token and its position (its K/V is not yet
-    in the cache). steps_allowed: [rows] int32, how many steps each row may take (0 for padding rows);
-    once a row has used them its writes are dropped and its attention sees an empty context, so a row
-    that must stop early never writes past its pages. page_starts [rows, max_pages], page_sizes [rows]:
-    the block tables (pages for positions + steps_allowed - 1 must already exist).
-    Returns (DecodeResult, new kv_cache); entries past a row's steps_allowed are meaningless, except
-    attn_score_var, which is 0 there.
+    last_tokens, positions: [rows] int32, each row's newest token and its position (its K/V is not yet in
+    the cache). steps_allowed: [rows] int32, how many steps each row may take (0: padding row); once a row
+    has used them its writes are dropped and it sees no context, so it never writes past its pages.
+    tables.page_starts / page_sizes: the rows' block tables (pages for positions + steps_allowed - 1 must
+    exist; context_lens is ignored). The loop runs max(steps_allowed) times.
+    Returns (DecodeResult [geo.decode_steps, rows] (entries past a row's steps_allowed are
+    meaningless, except attn_score_var, 0 there), new kv_cache).
     """
-    rows = last_tokens.shape[0]
+    rows, k = geo.rows, MAX_TOP_LOGPROBS
     num_slots = kv_cache[0][0].shape[1]
-    k = opts.top_logprobs
     batch_rows = jnp.arange(rows)
+    num_steps = jnp.minimum(jnp.max(steps_allowed), geo.decode_steps)
 
-    def body(i, carry):
-        kv, tokens, pos, out = carry
+    def body(carry):
+        i, kv, tokens, out = carry
         active = i < steps_allowed
-        page = jnp.minimum(pos // page_sizes, page_starts.shape[1] - 1)
-        slot = jnp.where(active, page_starts[batch_rows, page] + pos % page_sizes, num_slots)
-        meta = AttentionMetadata(q_positions=jnp.where(active, pos, -1)[:, None],
-                                 context_lens=jnp.where(active, pos + 1, 0),
-                                 page_starts=page_starts, page_sizes=page_sizes)
+        pos = positions + i
+        page = jnp.minimum(pos // tables.page_sizes, tables.page_starts.shape[1] - 1)
+        slot = jnp.where(active, tables.page_starts[batch_rows, page] + pos % tables.page_sizes, num_slots)
+        batch = PackedBatch(
+            token_ids=tokens, positions=jnp.where(active, pos, -1), write_slots=slot,
+            stats_weight=active.astype(jnp.float32), prompt_next=jnp.full((rows,), -1, jnp.int32),
+            tile_rows=jnp.zeros((0,), jnp.int32),
+            tables=RowTables(jnp.where(active, pos + 1, 0), tables.page_starts, tables.page_sizes),
+            sample_index=batch_rows)
+        hidden, attn_var, kv = _forward(params, kv, batch, cfg=cfg, geo=geo)
         step_sampling = dataclasses.replace(sampling, token_index=sampling.token_index + i)
-        result, kv = _model_step(
-            params, kv, tokens[:, None], slot[:, None], meta, jnp.zeros(rows, jnp.int32), step_sampling,
-            jnp.full((rows, 1), -1, jnp.int32), cfg=cfg, opts=opts)
-        out = DecodeResult(out.tokens.at[i].set(result.tokens), out.logprob.at[i].set(result.logprob),
-                           out.top_ids.at[i].set(result.top_ids), out.top_logprobs.at[i].set(result.top_logprobs),
-                           out.attn_score_var.at[i].set(jnp.where(active, result.attn_score_var, 0.0)))
-        return kv, result.tokens, pos + 1, out
+        new, logprob, top_ids, top_lp = _sample_rows(params, cfg, hidden, step_sampling)
+        out = DecodeResult(out.tokens.at[i].set(new), out.logprob.at[i].set(logprob),
+                           out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lp),
+                           out.attn_score_var.at[i].set(jnp.where(active, attn_var, 0.0)))
+        return i + 1, kv, new, out
 
-    out = DecodeResult(jnp.zeros((num_steps, rows), jnp.int32), jnp.zeros((num_steps, rows), jnp.float32),
-                       jnp.zeros((num_steps, rows, k), jnp.int32), jnp.zeros((num_steps, rows, k), jnp.float32),
-                       jnp.zeros((num_steps, rows), jnp.float32))
-    kv_cache, _, _, out = lax.fori_loop(0, num_steps, body, (kv_cache, last_tokens, positions, out))
+    steps = geo.decode_steps
+    out = DecodeResult(jnp.zeros((steps, rows), jnp.int32), jnp.zeros((steps, rows), jnp.float32),
+                       jnp.zeros((steps, rows, k), jnp.int32), jnp.zeros((steps, rows, k), jnp.float32),
+                       jnp.zeros((steps, rows), jnp.float32))
+    _, kv_cache, _, out = lax.while_loop(lambda c: c[0] < num_steps, body,
+                                         (jnp.int32(0), kv_cache, last_tokens, out))
     return out, kv_cache

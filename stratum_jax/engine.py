@@ -1,9 +1,10 @@
-"""The engine loop: admit -> prefill/decode step -> sample -> stream -> free.
+"""The engine loop: admit -> one packed step (prefill chunks + decode tokens) -> sample -> stream -> free.
 
 `Engine` is the narrow interface every driver uses (the CLI, the gRPC servicer, the benchmarks):
-`add_request`, `cancel`, `step`, `stats`, plus `generate` for offline use. It is not thread-safe; a server
-runs it on one thread. Each `step` returns, per request, what it produced; exactly one output per accepted
-request ever has `finished=True`.
+`add_request`, `cancel`, `step`, `stats`, `warmup`, plus `generate` for offline use. It is not
+thread-safe; a server runs it on one thread. A step is three calls: the scheduler picks the work
+(scheduler/), the model runner runs it on the device (model_runner.py), and the outputs are
+post-processed (outputs.py). Exactly one output per accepted request ever has `finished=True`.
 """
 from __future__ import annotations
 
@@ -16,22 +17,24 @@ import time
 import jax
 import numpy as np
 
-from stratum_jax.attention import AttentionMetadata
+from stratum_jax.attention import resolve_backend
+from stratum_jax.compile_watch import CompileWatch
 from stratum_jax.config import RuntimeConfig
-from stratum_jax.decode import StepOptions, decode_steps, model_step
 from stratum_jax.dmlp.features import FEATURE_NAMES
 from stratum_jax.dmlp.runtime import build_cache_policy, warm_predictor
-from stratum_jax.kv.block_meta import Clock, EngineClock, RequestFeatures, features_of
 from stratum_jax.gpu_idle import GpuIdleMeter
+from stratum_jax.kv.block_meta import Clock, EngineClock, RequestFeatures, features_of
 from stratum_jax.kv.page_pool import PagePool, prompt_chain_hashes
 from stratum_jax.kv.transfer import KvTransfers
 from stratum_jax.model.llama import init_kv_cache
 from stratum_jax.model.loader import LoadedModel, load_model
 from stratum_jax.model.tokenizer import IncrementalDetokenizer
+from stratum_jax.model_runner import ModelRunner, RunResult
+from stratum_jax.outputs import OutputProcessor, token_logprobs
 from stratum_jax.request import (FinishReason, InvalidRequestError, QueueFullError, RequestState,
                                  SamplingParams, StepOutput, TokenLogprob)
-from stratum_jax.sampling import SamplingArrays
-from stratum_jax.scheduler.fcfs import FcfsScheduler, ScheduledBatch
+from stratum_jax.scheduler import build_scheduler
+from stratum_jax.scheduler.base import ScheduledBatch, StepCosts
 from stratum_jax.sequence import Sequence
 
 
@@ -49,7 +52,7 @@ class EngineStats:
     preemptions: int
     steps: int
     decode_step_ms: float         # median wall time per decode step (per token) over recent calls
-    prefill_tokens_per_s: float   # median over recent prefill steps
+    prefill_tokens_per_s: float   # median over recent steps that prefilled (tokens / step time)
     gpu_idle_frac: float | None = None   # share of the last second with no step on the device (gpu_idle.py)
     gpu_idle_gap_ms: float | None = None # idle gap between the previous step's results and the latest dispatch
     kv_host_tokens_total: int = 0        # host tier capacity (0: no host tier)
@@ -58,14 +61,18 @@ class EngineStats:
     kv_prefetched_pages: int = 0         # host-tier pages recalled ahead of their request's admission
     kv_offloaded_pages: int = 0          # pages copied HBM -> host
     kv_recalled_pages: int = 0           # pages copied host -> HBM (host hits + prefetches)
+    jit_compilations: int = 0            # XLA compiles in this process since the engine was built
+    jit_compilations_after_serving: int = 0   # of those, after warm-up (each one is a bug)
+    hab_triggers: int = 0                # times HAB admitted by CPM (0 for FCFS)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTiming:
-    kind: str            # "prefill" or "decode"
+    kind: str            # "decode", "prefill" or "mixed"
     seconds: float       # wall time of the step, inputs to sampled tokens on the host
     num_seqs: int
-    num_tokens: int      # new tokens processed (prompt tokens for prefill)
+    num_tokens: int      # tokens processed (prompt tokens + decode tokens)
+    prefill_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -80,37 +87,6 @@ class GenerationResult:
     cached_prompt_tokens: int
 
 
-KERNEL_HEAD_DIMS = (64, 128)
-
-
-def _resolve_attention(config: RuntimeConfig, model_config) -> str:
-    """The decode attention backend: --attention, with "auto" = the Pallas kernel where it runs (a Hopper
-    GPU, bf16 KV, head_dim 64/128), else the jnp reference. An explicit "kernel" that cannot run is an
-    error that says what to change."""
-    # jax's CUDA devices report compute_capability ("9.0" on H100/H200); if a build does not, trust
-    # the GPU to be one the kernel compiles for (the compile then says so if not).
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    on_hopper = jax.default_backend() == "gpu" and (cc is None or str(cc).startswith("9"))
-    fits = model_config.dtype == "bfloat16" and model_config.head_dim in KERNEL_HEAD_DIMS
-    if config.attention == "auto":
-        return "kernel" if on_hopper and fits else "reference"
-    if config.attention == "kernel":
-        if not config.interpret_kernels and not on_hopper:
-            raise ValueError("--attention kernel needs an NVIDIA Hopper GPU (sm_90); on CPU add "
-                             "--interpret-kernels (slow, for tests) or use --attention reference")
-        if model_config.dtype != "bfloat16":
-            raise ValueError("--attention kernel reads bfloat16 KV pages; add --dtype bfloat16 "
-                             f"(the model is {model_config.dtype})")
-        if model_config.head_dim not in KERNEL_HEAD_DIMS:
-            raise ValueError(f"--attention kernel supports head_dim {KERNEL_HEAD_DIMS}, the model has "
-                             f"{model_config.head_dim}: use --attention reference")
-    return config.attention
-
-
-def _pow2_at_least(n: int, floor: int = 1) -> int:
-    return max(floor, 1 << max(0, (n - 1).bit_length()))
-
-
 class Engine:
     """policy: a cache policy to use instead of the one `config.cache_policy` names (tests).
     clock: ms on the engine's clock for KV block metadata (default: since construction)."""
@@ -118,6 +94,7 @@ class Engine:
     def __init__(self, config: RuntimeConfig, model: LoadedModel | None = None, *, policy=None,
                  clock: Clock | None = None):
         self.config = config
+        self.compiles = CompileWatch().install()
         self.model = model if model is not None else load_model(config.model, dtype=config.dtype,
                                                                 seed=config.seed)
         self.model_config = self.model.config
@@ -125,7 +102,7 @@ class Engine:
         if config.max_context > self.model_config.max_position_embeddings:
             raise ValueError(f"--max-context {config.max_context} exceeds the model's "
                              f"max_position_embeddings {self.model_config.max_position_embeddings}")
-        self.attention_backend = _resolve_attention(config, self.model_config)
+        self.attention_backend = resolve_backend(config, self.model_config)
         self.num_slots = config.kv_pool_slots
         self.kv_cache = init_kv_cache(self.model_config, self.num_slots)
         # The cache policy (eviction, page size); with --dmlp-online also the fine-tuner, which the
@@ -141,21 +118,24 @@ class Engine:
         self.transfers = KvTransfers(buffers=self.pool.host.buffers if self.pool.host is not None else None)
         self.pool.request_features = self._request_features
         # Attention-score variance (attn_var5) is measured only when something reads it: the DMLP's
-        # features or the block event log. It costs ~4-6% of the kernel's time at 1K context on an H200
-        # (benchmarks/results/score_stats_cost_h200.json); the page-size rule uses it when it is there.
+        # features or the block event log (its cost is in BENCHMARKS.md); the page-size rule uses it
+        # when it is there.
         self._measure_attention_stats = config.cache_policy == "dmlp" or config.trace_out is not None
-        # Device idle time between steps: the DMLP's gpu_idle_frac and the stratum_gpu_idle_* metrics.
+        # Device idle time between steps: the DMLP's gpu_idle_frac, the stratum_gpu_idle_* metrics, HAB.
         self.gpu_idle = GpuIdleMeter()
-        self.scheduler = FcfsScheduler(config, self.pool)     # page size: --page-size, else the policy
+        self.scheduler = build_scheduler(config, self.pool)   # page size: --page-size, else the policy
+        self.runner = ModelRunner(config, self.model, num_slots=self.num_slots, backend=self.attention_backend,
+                                  attn_stats=self._measure_attention_stats)
+        self.outputs = OutputProcessor(frozenset(self.tokenizer.eos_token_ids)
+                                       | frozenset(self.model_config.eos_token_ids), config.max_context)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
-        self._eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._steps = 0
         self._recent_decode_ms: collections.deque[float] = collections.deque(maxlen=64)   # per token step
         self._recent_prefill_tps: collections.deque[float] = collections.deque(maxlen=64)
         self.last_step: StepTiming | None = None      # what the latest step ran, for benchmarks/metrics
-        self._t0 = time.monotonic()
+        self._last_step_end_ms: float | None = None
         self._recent_queue_ms: collections.deque[float] = collections.deque(maxlen=64)
         self._mean_queue_ms: float | None = None
         self._trace = None
@@ -207,7 +187,7 @@ class Engine:
         with jax.profiler.TraceAnnotation("scheduler"):
             for seq in [s for s in self._requests.values() if s.cancel_requested]:
                 self._finish(seq, FinishReason.CANCELLED, outputs)
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule(self._step_costs())
         if self.pool.host is not None:
             with jax.profiler.TraceAnnotation("kv_transfers"):
                 self._prefetch()
@@ -216,7 +196,13 @@ class Engine:
                 self.kv_cache = self.transfers.run(self.kv_cache, self.pool.take_transfers())
         if batch is not None:
             with jax.profiler.TraceAnnotation(batch.kind):
-                self._run_batch(batch, outputs)
+                dispatch_ms = self.clock()
+                run, self.kv_cache = self.runner.run(batch, self.kv_cache)
+                self._last_step_end_ms = self.clock()
+                self.gpu_idle.step(dispatch_ms, self._last_step_end_ms)
+                self._record(batch, run)
+            with jax.profiler.TraceAnnotation("postprocess"):
+                self._postprocess(batch, run, outputs)
             self._steps += 1
             for seq in batch.seqs:
                 if seq.admit_time is not None and not seq.queue_wait_recorded:
@@ -224,8 +210,95 @@ class Engine:
                     self._mean_queue_ms = statistics.fmean(self._recent_queue_ms)
                     seq.queue_wait_recorded = True
             if self._trace is not None:
-                self._write_block_events(batch)
+                self._write_block_events()
         return list(outputs.values())
+
+    def _step_costs(self) -> StepCosts:
+        """What the scheduler may weigh: the device idle gap since the last step's results, and the
+        measured per-token costs."""
+        now_ms = self.clock()
+        idle = 0.0 if self._last_step_end_ms is None else max(0.0, now_ms - self._last_step_end_ms)
+        prefill_tps = statistics.median(self._recent_prefill_tps) if self._recent_prefill_tps else None
+        return StepCosts(now_s=time.monotonic(), idle_gap_ms=idle,
+                         prefill_ms_per_token=1e3 / prefill_tps if prefill_tps else None,
+                         decode_ms_per_step=(statistics.median(self._recent_decode_ms)
+                                             if self._recent_decode_ms else None))
+
+    def _record(self, batch: ScheduledBatch, run: RunResult) -> None:
+        elapsed = run.done_s - run.dispatch_s
+        prefill_tokens = sum(batch.chunk_lens)
+        self.last_step = StepTiming(batch.kind, elapsed, len(batch.seqs), batch.num_tokens, prefill_tokens)
+        # Medians over recent steps: an outlier step must not skew the estimate.
+        if batch.kind == "decode":
+            self._recent_decode_ms.append(elapsed * 1e3 / max(1, max(batch.decode_steps)))
+        else:
+            self._recent_prefill_tps.append(prefill_tokens / elapsed)
+
+    def _postprocess(self, batch: ScheduledBatch, run: RunResult, outputs: dict[str, StepOutput]) -> None:
+        res = run.result
+        stats = self._measure_attention_stats
+        if run.shape.kind == "decode":
+            for r, (seq, n) in enumerate(zip(batch.decode, batch.decode_steps)):
+                for i in range(n):
+                    seq.num_computed += 1
+                    if stats:
+                        seq.recent_attn_var.append(float(res.attn_score_var[i, r]))
+                    lps = token_logprobs(seq.params.logprobs, int(res.tokens[i, r]), res.logprob[i, r],
+                                         res.top_ids[i, r], res.top_logprobs[i, r])
+                    if self._append_token(seq, int(res.tokens[i, r]), lps, outputs):
+                        break                    # the rest of this row's steps are discarded
+                else:
+                    self._register_full_pages(seq)
+            return
+        for r, seq in enumerate(batch.decode):
+            seq.num_computed += 1
+            if stats:
+                seq.recent_attn_var.append(float(res.attn_score_var[r]))
+            if not self._append_token(seq, int(res.tokens[r]), self._row_logprobs(seq, res, r), outputs):
+                self._register_full_pages(seq)
+        for i, (seq, n) in enumerate(zip(batch.prefill, batch.chunk_lens)):
+            r = len(batch.decode) + i
+            if seq.wants_prompt_logprobs:
+                off = run.offsets[r]
+                self.outputs.collect_prompt_logprobs(seq, n, res.prompt_logprob[off:off + n],
+                                                     res.prompt_top_ids[off:off + n],
+                                                     res.prompt_top_logprobs[off:off + n])
+            seq.num_computed += n
+            if stats:
+                # One value for the chunk's last <= 5 prompt tokens replaces what an earlier chunk gave.
+                seq.recent_attn_var.clear()
+                seq.recent_attn_var.append(float(res.attn_score_var[r]))
+            self._register_full_pages(seq)
+            if seq.num_computed < seq.num_tokens:
+                seq.state = RequestState.PREFILLING
+                continue                     # a middle prefill chunk: nothing sampled
+            seq.state = RequestState.DECODING
+            self._append_token(seq, int(res.tokens[r]), self._row_logprobs(seq, res, r), outputs)
+
+    @staticmethod
+    def _row_logprobs(seq: Sequence, res, r: int):
+        return token_logprobs(seq.params.logprobs, int(res.tokens[r]), res.logprob[r], res.top_ids[r],
+                              res.top_logprobs[r])
+
+    @staticmethod
+    def _register_full_pages(seq: Sequence) -> None:
+        if seq.blocks is not None and seq.blocks.has_unregistered_full_pages(seq.num_computed):
+            seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed, seq.request_id)
+
+    def _append_token(self, seq: Sequence, token: int, lps, outputs: dict[str, StepOutput]) -> bool:
+        """Adds a sampled token; returns True if the request finished."""
+        reason = self.outputs.append_token(seq, token, lps, outputs)
+        if reason is not None:
+            self._finish(seq, reason, outputs)
+        return reason is not None
+
+    def _finish(self, seq: Sequence, reason: FinishReason, outputs: dict[str, StepOutput]) -> None:
+        self.outputs.finish(seq, reason, outputs)
+        if seq.attn_var5 is not None:
+            self.scheduler.variance_scale.observe(seq.attn_var5)
+        seq.state = RequestState.CANCELLED if reason == FinishReason.CANCELLED else RequestState.FINISHED
+        self.scheduler.remove(seq)
+        del self._requests[seq.request_id]
 
     def _prefetch(self) -> None:
         """Recalls host-tier pages of queued requests into free HBM, in the cache policy's order, so their
@@ -259,11 +332,12 @@ class Engine:
         self.cache_policy.tick(self.clock())
 
     def close(self) -> None:
-        """Flushes and closes the block event log, if any."""
+        """Flushes and closes the block event log, if any, and stops counting compiles."""
+        self.compiles.close()
         if self._trace is not None:
             self._trace.close()
 
-    def _write_block_events(self, batch: ScheduledBatch) -> None:
+    def _write_block_events(self) -> None:
         """Drains the pool's block events into the --trace-out log, each with its time and the block's
         features at that access (the same `BlockInfo` the cache policy sees; see kv/block_meta.py).
 
@@ -313,10 +387,13 @@ class Engine:
                     res.finish_reason = out.finish_reason
         return [results[i] for i in ids]
 
-    def warmup(self) -> None:
-        """Compiles the smallest prefill and decode buckets."""
-        self.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    def warmup(self, progress: bool = True) -> float:
+        """Compiles every step shape the config can produce (model_runner.py) and the DMLP predictor;
+        afterwards a compile is logged as a WARNING. Returns the seconds compiling took."""
+        seconds = self.runner.compile_all(self.kv_cache, progress=progress)
         warm_predictor(self.cache_policy)
+        self.compiles.mark_serving()
+        return seconds
 
     def stats(self) -> EngineStats:
         free = self.pool.free_slots
@@ -341,238 +418,6 @@ class Engine:
             kv_host_tokens_used=self.pool.host.tokens if self.pool.host is not None else 0,
             kv_host_hits=self.pool.host_hits, kv_prefetched_pages=self.pool.prefetched,
             kv_offloaded_pages=self.transfers.stats.offloaded_pages,
-            kv_recalled_pages=self.transfers.stats.recalled_pages)
-
-    # -- one batch ----------------------------------------------------------------------------------
-    def _run_batch(self, batch: ScheduledBatch, outputs: dict[str, StepOutput]) -> None:
-        t0 = time.perf_counter()
-        if batch.kind == "decode":
-            self._run_decode(batch, outputs, t0)
-        else:
-            self._run_prefill(batch, outputs, t0)
-
-    def _record(self, batch: ScheduledBatch, t0: float, tokens: int) -> None:
-        elapsed = time.perf_counter() - t0
-        self.last_step = StepTiming(batch.kind, elapsed, len(batch.seqs), tokens)
-        # Medians over recent steps: a step that compiled a new shape must not skew the estimate.
-        if batch.kind == "decode":
-            self._recent_decode_ms.append(elapsed * 1e3 / max(1, max(batch.chunk_lens)))
-        else:
-            self._recent_prefill_tps.append(tokens / elapsed)
-
-    def _common_inputs(self, batch: ScheduledBatch, rows: int, max_ctx: int):
-        """Block tables and sampling arrays for the batch's sequences, padded to `rows`."""
-        page_starts = np.zeros((rows, max_ctx // 8), np.int32)
-        page_sizes = np.full(rows, 8, np.int32)
-        temp = np.zeros(rows, np.float32)
-        top_p = np.ones(rows, np.float32)
-        top_k = np.zeros(rows, np.int32)
-        seed_hi = np.zeros(rows, np.uint32)
-        seed_lo = np.zeros(rows, np.uint32)
-        tok_idx = np.zeros(rows, np.int32)
-        for r, seq in enumerate(batch.seqs):
-            starts = seq.blocks.page_starts()
-            page_starts[r, :len(starts)] = starts
-            page_sizes[r] = seq.blocks.page_size
-            p = seq.params
-            temp[r], top_p[r], top_k[r] = p.temperature, p.top_p, p.top_k
-            seed_hi[r], seed_lo[r] = seq.seed >> 32, seq.seed & 0xFFFFFFFF
-            tok_idx[r] = len(seq.output_ids)
-        sampling = SamplingArrays(temp, top_p, top_k, seed_hi, seed_lo, tok_idx)
-        return page_starts, page_sizes, sampling
-
-    def _step_options(self, batch: ScheduledBatch, max_ctx: int, decode: bool) -> StepOptions:
-        want_prompt_lp = [s.params.prompt_logprobs for s in batch.seqs if s.wants_prompt_logprobs]
-        return StepOptions(
-            # The kernel serves decode; prefill chunks take the reference path whatever the backend, so
-            # the backend only keys decode compilations.
-            max_context=max_ctx, backend=self.attention_backend if decode else "reference",
-            interpret=self.config.interpret_kernels and decode,
-            greedy_only=all(s.params.temperature == 0 for s in batch.seqs),
-            top_logprobs=max(s.params.logprobs for s in batch.seqs),
-            prompt_logprobs=max(want_prompt_lp) if want_prompt_lp and not decode else -1,
-            attn_stats=self._measure_attention_stats)
-
-    def _run_decode(self, batch: ScheduledBatch, outputs: dict[str, StepOutput], t0: float) -> None:
-        """Up to config.decode_steps tokens per sequence in one device call (chunk_lens = steps each)."""
-        seqs, steps = batch.seqs, batch.chunk_lens
-        # At least 8 rows: a decode step is memory-bound, so padding a small batch costs almost nothing,
-        # and fewer buckets mean fewer compilations.
-        rows = _pow2_at_least(len(seqs), floor=8)
-        num_steps = min(self.config.decode_steps, _pow2_at_least(max(steps)))
-        # The gather bound and the block-table width follow one bucket, so shapes add no compile axis.
-        max_ctx = _pow2_at_least(max(s.num_tokens - 1 + n for s, n in zip(seqs, steps)), floor=64)
-        page_starts, page_sizes, sampling = self._common_inputs(batch, rows, max_ctx)
-        last = np.zeros(rows, np.int32)
-        pos = np.zeros(rows, np.int32)
-        allowed = np.zeros(rows, np.int32)
-        for r, (seq, n) in enumerate(zip(seqs, steps)):
-            last[r] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
-            pos[r] = seq.num_tokens - 1
-            allowed[r] = n
-        opts = self._step_options(batch, max_ctx, decode=True)
-        dispatch_ms = self.clock()
-        result, self.kv_cache = decode_steps(self.model.params, self.kv_cache, last, pos, allowed, page_starts,
-                                             page_sizes, sampling, cfg=self.model_config, opts=opts,
-                                             num_steps=num_steps)
-        result = jax.device_get(result)
-        self.gpu_idle.step(dispatch_ms, self.clock())
-        self._record(batch, t0, int(allowed.sum()))
-        with jax.profiler.TraceAnnotation("postprocess"):
-            for r, (seq, n) in enumerate(zip(seqs, steps)):
-                for i in range(n):
-                    seq.num_computed += 1
-                    lps = self._token_logprobs(seq, result, (i, r))
-                    if self._measure_attention_stats:
-                        seq.recent_attn_var.append(float(result.attn_score_var[i, r]))
-                    self._append_token(seq, int(result.tokens[i, r]), lps, outputs)
-                    if seq.finish_reason is not None:
-                        break                    # the rest of this row's steps are discarded
-                else:
-                    if seq.blocks.has_unregistered_full_pages(seq.num_computed):
-                        seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed, seq.request_id)
-
-    def _run_prefill(self, batch: ScheduledBatch, outputs: dict[str, StepOutput], t0: float) -> None:
-        seqs = batch.seqs
-        rows = _pow2_at_least(len(seqs))
-        chunk = _pow2_at_least(max(batch.chunk_lens), floor=8)
-        max_ctx = _pow2_at_least(max(s.num_computed + n for s, n in zip(seqs, batch.chunk_lens)), floor=64)
-        page_starts, page_sizes, sampling = self._common_inputs(batch, rows, max_ctx)
-        tokens = np.zeros((rows, chunk), np.int32)
-        slots = np.full((rows, chunk), self.num_slots, np.int32)        # out of range = dropped write
-        q_pos = np.full((rows, chunk), -1, np.int32)
-        next_tok = np.full((rows, chunk), -1, np.int32)
-        ctx = np.zeros(rows, np.int32)
-        sample_cols = np.zeros(rows, np.int32)
-        for r, (seq, n) in enumerate(zip(seqs, batch.chunk_lens)):
-            start = seq.num_computed
-            tokens[r, :n] = seq.token_slice(start, start + n)
-            slots[r, :n] = seq.blocks.slots(start, n)
-            q_pos[r, :n] = np.arange(start, start + n)
-            if seq.wants_prompt_logprobs:
-                nxt = np.arange(start + 1, start + n + 1)
-                ok = nxt < len(seq.prompt_ids)
-                next_tok[r, :n][ok] = np.asarray(seq.prompt_ids)[nxt[ok]]
-            ctx[r] = start + n
-            sample_cols[r] = n - 1
-        opts = self._step_options(batch, max_ctx, decode=False)
-        # Host numpy arrays go straight into the jitted call, which transfers them in its C++ path.
-        meta = AttentionMetadata(q_pos, ctx, page_starts, page_sizes)
-        dispatch_ms = self.clock()
-        result, self.kv_cache = model_step(self.model.params, self.kv_cache, tokens, slots, meta, sample_cols,
-                                           sampling, next_tok, cfg=self.model_config, opts=opts)
-        result = jax.device_get(result)
-        self.gpu_idle.step(dispatch_ms, self.clock())
-        self._record(batch, t0, sum(batch.chunk_lens))
-        with jax.profiler.TraceAnnotation("postprocess"):
-            for r, (seq, n) in enumerate(zip(seqs, batch.chunk_lens)):
-                if seq.wants_prompt_logprobs:
-                    self._collect_prompt_logprobs(seq, r, n, result)
-                seq.num_computed += n
-                if self._measure_attention_stats:
-                    # One value for the chunk's last <= 5 prompt tokens replaces what an earlier chunk gave.
-                    seq.recent_attn_var.clear()
-                    seq.recent_attn_var.append(float(result.attn_score_var[r]))
-                if seq.blocks.has_unregistered_full_pages(seq.num_computed):
-                    seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed, seq.request_id)
-                if seq.num_computed < seq.num_tokens:
-                    seq.state = RequestState.PREFILLING
-                    continue                     # a middle prefill chunk: nothing sampled
-                seq.state = RequestState.DECODING
-                self._append_token(seq, int(result.tokens[r]), self._token_logprobs(seq, result, r), outputs)
-
-    @staticmethod
-    def _token_logprobs(seq: Sequence, result, index) -> list[list[TokenLogprob]] | None:
-        """The chosen token's logprob, then the top-K, for result row `index` (r, or (step, r))."""
-        k = seq.params.logprobs
-        if k == 0:
-            return None
-        token = int(result.tokens[index])
-        return [[TokenLogprob(token, float(result.logprob[index]))] + [
-            TokenLogprob(int(i), float(v)) for i, v in zip(result.top_ids[index][:k], result.top_logprobs[index][:k])]]
-
-    def _collect_prompt_logprobs(self, seq: Sequence, r: int, n: int, result) -> None:
-        """Prompt position p gets the logprob of token p given tokens < p; position 0 gets []."""
-        if seq.prompt_logprobs is None:
-            seq.prompt_logprobs = [[]]
-        k = seq.params.prompt_logprobs
-        for c in range(n):
-            nxt = seq.num_computed + c + 1
-            if nxt >= len(seq.prompt_ids):
-                break
-            seq.prompt_logprobs.append(
-                [TokenLogprob(seq.prompt_ids[nxt], float(result.prompt_logprob[r, c]))] + [
-                    TokenLogprob(int(i), float(v))
-                    for i, v in zip(result.prompt_top_ids[r, c, :k], result.prompt_top_logprobs[r, c, :k])])
-
-    def _append_token(self, seq: Sequence, token: int, lps, outputs: dict[str, StepOutput]) -> None:
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        seq.output_ids.append(token)
-        out = self._output_for(seq, outputs)
-        out.new_token_ids.append(token)
-        if lps is not None:
-            out.logprobs = (out.logprobs or []) + lps
-        p = seq.params
-        reason = None
-        if token in p.stop_token_ids:
-            reason = FinishReason.STOP_TOKEN
-        elif token in self._eos and not p.ignore_eos:
-            reason = FinishReason.EOS
-        else:
-            seq.pending_text += seq.detokenizer.push(token)
-            reason = self._check_stop_strings(seq)
-        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_context):
-            reason = FinishReason.LENGTH
-        if reason is None:
-            # Hold back text that might be the start of a stop string.
-            hold = max((len(s) for s in p.stop_strings), default=1) - 1
-            cut = len(seq.pending_text) - hold if hold else len(seq.pending_text)
-            if cut > 0:
-                out.text_delta += seq.pending_text[:cut]
-                seq.emitted_text += seq.pending_text[:cut]
-                seq.pending_text = seq.pending_text[cut:]
-        else:
-            self._finish(seq, reason, outputs)
-
-    def _check_stop_strings(self, seq: Sequence) -> FinishReason | None:
-        if not seq.params.stop_strings:
-            return None
-        text = seq.emitted_text + seq.pending_text
-        longest = max(len(s) for s in seq.params.stop_strings)
-        search_from = max(0, len(seq.emitted_text) - longest + 1)
-        hits = [i for i in (text.find(s, search_from) for s in seq.params.stop_strings) if i >= 0]
-        if not hits:
-            return None
-        seq.pending_text = text[len(seq.emitted_text):min(hits)]
-        return FinishReason.STOP_STRING
-
-    def _finish(self, seq: Sequence, reason: FinishReason, outputs: dict[str, StepOutput]) -> None:
-        out = self._output_for(seq, outputs)
-        if reason not in (FinishReason.STOP_STRING, FinishReason.CANCELLED):
-            seq.pending_text += seq.detokenizer.flush()
-        if reason != FinishReason.CANCELLED:
-            out.text_delta += seq.pending_text
-            seq.emitted_text += seq.pending_text
-        seq.pending_text = ""
-        seq.finish_reason = reason
-        if seq.attn_var5 is not None:
-            self.scheduler.variance_scale.observe(seq.attn_var5)
-        seq.state = RequestState.CANCELLED if reason == FinishReason.CANCELLED else RequestState.FINISHED
-        out.finished = True
-        out.finish_reason = reason
-        self.scheduler.remove(seq)
-        del self._requests[seq.request_id]
-
-    def _output_for(self, seq: Sequence, outputs: dict[str, StepOutput]) -> StepOutput:
-        out = outputs.get(seq.request_id)
-        if out is None:
-            out = StepOutput(request_id=seq.request_id, new_token_ids=[], text_delta="",
-                             prompt_tokens=len(seq.prompt_ids), cached_prompt_tokens=seq.cached_prompt_tokens)
-            if seq.wants_prompt_logprobs and not seq.is_prefilling:
-                # A one-token prompt skips prefill: its only position has no logprob.
-                out.prompt_logprobs = seq.prompt_logprobs or [[]]
-                seq.prompt_logprobs_sent = True
-            outputs[seq.request_id] = out
-        out.output_tokens = len(seq.output_ids)
-        return out
+            kv_recalled_pages=self.transfers.stats.recalled_pages,
+            jit_compilations=self.compiles.total, jit_compilations_after_serving=self.compiles.after_serving,
+            hab_triggers=self.scheduler.triggers)

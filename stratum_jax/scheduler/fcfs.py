@@ -1,31 +1,27 @@
-"""First-come-first-served continuous batching with chunked prefill and recompute preemption.
+"""First-come-first-served continuous batching with mixed prefill+decode steps and recompute preemption.
 
-Each call to `schedule` returns one batch: either prefill chunks (a token budget shared by sequences that
-still have prompt to process, new admissions last) or one decode token for every running sequence that is
-ready. When both kinds of work wait, the two alternate, so a long prompt is chunked in between decode
-steps instead of stalling them. When the KV pool runs dry, the most recently admitted sequence is
-preempted: its pages are released and it re-enters the queue to be recomputed (its prefix pages usually
-survive in the prefix cache, so little is recomputed).
+Each call to `schedule` returns one step's work (`ScheduledBatch`): a decode token for every running
+sequence that is ready, plus prefill chunks under the step's prompt-token budget (continuing prompts
+first, then new admissions in arrival order), so running streams never stall behind a long prompt. A
+step with no prefill lets each sequence take up to --decode-steps tokens in one device call. When the KV
+pool runs dry, the most recently admitted sequence is preempted: its pages are released and it re-enters
+the queue to be recomputed (its prefix pages usually survive in the prefix cache, so little is
+recomputed). `HabScheduler` (scheduler/hab.py) changes only the order of admissions.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
+from collections.abc import Iterable
 
 from stratum_jax.config import PAGE_SIZE_CLASSES, RuntimeConfig
 from stratum_jax.kv.block_table import BlockTable
 from stratum_jax.kv.page_pool import Page, PagePool
 from stratum_jax.kv.page_size import FixedPageSize, PageSizeHints, PageSizeRule, VarianceScale
 from stratum_jax.request import RequestState
+from stratum_jax.scheduler.base import ScheduledBatch, StepCosts
 from stratum_jax.sequence import Sequence
-
-
-@dataclasses.dataclass
-class ScheduledBatch:
-    kind: str                       # "prefill" or "decode"
-    seqs: list[Sequence]
-    chunk_lens: list[int]           # prefill: prompt tokens per sequence; decode: steps per sequence
+from stratum_jax.step_shapes import prefill_budget, prefill_tile
 
 
 class FcfsScheduler:
@@ -44,8 +40,10 @@ class FcfsScheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.triggers = 0            # FCFS never triggers (HAB counts its triggers here)
         self._admitted = 0
-        self._last_kind = "decode"
+        self.tile = prefill_tile(config)
+        self.budget = prefill_budget(config)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -61,55 +59,67 @@ class FcfsScheduler:
             seq.blocks = None
         self.pool.end_request(seq.request_id)
 
-    def schedule(self) -> ScheduledBatch | None:
-        decode_ready = any(not s.is_prefilling for s in self.running)
-        prefill_waiting = self.waiting or any(s.is_prefilling for s in self.running)
-        if prefill_waiting and (not decode_ready or self._last_kind == "decode"):
-            batch = self._schedule_prefill()
-            if batch is not None:
-                self._last_kind = "prefill"
-                return batch
-        if decode_ready:
-            batch = self._schedule_decode()
-            if batch is not None:
-                self._last_kind = "decode"
-                return batch
-        return None
+    def schedule(self, costs: StepCosts) -> ScheduledBatch | None:
+        prefill = self._schedule_prefill(costs)
+        decode = self._schedule_decode(multi_step=not prefill)
+        # Making room may have preempted a sequence picked earlier.
+        prefill = [(s, n) for s, n in prefill if s in self.running]
+        decode = [(s, n) for s, n in decode if s in self.running]
+        if not prefill and not decode:
+            return None
+        return ScheduledBatch([s for s, _ in decode], [n for _, n in decode],
+                              [s for s, _ in prefill], [n for _, n in prefill])
 
     # -- prefill ------------------------------------------------------------------------------------
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self.config.prefill_chunk
-        seqs, lens = [], []
-        for seq in [s for s in self.running if s.is_prefilling]:
-            if budget == 0:
+    def _slots(self, n: int) -> int:
+        """Budget slots a chunk of n tokens takes: chunks start on a tile boundary."""
+        return -(-n // self.tile) * self.tile
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of seq's prompt this step: a non-final chunk is a whole number of tiles."""
+        return min(seq.num_tokens - seq.num_computed, self.config.prefill_chunk, budget)
+
+    def _admission_order(self, costs: StepCosts) -> Iterable[Sequence]:
+        """Queued sequences in the order to try admitting them (FCFS: arrival order)."""
+        return list(self.waiting)
+
+    def _keep_trying_after_refusal(self, seq: Sequence) -> bool:
+        """FCFS stops at the first request that does not fit, so nothing overtakes it."""
+        return False
+
+    def _schedule_prefill(self, costs: StepCosts) -> list[tuple[Sequence, int]]:
+        budget = self.budget
+        picked: list[tuple[Sequence, int]] = []
+        for seq in sorted((s for s in self.running if s.is_prefilling), key=lambda s: s.admit_order):
+            if budget < self.tile:
                 break
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._grow(seq, seq.num_computed + n):
-                continue
-            seqs.append(seq)
-            lens.append(n)
-            budget -= n
-        while budget and self.waiting and len(self.running) < self.config.max_batch_size:
-            seq = self.waiting[0]
-            if not self._admit(seq):
+            if seq not in self.running:
+                continue                     # preempted while making room for an earlier one
+            n = self._chunk(seq, budget)
+            if self._grow(seq, seq.num_computed + n):
+                picked.append((seq, n))
+                budget -= self._slots(n)
+        if budget < self.tile or not self.waiting:
+            return picked
+        for seq in self._admission_order(costs):
+            if budget < self.tile or len(self.running) >= self.config.max_batch_size:
                 break
-            self.waiting.popleft()
+            if not self._admit(seq, budget):
+                if self._keep_trying_after_refusal(seq):
+                    continue
+                break
+            self.waiting.remove(seq)
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if seq.num_computed == seq.num_tokens - 1:
+            if not seq.is_prefilling:
                 continue            # the prefix cache covered all but the last token: ready to decode
+            n = self._chunk(seq, budget)
             if not self._grow(seq, seq.num_computed + n):
                 break               # it was preempted back to the queue: the pool is full
-            seqs.append(seq)
-            lens.append(n)
-            budget -= n
-        # Making room may have preempted a sequence picked earlier in this loop.
-        picked = [(s, n) for s, n in zip(seqs, lens) if s in self.running]
-        if not picked:
-            return None
-        return ScheduledBatch("prefill", [s for s, _ in picked], [n for _, n in picked])
+            picked.append((seq, n))
+            budget -= self._slots(n)
+        return picked
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence, budget: int) -> bool:
         """Picks the page size, takes cached prefix pages, and checks the first chunk fits."""
         tokens = seq.all_token_ids
         use_cache = not seq.wants_prompt_logprobs      # cached positions would have no prompt logprobs
@@ -147,7 +157,7 @@ class FcfsScheduler:
         else:
             page_size = self.pool.policy.page_size_for(
                 PageSizeHints(expected_tokens=expected, attention_score_variance=variance), (), self.pool.clock())
-        first_chunk = min(len(tokens) - len(best_hit) * page_size, self.config.prefill_chunk)
+        first_chunk = min(len(tokens) - len(best_hit) * page_size, self.config.prefill_chunk, budget)
         recalls = sum(not isinstance(p, Page) for p in best_hit)      # host-tier pages need HBM room too
         if not self.pool.can_allocate(page_size, -(-first_chunk // page_size) + 1 + recalls):
             return False
@@ -170,22 +180,17 @@ class FcfsScheduler:
         return True
 
     # -- decode -------------------------------------------------------------------------------------
-    def _schedule_decode(self) -> ScheduledBatch | None:
-        """Every ready sequence, each with the number of decode steps it may take in this call."""
-        ready = [s for s in self.running if not s.is_prefilling]
-        scheduled, steps = [], []
-        for seq in sorted(ready, key=lambda s: s.admit_order):
+    def _schedule_decode(self, multi_step: bool) -> list[tuple[Sequence, int]]:
+        """Every ready sequence, each with the decode steps it may take (1 in a step that prefills)."""
+        most = self.config.decode_steps if multi_step else 1
+        picked = []
+        for seq in sorted((s for s in self.running if not s.is_prefilling), key=lambda s: s.admit_order):
             if seq not in self.running:
                 continue                     # preempted while making room for an earlier one
-            n = min(self.config.decode_steps, seq.params.max_tokens - len(seq.output_ids))
+            n = min(most, seq.params.max_tokens - len(seq.output_ids))
             if self._grow(seq, seq.num_tokens + n - 1):
-                scheduled.append(seq)
-                steps.append(n)
-        # Making room may have preempted a sequence picked earlier in this loop.
-        picked = [(s, n) for s, n in zip(scheduled, steps) if s in self.running]
-        if not picked:
-            return None
-        return ScheduledBatch("decode", [s for s, _ in picked], [n for _, n in picked])
+                picked.append((seq, n))
+        return picked
 
     # -- memory -------------------------------------------------------------------------------------
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
