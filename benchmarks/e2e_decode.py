@@ -49,11 +49,12 @@ def param_bytes(params) -> int:
 
 def run_one(model, args, attention: str, bw: float) -> dict:
     ctx = args.prompt_len + args.new_tokens
-    # One prefill step takes the whole batch's prompts, so decode then runs at the full batch size, as a
-    # static-batch generate does (a serving load would interleave prefill chunks instead).
-    prefill_chunk = 1 << max(3, (args.batch * args.prompt_len - 1).bit_length())
+    # Prefill steps of up to --prefill-tokens prompt tokens; decode timing counts only the calls with no
+    # prefill at the full batch size, as a static-batch generate runs (a serving load mixes them instead).
+    prefill_chunk = 1 << max(3, (args.prompt_len - 1).bit_length())
     config = RuntimeConfig(model=args.model, max_batch_size=args.batch, max_context=max(ctx, 256),
-                           kv_pool_tokens=args.batch * (ctx + 256), prefill_chunk=min(prefill_chunk, 1 << 15),
+                           kv_pool_tokens=args.batch * (ctx + 256), prefill_chunk=prefill_chunk,
+                           max_num_batched_tokens=args.batch + args.prefill_tokens,
                            max_tokens_cap=args.new_tokens, attention=attention, page_size=args.page_size,
                            decode_steps=args.decode_steps)
     engine = Engine(config, model=model)
@@ -78,7 +79,7 @@ def run_one(model, args, attention: str, bw: float) -> dict:
                 timings.append(engine.last_step)
     wall = time.perf_counter() - t_all
     decode = [t for t in timings if t.kind == "decode"]
-    prefill = [t for t in timings if t.kind == "prefill"]
+    prefill = [t for t in timings if t.kind in ("prefill", "mixed")]
     full_decode = [t for t in decode if t.num_seqs == args.batch]
     decode_s = sum(t.seconds for t in decode)
     # A decode call runs up to --decode-steps steps; per-step time = call time / steps in the call.
@@ -97,7 +98,7 @@ def run_one(model, args, attention: str, bw: float) -> dict:
         "decode_steps_per_call": args.decode_steps,
         "decode_tokens_per_s": sum(t.num_tokens for t in decode) / decode_s,
         "decode_step_ms_median": step_ms, "decode_steps": len(decode),
-        "prefill_tokens": sum(t.num_tokens for t in prefill),
+        "prefill_tokens": sum(t.prefill_tokens for t in prefill),
         "prefill_seconds": sum(t.seconds for t in prefill),
         "wall_seconds": wall, "copy_bandwidth_gbps": bw / 1e9, "weight_bytes": w_bytes,
         "kv_bytes_per_token": kv_per_token, "roofline_step_ms": roofline_ms,
@@ -115,6 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", nargs="+", default=["reference"], choices=["reference", "kernel"])
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps per device call")
+    ap.add_argument("--prefill-tokens", type=int, default=8192, help="prompt tokens per prefill step")
     ap.add_argument("--copy-gb", type=float, default=4.0)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/e2e_decode_<model>.json)")
     args = ap.parse_args(argv)

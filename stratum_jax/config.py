@@ -9,6 +9,8 @@ PAGE_SIZE_CLASSES = (8, 16, 32, 64, 128, 256)   # tokens per page: 8 * 2^k
 ATTENTION_BACKENDS = ("auto", "reference", "kernel")
 CACHE_POLICIES = ("lru", "dmlp")
 SCHEDULERS = ("hab", "fcfs")
+# Where the entry points (serve, generate) keep jax's persistent compilation cache unless told otherwise.
+DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/stratum-jax/xla"
 # HAB's idle threshold: the design's default, and its profiles for high QPS and for low latency.
 HAB_PROFILES = {"default": 8.0, "high-qps": 4.0, "low-latency": 2.0}
 HAB_THRESHOLD_ENV = "STRATUM_HAB_THRESHOLD_MS"
@@ -203,7 +205,8 @@ class RuntimeConfig:
                        help="HAB's starvation bound: a request that waited this long is admitted first")
         g.add_argument("--compilation-cache-dir", default=d.compilation_cache_dir, metavar="DIR",
                        help="jax's persistent compilation cache, so a restart loads compiled step shapes "
-                            "(default for serve: ~/.cache/stratum-jax/xla)")
+                            f"instead of compiling them (serve/generate default: {DEFAULT_COMPILATION_CACHE_DIR}; "
+                            "'none' turns it off)")
         g.add_argument("--page-size", type=int, default=d.page_size,
                        help=f"force one page size {PAGE_SIZE_CLASSES}; default: adaptive per request")
         g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
@@ -237,6 +240,8 @@ class RuntimeConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> "RuntimeConfig":
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in vars(args).items() if k in names}
+        if str(values.get("compilation_cache_dir", "")).lower() in ("none", ""):
+            values["compilation_cache_dir"] = None
         if values.get("hab_threshold_ms") is None:
             values.pop("hab_threshold_ms", None)       # the field's default reads the environment
         return cls(**values)

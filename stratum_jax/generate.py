@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from stratum_jax.config import RuntimeConfig
+from stratum_jax.config import DEFAULT_COMPILATION_CACHE_DIR, RuntimeConfig
 from stratum_jax.request import InvalidRequestError, SamplingParams
 
 
@@ -26,6 +26,7 @@ def _parse_ids(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m stratum_jax.generate", description=__doc__.splitlines()[0])
     RuntimeConfig.add_cli_args(p)
+    p.set_defaults(compilation_cache_dir=DEFAULT_COMPILATION_CACHE_DIR)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
     src.add_argument("--prompt-ids", action="append", type=_parse_ids, help="comma-separated token ids")
@@ -62,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    from stratum_jax.compile_watch import enable_persistent_cache
     from stratum_jax.engine import Engine       # heavy imports after the flags are known to be good
+    enable_persistent_cache(config.compilation_cache_dir)
     from stratum_jax.model.loader import CheckpointError
     try:
         engine = Engine(config)

@@ -47,6 +47,12 @@ METRICS: dict[str, tuple[str, str]] = {
     "stratum_routed_requests_total": ("counter", "Messages requests by their x-stratum-route header value."),
     "stratum_request_weight": ("histogram", "x-stratum-weight header values of Messages requests that sent one."),
     "stratum_hbm_bandwidth_gbps": ("gauge", "Device memory copy bandwidth measured at start-up (GB/s)."),
+    "stratum_jit_compilations_total": ("counter", "XLA compilations in the server process (counted through "
+                                       "jax.monitoring); after SERVING each one is a bug and is logged."),
+    "stratum_jit_compilations_after_serving_total": ("counter", "XLA compilations after the server reported "
+                                                     "SERVING (on the request path)."),
+    "stratum_hab_triggers_total": ("counter", "Times the HAB scheduler admitted by CPM because the device's "
+                                   "accumulated idle time passed --hab-threshold-ms."),
 }
 
 # Exported only with --cache-policy dmlp (stratum_jax/dmlp/runtime.py registers them in the server's
@@ -165,6 +171,9 @@ class ServingMetrics:
         self.routes = counter("stratum_routed_requests_total")
         self.weights = histogram("stratum_request_weight", _WEIGHT_BUCKETS)
         self.hbm_bandwidth = gauge("stratum_hbm_bandwidth_gbps")
+        self.jit_compilations = counter("stratum_jit_compilations_total")
+        self.jit_compilations_after_serving = counter("stratum_jit_compilations_after_serving_total")
+        self.hab_triggers = counter("stratum_hab_triggers_total")
 
         # The engine reports cumulative counts; Prometheus counters only go up by increments.
         self._last_engine_counts: dict[str, int] = {}
@@ -195,7 +204,9 @@ class ServingMetrics:
         for name, metric in (("prefix_cache_hits", self.cache_hits), ("prefix_cache_queries", self.cache_queries),
                              ("preemptions", self.preemptions), ("steps", self.steps),
                              ("kv_host_hits", self.host_hits), ("kv_prefetched_pages", self.prefetched),
-                             ("kv_offloaded_pages", self.offloaded)):
+                             ("kv_offloaded_pages", self.offloaded), ("jit_compilations", self.jit_compilations),
+                             ("jit_compilations_after_serving", self.jit_compilations_after_serving),
+                             ("hab_triggers", self.hab_triggers)):
             value = int(getattr(stats, name, 0))
             delta = value - self._last_engine_counts.get(name, 0)
             if delta > 0:

@@ -16,7 +16,8 @@ import sys
 
 from serving.options import ServerOptions
 from serving.server import StratumServer
-from stratum_jax.config import RuntimeConfig
+from stratum_jax.compile_watch import enable_persistent_cache
+from stratum_jax.config import DEFAULT_COMPILATION_CACHE_DIR, RuntimeConfig
 
 log = logging.getLogger("stratum_jax.serve")
 
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m stratum_jax.serve",
                                      description="Serve a model over gRPC (stratum.v1).")
     RuntimeConfig.add_cli_args(parser)
+    parser.set_defaults(compilation_cache_dir=DEFAULT_COMPILATION_CACHE_DIR)
     ServerOptions.add_cli_args(parser)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    enable_persistent_cache(config.compilation_cache_dir)
     return asyncio.run(serve(config, options))
 
 
