@@ -54,6 +54,7 @@ import asyncio
 import collections
 import dataclasses
 import datetime
+import functools
 import gzip
 import json
 import math
@@ -133,6 +134,7 @@ def arrival_offsets(timestamps_ms, rate: float) -> list[float]:
     return [(t - t0) / 1000.0 / rate for t in timestamps_ms]
 
 
+@functools.lru_cache(maxsize=1 << 16)     # popular ids (id 0 starts most prompts) are built once
 def block_text(salt: str, hash_id, n_bytes: int) -> str:
     """The text of one block: n_bytes of ASCII pseudo-words, a function of (salt, hash_id) only."""
     rng = random.Random(f"{salt}/{hash_id}")      # str seeds are hashed with sha512: stable across runs
