@@ -1,0 +1,152 @@
+"""The pure parts of benchmarks/serving.py: prompts from hash ids, arrival scaling, percentiles and goodput.
+
+No server is started here (the benchmark's own smoke run does that; it is too slow for CI).
+"""
+import importlib.util
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    # Loaded from its path under another name: "serving" is also the gRPC package's name.
+    spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "benchmarks" / "serving.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["serving_bench"] = module      # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("serving_bench", None)
+
+
+def test_the_serving_package_still_imports_after_loading_the_benchmark(bench):
+    from serving.proto.stratum.v1 import stratum_pb2
+    assert stratum_pb2.DESCRIPTOR.services_by_name["Stratum"] is not None
+
+
+def test_shared_hash_ids_give_a_shared_prefix_and_lengths_match(bench):
+    block = 7
+    a = bench.build_prompt([0, 1, 2, 3], 25, block, "s", request_key=1)
+    b = bench.build_prompt([0, 1, 9, 3], 26, block, "s", request_key=2)
+    assert (len(a), len(b)) == (25, 26)
+    assert a[: 2 * block] == b[: 2 * block]                 # ids 0, 1 shared
+    assert a[2 * block: 3 * block] != b[2 * block: 3 * block]   # id 2 vs 9
+    # The same id gives the same block wherever it appears, and a prompt is a prefix of its longer self.
+    assert bench.build_prompt([3], block, block, "s", 0) == a[3 * block:] + bench.block_text("s", 3, block)[4:]
+    assert bench.build_prompt([0, 1, 2, 3], 10, block, "s", 1) == a[:10]
+
+
+def test_salt_changes_every_block(bench):
+    assert bench.block_text("rate0", 5, 64) != bench.block_text("rate1", 5, 64)
+    assert bench.block_text("rate0", 5, 64) == bench.block_text("rate0", 5, 64)
+    assert bench.block_text("rate0", 5, 64).isascii()
+
+
+def test_too_few_blocks_are_filled_with_text_unique_to_the_request(bench):
+    a = bench.build_prompt([0], 20, 8, "s", request_key=1)
+    b = bench.build_prompt([0], 20, 8, "s", request_key=2)
+    assert len(a) == len(b) == 20 and a[:8] == b[:8] and a[8:] != b[8:]
+
+
+def test_scaled_lengths_scale_then_clip_to_the_context(bench):
+    shape = bench.Shape(length_scale=0.5, block_tokens=256, bytes_per_token=1.0, template_tokens=10,
+                        max_context=1000, max_tokens_cap=100)
+    r = bench.TraceRequest(0, 0, input_length=600, output_length=80, hash_ids=(0, 1))
+    assert bench.scaled_lengths(r, shape) == (300, 40, False)
+    long = bench.TraceRequest(1, 0, input_length=3000, output_length=500, hash_ids=(0,) * 6)
+    n_in, n_out, clipped = bench.scaled_lengths(long, shape)
+    assert (n_out, n_in, clipped) == (100, 900, True)       # the cap, then the context left over
+
+
+def test_prompt_text_has_the_target_tokens_less_the_template(bench):
+    shape = bench.Shape(length_scale=0.1, block_tokens=52, bytes_per_token=2.0, template_tokens=12,
+                        max_context=4096, max_tokens_cap=256)
+    r = bench.TraceRequest(3, 0, input_length=6758, output_length=500, hash_ids=tuple(range(14)))
+    text, n_in, n_out, _ = bench.prompt_for(r, shape, "s")
+    assert (n_in, n_out) == (676, 50)
+    assert len(text) == (676 - 12) * 2
+    assert text[:104] == bench.block_text("s", 0, 104)
+
+
+def test_arrivals_are_compressed_by_the_rate(bench):
+    ts = [1000, 1000, 3000, 9000]
+    assert bench.arrival_offsets(ts, 1) == [0.0, 0.0, 2.0, 8.0]
+    assert bench.arrival_offsets(ts, 4) == [0.0, 0.0, 0.5, 2.0]
+    with pytest.raises(ValueError, match="rate"):
+        bench.arrival_offsets(ts, 0)
+
+
+def test_plan_orders_by_arrival_and_keeps_trace_indices(bench, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": t, "input_length": 600, "output_length": 20, "hash_ids": [0, i]}
+            for i, t in enumerate([500, 100, 900, 100])]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    window = bench.load_trace(trace, 1, 3)
+    assert [r.index for r in window] == [1, 2, 3]
+    shape = bench.Shape(1.0, 512, 1.0, 5, 4096, 256)
+    planned, clipped = bench.plan(window, shape, 2, "s")
+    assert [p.result.index for p in planned] == [1, 3, 2] and clipped == 0
+    assert [p.result.arrival_s for p in planned] == [0.0, 0.0, 0.4]
+    with pytest.raises(ValueError, match="past its end"):
+        bench.load_trace(trace, 2, 5)
+
+
+def _result(bench, ttft, step, n, status="OK"):
+    times = [ttft + i * step for i in range(n)]
+    return bench.RequestResult(0, 0.0, 10, n, status=status, output_tokens=n, token_times=times,
+                               prompt_tokens=10, send_lag_s=0.0)
+
+
+def test_percentiles_and_goodput_on_hand_made_timings(bench):
+    rs = [_result(bench, 0.2, 0.02, 11),      # good
+          _result(bench, 0.5, 0.04, 6),       # good
+          _result(bench, 1.5, 0.01, 5),       # TTFT over 1 s
+          _result(bench, 0.3, 0.08, 3),       # TPOT over 50 ms
+          _result(bench, 0.9, 0.0, 1),        # one token: no TPOT, TTFT fine -> good
+          _result(bench, 0.1, 0.01, 4, status="UNAVAILABLE")]
+    s = bench.summarize(rs, duration_s=2.0, slo_ttft_s=1.0, slo_tpot_s=0.05)
+    assert (s["requests"], s["finished"], s["failed"]) == (6, 5, 1)
+    assert s["failed_by_status"] == {"UNAVAILABLE": 1}
+    assert s["good_requests"] == 3 and s["goodput_rps"] == 1.5
+    ttfts = np.array([0.2, 0.5, 1.5, 0.3, 0.9])
+    for q in (50, 95, 99):
+        assert s["ttft_ms"][f"p{q}"] == pytest.approx(np.percentile(ttfts, q) * 1e3, abs=1e-3)
+    assert s["tpot_ms"]["p50"] == pytest.approx(np.percentile([0.02, 0.04, 0.01, 0.08], 50) * 1e3, abs=1e-3)
+    assert s["itl_ms"]["p99"] == pytest.approx(np.percentile([0.02] * 10 + [0.04] * 5 + [0.01] * 4 + [0.08] * 2, 99)
+                                               * 1e3, abs=1e-3)
+    assert s["output_tokens"] == 11 + 6 + 5 + 3 + 1
+    assert s["output_tokens_per_s"] == pytest.approx(26 / 2.0)
+    assert s["input_tokens_per_s"] == pytest.approx(50 / 2.0)
+
+
+def test_tpot_counts_tokens_not_deltas(bench):
+    r = bench.RequestResult(0, 0.0, 10, 5, status="OK", output_tokens=5, token_times=[0.1, 0.3])
+    assert r.tpot_s == pytest.approx(0.05)
+    assert bench.percentiles_ms([]) is None
+
+
+def test_histogram_diff_and_missing_metrics(bench):
+    text = ('# TYPE stratum_gpu_idle_ms histogram\n'
+            'stratum_gpu_idle_ms_bucket{le="1.0"} 3\nstratum_gpu_idle_ms_bucket{le="+Inf"} 5\n'
+            'stratum_gpu_idle_ms_sum 7.5\nstratum_gpu_idle_ms_count 5\n')
+    later = text.replace("} 3", "} 4").replace("} 5", "} 9").replace("7.5", "20").replace("count 5", "count 9")
+    before, after = bench.parse_metrics(text), bench.parse_metrics(later)
+    d = bench.histogram_diff(bench.histogram(before, "stratum_gpu_idle_ms"), bench.histogram(after, "stratum_gpu_idle_ms"))
+    assert d == {"buckets": {"1.0": 1, "+Inf": 4}, "sum": 12.5, "count": 4}
+    assert bench.counter_total(after, "stratum_jit_compilations_total") is None
+
+
+def test_configs_parse_and_own_flags_are_refused(bench):
+    assert bench.parse_configs("hab=--scheduler hab;fcfs=--scheduler fcfs") == [
+        ("hab", ["--scheduler", "hab"]), ("fcfs", ["--scheduler", "fcfs"])]
+    assert bench.parse_configs("a=;b=") == [("a", []), ("b", [])]
+    for bad in ("noequals", "a=;a=", ""):
+        with pytest.raises(ValueError, match="configs"):
+            bench.parse_configs(bad)
+    with pytest.raises(ValueError, match="--host"):
+        bench.check_server_flags(["--host", "0.0.0.0"])
