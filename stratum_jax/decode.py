@@ -13,9 +13,11 @@ blocks has a data-dependent trip count. So the only compile axis is `prefill_tok
 buckets, stratum_jax/step_shapes.py); the row count and the block-table width are fixed by the config,
 and sampling settings (temperature, top-p/k, seeds, logprobs) are arrays.
 
-`decode_steps` runs up to `StepGeometry.decode_steps` decode-only steps in one call (a while_loop whose
-trip count is the largest number of steps any row may take), feeding each sampled token back on
-device, so the host's per-step work is paid once per call. The KV cache is donated: XLA updates the
+`decode_steps` runs `StepGeometry.decode_steps` decode-only steps in one call (rows that may take fewer
+stop writing), feeding each sampled token back on device, so the host's per-step work is paid once
+per call. Sampling work that costs milliseconds at a large vocabulary (the sort of top-p/top-k
+sampling, the top-K of logprobs) is a static `SamplerVariant` the host picks per batch: a packed step
+samples greedily and hands its logits to the small `sample_step` executable when a row needs more. The KV cache is donated: XLA updates the
 pools in place.
 
 Attention-score variance (`attn_score_var`, for the page-size rule and the DMLP's `attn_var5`).
@@ -82,17 +84,12 @@ jax.tree_util.register_dataclass(
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """tokens [rows]; logprob [rows]; top_ids / top_logprobs [rows, MAX_TOP_LOGPROBS];
-    prompt_logprob [P], prompt_top_ids / prompt_top_logprobs [P, MAX_TOP_LOGPROBS] for the prefill
-    tokens (zeros unless asked for); attn_score_var [rows] float32."""
+    """tokens [rows] (greedy); logits [rows, vocab] float32 of each row's sampled position;
+    prefill_hidden [P, hidden_size] (after the final norm); attn_score_var [rows] float32."""
 
     tokens: jax.Array
-    logprob: jax.Array
-    top_ids: jax.Array
-    top_logprobs: jax.Array
-    prompt_logprob: jax.Array
-    prompt_top_ids: jax.Array
-    prompt_top_logprobs: jax.Array
+    logits: jax.Array
+    prefill_hidden: jax.Array
     attn_score_var: jax.Array
 
 
@@ -137,46 +134,55 @@ def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
     return hidden, attn_var, kv_cache
 
 
-def _sample_rows(params, cfg, hidden_rows, sampling: SamplingArrays):
-    """hidden_rows [rows, hidden] -> (tokens, logprob, top_ids, top_logprobs). The sort-based sampler
-    runs only when some row samples (a runtime branch, not a compile axis)."""
-    logits = llama.compute_logits(params, cfg, hidden_rows)
-    tokens = lax.cond(jnp.any(sampling.temperature > 0),
-                      lambda: sample(logits, sampling, greedy_only=False),
-                      lambda: sample(logits, sampling, greedy_only=True))
+@dataclasses.dataclass(frozen=True)
+class SamplerVariant:
+    """Which sampling work a step does, chosen per batch by the host (each variant compiles once):
+    sampled: some row has temperature > 0 (else argmax only: the sort over the vocabulary costs ~2 ms
+    per step at a 128K vocabulary on an H200); logprobs: some row asked for logprobs (the top-K over the
+    vocabulary costs ~1 ms per step there). Per-row settings stay arrays (SamplingArrays)."""
+
+    sampled: bool = False
+    logprobs: bool = False
+
+
+def sample_logits(logits, sampling: SamplingArrays, *, variant: SamplerVariant):
+    """logits [rows, vocab] float32 -> (tokens [rows], logprob [rows], top_ids / top_logprobs [rows, K]);
+    K = MAX_TOP_LOGPROBS with variant.logprobs, else 0 (and logprob is zeros)."""
+    tokens = sample(logits, sampling, greedy_only=not variant.sampled)
+    if not variant.logprobs:
+        rows = logits.shape[0]
+        empty = jnp.zeros((rows, 0), jnp.float32)
+        return tokens, jnp.zeros((rows,), jnp.float32), empty.astype(jnp.int32), empty
     return (tokens, *token_logprobs(logits, tokens, top_k=MAX_TOP_LOGPROBS))
 
 
-def _prompt_logprobs(params, cfg, hidden, prompt_next, want):
-    """Logprobs of the next prompt token (and the top-K) at every prefill position, computed only when
-    `want` (a runtime branch: it costs a [P, vocab] projection)."""
-    p = hidden.shape[0]
-    k = MAX_TOP_LOGPROBS
+sample_step = jax.jit(sample_logits, static_argnames=("variant",))
 
-    def compute():
-        return token_logprobs(llama.compute_logits(params, cfg, hidden), prompt_next, top_k=k)
+# Prompt logprobs are computed in pieces of this many positions by one small executable, only for steps
+# whose prefill chunks asked for them.
+PROMPT_LOGPROB_PIECE = 64
 
-    def skip():
-        return jnp.zeros((p,), jnp.float32), jnp.zeros((p, k), jnp.int32), jnp.zeros((p, k), jnp.float32)
 
-    return lax.cond(want, compute, skip)
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def prompt_logprobs_piece(params, hidden, next_tokens, *, cfg):
+    """hidden [PROMPT_LOGPROB_PIECE, hidden_size], next_tokens [PROMPT_LOGPROB_PIECE] int32 (-1: none) ->
+    (logprob [n], top_ids [n, K], top_logprobs [n, K]) of each position's next prompt token."""
+    return token_logprobs(llama.compute_logits(params, cfg, hidden), next_tokens, top_k=MAX_TOP_LOGPROBS)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "geo"), donate_argnames=("kv_cache",))
-def packed_step(params, kv_cache, batch: PackedBatch, sampling: SamplingArrays, want_prompt_logprobs,
-                *, cfg, geo: StepGeometry):
+def packed_step(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
     """One engine step over a packed batch (decode tokens and prefill chunks together).
 
-    sampling: SamplingArrays over [rows]; want_prompt_logprobs: a bool scalar array.
-    Returns (StepResult, new kv_cache).
+    Returns (StepResult, new kv_cache). The step samples greedily; a batch with sampled rows or
+    logprobs re-samples `StepResult.logits` with `sample_step` (a second, small executable), and prompt
+    logprobs come from `StepResult.prefill_hidden` through `prompt_logprobs_piece`.
     """
     hidden, attn_var, kv_cache = _forward(params, kv_cache, batch, cfg=cfg, geo=geo)
     with jax.named_scope("sampling"):
-        tokens, logprob, top_ids, top_lp = _sample_rows(params, cfg, hidden[batch.sample_index], sampling)
-    prefill_hidden = hidden[geo.rows:]
-    p_lp, p_ids, p_top = _prompt_logprobs(params, cfg, prefill_hidden, batch.prompt_next[geo.rows:],
-                                          want_prompt_logprobs)
-    return StepResult(tokens, logprob, top_ids, top_lp, p_lp, p_ids, p_top, attn_var), kv_cache
+        logits = llama.compute_logits(params, cfg, hidden[batch.sample_index])
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return StepResult(tokens, logits, hidden[geo.rows:], attn_var), kv_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,26 +201,27 @@ jax.tree_util.register_dataclass(
     DecodeResult, data_fields=[f.name for f in dataclasses.fields(DecodeResult)], meta_fields=[])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "geo"), donate_argnames=("kv_cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "geo", "variant"), donate_argnames=("kv_cache",))
 def decode_steps(params, kv_cache, last_tokens, positions, steps_allowed, tables: RowTables,
-                 sampling: SamplingArrays, *, cfg, geo: StepGeometry):
+                 sampling: SamplingArrays, *, cfg, geo: StepGeometry, variant: SamplerVariant):
     """Up to geo.decode_steps decode steps for every row, in one device call.
 
     last_tokens, positions: [rows] int32, each row's newest token and its position (its K/V is not yet in
     the cache). steps_allowed: [rows] int32, how many steps each row may take (0: padding row); once a row
     has used them its writes are dropped and it sees no context, so it never writes past its pages.
     tables.page_starts / page_sizes: the rows' block tables (pages for positions + steps_allowed - 1 must
-    exist; context_lens is ignored). The loop runs max(steps_allowed) times.
+    exist; context_lens is ignored). The loop always runs geo.decode_steps times: a static trip count
+    keeps the loop on the device (a data-dependent one makes XLA read its predicate on the host every
+    iteration, +1.1 ms per step for llama-1b on an H200), and rows past their steps do no harm.
     Returns (DecodeResult [geo.decode_steps, rows] (entries past a row's steps_allowed are
     meaningless, except attn_score_var, 0 there), new kv_cache).
     """
-    rows, k = geo.rows, MAX_TOP_LOGPROBS
+    rows, k = geo.rows, MAX_TOP_LOGPROBS if variant.logprobs else 0
     num_slots = kv_cache[0][0].shape[1]
     batch_rows = jnp.arange(rows)
-    num_steps = jnp.minimum(jnp.max(steps_allowed), geo.decode_steps)
 
-    def body(carry):
-        i, kv, tokens, out = carry
+    def body(i, carry):
+        kv, tokens, out = carry
         active = i < steps_allowed
         pos = positions + i
         page = jnp.minimum(pos // tables.page_sizes, tables.page_starts.shape[1] - 1)
@@ -227,16 +234,16 @@ def decode_steps(params, kv_cache, last_tokens, positions, steps_allowed, tables
             sample_index=batch_rows)
         hidden, attn_var, kv = _forward(params, kv, batch, cfg=cfg, geo=geo)
         step_sampling = dataclasses.replace(sampling, token_index=sampling.token_index + i)
-        new, logprob, top_ids, top_lp = _sample_rows(params, cfg, hidden, step_sampling)
+        new, logprob, top_ids, top_lp = sample_logits(llama.compute_logits(params, cfg, hidden), step_sampling,
+                                                      variant=variant)
         out = DecodeResult(out.tokens.at[i].set(new), out.logprob.at[i].set(logprob),
                            out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lp),
                            out.attn_score_var.at[i].set(jnp.where(active, attn_var, 0.0)))
-        return i + 1, kv, new, out
+        return kv, new, out
 
     steps = geo.decode_steps
     out = DecodeResult(jnp.zeros((steps, rows), jnp.int32), jnp.zeros((steps, rows), jnp.float32),
                        jnp.zeros((steps, rows, k), jnp.int32), jnp.zeros((steps, rows, k), jnp.float32),
                        jnp.zeros((steps, rows), jnp.float32))
-    _, kv_cache, _, out = lax.while_loop(lambda c: c[0] < num_steps, body,
-                                         (jnp.int32(0), kv_cache, last_tokens, out))
+    kv_cache, _, out = lax.fori_loop(0, steps, body, (kv_cache, last_tokens, out))
     return out, kv_cache

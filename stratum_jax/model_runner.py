@@ -20,8 +20,10 @@ from tqdm import tqdm
 
 from stratum_jax.attention import RowTables
 from stratum_jax.config import RuntimeConfig
-from stratum_jax.decode import (ATTN_VAR_LAST_TOKENS, DecodeResult, PackedBatch, StepGeometry, StepResult,
-                                decode_steps, packed_step)
+from stratum_jax.decode import (ATTN_VAR_LAST_TOKENS, PROMPT_LOGPROB_PIECE, DecodeResult, PackedBatch,
+                                SamplerVariant, StepGeometry, decode_steps, packed_step, prompt_logprobs_piece,
+                                sample_step)
+from stratum_jax.sampling import MAX_TOP_LOGPROBS
 from stratum_jax.sampling import SamplingArrays
 from stratum_jax.scheduler.base import ScheduledBatch
 from stratum_jax.sequence import Sequence
@@ -31,14 +33,29 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
+class PackedOutput:
+    """Host copies of a packed step's results: tokens / logprob [rows], top_ids / top_logprobs [rows, K]
+    (K = 0 without logprobs), attn_score_var [rows]; prompt_* [P, ...] over the prefill tokens, or None
+    when no chunk asked for prompt logprobs."""
+
+    tokens: np.ndarray
+    logprob: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    attn_score_var: np.ndarray
+    prompt_logprob: np.ndarray | None = None
+    prompt_top_ids: np.ndarray | None = None
+    prompt_top_logprobs: np.ndarray | None = None
+
+
+@dataclasses.dataclass
 class RunResult:
-    """Host copies of one step's results. decode: DecodeResult [steps, rows]; packed: StepResult [rows]
-    (prompt fields only when asked). rows[i] is the row of batch.seqs[i]; offsets[i] is where a prefill
-    sequence's chunk starts among the prefill tokens (None for decode rows)."""
+    """One step's results on the host. decode: DecodeResult [steps, rows]; packed: PackedOutput. Row r is
+    batch.seqs[r]; offsets[r] is where prefill row r's chunk starts among the prefill tokens (None for
+    decode rows)."""
 
     shape: StepShape
-    result: DecodeResult | StepResult
-    rows: list[int]
+    result: DecodeResult | PackedOutput
     offsets: list[int | None]
     dispatch_s: float        # time.perf_counter() at dispatch
     done_s: float            # results on the host
@@ -59,12 +76,18 @@ class ModelRunner:
 
     # -- compilation --------------------------------------------------------------------------------
     def _lower(self, shape: StepShape, kv_cache):
-        cfg, geo = self.model.config, self.geo
+        cfg, geo, params = self.model.config, self.geo, self.model.params
         if shape.kind == "decode":
             args = self._decode_inputs(None)
-            return decode_steps.lower(self.model.params, kv_cache, *args, cfg=cfg, geo=geo)
-        batch, sampling, want = self._packed_inputs(None, shape.prefill_tokens)
-        return packed_step.lower(self.model.params, kv_cache, batch, sampling, want, cfg=cfg, geo=geo)
+            return decode_steps.lower(params, kv_cache, *args, cfg=cfg, geo=geo, variant=shape.variant)
+        if shape.kind == "packed":
+            batch, _ = self._packed_inputs(None, shape.prefill_tokens)
+            return packed_step.lower(params, kv_cache, batch, cfg=cfg, geo=geo)
+        if shape.kind == "sample":
+            logits = jax.ShapeDtypeStruct((geo.rows, cfg.vocab_size), np.float32)
+            return sample_step.lower(logits, self._tables_and_sampling([])[2], variant=shape.variant)
+        hidden = jax.ShapeDtypeStruct((PROMPT_LOGPROB_PIECE, cfg.hidden_size), np.dtype(cfg.dtype))
+        return prompt_logprobs_piece.lower(params, hidden, np.zeros(PROMPT_LOGPROB_PIECE, np.int32), cfg=cfg)
 
     def _executable(self, shape: StepShape, kv_cache):
         exe = self._executables.get(shape)
@@ -102,30 +125,62 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------------
     def run(self, batch: ScheduledBatch, kv_cache):
         """Runs the batch; returns (RunResult, new kv_cache)."""
-        if batch.prefill:
-            prefill_tokens = sum(self._slots(n) for n in batch.chunk_lens)
-            shape = StepShape("packed", bucket_for(prefill_tokens, self.buckets))
-            packed, sampling, want = self._packed_inputs(batch, shape.prefill_tokens)
-            args = (packed, sampling, want)
-        else:
-            shape = StepShape("decode")
-            args = self._decode_inputs(batch)
-            want = None
-        exe = self._executable(shape, kv_cache)
-        t0 = time.perf_counter()
-        result, kv_cache = exe(self.model.params, kv_cache, *args)
-        if shape.kind == "packed" and not want:
-            # Prompt logprobs were not computed: leave them on the device.
-            result = dataclasses.replace(result, prompt_logprob=None, prompt_top_ids=None, prompt_top_logprobs=None)
-        result = jax.device_get(result)
-        done = time.perf_counter()
-        rows = list(range(len(batch.seqs)))
+        params = self.model.params
+        variant = SamplerVariant(sampled=any(s.params.temperature > 0 for s in batch.seqs),
+                                 logprobs=any(s.params.logprobs > 0 for s in batch.seqs))
         offsets: list[int | None] = [None] * len(batch.decode)
-        off = 0
-        for n in batch.chunk_lens:
+        t0 = time.perf_counter()
+        if not batch.prefill:
+            shape = StepShape("decode", variant=variant)
+            exe = self._executable(shape, kv_cache)
+            result, kv_cache = exe(params, kv_cache, *self._decode_inputs(batch))
+            result = jax.device_get(result)
+            return RunResult(shape, result, offsets, t0, time.perf_counter()), kv_cache
+        prefill_tokens = sum(self._slots(n) for n in batch.chunk_lens)
+        shape = StepShape("packed", bucket_for(prefill_tokens, self.buckets))
+        packed, sampling = self._packed_inputs(batch, shape.prefill_tokens)
+        step, kv_cache = self._executable(shape, kv_cache)(params, kv_cache, packed)
+        rows = self.geo.rows
+        empty = np.zeros((rows, 0), np.float32)
+        if variant.sampled or variant.logprobs:
+            sampler = self._executable(StepShape("sample", variant=variant), kv_cache)
+            tokens, logprob, top_ids, top_lp = jax.device_get(sampler(step.logits, sampling))
+        else:
+            tokens, logprob, top_ids, top_lp = step.tokens, np.zeros(rows, np.float32), empty.astype(np.int32), empty
+        out = PackedOutput(*jax.device_get((tokens, logprob, top_ids, top_lp, step.attn_score_var)))
+        off, hidden = 0, None
+        for seq, n in zip(batch.prefill, batch.chunk_lens):
             offsets.append(off)
+            if seq.wants_prompt_logprobs:
+                if hidden is None:       # on the host: slicing it on the device would compile per slice
+                    hidden = np.asarray(jax.device_get(step.prefill_hidden))
+                self._prompt_logprobs(out, hidden, packed.prompt_next[rows:], off, n, kv_cache)
             off += self._slots(n)
-        return RunResult(shape, result, rows, offsets, t0, done), kv_cache
+        return RunResult(shape, out, offsets, t0, time.perf_counter()), kv_cache
+
+    def _prompt_logprobs(self, out: PackedOutput, hidden: np.ndarray, prompt_next: np.ndarray, off: int, n: int,
+                         kv_cache):
+        """Fills out.prompt_* [P, ...] for the prefill tokens [off, off + n), in pieces.
+        hidden [P, hidden_size], prompt_next [P]: the packed step's prefill hidden states and next tokens."""
+        if out.prompt_logprob is None:
+            p = prompt_next.shape[0]
+            out.prompt_logprob = np.zeros(p, np.float32)
+            out.prompt_top_ids = np.zeros((p, MAX_TOP_LOGPROBS), np.int32)
+            out.prompt_top_logprobs = np.zeros((p, MAX_TOP_LOGPROBS), np.float32)
+        exe = self._executable(StepShape("prompt_logprobs"), kv_cache)
+        piece = PROMPT_LOGPROB_PIECE
+        for start in range(off, off + n, piece):
+            # The last piece may reach past the prefill tokens: pad it (its extra rows are discarded).
+            nxt = np.full(piece, -1, np.int32)
+            stop = min(start + piece, prompt_next.shape[0])
+            nxt[:stop - start] = prompt_next[start:stop]
+            h = np.zeros((piece, hidden.shape[1]), hidden.dtype)
+            h[:stop - start] = hidden[start:stop]
+            lp, ids, top = jax.device_get(exe(self.model.params, h, nxt))
+            take = min(off + n, stop) - start
+            out.prompt_logprob[start:start + take] = lp[:take]
+            out.prompt_top_ids[start:start + take] = ids[:take]
+            out.prompt_top_logprobs[start:start + take] = top[:take]
 
     def _slots(self, n: int) -> int:
         tile = self.geo.prefill_tile
@@ -177,7 +232,6 @@ class ModelRunner:
         tile_rows = np.full(prefill_tokens // tile, -1, np.int32)
         ctx = np.zeros(rows, np.int32)
         sample_index = np.zeros(rows, np.int32)
-        want = False
         seqs = batch.seqs if batch is not None else []
         starts, sizes, sampling = self._tables_and_sampling(seqs)
         if batch is not None:
@@ -199,7 +253,6 @@ class ModelRunner:
                 last = min(ATTN_VAR_LAST_TOKENS, n)
                 weight[off + n - last:off + n] = 1.0 / last
                 if seq.wants_prompt_logprobs:
-                    want = True
                     nxt = np.arange(start + 1, start + n + 1)
                     ok = nxt < len(seq.prompt_ids)
                     prompt_next[off:off + n][ok] = np.asarray(seq.prompt_ids)[nxt[ok]]
@@ -210,4 +263,4 @@ class ModelRunner:
                 off += self._slots(n)
         packed = PackedBatch(tokens, positions, slots, weight, prompt_next, tile_rows,
                              RowTables(ctx, starts, sizes), sample_index)
-        return packed, sampling, np.asarray(want)
+        return packed, sampling

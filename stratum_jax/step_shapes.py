@@ -9,23 +9,35 @@ packed step's prefill token count, padded to one of a few buckets up to the per-
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from stratum_jax.config import RuntimeConfig
+from stratum_jax.decode import SamplerVariant
 
 # Query tokens per prefill tile (the tiled attention's unit). A chunk starts on a tile boundary, so a
 # prefill row wastes at most tile - 1 padding tokens; larger tiles re-read the context fewer times.
-MAX_PREFILL_TILE = 64
+MAX_PREFILL_TILE = 128
+
+
+SAMPLER_VARIANTS = tuple(SamplerVariant(sampled, logprobs)
+                         for sampled, logprobs in itertools.product((False, True), repeat=2))
 
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-    """kind "packed" (prefill_tokens > 0) or "decode" (multi-step, no prefill)."""
+    """An executable the engine runs: kind "decode" (multi-step, no prefill; one per sampler variant),
+    "packed" (decode tokens plus `prefill_tokens` prompt tokens; samples greedily), "sample" (re-samples
+    a packed step's logits; one per non-greedy variant) or "prompt_logprobs" (one piece)."""
 
     kind: str
     prefill_tokens: int = 0
+    variant: SamplerVariant = SamplerVariant()
 
     def __str__(self) -> str:
-        return "decode" if self.kind == "decode" else f"packed(prefill_tokens={self.prefill_tokens})"
+        v = f"sampled={self.variant.sampled}, logprobs={self.variant.logprobs}"
+        if self.kind == "packed":
+            return f"packed(prefill_tokens={self.prefill_tokens})"
+        return f"{self.kind}({v})" if self.kind in ("decode", "sample") else self.kind
 
 
 def prefill_tile(config: RuntimeConfig) -> int:
@@ -58,5 +70,9 @@ def bucket_for(prefill_tokens: int, buckets: tuple[int, ...]) -> int:
 
 
 def all_step_shapes(config: RuntimeConfig) -> list[StepShape]:
-    """Every shape the engine can run with this config: one decode call and one packed step per bucket."""
-    return [StepShape("decode")] + [StepShape("packed", p) for p in prefill_buckets(config)]
+    """Every executable the engine can run with this config: a decode call per sampler variant, a packed
+    step per prefill bucket, the re-samplers and the prompt-logprob piece."""
+    return ([StepShape("decode", variant=v) for v in SAMPLER_VARIANTS]
+            + [StepShape("packed", p) for p in prefill_buckets(config)]
+            + [StepShape("sample", variant=v) for v in SAMPLER_VARIANTS if v.sampled or v.logprobs]
+            + [StepShape("prompt_logprobs")])

@@ -22,11 +22,15 @@ def tiny():
 
 def test_step_shapes_follow_the_config():
     config = RuntimeConfig(model="tiny", max_batch_size=32, max_num_batched_tokens=2048, prefill_chunk=512)
-    assert prefill_buckets(config) == (64, 128, 256, 512, 1024, 1984)      # tiles of 64, budget 2048 - 32
-    assert [str(s) for s in all_step_shapes(config)][:2] == ["decode", "packed(prefill_tokens=64)"]
-    assert bucket_for(65, prefill_buckets(config)) == 128 and bucket_for(1984, prefill_buckets(config)) == 1984
+    assert prefill_buckets(config) == (128, 256, 512, 1024, 1920)      # tiles of 128 within 2048 - 32
+    shapes = [str(s) for s in all_step_shapes(config)]
+    assert shapes[:5] == ["decode(sampled=False, logprobs=False)", "decode(sampled=False, logprobs=True)",
+                          "decode(sampled=True, logprobs=False)", "decode(sampled=True, logprobs=True)",
+                          "packed(prefill_tokens=128)"]
+    assert len(shapes) == 4 + 5 + 3 + 1                  # decode variants, buckets, re-samplers, prompt logprobs
+    assert bucket_for(129, prefill_buckets(config)) == 256 and bucket_for(1920, prefill_buckets(config)) == 1920
     with pytest.raises(ValueError, match="exceed the step budget"):
-        bucket_for(1985, prefill_buckets(config))
+        bucket_for(1921, prefill_buckets(config))
     with pytest.raises(ValueError, match="--max-num-batched-tokens"):
         RuntimeConfig(model="tiny", max_batch_size=32, max_num_batched_tokens=40)
 
