@@ -52,7 +52,7 @@ def parse_cores(text: str | None) -> tuple[int, ...] | None:
 class RuntimeConfig:
     """Everything the engine can be tuned by. Invalid values raise ValueError naming the flag to fix."""
 
-    model: str = "tiny"              # preset name or HF checkpoint directory
+    model: str = "pydoc-2m"          # preset name (random tiny/llama-1b/llama-8b, trained pydoc-2m) or HF dir
     dtype: str | None = None         # override the model's dtype: "float32" or "bfloat16"
     max_batch_size: int = 32         # running sequences per decode step
     max_context: int = 2048          # prompt + generated tokens per request
@@ -175,7 +175,7 @@ class RuntimeConfig:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         d = RuntimeConfig()
         g = parser.add_argument_group("runtime")
-        g.add_argument("--model", default=d.model, help="preset name (tiny, llama-1b, llama-8b) or HF dir")
+        g.add_argument("--model", default=d.model, help="preset name (pydoc-2m: trained; tiny, llama-1b, llama-8b: random) or HF dir")
         g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
         g.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
         g.add_argument("--max-context", type=int, default=d.max_context)

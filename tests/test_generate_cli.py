@@ -37,7 +37,7 @@ def test_text_prompt_prints_text(capsys):
     (["--prompt", "x", "--page-size", "12"], "page-size"),
 ])
 def test_bad_flags_exit_nonzero_with_message(argv, msg, capsys):
-    rc = generate.main(["--max-context", "256", "--kv-pool-tokens", "1024"] + argv)
+    rc = generate.main(["--model", "tiny", "--max-context", "256", "--kv-pool-tokens", "1024"] + argv)
     assert rc != 0
     assert msg in capsys.readouterr().err
 

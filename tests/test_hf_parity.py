@@ -1,5 +1,6 @@
 """Parity with HF transformers on tiny random Llama (llama3 RoPE scaling, untied, sharded) and Qwen2
-(q/k/v biases, tied) checkpoints: prompt log-probabilities within 1e-4 and 32 greedy tokens exactly.
+(q/k/v biases, tied) checkpoints, and on the embedded trained `pydoc-2m` (its tokenizer and chat
+template too): prompt log-probabilities within 1e-4 and 32 greedy tokens exactly.
 
 The references come from tests/hf_reference/make_hf_reference.py. The committed copy in
 tests/hf_reference/golden/ is always checked; when STRATUM_HF_PYTHON names a Python with torch and
@@ -128,3 +129,41 @@ def test_ignoring_rope_scaling_would_fail():
     ref = json.loads((GOLDEN / "reference.json").read_text())["models"]["llama"][-1]
     lp = _log_softmax(_prefill(unscaled, ref["ids"])[0])
     assert np.abs(lp[-1] - np.asarray(ref["last_logprobs"])).max() > 100 * ATOL
+
+
+def _pydoc_ref(ref_dir) -> dict:
+    return json.loads((ref_dir / "pydoc-2m.json").read_text())
+
+
+@functools.cache
+def _pydoc_f32():
+    # The checkpoint is bf16; upcast to float32 on both sides, the parity is of the math, not the rounding.
+    return load_model("pydoc-2m", dtype="float32")
+
+
+def test_pydoc_tokenizer_and_chat_template_match_hf(ref_dir):
+    ref = _pydoc_ref(ref_dir)
+    assert ref["model_class"] == "LlamaForCausalLM"
+    tok = _pydoc_f32().tokenizer
+    for p in ref["prompts"]:
+        assert tok.encode(p["text"]) == p["ids"], p["text"]
+    msgs = ref["chat_messages"]
+    assert msgs[0]["role"] == "system"
+    got = tok.apply_chat_template(msgs[1:], system=msgs[0]["content"], add_generation_prompt=True)
+    assert got == tok.encode(ref["chat_text"], add_bos=False)
+    assert tok.decode(got) == ref["chat_text"].replace("<|bos|>", "").replace("<|system|>", "").replace(
+        "<|user|>", "").replace("<|assistant|>", "").replace("<|end|>", "")
+
+
+def test_pydoc_logprobs_and_greedy_match_hf(ref_dir):
+    model = _pydoc_f32()
+    assert model.name == "pydoc-2m" and model.config.dtype == "float32"
+    for ref in _pydoc_ref(ref_dir)["prompts"]:
+        ids = ref["ids"]
+        assert len(ids) <= PREFILL
+        lp = _log_softmax(_prefill(model, ids)[0])
+        np.testing.assert_allclose(lp[np.arange(len(ids) - 1), ids[1:]], ref["prompt_logprobs"], atol=ATOL, rtol=0,
+                                   err_msg=f"pydoc-2m: prompt logprobs of {ref['text']!r}")
+        np.testing.assert_allclose(lp[-1], ref["last_logprobs"], atol=ATOL, rtol=0)
+        assert _greedy(model, ids, len(ref["greedy"])) == ref["greedy"], ref["text"]
+

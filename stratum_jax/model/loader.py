@@ -19,6 +19,10 @@ from stratum_jax.model.config import PRESETS, ModelConfig
 from stratum_jax.model.llama import Params, init_params, param_shapes
 from stratum_jax.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
+# Trained checkpoints shipped inside the package (package data), loaded like any HF directory.
+# pydoc-2m: 2.45M params trained on the Python 3.11 docs (training/train_lm.py; BENCHMARKS.md).
+EMBEDDED = {"pydoc-2m": Path(__file__).parent / "weights" / "pydoc-2m"}
+
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 # Checkpoint tensors with no parameter behind them: old Llama exports saved RoPE buffers.
@@ -39,7 +43,7 @@ class LoadedModel:
 
 def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0) -> LoadedModel:
     """A preset name ("tiny", "llama-1b", "llama-8b") -> random parameters from `seed` and the byte
-    tokenizer; a directory -> its HF checkpoint. `dtype` ("float32"/"bfloat16") overrides the preset's
+    tokenizer; an embedded name ("pydoc-2m") -> that trained checkpoint; a directory -> its HF checkpoint. `dtype` ("float32"/"bfloat16") overrides the preset's
     or the checkpoint's dtype; weights are converted once, on the device.
     """
     if name_or_dir in PRESETS:
@@ -48,11 +52,11 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0) -> 
             cfg = _replace(cfg, f"preset {name_or_dir!r}", dtype=dtype)
         return LoadedModel(cfg, init_params(cfg, seed), ByteTokenizer(cfg.vocab_size), name_or_dir)
 
-    path = Path(name_or_dir)
+    path = EMBEDDED.get(name_or_dir, Path(name_or_dir))
     if not path.is_dir():
         what = "is a file, not a checkpoint directory" if path.exists() else "does not exist"
         raise CheckpointError(f"{name_or_dir}: {what}; give a checkpoint directory (config.json + "
-                              f"*.safetensors) or a preset: {', '.join(PRESETS)}")
+                              f"*.safetensors) or a preset: {', '.join([*PRESETS, *EMBEDDED])}")
     cfg_file = path / "config.json"
     try:
         cfg = ModelConfig.from_hf_config(_read_json(cfg_file), dtype=dtype)
@@ -61,7 +65,8 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0) -> 
     except ValueError as e:
         raise CheckpointError(f"{cfg_file}: {e}") from e
     tokenizer = _load_tokenizer(path, cfg)
-    return LoadedModel(cfg, load_params(path, cfg), tokenizer, path.resolve().name)
+    name = name_or_dir if name_or_dir in EMBEDDED else path.resolve().name
+    return LoadedModel(cfg, load_params(path, cfg), tokenizer, name)
 
 
 def hf_tensor_name(path: tuple[str, ...]) -> str:

@@ -13,6 +13,9 @@ Output, under OUT_DIR:
     reference.json  per model and prompt: the prompt ids, HF's log-probability of each prompt token
                     given its prefix, the full log_softmax after the last prompt token, and 32 greedy
                     tokens from `generate`.
+    pydoc-2m.json   the same for the embedded trained checkpoint stratum_jax/model/weights/pydoc-2m (its
+                    bf16 weights upcast to float32, text prompts tokenized by transformers), plus the
+                    tokenizer's ids for each text and its rendered chat template.
 All in float32 on CPU, eager attention.
 """
 
@@ -95,6 +98,42 @@ def main(out_dir: str) -> None:
         model.save_pretrained(out / name, max_shard_size="100KB" if name == "llama" else "10MB")
         ref["models"][name] = reference_for(model, seed)
     (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+    (out / "pydoc-2m.json").write_text(json.dumps(pydoc_reference(), indent=1) + "\n")
+
+
+PYDOC_DIR = Path(__file__).resolve().parents[2] / "stratum_jax" / "model" / "weights" / "pydoc-2m"
+PYDOC_PROMPTS = (
+    "Python is a programming language that",
+    "The :func:`len` function returns the number of items",
+    "Dictionaries are sometimes found in other languages as \"associative memories\" or \"associative arrays\". "
+    "Unlike sequences, which are indexed by a range of numbers, dictionaries are indexed by keys, which can be "
+    "any immutable type.",
+)
+PYDOC_CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a list?"},
+              {"role": "assistant", "content": "A mutable sequence."}, {"role": "user", "content": "And a tuple?"}]
+
+
+@torch.no_grad()
+def pydoc_reference():
+    """HF's view of the embedded checkpoint: tokenization (with BOS, as the runtime encodes a prompt),
+    float32 prompt log-probs and 32 greedy tokens (EOS ignored), and the chat template's rendering."""
+    tok = transformers.AutoTokenizer.from_pretrained(PYDOC_DIR)
+    model = transformers.AutoModelForCausalLM.from_pretrained(PYDOC_DIR, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
+    refs = []
+    for text in PYDOC_PROMPTS:
+        ids = torch.tensor([tok(text).input_ids])
+        n = ids.shape[1]
+        logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
+        refs.append({"text": text, "ids": ids[0].tolist(),
+                     "prompt_logprobs": logprobs[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist(),
+                     "last_logprobs": logprobs[-1].tolist(), "greedy": gen[0, n:].tolist()})
+    chat = tok.apply_chat_template(PYDOC_CHAT, tokenize=False, add_generation_prompt=True)
+    return {"transformers": transformers.__version__, "torch": torch.__version__,
+            "model_class": type(model).__name__, "prompts": refs, "chat_messages": PYDOC_CHAT, "chat_text": chat}
 
 
 if __name__ == "__main__":
