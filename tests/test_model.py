@@ -14,8 +14,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from stratum_jax.model.config import PRESETS, ModelConfig, freeze_rope_scaling
-from stratum_jax.model.llama import attend_dense_causal, compute_logits, forward, init_kv_cache, init_params
-from stratum_jax.model.loader import CheckpointError, load_model
+from stratum_jax.model.llama import (Decoder, attend_dense_causal, compute_logits, forward, init_kv_cache, init_params,
+                                     param_shapes)
+from stratum_jax.model.loader import CheckpointError, hf_tensor_name, load_model
+from stratum_jax.model.safetensors_file import SafetensorsFile
 from stratum_jax.model.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer
 
 GOLDEN_QWEN2 = Path(__file__).parent / "hf_reference" / "golden" / "qwen2"
@@ -113,6 +115,46 @@ def test_init_params_is_deterministic_in_seed():
                               c["layers_0"]["self_attn"]["q_proj"]["weight"])
     bf16 = init_params(dataclasses.replace(TINY, dtype="bfloat16"))
     assert {x.dtype for x in jax.tree_util.tree_leaves(bf16)} == {jnp.dtype("bfloat16")}
+
+
+def _flax_param_shapes(cfg):
+    """The parameter tree flax's Decoder.init builds (the oracle for param_shapes)."""
+    one, cache = jnp.zeros((1,), jnp.int32), init_kv_cache(cfg, 1)
+    return jax.eval_shape(lambda k: Decoder(cfg).init(k, one, one, cache, one, lambda layer, q, k_, v: q,
+                                                      method=Decoder.init_all)["params"], jax.random.key(0))
+
+
+@pytest.mark.parametrize("cfg", [TINY, _cfg(num_layers=2, attention_bias=True, tie_word_embeddings=False,
+                                            dtype="bfloat16")], ids=["tiny", "bias-untied-bf16"])
+def test_param_shapes_match_the_flax_modules(cfg):
+    """param_shapes is written out by hand; forward() applies the flax modules to it, so they must agree."""
+    assert param_shapes(cfg) == _flax_param_shapes(cfg)
+    got = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), init_params(cfg, 0))
+    assert got == jax.tree_util.tree_map(lambda s: (s.shape, s.dtype), param_shapes(cfg))
+
+
+def test_init_params_distribution():
+    """Matrices ~N(0, 0.02), each leaf its own stream; norms are ones and biases zeros."""
+    cfg = _cfg(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=2, attention_bias=True,
+               tie_word_embeddings=False, dtype="bfloat16")
+    params = init_params(cfg, 7)
+    flat = {"/".join(k.key for k in path): np.asarray(x, np.float32)
+            for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    matrices = {n: x for n, x in flat.items() if x.ndim == 2}
+    assert len(matrices) == 2 + 7 * cfg.num_layers
+    for name, x in matrices.items():
+        assert abs(x.std() - 0.02) < 0.001 and abs(x.mean()) < 0.001, name
+    big = matrices["embed_tokens/weight"].ravel() / 0.02  # 1M draws: the tails of a normal, not of a uniform
+    assert 0.0022 < np.mean(np.abs(big) > 3) < 0.0032 and 4 < np.abs(big).max() < 6  # normal: 0.0027
+    a, b = matrices["layers_0/mlp/gate_proj/weight"], matrices["layers_0/mlp/up_proj/weight"]
+    assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.01  # same shape, different streams
+    rows = matrices["embed_tokens/weight"]
+    assert abs(np.corrcoef(rows[:-1].ravel(), rows[1:].ravel())[0, 1]) < 0.01  # no structure along the counter
+    for name, x in flat.items():
+        if name.endswith("norm/weight"):
+            assert np.array_equal(x, np.ones_like(x)), name
+        if name.endswith("bias"):
+            assert np.array_equal(x, np.zeros_like(x)), name
 
 # ------------------------------------------------------------------------------------------ tokenizers
 
@@ -255,6 +297,52 @@ def test_load_checkpoint_as_bfloat16(ckpt):
     w = m.params["layers_1"]["mlp"]["up_proj"]["weight"]
     assert w.dtype == jnp.bfloat16 and np.array_equal(w, tensors["model.layers.1.mlp.up_proj.weight"])
     assert isinstance(m.tokenizer, ByteTokenizer)  # no tokenizer.json in the directory
+
+
+def test_load_checkpoint_straight_to_device(ckpt):
+    """Every tensor lands on the default device with the file's values, cast once; the params are copies,
+    not views of the file (rewriting it in place afterwards changes nothing)."""
+    tensors = load_file(ckpt / "model.safetensors")  # float32
+    # Page-align the data: jax's CPU client would alias (not copy) a 64-byte-aligned read-only buffer.
+    raw = (ckpt / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    padded = raw[8:8 + n] + b" " * (-(8 + n) % 4096)  # the format allows trailing spaces in the header
+    (ckpt / "model.safetensors").write_bytes(len(padded).to_bytes(8, "little") + padded + raw[8 + n:])
+    loaded = {}
+    for dtype in ("float32", "bfloat16"):  # as stored (no cast: where a view could slip through), and cast
+        params = load_model(str(ckpt), dtype=dtype).params
+        flat = loaded[dtype] = {hf_tensor_name(tuple(k.key for k in path)): x
+                                for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+        assert set(flat) == set(tensors)  # qwen2: tied embeddings, no lm_head.weight in the file either
+        for name, x in flat.items():
+            assert isinstance(x, jax.Array) and x.devices() == {jax.devices()[0]} and x.dtype == dtype, name
+            assert np.array_equal(x, tensors[name].astype(dtype)), name
+    st = SafetensorsFile(ckpt / "model.safetensors")
+    view = st.array("model.norm.weight")
+    assert not view.flags.owndata and not view.flags.writeable  # a view of the mapped file, not a copy
+    np.testing.assert_array_equal(view, tensors["model.norm.weight"])
+    size = (ckpt / "model.safetensors").stat().st_size
+    header = 8 + int.from_bytes((ckpt / "model.safetensors").read_bytes()[:8], "little")
+    with open(ckpt / "model.safetensors", "r+b") as f:
+        f.seek(header)
+        f.write(b"\x00" * (size - header))
+    assert not view.any()  # the view follows the file...
+    for dtype, flat in loaded.items():  # ...the loaded parameters do not
+        for name, x in flat.items():
+            assert np.array_equal(x, tensors[name].astype(dtype)), (dtype, name)
+
+
+def test_load_checkpoint_offsets_out_of_range(ckpt):
+    raw = (ckpt / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    begin, end = header["model.norm.weight"]["data_offsets"]
+    header["model.norm.weight"]["data_offsets"] = [begin, len(raw)]
+    text = json.dumps(header).encode()
+    (ckpt / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a readable safetensors file .*"
+                                              r"'model.norm.weight'.* out of range"):
+        load_model(str(ckpt))
 
 
 @pytest.mark.parametrize("target", ["does-not-exist", "llama-70b"])

@@ -24,6 +24,9 @@ attention scores and softmax in float32.
 from __future__ import annotations
 
 import functools
+import logging
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from stratum_jax.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 Params = dict[str, Any]
 # One (k_pool, v_pool) per layer, each [num_kv_heads, num_slots, head_dim] in cfg.dtype.
@@ -45,7 +50,7 @@ _INIT_STD = 0.02  # HF's default initializer_range
 
 def _normal_init(key, shape, dtype):
     # Drawn in float32, then cast: jax.random.normal drawn directly in bfloat16 has a truncated tail
-    # (|x| < 3 sigma, 128 distinct values). Inside the jitted init the float32 draw is a transient.
+    # (|x| < 3 sigma, 128 distinct values). Inside a jit the draw, scale and cast fuse into one loop.
     return (jax.random.normal(key, shape, jnp.float32) * _INIT_STD).astype(dtype)
 
 
@@ -240,34 +245,107 @@ class Decoder(nn.Module):
 
 def init_kv_cache(cfg: ModelConfig, num_slots: int) -> KVCache:
     """Zeroed pools: per layer (k_pool, v_pool), each [num_kv_heads, num_slots, head_dim] in cfg.dtype."""
+    start = time.perf_counter()
     shape = (cfg.num_kv_heads, num_slots, cfg.head_dim)
-    return [(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)) for _ in range(cfg.num_layers)]
+    cache = [(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)) for _ in range(cfg.num_layers)]
+    jax.block_until_ready(cache)  # costs nothing at start-up, and makes the logged time true
+    log.info("KV cache: %d layers x 2 x %s %s = %.2f GiB allocated in %.2f s", cfg.num_layers, list(shape),
+             cfg.dtype, 2 * cfg.num_layers * math.prod(shape) * jnp.dtype(cfg.dtype).itemsize / 2**30,
+             time.perf_counter() - start)
+    return cache
 
 
-@functools.cache
-def _jitted_init(cfg: ModelConfig):
-    def init(key):
-        one = jnp.zeros((1,), jnp.int32)
-        cache = init_kv_cache(cfg, 1)
-        # Only the parameters leave the jit, so XLA drops this dummy forward pass.
-        return Decoder(cfg).init(key, one, one, cache, one, lambda layer, q, k, v: q,
-                                 method=Decoder.init_all)["params"]
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The parameter tree as jax.ShapeDtypeStruct leaves, written out from the config (no tracing, no
+    allocation). tests/test_model.py checks it against the tree flax's `Decoder.init` builds."""
+    dtype = jnp.dtype(cfg.dtype)
+    hidden, q_out, kv_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
-    return jax.jit(init)
+    def leaf(*shape):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    def linear(features, fan_in, bias=False):
+        return {"weight": leaf(features, fan_in), **({"bias": leaf(features)} if bias else {})}
+
+    bias = cfg.attention_bias
+    params: Params = {"embed_tokens": {"weight": leaf(cfg.vocab_size, hidden)}, "norm": {"weight": leaf(hidden)}}
+    for i in range(cfg.num_layers):
+        params[f"layers_{i}"] = {
+            "input_layernorm": {"weight": leaf(hidden)},
+            "self_attn": {"q_proj": linear(q_out, hidden, bias), "k_proj": linear(kv_out, hidden, bias),
+                          "v_proj": linear(kv_out, hidden, bias), "o_proj": linear(hidden, q_out)},
+            "post_attention_layernorm": {"weight": leaf(hidden)},
+            "mlp": {"gate_proj": linear(cfg.intermediate_size, hidden), "up_proj": linear(cfg.intermediate_size, hidden),
+                    "down_proj": linear(hidden, cfg.intermediate_size)},
+        }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = {"weight": leaf(cfg.vocab_size, hidden)}
+    return params
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    """SplitMix64's output function (host side, exact in Python ints): a well-mixed 64-bit hash of z."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _fmix32(x: jax.Array) -> jax.Array:
+    """MurmurHash3's finaliser on uint32 [any shape]: a bijection in which every input bit flips each output
+    bit with probability ~1/2 (uint32 products wrap, shifts are logical)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _normal_leaf(words: jax.Array, shape: tuple[int, ...], dtype: str) -> jax.Array:
+    """N(0, 0.02) [shape] in dtype from the leaf's stream words [2] uint32.
+
+    A counter-based generator: element i gets bits = fmix32(fmix32(i * golden + w0) ^ w1), whose top 24
+    bits make u in (-1, 1) and sqrt(2) * erfinv(u) a standard normal (|z| <= 5.4). Not jax.random: its
+    threefry costs ~2 s of XLA compile per distinct shape on CPU and ~10x this generator's run time
+    (benchmarks/results/startup_cpu.json); weights need no cryptographic-strength stream. Hash, transform,
+    scale and cast fuse into one loop, so no float32 copy of the leaf exists. One compile per (shape, dtype):
+    llama-1b's 113 matrices have 5 distinct shapes.
+    """
+    ctr = jax.lax.iota(jnp.uint32, math.prod(shape))  # callers keep leaves under 2**32 elements
+    bits = _fmix32(_fmix32(ctr * jnp.uint32(0x9E3779B9) + words[0]) ^ words[1])
+    u = (bits >> 8).astype(jnp.float32) * np.float32(2.0**-23) - np.float32(1 - 2.0**-24)
+    z = jax.lax.erf_inv(u) * np.float32(np.sqrt(2.0) * _INIT_STD)
+    return z.astype(dtype).reshape(shape)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
     """Random parameters, deterministic in seed: N(0, 0.02) matrices, unit norms, zero biases.
 
-    Created on the default device directly in cfg.dtype inside one jit, so llama-8b never exists as
-    float32 host arrays.
+    Matrix i of the flattened tree (jax.tree_util order) is drawn from stream words that hash (seed, i),
+    on the default device, directly in cfg.dtype (no host arrays, no flax trace of the whole decoder).
+    The calls are asynchronous; block on the result to time them.
     """
-    return _jitted_init(cfg)(jax.random.key(seed))
-
-
-def param_shapes(cfg: ModelConfig) -> Params:
-    """The parameter tree as jax.ShapeDtypeStruct leaves, without allocating anything."""
-    return jax.eval_shape(_jitted_init(cfg), jax.random.key(0))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))
+    seed_hash = _splitmix64(seed & _MASK64)
+    out = []
+    for index, (path, spec) in enumerate(leaves):
+        name, parent = path[-1].key, path[-2].key
+        if name == "bias":
+            out.append(jnp.zeros(spec.shape, spec.dtype))
+        elif parent.endswith("norm"):  # input_layernorm, post_attention_layernorm, norm
+            out.append(jnp.ones(spec.shape, spec.dtype))
+        else:
+            if math.prod(spec.shape) >= 2**32:
+                raise ValueError(f"{'/'.join(k.key for k in path)} {list(spec.shape)} has 2**32 elements or "
+                                 "more: the init's uint32 counter would repeat")
+            h = _splitmix64(seed_hash ^ index)
+            words = np.array([h & 0xFFFFFFFF, h >> 32], np.uint32)
+            out.append(_normal_leaf(words, shape=spec.shape, dtype=spec.dtype.name))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,

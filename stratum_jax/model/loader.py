@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from stratum_jax.model.config import PRESETS, ModelConfig
 from stratum_jax.model.llama import Params, init_params, param_shapes
+from stratum_jax.model.safetensors_file import DTYPES, SafetensorsFile
 from stratum_jax.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
 
 # Trained checkpoints shipped inside the package (package data), loaded like any HF directory.
 # pydoc-2m: 2.45M params trained on the Python 3.11 docs (training/train_lm.py; BENCHMARKS.md).
@@ -50,7 +56,11 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0) -> 
         cfg = PRESETS[name_or_dir]
         if dtype is not None:
             cfg = _replace(cfg, f"preset {name_or_dir!r}", dtype=dtype)
-        return LoadedModel(cfg, init_params(cfg, seed), ByteTokenizer(cfg.vocab_size), name_or_dir)
+        start = time.perf_counter()
+        params = jax.block_until_ready(init_params(cfg, seed))  # blocks only so that the time logged is true
+        log.info("initialised preset %s: %s params in %s (seed %d) on %s in %.2f s", name_or_dir,
+                 f"{cfg.num_params:,}", cfg.dtype, seed, jax.devices()[0].device_kind, time.perf_counter() - start)
+        return LoadedModel(cfg, params, ByteTokenizer(cfg.vocab_size), name_or_dir)
 
     path = EMBEDDED.get(name_or_dir, Path(name_or_dir))
     if not path.is_dir():
@@ -64,9 +74,15 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0) -> 
         raise
     except ValueError as e:
         raise CheckpointError(f"{cfg_file}: {e}") from e
+    start = time.perf_counter()
     tokenizer = _load_tokenizer(path, cfg)
+    loaded = time.perf_counter()
+    params = jax.block_until_ready(load_params(path, cfg))  # blocks only so that the time logged is true
+    log.info("loaded %s: tokenizer in %.2f s, %s params (%.2f GB in %s) onto %s in %.2f s", path,
+             loaded - start, f"{cfg.num_params:,}", _nbytes(params) / 1e9, cfg.dtype,
+             jax.devices()[0].device_kind, time.perf_counter() - loaded)
     name = name_or_dir if name_or_dir in EMBEDDED else path.resolve().name
-    return LoadedModel(cfg, load_params(path, cfg), tokenizer, name)
+    return LoadedModel(cfg, params, tokenizer, name)
 
 
 def hf_tensor_name(path: tuple[str, ...]) -> str:
@@ -81,9 +97,8 @@ def hf_tensor_name(path: tuple[str, ...]) -> str:
 
 
 def load_params(directory: str | Path, cfg: ModelConfig) -> Params:
-    """Reads the safetensors weights of `directory` into the parameter tree of `cfg`, in cfg.dtype."""
-    from safetensors import SafetensorError, safe_open
-
+    """Reads the safetensors weights of `directory` into the parameter tree of `cfg`, in cfg.dtype, each
+    tensor straight from the memory-mapped file to the default device (no whole-model host copy)."""
     directory = Path(directory)
     where = _tensor_files(directory)  # HF name -> file
     shapes = param_shapes(cfg)
@@ -104,26 +119,44 @@ def load_params(directory: str | Path, cfg: ModelConfig) -> Params:
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(where[name], []).append(name)
+    device = jax.devices()[0]
     flat: dict[str, jax.Array] = {}
     for file, names in by_file.items():
-        try:
-            # framework="flax": numpy cannot represent bfloat16, the dtype of most released checkpoints.
-            with safe_open(str(file), framework="flax") as f:
-                present = set(f.keys())
-                for name in names:
-                    if name not in present:  # only possible when an index names the wrong shard
-                        raise CheckpointError(f"{file}: has no tensor {name!r}, though {_INDEX} says it does")
-                    sl = f.get_slice(name)
-                    got, kind = tuple(sl.get_shape()), sl.get_dtype()
-                    if got != expected[name]:
-                        raise CheckpointError(f"{file}: tensor {name!r} has shape {list(got)}, expected "
-                                              f"{list(expected[name])}")
-                    if kind not in ("F32", "F16", "BF16", "F64"):
-                        raise CheckpointError(f"{file}: tensor {name!r} has dtype {kind}, expected a float type")
-                    flat[name] = jnp.asarray(f.get_tensor(name), dtype=cfg.dtype)
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
+        st = _open_safetensors(file)
+        for name in names:
+            if name not in st:  # only possible when an index names the wrong shard
+                raise CheckpointError(f"{file}: has no tensor {name!r}, though {_INDEX} says it does")
+            got, kind = st.shape(name), st.dtype(name)
+            if got != expected[name]:
+                raise CheckpointError(f"{file}: tensor {name!r} has shape {list(got)}, expected "
+                                      f"{list(expected[name])}")
+            if kind not in DTYPES:
+                raise CheckpointError(f"{file}: tensor {name!r} has dtype {kind}, expected a float type")
+            flat[name] = _to_device(st.array(name), cfg.dtype, device)
     return jax.tree_util.tree_map_with_path(lambda p, _: flat[_name(p)], shapes)
+
+
+def _to_device(view: np.ndarray, dtype: str, device) -> jax.Array:
+    """A tensor's file view [shape] -> a device array in `dtype`: one copy from the file's pages into
+    device memory, then (when the checkpoint's dtype differs) one cast on the device."""
+    if device.platform == "cpu":
+        # jax's CPU client aliases an aligned read-only buffer instead of copying it: the parameters
+        # would then live in the file's pages, and a checkpoint rewritten while serving would crash the
+        # process (SIGBUS). On CPU the device *is* host memory, so this copy is the one copy.
+        view = np.array(view)
+    x = jax.device_put(view, device)  # float64 becomes float32 here unless jax_enable_x64
+    return x if x.dtype == jnp.dtype(dtype) else x.astype(dtype)
+
+
+def _open_safetensors(file: Path) -> SafetensorsFile:
+    try:
+        return SafetensorsFile(file)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
+
+
+def _nbytes(params: Params) -> int:
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
 
 
 def _name(key_path) -> str:
@@ -132,8 +165,6 @@ def _name(key_path) -> str:
 
 def _tensor_files(directory: Path) -> dict[str, Path]:
     """Maps each tensor name of the checkpoint to the safetensors file holding it."""
-    from safetensors import SafetensorError, safe_open
-
     index = directory / _INDEX
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
@@ -147,11 +178,7 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
     single = directory / _SINGLE
     if not single.is_file():
         raise CheckpointError(f"{directory}: no {_SINGLE} and no {_INDEX}")
-    try:
-        with safe_open(str(single), framework="flax") as f:
-            return {name: single for name in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{single}: not a readable safetensors file ({e})") from e
+    return {name: single for name in _open_safetensors(single).names}
 
 
 def _load_tokenizer(directory: Path, cfg: ModelConfig) -> Tokenizer:
