@@ -190,7 +190,11 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
         page = jnp.minimum(pos[None, :] // page_size, table_width - 1)
         slots = jnp.take_along_axis(starts, page, axis=1) + pos[None, :] % page_size  # [N, K]
         k = k_pool[:, slots]                                                         # [Hkv, N, K, D]
-        v = v_pool[:, slots]
+        # Zero V past the row's context: those slots (stale data, or whatever a table entry past the
+        # row's pages points at) may hold NaN/inf, and P = 0 there does not stop 0 * NaN in P @ V.
+        # (Masked scores need no such care: jnp.where below replaces them outright.)
+        in_ctx = pos[None, :] < ctx[:, None]                                         # [N, K]
+        v = jnp.where(in_ctx[None, :, :, None], v_pool[:, slots], 0)
         s = jnp.einsum("nqhgd,hnkd->nhgqk", qg, k, preferred_element_type=jnp.float32) * scale
         visible = ((pos[None, None, :] <= q_positions[:, :, None])
                    & (pos[None, None, :] < ctx[:, None, None]))                      # [N, Q, K]

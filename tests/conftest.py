@@ -10,3 +10,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def two_splits(monkeypatch):
+    """The paged-attention kernel's default split for tiny grids is 16 CTAs per (row, kv head), which the
+    Mosaic GPU interpreter runs slowly; 2 splits still exercise the split-K merge (of outputs and stats)."""
+    import pallas_kernels.paged_attention as paged_attention_module
+    monkeypatch.setattr(paged_attention_module, "default_num_splits", lambda batch, num_kv_heads: 2)

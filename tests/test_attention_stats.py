@@ -1,28 +1,43 @@
-"""The attention-score variance of the decode path (`attn_score_var`): the reference and kernel
-backends agree, and both match a float64 recomputation from the model's own q and K.
+"""The attention-score variance (`attn_score_var`, stratum_jax/decode.py) against float64 recomputations.
 
-Definition (stratum_jax/decode.py): for a query row, s_j = sm_scale * q . k_j over the keys it sees;
-its variance is mean(s^2) - mean(s)^2; a step's per-row value is the mean over q heads and layers
-(and, for a prefill chunk, over the row's last min(5, chunk) valid tokens).
+Definition: for a query row (one q head of one token), s_j = sm_scale * q . k_j over the keys it sees;
+its variance is mean(s^2) - mean(s)^2; a token's value is the mean over q heads and layers; a row's value
+in a step is the weighted sum of its tokens' values with the host's stats_weight, which puts 1/n on the
+row's last n = min(5, tokens of the row in the step) tokens (a decode row: its one token).
+
+Three levels: packed_step on batches packed by the engine's own ModelRunner (so the host's weights are
+tested too), the attention functions' per-query variance, and decode_steps with both backends.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels.paged_attention as paged_attention_module
-from stratum_jax.attention import AttentionMetadata, paged_attention_for_step, paged_attention_reference_chunked
-from stratum_jax.decode import ATTN_VAR_LAST_TOKENS, StepOptions, decode_steps, last_valid_columns, model_step
+from attention_cases import float64_truth, per_query_case, tiled_case
+from pallas_kernels.testing import float64_score_variance, random_paged_case
+from stratum_jax.attention import RowTables, decode_attention, tiled_paged_attention
+from stratum_jax.config import RuntimeConfig
+from stratum_jax.decode import ATTN_VAR_LAST_TOKENS, decode_steps, packed_step
+from stratum_jax.kv.block_table import BlockTable
+from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.model import llama
 from stratum_jax.model.config import PRESETS
-from stratum_jax.sampling import SamplingArrays
+from stratum_jax.model_runner import ModelRunner
+from stratum_jax.request import SamplingParams
+from stratum_jax.scheduler.base import ScheduledBatch
+from stratum_jax.sequence import Sequence
 
 NUM_SLOTS = 4096
-MAX_PAGES = 8
+ROWS = 4
+TILE = 8
+# Per-query variance: fp32 scores of the same values the float64 truth uses, summed after a shift,
+# measured ~1e-6 relative; one key too many or too few moves a variance by ~var / n (> 1e-3 here).
+VAR_RTOL, VAR_ATOL = 2e-4, 1e-5
 
 
 def _model(dtype, head_dim, qk_gain=4.0):
@@ -36,221 +51,220 @@ def _model(dtype, head_dim, qk_gain=4.0):
     return cfg, params
 
 
-def _page_table(page_sizes):
-    """Each row gets MAX_PAGES pages of its size at aligned, disjoint slots."""
-    starts = np.zeros((len(page_sizes), MAX_PAGES), np.int32)
-    nxt = 0
-    for r, p in enumerate(page_sizes):
-        nxt = -(-nxt // p) * p
-        starts[r] = nxt + p * np.arange(MAX_PAGES)
-        nxt += p * MAX_PAGES
-    assert nxt <= NUM_SLOTS
-    return starts, np.asarray(page_sizes, np.int32)
+def _runner(backend="reference", attn_stats=True):
+    """The engine's ModelRunner (only its input packing and StepGeometry are used): 4 rows, tiles of 8,
+    block tables for 64 tokens, 2 decode steps per call."""
+    config = RuntimeConfig(model="tiny", max_batch_size=ROWS, max_context=64, kv_pool_tokens=NUM_SLOTS,
+                           prefill_chunk=TILE, max_num_batched_tokens=ROWS + 64, decode_steps=2)
+    return ModelRunner(config, model=None, num_slots=NUM_SLOTS, backend=backend, attn_stats=attn_stats)
 
 
-def _slot(starts, sizes, r, pos):
-    return int(starts[r, pos // sizes[r]] + pos % sizes[r])
+def _sequences():
+    """Greedy sequences of 30, 3 and 12 prompt tokens in pages of 32, 8 and 16 (room for 4 more tokens)."""
+    pool = PagePool(NUM_SLOTS, enable_prefix_caching=False)
+    seqs = []
+    for name, prompt, page_size in (("a", [7, 9, 11] * 10, 32), ("b", [3, 4, 5], 8), ("c", list(range(40, 52)), 16)):
+        seq = Sequence(name, prompt, SamplingParams(temperature=0.0), seed=0, detokenizer=None)
+        seq.blocks = BlockTable(pool, page_size)
+        assert seq.blocks.ensure_capacity(len(prompt) + 4)
+        seqs.append(seq)
+    return seqs
 
 
-def _greedy(rows):
-    return SamplingArrays(np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32),
-                          np.zeros(rows, np.uint32), np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
+def _advance(batch: ScheduledBatch, tokens):
+    """What the engine does with a step's results: chunks are computed; a row that reached the end of its
+    prompt, or decoded, gets its sampled token."""
+    for seq, n in zip(batch.prefill, batch.chunk_lens):
+        seq.num_computed += n
+    for r, seq in enumerate(batch.seqs):
+        if r < len(batch.decode):
+            seq.num_computed = seq.num_tokens
+        if seq.num_computed == seq.num_tokens:
+            seq.output_ids.append(int(tokens[r]))
 
 
-def _prefill_inputs(prompts, starts, sizes, chunk):
-    rows = len(prompts)
-    tokens = np.zeros((rows, chunk), np.int32)
-    slots = np.full((rows, chunk), NUM_SLOTS, np.int32)
-    q_pos = np.full((rows, chunk), -1, np.int32)
-    ctx = np.zeros(rows, np.int32)
-    cols = np.zeros(rows, np.int32)
-    for r, p in enumerate(prompts):
-        n = len(p)
-        tokens[r, :n] = p
-        slots[r, :n] = [_slot(starts, sizes, r, t) for t in range(n)]
-        q_pos[r, :n] = np.arange(n)
-        ctx[r] = n
-        cols[r] = max(n - 1, 0)
-    meta = AttentionMetadata(q_pos, ctx, starts, sizes)
-    return tokens, slots, meta, cols
+def _token_rows(batch_arrays, tile):
+    """Row of every packed token: [T] (decode tokens: their index; prefill tokens: their tile's row)."""
+    rows = batch_arrays.sample_index.shape[0]
+    return np.concatenate([np.arange(rows), np.repeat(np.asarray(batch_arrays.tile_rows), tile)])
 
 
-PROMPTS = [list(range(3, 6)), list(range(40, 52)), [7, 9, 11] * 10, []]     # 3, 12, 30 tokens, padding
-PAGES = [8, 16, 32, 8]
-
-
-def _prefill(cfg, params, chunk=32, max_context=64, **opt_kw):
-    starts, sizes = _page_table(PAGES)
-    tokens, slots, meta, cols = _prefill_inputs(PROMPTS, starts, sizes, chunk)
-    cache = llama.init_kv_cache(cfg, NUM_SLOTS)
-    opts = StepOptions(max_context=max_context, **opt_kw)
-    res, cache = model_step(params, cache, tokens, slots, meta, cols, _greedy(len(PROMPTS)),
-                            np.full_like(tokens, -1), cfg=cfg, opts=opts)
-    return res, cache, (tokens, slots, meta, starts, sizes)
-
-
-def _float64_prefill_var(cfg, params, tokens, slots, meta, starts, sizes):
-    """Runs the model eagerly, recording each layer's q (after RoPE) and K pool, then recomputes the
-    per-row value in float64 numpy: per (layer, head, token) the variance of scale * K_visible @ q,
-    averaged over heads, layers and the row's last <= 5 valid tokens. Also returns the mean over
-    all valid tokens (a plausible wrong definition, to show the check discriminates)."""
-    rows, chunk = tokens.shape
-    recorded = []
+def _float64_token_var(cfg, params, cache, packed, tile):
+    """Runs the model eagerly on the packed tokens, with attention computed in float64 from each
+    layer's q (after RoPE) and pools: returns per token [T] the score variance averaged over heads and
+    layers, in float64 (0 for padding tokens)."""
+    token_rows = _token_rows(packed, tile)
+    tables = packed.tables
+    layer_vars = []
 
     def attend(layer, q, k_pool, v_pool):
-        recorded.append((np.asarray(q, np.float64), np.asarray(k_pool.astype(jnp.float32), np.float64)))
-        out = paged_attention_reference_chunked(q.reshape(rows, chunk, *q.shape[1:]), k_pool, v_pool, meta,
-                                                max_context=64)
-        return out.reshape(q.shape)
+        case = per_query_case(q, k_pool, v_pool, token_rows, packed.positions, tables.context_lens,
+                              tables.page_starts, tables.page_sizes)
+        out, var = float64_truth(case)
+        layer_vars.append(var.mean(axis=-1))
+        return jnp.asarray(out, q.dtype)
 
-    llama.forward(params, cfg, jnp.asarray(tokens.reshape(-1)), jnp.asarray(np.maximum(meta.q_positions, 0).reshape(-1)),
-                  llama.init_kv_cache(cfg, NUM_SLOTS), jnp.asarray(slots.reshape(-1)), attend)
-    group = cfg.num_heads // cfg.num_kv_heads
-    last5, every = np.zeros(rows), np.zeros(rows)
-    for r in range(rows):
-        n = int(np.sum(meta.q_positions[r] >= 0))
-        if n == 0:
-            continue
-        per_tok = np.zeros(n)
-        for q, k_pool in recorded:
-            for j in range(n):
-                p = int(meta.q_positions[r, j])
-                ks = k_pool[:, [_slot(starts, sizes, r, t) for t in range(p + 1)]]       # [Hkv, p+1, D]
-                for h in range(cfg.num_heads):
-                    s = ks[h // group] @ q[r * chunk + j, h] * cfg.head_dim ** -0.5
-                    per_tok[j] += s.var() / (cfg.num_heads * len(recorded))
-        last5[r] = per_tok[-min(ATTN_VAR_LAST_TOKENS, n):].mean()
-        every[r] = per_tok.mean()
-    return last5, every
+    llama.forward(params, cfg, jnp.asarray(packed.token_ids), jnp.asarray(np.maximum(packed.positions, 0)),
+                  jax.tree.map(jnp.copy, cache), jnp.asarray(packed.write_slots), attend)
+    return np.mean(layer_vars, axis=0)
 
 
-def test_prefill_attn_score_var_matches_float64_recomputation():
-    """model_step (reference backend, fp32 tiny model): StepResult.attn_score_var [rows] equals the
-    float64 recomputation from the model's q/K, layer- and head-averaged over the last 5 tokens."""
-    cfg, params = _model("float32", 32)
-    res, _, (tokens, slots, meta, starts, sizes) = _prefill(cfg, params)
-    var = np.asarray(res.attn_score_var)
-    assert var.shape == (len(PROMPTS),) and var.dtype == np.float32
-    want, every = _float64_prefill_var(cfg, params, tokens, slots, meta, starts, sizes)
-    assert var[3] == 0.0                                           # the padding row
-    assert want[1] > 0.05                                         # non-trivial values
-    np.testing.assert_allclose(var, want, rtol=1e-4, atol=1e-6)
-    # The check is sharp enough to tell "last 5 tokens" from "all tokens" in the longer rows.
-    assert np.all(np.abs(every[1:3] - want[1:3]) > 1e-2 * want[1:3])
-    # attn_stats=False: the same tokens, zeros for the stats.
-    off, _, _ = _prefill(cfg, params, attn_stats=False)
-    assert np.array_equal(np.asarray(off.tokens), np.asarray(res.tokens))
-    assert np.all(np.asarray(off.attn_score_var) == 0)
-
-
-def test_last_valid_columns():
-    q_pos = jnp.asarray([[0, 1, 2, 3, 4, 5, 6, -1], [10, 11, -1, -1, -1, -1, -1, -1], [-1] * 8])
-    cols, ok = last_valid_columns(q_pos)
-    assert cols.shape == ok.shape == (3, ATTN_VAR_LAST_TOKENS)
-    cols, ok = np.asarray(cols), np.asarray(ok)
-    assert sorted(cols[0][ok[0]]) == [2, 3, 4, 5, 6]
-    assert sorted(cols[1][ok[1]]) == [0, 1] and not ok[2].any()
-    cols, ok = last_valid_columns(jnp.asarray([[3, -1, 7]]).T)      # decode: chunk 1
-    assert np.asarray(cols).tolist() == [[0], [0], [0]] and np.asarray(ok)[:, 0].tolist() == [True, False, True]
-
-
-def _random_step_case(seed, lengths, page_sizes, num_heads=4, num_kv_heads=2, head_dim=64, chunk=1):
-    rng = np.random.default_rng(seed)
-    starts, sizes = _page_table(page_sizes)
-    k = rng.standard_normal((num_kv_heads, NUM_SLOTS, head_dim)).astype(np.float32)
-    v = rng.standard_normal((num_kv_heads, NUM_SLOTS, head_dim)).astype(np.float32)
-    q = rng.standard_normal((len(lengths), chunk, num_heads, head_dim)).astype(np.float32) * 2
-    lengths = np.asarray(lengths, np.int32)
-    q_pos = np.where(lengths[:, None] > 0, lengths[:, None] - chunk + np.arange(chunk)[None, :], -1)
-    q_pos = np.where(q_pos >= 0, q_pos, -1).astype(np.int32)
-    meta = AttentionMetadata(q_pos, lengths, starts, sizes)
-    return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), meta)
-
-
-def _float64_step_var(q, k_pool, meta):
-    q = np.asarray(q.astype(jnp.float32), np.float64)
-    k = np.asarray(k_pool.astype(jnp.float32), np.float64)
-    rows, chunk, heads, d = q.shape
-    group = heads // k.shape[0]
-    out = np.zeros((rows, chunk, heads))
-    for r in range(rows):
-        for c in range(chunk):
-            p = int(meta.q_positions[r, c])
-            if p < 0:
-                continue
-            ks = k[:, [_slot(meta.page_starts, meta.page_sizes, r, t) for t in range(p + 1)]]
-            for h in range(heads):
-                out[r, c, h] = (ks[h // group] @ q[r, c, h] * d ** -0.5).var()
+def _row_values(token_var, packed, tile, last):
+    """Per row [rows]: the mean of token_var over the row's last `last` valid tokens of the step (None:
+    all of them), in position order; 0 for a row with no token."""
+    token_rows, positions = _token_rows(packed, tile), np.asarray(packed.positions)
+    out = np.zeros(packed.sample_index.shape[0])
+    for r in range(len(out)):
+        mine = np.nonzero((token_rows == r) & (positions >= 0))[0]
+        mine = mine[np.argsort(positions[mine])][-last if last else 0:]
+        out[r] = token_var[mine].mean() if len(mine) else 0.0
     return out
 
 
-@pytest.fixture
-def two_splits(monkeypatch):
-    """The kernel's default split for these tiny grids is 16 CTAs per (row, kv head), which the
-    interpreter runs slowly; 2 splits still exercise the split-K merge of the stats."""
-    monkeypatch.setattr(paged_attention_module, "default_num_splits", lambda batch, num_kv_heads: 2)
+def _greedy_step(runner, params, cfg, cache, batch, prefill_tokens, geo=None, stats_weight=None):
+    packed, sampling, want = runner._packed_inputs(batch, prefill_tokens)
+    if stats_weight is not None:
+        packed = dataclasses.replace(packed, stats_weight=stats_weight)
+    res, new_cache = packed_step(params, jax.tree.map(jnp.copy, cache), packed, sampling, want, cfg=cfg,
+                                 geo=geo or runner.geo)
+    return jax.device_get(res), new_cache, packed
+
+
+def test_packed_step_attn_score_var_matches_float64():
+    """Two packed steps on the fp32 tiny model: (1) prefill of three prompts, one of them chunked (22 of
+    30 tokens), plus a padding row and a padding tile; (2) a mixed step: two decode rows and the rest of
+    the chunked prompt (a chunk that starts at position 22). Each row's attn_score_var equals the float64
+    recomputation over its last <= 5 tokens; with other weights, packed_step gives their weighted sum;
+    with attn_stats off, the same tokens and zero stats."""
+    cfg, params = _model("float32", 32)
+    runner = _runner()
+    a, b, c = _sequences()
+    cache = llama.init_kv_cache(cfg, NUM_SLOTS)
+    steps = [ScheduledBatch([], [], [b, c, a], [3, 12, 22]),
+             ScheduledBatch([b, c], [1, 1], [a], [8])]
+    # 7 tiles: 6 (step 1) or 1 (step 2) hold chunks, the rest are padding tiles; one shape, one compile.
+    prefill_tokens = 7 * TILE
+    for i, batch in enumerate(steps):
+        res, new_cache, packed = _greedy_step(runner, params, cfg, cache, batch, prefill_tokens)
+        var = res.attn_score_var
+        assert var.shape == (ROWS,) and var.dtype == np.float32
+        token_var = _float64_token_var(cfg, params, cache, packed, TILE)
+        want = _row_values(token_var, packed, TILE, last=ATTN_VAR_LAST_TOKENS)
+        every = _row_values(token_var, packed, TILE, last=None)
+        assert var[3] == 0.0                                         # the padding row
+        assert np.all(want[:3] > 0.05)                               # non-trivial values
+        np.testing.assert_allclose(var, want, rtol=1e-4, atol=1e-6)
+        if i == 0:
+            # The check is sharp: "last 5 tokens" and "all tokens" differ in the rows with > 5 tokens...
+            assert np.all(np.abs(every[1:3] - want[1:3]) > 1e-2 * want[1:3])
+            # ...and packed_step applies whatever weights it is given: 1/n on all of a row's tokens.
+            rows_of = _token_rows(packed, TILE)
+            ok = np.asarray(packed.positions) >= 0
+            counts = np.bincount(rows_of[ok], minlength=ROWS)
+            uniform = np.where(ok, 1.0 / np.maximum(counts[rows_of], 1), 0.0).astype(np.float32)
+            res_all, _, _ = _greedy_step(runner, params, cfg, cache, batch, prefill_tokens, stats_weight=uniform)
+            np.testing.assert_allclose(res_all.attn_score_var, every, rtol=1e-4, atol=1e-6)
+            # attn_stats=False: the same tokens, zeros for the stats.
+            off, _, _ = _greedy_step(runner, params, cfg, cache, batch, prefill_tokens,
+                                     geo=dataclasses.replace(runner.geo, attn_stats=False))
+            assert np.array_equal(off.tokens, res.tokens)
+            assert np.all(off.attn_score_var == 0)
+        _advance(batch, res.tokens)
+        cache = new_cache
+    assert a.num_computed == 30 and len(b.output_ids) == len(c.output_ids) == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# The attention functions' per-query variance
+# ---------------------------------------------------------------------------------------------------
+
+def check_var(var, want):
+    var = np.asarray(var)
+    assert var.dtype == np.float32 and var.shape == want.shape, (var.dtype, var.shape)
+    assert np.isfinite(var).all() and (var >= 0).all()
+    np.testing.assert_allclose(var, want, rtol=VAR_RTOL, atol=VAR_ATOL)
+
+
+@functools.partial(jax.jit, static_argnames=("key_block", "return_score_stats"))
+def _tiled(q, q_positions, tile_rows, tables, k_pool, v_pool, key_block, return_score_stats):
+    return tiled_paged_attention(q, q_positions, tile_rows, tables, k_pool, v_pool, key_block=key_block,
+                                 return_score_stats=return_score_stats)
+
+
+@pytest.mark.parametrize("key_offset", [0.0, 300.0])
+def test_tiled_score_var(key_offset):
+    """Prefill tiles (causal chunks of 8, starting at 0 and past 0), a row with context 0, a padding tile,
+    key_block 16 so the sums run over many blocks. key_offset adds a constant to every key: each query's
+    scores then share an offset of hundreds, which a shift-free mean(s^2) - mean(s)^2 in float32 would
+    cancel away (the variance itself does not change). Outputs with stats equal outputs without."""
+    args, case = tiled_case(11, contexts=[1, 15, 70, 0, 130], page_sizes=[8, 16, 64, 8, 256],
+                            chunk_starts=[0, 0, 50, 0, 100], tile=TILE, num_heads=4, num_kv_heads=2, head_dim=32,
+                            pad_tiles_after=(2,), zero_rows=(3,))
+    if key_offset:
+        k_pool = args[4] + key_offset
+        args = (*args[:4], k_pool, args[5])
+        case = {**case, "k_pool": k_pool}
+    out, var = _tiled(*args, key_block=16, return_score_stats=True)
+    want = float64_score_variance(case)
+    assert want.max() > 0.5                                               # non-trivial values
+    check_var(var.reshape(want.shape), want)
+    plain = _tiled(*args, key_block=16, return_score_stats=False)
+    assert np.array_equal(np.asarray(out), np.asarray(plain))
 
 
 @pytest.mark.parametrize("backend", ["reference", "kernel"])
-def test_paged_attention_for_step_score_var(backend, two_splits):
-    """Directly constructed decode step (and a causal chunk for the reference): per-row, per-head
-    score variance against float64; the reference's outputs are the same as with the stats off."""
-    q, k, v, meta = _random_step_case(0, [1, 70, 0, 200, 9, 33], [8, 16, 32, 64, 256, 8])
-    kw = dict(max_context=256, backend=backend, interpret=backend == "kernel")
-    out, var = paged_attention_for_step(q, k, v, meta, return_score_stats=True, **kw)
-    assert var.shape == (6, 1, 4) and var.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(var), _float64_step_var(q, k, meta), rtol=2e-4, atol=1e-5)
-    if backend == "reference":   # (the kernel's stats-off output is compared in test_paged_attention.py)
-        plain = paged_attention_for_step(q, k, v, meta, **kw)
-        assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
-        q, k, v, meta = _random_step_case(1, [1, 70, 0, 20], [8, 16, 32, 64], chunk=6)
-        out, var = paged_attention_for_step(q, k, v, meta, return_score_stats=True, **kw)
-        assert var.shape == (4, 6, 4)
-        want = _float64_step_var(q, k, meta)
-        np.testing.assert_allclose(np.asarray(var), want, rtol=2e-4, atol=1e-5)
-        cols = np.asarray([[5, 1], [0, 4], [3, 3], [2, 5]], np.int32)     # stats for 2 chosen columns
-        _, sub = paged_attention_for_step(q, k, v, meta, return_score_stats=True, stats_columns=cols, **kw)
-        np.testing.assert_allclose(np.asarray(sub), np.take_along_axis(want, cols[:, :, None], axis=1),
-                                   rtol=2e-4, atol=1e-5)
+def test_decode_attention_score_var(backend, two_splits):
+    """One token per row, bf16 pools, every kind of row: length 1, several pages, length 0, pages of 8
+    to 256. The kernel runs in the Mosaic GPU interpreter (shapes kept small: it simulates every thread)."""
+    contexts, sizes = [1, 37, 0, 70, 9], [8, 16, 32, 8, 256]
+    case = random_paged_case(5, lengths=contexts, page_sizes=sizes, num_q_heads=4, num_kv_heads=2, head_dim=64)
+    positions = jnp.asarray(contexts, jnp.int32) - 1
+    tables = RowTables(jnp.zeros(len(contexts), jnp.int32), case["page_starts"], case["page_sizes"])
+    def call(return_score_stats=False):
+        attend = jax.jit(functools.partial(decode_attention, backend=backend, interpret=backend == "kernel",
+                                           return_score_stats=return_score_stats))
+        return attend(case["q"], positions, tables, case["k_pool"], case["v_pool"])
 
+    out, var = call(return_score_stats=True)
+    want = float64_score_variance(case)
+    assert want.max() > 0.5
+    check_var(var, want)
+    assert np.all(np.asarray(var)[2] == 0)
+    if backend == "reference":   # (the kernel's stats-off output is compared in test_paged_attention.py)
+        assert np.array_equal(np.asarray(out, np.float32), np.asarray(call(), np.float32))
+
+
+# ---------------------------------------------------------------------------------------------------
+# decode_steps, both backends
+# ---------------------------------------------------------------------------------------------------
 
 def test_decode_steps_kernel_matches_reference_and_float64(two_splits):
     """decode_steps on a bf16, head_dim-64 tiny model after a prefill: DecodeResult.attn_score_var
-    [num_steps, rows] is the same from the kernel (interpret mode) and the reference backend, 0 for
-    rows that are not running; the reference's step-0 value equals the float64 recomputation."""
+    [2 steps, rows] is the same from the kernel (interpret mode) and the reference backend, 0 for rows
+    that are not running; the reference's step-0 value equals the float64 recomputation."""
     cfg, params = _model("bfloat16", 64)
-    pre, cache, (_, _, _, starts, sizes) = _prefill(cfg, params)
-    rows = len(PROMPTS)
-    last = np.asarray(pre.tokens, np.int32)
-    pos = np.asarray([len(p) for p in PROMPTS], np.int32)
-    allowed = np.asarray([2, 2, 1, 0], np.int32)
+    runner = _runner()
+    a, b, c = _sequences()
+    prefill = ScheduledBatch([], [], [b, c, a], [3, 12, 30])
+    res, cache, _ = _greedy_step(runner, params, cfg, llama.init_kv_cache(cfg, NUM_SLOTS), prefill, 56)
+    _advance(prefill, res.tokens)
+    batch = ScheduledBatch([b, c, a], [2, 2, 1], [], [])
+    inputs = runner._decode_inputs(batch)
+    allowed = inputs[2]
+    assert allowed.tolist() == [2, 2, 1, 0]
     results = {}
     for backend in ("reference", "kernel"):
-        opts = StepOptions(max_context=64, backend=backend, interpret=backend == "kernel")
-        c = jax.tree.map(jnp.copy, cache)
-        results[backend], _ = decode_steps(params, c, last, pos, allowed, starts, sizes, _greedy(rows),
-                                           cfg=cfg, opts=opts, num_steps=2)
+        geo = dataclasses.replace(runner.geo, backend=backend, interpret=backend == "kernel", attn_stats=True)
+        results[backend], _ = decode_steps(params, jax.tree.map(jnp.copy, cache), *inputs, cfg=cfg, geo=geo)
     ref, ker = (np.asarray(results[b].attn_score_var) for b in ("reference", "kernel"))
-    assert ref.shape == ker.shape == (2, rows) and ker.dtype == np.float32
+    assert ref.shape == ker.shape == (2, ROWS) and ker.dtype == np.float32
     running = np.arange(2)[:, None] < allowed[None, :]
     assert np.all(ref[~running] == 0) and np.all(ker[~running] == 0)
     assert np.all(ref[running] > 0.01)
     # bf16 P in the kernel's P @ V changes later layers' inputs a little: 2% covers it.
     np.testing.assert_allclose(ker, ref, rtol=2e-2, atol=1e-4)
 
-    # Step 0 from scratch: one decode token per running row, through the model eagerly, float64.
-    tokens = last[:, None]
-    slots = np.asarray([[_slot(starts, sizes, r, int(pos[r]))] if allowed[r] else [NUM_SLOTS] for r in range(rows)],
-                       np.int32)
-    q_pos = np.where(allowed > 0, pos, -1)[:, None].astype(np.int32)
-    meta = AttentionMetadata(q_pos, np.where(allowed > 0, pos + 1, 0).astype(np.int32), starts, sizes)
-    recorded = []
-
-    def attend(layer, q, k_pool, v_pool):
-        recorded.append((q[:, None], k_pool))
-        return paged_attention_reference_chunked(q[:, None], k_pool, v_pool, meta, max_context=64)[:, 0]
-
-    llama.forward(params, cfg, jnp.asarray(tokens[:, 0]), jnp.asarray(np.maximum(q_pos[:, 0], 0)), cache,
-                  jnp.asarray(slots[:, 0]), attend)
-    want = np.mean([_float64_step_var(q, k, meta)[:, 0].mean(axis=-1) for q, k in recorded], axis=0)
+    # Step 0 from scratch: the same decode tokens as one packed step, through the model eagerly, float64.
+    packed, _, _ = runner._packed_inputs(ScheduledBatch([b, c, a], [1, 1, 1], [], []), 0)
+    want = _float64_token_var(cfg, params, cache, packed, TILE)
     np.testing.assert_allclose(ref[0], want, rtol=1e-3, atol=1e-5)
