@@ -652,6 +652,10 @@ async def run_rate(stub, pb, window, shape, rate, salt, args, metrics_url, deadl
         server_idle_before=idle_before, server_idle_after=idle_after,
         jit_compilations=_delta(counter_total(before, "stratum_jit_compilations_total"),
                                 counter_total(after, "stratum_jit_compilations_total")),
+        # Every compile since the server reported SERVING (absolute; should stay 0).
+        jit_compilations_after_serving=counter_total(after, "stratum_jit_compilations_after_serving_total"),
+        hab_triggers=_delta(counter_total(before, "stratum_hab_triggers_total"),
+                            counter_total(after, "stratum_hab_triggers_total")),
         gpu_idle_ms_histogram=histogram_diff(histogram(before, "stratum_gpu_idle_ms"),
                                              histogram(after, "stratum_gpu_idle_ms")),
         preemptions=_delta(counter_total(before, "stratum_preemptions_total"),

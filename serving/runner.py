@@ -121,8 +121,9 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._step_failures = 0
         # Written by the engine thread, read by others; each is replaced whole, never mutated, so reads
-        # need no lock. (This first stats() call is safe: the engine thread has not started yet.)
-        self.stats = engine.stats()
+        # need no lock. (This first stats() call is safe: the engine thread has not started yet.) It also
+        # publishes what loading and warm-up did (compile counts) before the first request.
+        self._publish_stats()
         self.accepted = 0
         self.finished = 0
         self.decode_batch = 1.0

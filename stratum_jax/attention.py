@@ -146,8 +146,8 @@ jax.tree_util.register_dataclass(RowTables, data_fields=["context_lens", "page_s
 
 # Keys per iteration of the tiled path's loop. Each iteration gathers [tiles, KEY_BLOCK] K/V slots. The
 # loop's trip count is data, which XLA on a GPU checks on the host once per iteration (a sync of tens
-# of microseconds), so the blocks are large: a 4K-token context takes 4 iterations per layer.
-KEY_BLOCK = 1024
+# of microseconds), so the blocks are large: a 32K-token context takes 16 iterations per layer.
+KEY_BLOCK = 2048
 
 
 def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_pool, *,
