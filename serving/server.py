@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pathlib
+import time
 
 import grpc
 import jax
@@ -116,14 +117,21 @@ class StratumServer:
     def _load_blocking(self) -> tuple[Served, float]:
         engine = self._engine
         if engine is None:
+            start = time.perf_counter()
             from stratum_jax.engine import Engine   # the heavy import only when a real model is served
             log.info("loading model %s", self.config.model)
             engine = Engine(self.config)
+            log.info("engine ready in %.2f s (engine import, model load, KV cache, set-up; phases above)",
+                     time.perf_counter() - start)
+        start = time.perf_counter()
         log.info("warming up (compiling the step functions)")
         engine.warmup()
         _calibrate(engine, self.config)
+        log.info("warm-up and calibration took %.2f s", time.perf_counter() - start)
         self._start_dmlp(engine)
+        start = time.perf_counter()
         bandwidth = measure_copy_bandwidth_gbps()
+        log.info("memory bandwidth measured in %.2f s", time.perf_counter() - start)
         name = _model_name(self.config.model)
         mc = engine.model_config
         kv_bytes = cost.kv_bytes_per_token(mc)

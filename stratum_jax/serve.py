@@ -8,16 +8,20 @@ drain short; it is already bounded.
 """
 from __future__ import annotations
 
-import argparse
-import asyncio
-import logging
-import signal
-import sys
+import time
 
-from serving.options import ServerOptions
-from serving.server import StratumServer
-from stratum_jax.compile_watch import enable_persistent_cache
-from stratum_jax.config import DEFAULT_COMPILATION_CACHE_DIR, RuntimeConfig
+_STARTED = time.perf_counter()   # before the heavy imports below (jax, grpc), so that they are timed too
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+from serving.options import ServerOptions  # noqa: E402
+from serving.server import StratumServer  # noqa: E402
+from stratum_jax.compile_watch import enable_persistent_cache  # noqa: E402
+from stratum_jax.config import DEFAULT_COMPILATION_CACHE_DIR, RuntimeConfig  # noqa: E402
 
 log = logging.getLogger("stratum_jax.serve")
 
@@ -62,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("imports took %.2f s", time.perf_counter() - _STARTED)
     enable_persistent_cache(config.compilation_cache_dir)
     return asyncio.run(serve(config, options))
 

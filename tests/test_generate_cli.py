@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from stratum_jax import generate
+from stratum_jax.model.tokenizer import ByteTokenizer
 
 
 def test_json_output_with_logprobs(capsys):
@@ -24,9 +25,15 @@ def test_json_output_with_logprobs(capsys):
 
 
 def test_text_prompt_prints_text(capsys):
-    assert generate.main(["--model", "tiny", "--max-context", "256", "--kv-pool-tokens", "1024",
-                          "--prompt", "hello", "--max-tokens", "3", "--ignore-eos"]) == 0
-    assert capsys.readouterr().out.strip("\n") != ""
+    """Plain output is the decoded text, one line per prompt. (Greedy, so the --json run gives the same
+    tokens; tiny's random weights may pick ids >= 256 that decode to nothing, hence no non-empty check.)"""
+    argv = ["--model", "tiny", "--max-context", "256", "--kv-pool-tokens", "1024", "--prompt", "hello",
+            "--max-tokens", "3", "--ignore-eos"]
+    assert generate.main(argv + ["--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["text"] == ByteTokenizer().decode(obj["token_ids"]) and len(obj["token_ids"]) == 3
+    assert generate.main(argv) == 0
+    assert capsys.readouterr().out == obj["text"] + "\n"
 
 
 @pytest.mark.parametrize("argv, msg", [

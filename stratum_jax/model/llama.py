@@ -309,11 +309,11 @@ def _normal_leaf(words: jax.Array, shape: tuple[int, ...], dtype: str) -> jax.Ar
     """N(0, 0.02) [shape] in dtype from the leaf's stream words [2] uint32.
 
     A counter-based generator: element i gets bits = fmix32(fmix32(i * golden + w0) ^ w1), whose top 24
-    bits make u in (-1, 1) and sqrt(2) * erfinv(u) a standard normal (|z| <= 5.4). Not jax.random: its
-    threefry costs ~2 s of XLA compile per distinct shape on CPU and ~10x this generator's run time
-    (benchmarks/results/startup_cpu.json); weights need no cryptographic-strength stream. Hash, transform,
-    scale and cast fuse into one loop, so no float32 copy of the leaf exists. One compile per (shape, dtype):
-    llama-1b's 113 matrices have 5 distinct shapes.
+    bits make u in (-1, 1) and sqrt(2) * erfinv(u) a standard normal (|z| <= 5.4). Not jax.random: on CPU
+    its threefry took ~3x this generator's compile and run time for a [8192, 2048] bf16 matrix (rng_compare
+    in benchmarks/results/startup_cpu.json), and weights need no cryptographic-strength stream. Hash,
+    transform, scale and cast fuse into one loop, so no float32 copy of the leaf exists. One compile per
+    (shape, dtype): llama-1b's 113 matrices have 5 distinct shapes.
     """
     ctr = jax.lax.iota(jnp.uint32, math.prod(shape))  # callers keep leaves under 2**32 elements
     bits = _fmix32(_fmix32(ctr * jnp.uint32(0x9E3779B9) + words[0]) ^ words[1])
