@@ -108,6 +108,7 @@ class StratumServer:
         self.runner = served.runner
         self.metrics.hbm_bandwidth.set(bandwidth)
         self.servicer.set_served(served, bandwidth)
+        self.runner.engine.mark_serving()       # a compile from here on is on the request path
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.runner.start()

@@ -149,7 +149,8 @@ KEY_BLOCK = 2048
 
 
 def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_pool, *,
-                          key_block: int = KEY_BLOCK, return_score_stats: bool = False):
+                          key_block: int = KEY_BLOCK, max_context: int | None = None,
+                          return_score_stats: bool = False):
     """Causal attention of query tiles over their rows' paged context (the prefill path, and the
     decode path of the reference backend with one-token tiles).
 
@@ -157,8 +158,9 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
     padding query); tile_rows: [tiles] int32, the row (into `tables`) every query of a tile belongs to
     (-1: padding tile). k_pool, v_pool: [num_kv_heads, num_slots, head_dim].
     A query at position p sees its row's keys at positions <= p and < context_len. The loop runs
-    over blocks of `key_block` positions up to what the block table can address (table_width * 8,
-    i.e. --max-context: a config constant, not a per-step shape); scores and the online softmax are float32, the
+    over blocks of `key_block` positions up to `max_context` (static: the engine's --max-context, a
+    config constant, not a per-step shape; default: what the tables can address with 256-token pages);
+    scores and the online softmax are float32, the
     matmuls take the pools' dtype with float32 accumulation.
     Returns out [tiles, tile, num_heads, head_dim] in q.dtype (zeros for padding queries); with
     return_score_stats also score_var [tiles, tile, num_heads] float32: the population variance of the
@@ -180,7 +182,8 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
     # runs a data-dependent while_loop by reading its predicate on the host every iteration, which cost
     # ~0.6 ms per iteration on an H200 (a 12K-token prefill step took 93 ms against 31 ms at 1K).
     # Blocks past a tile's context are fully masked; they cost compute, not correctness.
-    num_blocks = -(-table_width * 8 // key_block)
+    bound = max_context if max_context is not None else table_width * 256
+    num_blocks = -(-bound // key_block)
     qg = q.reshape(tiles, tile, num_kv_heads, group, head_dim).astype(k_pool.dtype)
     neg = jnp.float32(-jnp.inf)
     acc_shape = (tiles, num_kv_heads, group, tile)
@@ -230,7 +233,7 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
 
 
 def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend: str, interpret: bool = False,
-                     return_score_stats: bool = False):
+                     max_context: int | None = None, return_score_stats: bool = False):
     """One query token per row: q [rows, num_heads, head_dim], positions [rows] int32 (-1: the row has no
     decode token this step). The row's keys are positions 0..position (its context after the write).
     backend "kernel": the Pallas Mosaic GPU kernel; "reference": the tiled jnp path with one-token tiles.
@@ -244,7 +247,7 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
                                interpret=interpret, return_score_stats=return_score_stats)
     own = RowTables(lengths, tables.page_starts, tables.page_sizes)
     res = tiled_paged_attention(q[:, None], positions[:, None], jnp.arange(rows, dtype=jnp.int32), own,
-                                k_pool, v_pool, return_score_stats=return_score_stats)
+                                k_pool, v_pool, max_context=max_context, return_score_stats=return_score_stats)
     if return_score_stats:
         return res[0][:, 0], res[1][:, 0]
     return res[:, 0]

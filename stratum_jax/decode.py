@@ -57,6 +57,11 @@ class StepGeometry:
     interpret: bool = False     # run the Pallas kernel in the interpreter (CPU tests)
     attn_stats: bool = False    # compute attn_score_var
 
+    @property
+    def max_context(self) -> int:
+        """Positions the block table addresses (8-token pages at full width): the attention loop's bound."""
+        return self.table_width * 8
+
 
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
@@ -107,13 +112,15 @@ def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
 
     def attend(layer, q, k_pool, v_pool):
         res = decode_attention(q[:rows], batch.positions[:rows], batch.tables, k_pool, v_pool,
-                               backend=geo.backend, interpret=geo.interpret, return_score_stats=geo.attn_stats)
+                               backend=geo.backend, interpret=geo.interpret, max_context=geo.max_context,
+                               return_score_stats=geo.attn_stats)
         out, var = res if geo.attn_stats else (res, None)
         outs, variances = [out], [var]
         if tiles:
             res = tiled_paged_attention(q[rows:].reshape(tiles, tile, *q.shape[1:]),
                                         batch.positions[rows:].reshape(tiles, tile), batch.tile_rows,
-                                        batch.tables, k_pool, v_pool, return_score_stats=geo.attn_stats)
+                                        batch.tables, k_pool, v_pool, max_context=geo.max_context,
+                                        return_score_stats=geo.attn_stats)
             pre, pre_var = res if geo.attn_stats else (res, None)
             outs.append(pre.reshape(prefill, *q.shape[1:]))
             variances.append(None if pre_var is None else pre_var.reshape(prefill, -1))

@@ -388,12 +388,16 @@ class Engine:
         return [results[i] for i in ids]
 
     def warmup(self, progress: bool = True) -> float:
-        """Compiles every step shape the config can produce (model_runner.py) and the DMLP predictor;
-        afterwards a compile is logged as a WARNING. Returns the seconds compiling took."""
+        """Compiles every step shape the config can produce (model_runner.py) and the DMLP predictor.
+        Returns the seconds compiling took."""
         seconds = self.runner.compile_all(self.kv_cache, progress=progress)
         warm_predictor(self.cache_policy)
-        self.compiles.mark_serving()
         return seconds
+
+    def mark_serving(self) -> None:
+        """The driver is taking traffic: from now on a compile is on the request path, counted apart
+        (EngineStats.jit_compilations_after_serving) and logged as a WARNING."""
+        self.compiles.mark_serving()
 
     def stats(self) -> EngineStats:
         free = self.pool.free_slots

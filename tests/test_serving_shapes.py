@@ -46,6 +46,7 @@ def _random_params(rng: random.Random, i: int) -> SamplingParams:
 def test_random_load_compiles_nothing_after_warmup_and_matches_alone(tiny):
     engine = Engine(RuntimeConfig(**CONFIG), model=tiny)
     engine.warmup(progress=False)
+    engine.mark_serving()
     compiled = engine.compiles.total
     assert compiled >= len(engine.runner.shapes) and engine.compiles.after_serving == 0
 

@@ -59,14 +59,14 @@ def test_tiled_matches_float64(num_heads, num_kv_heads):
 
 
 def test_tiled_bf16_pools_default_key_block():
-    """bf16 q and pools (the serving dtype), the default KEY_BLOCK over contexts of up to 5 blocks, tiles
-    of 16; page sizes in another order than above."""
+    """bf16 q and pools (the serving dtype), key blocks of 128 over contexts of up to 5 blocks, tiles of
+    16; page sizes in another order than above."""
     contexts = [600, 17, 260, 129, 3, 64]
     args, case = tiled_case(7, contexts=contexts, page_sizes=[8, 256, 16, 128, 64, 32],
                             chunk_starts=[560, 0, 200, 100, 0, 48], tile=16, num_heads=8, num_kv_heads=2,
                             head_dim=64, pad_tiles_after=(0,), pool_dtype=jnp.bfloat16)
-    assert max(contexts) > 4 * KEY_BLOCK
-    out = _tiled(*args)
+    assert max(contexts) > 4 * 128
+    out = _tiled(*args, key_block=128)
     assert out.dtype == jnp.bfloat16
     want, _ = float64_truth(case)
     check(out.reshape(want.shape), want, BF16_TOL)
