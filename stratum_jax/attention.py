@@ -146,6 +146,8 @@ jax.tree_util.register_dataclass(RowTables, data_fields=["context_lens", "page_s
 
 # Keys per iteration of the tiled path's loop. Each iteration gathers [tiles, KEY_BLOCK] K/V slots.
 KEY_BLOCK = 2048
+# Up to this many key blocks in the context bound, the loop has a static trip count (see below).
+STATIC_LOOP_MAX_BLOCKS = 4
 
 
 def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_pool, *,
@@ -158,9 +160,10 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
     padding query); tile_rows: [tiles] int32, the row (into `tables`) every query of a tile belongs to
     (-1: padding tile). k_pool, v_pool: [num_kv_heads, num_slots, head_dim].
     A query at position p sees its row's keys at positions <= p and < context_len. The loop runs
-    over blocks of `key_block` positions up to `max_context` (static: the engine's --max-context, a
-    config constant, not a per-step shape; default: what the tables can address with 256-token pages);
-    scores and the online softmax are float32, the
+    over blocks of `key_block` positions: all blocks up to `max_context` (the engine's --max-context, a
+    config constant; default: what the tables can address with 256-token pages) when that is at most
+    STATIC_LOOP_MAX_BLOCKS blocks, else up to the largest context in the step (a data-dependent trip
+    count). Neither makes the context a compile axis. Scores and the online softmax are float32, the
     matmuls take the pools' dtype with float32 accumulation.
     Returns out [tiles, tile, num_heads, head_dim] in q.dtype (zeros for padding queries); with
     return_score_stats also score_var [tiles, tile, num_heads] float32: the population variance of the
@@ -178,12 +181,17 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
     ctx = jnp.where(valid_tile, tables.context_lens[rows], 0)                       # [N]
     page_size = jnp.maximum(tables.page_sizes[rows], 1)[:, None]                     # [N, 1]
     starts = tables.page_starts[rows]                                                # [N, W]
-    # The loop covers every position the block table can address, a static trip count: XLA on a GPU
-    # runs a data-dependent while_loop by reading its predicate on the host every iteration, which cost
-    # ~0.6 ms per iteration on an H200 (a 12K-token prefill step took 93 ms against 31 ms at 1K).
-    # Blocks past a tile's context are fully masked; they cost compute, not correctness.
+    # XLA on a GPU runs a loop whose trip count is data by reading its predicate on the host every
+    # iteration (~0.8 ms each on an H200 inside the 16-layer llama-1b step: 93 vs 31 ms for 96 vs 16
+    # iterations), while a static trip count stays on
+    # the device but pays for every block up to the bound. So: a static loop over the whole bound when
+    # it is a few blocks, else a loop to the largest context in the step. Measured on an H200, llama-1b,
+    # the Mooncake trace at --max-context 32768: 12.8K prompt tok/s with the data-dependent loop, 8.3K
+    # with the static one (BENCHMARKS.md, serving).
     bound = max_context if max_context is not None else table_width * 256
-    num_blocks = -(-bound // key_block)
+    static_blocks = -(-bound // key_block)
+    need = jnp.minimum(ctx, jnp.max(q_positions, axis=1) + 1)                        # keys a tile needs
+    dynamic_blocks = (jnp.max(need, initial=0) + key_block - 1) // key_block
     qg = q.reshape(tiles, tile, num_kv_heads, group, head_dim).astype(k_pool.dtype)
     neg = jnp.float32(-jnp.inf)
     acc_shape = (tiles, num_kv_heads, group, tile)
@@ -222,7 +230,11 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
     zeros = jnp.zeros(acc_shape, jnp.float32)
     init = (jnp.full(acc_shape, neg), zeros, jnp.zeros(acc_shape + (head_dim,), jnp.float32),
             zeros, zeros, zeros, jnp.zeros((tiles, 1, 1, tile), jnp.float32))
-    _, l, acc, _, s1, s2, n = lax.fori_loop(0, num_blocks, body, init)
+    if static_blocks <= STATIC_LOOP_MAX_BLOCKS:
+        _, l, acc, _, s1, s2, n = lax.fori_loop(0, static_blocks, body, init)
+    else:
+        _, _, l, acc, _, s1, s2, n = lax.while_loop(lambda c: c[0] < dynamic_blocks,
+                                                    lambda c: (c[0] + 1, *body(c[0], c[1:])), (jnp.int32(0), *init))
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]                                  # [N, Hkv, G, Q, D]
     out = out.transpose(0, 3, 1, 2, 4).reshape(tiles, tile, num_heads, head_dim).astype(q.dtype)
     if not return_score_stats:
