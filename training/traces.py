@@ -82,6 +82,14 @@ class AccessStream:
     def num_blocks(self) -> int:
         return len(self.block_ids)
 
+    def rescaled(self, time_scale: float) -> "AccessStream":
+        """The same stream with its times divided by `time_scale` (equal to reading it at that scale
+        when this one was read at scale 1)."""
+        if not time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        return dataclasses.replace(self, t_ms=self.t_ms / time_scale, t_end_ms=self.t_end_ms / time_scale,
+                                   file_starts=list(self.file_starts))
+
 
 class _Columns:
     """Accumulates per-event columns while a reader walks a file."""
