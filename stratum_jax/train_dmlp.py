@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     a = parse_args(argv)
     # Imported here so that --help answers without loading jax.
-    from training.checkpoint import CheckpointError
+    from stratum_jax.dmlp.checkpoint import CheckpointError
     from training.pipeline import EvalOptions, run_eval, run_train
     from training.trainer import TrainConfig
     from training.traces import TraceFormatError

@@ -8,8 +8,8 @@ import pytest
 
 from stratum_jax import train_dmlp
 from stratum_jax.dmlp.model import Predictor
-from training import checkpoint as ckpt_mod
-from training.checkpoint import CheckpointError, DmlpCheckpoint, load_checkpoint, save_checkpoint
+from stratum_jax.dmlp import checkpoint as ckpt_mod
+from stratum_jax.dmlp.checkpoint import CheckpointError, DmlpCheckpoint, load_checkpoint, save_checkpoint
 from training.dataset import eval_examples, train_val_examples
 from training.pipeline import EvalOptions, evaluation_report
 from training.synthetic import conversation_trace, write_jsonl

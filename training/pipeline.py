@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from stratum_jax.dmlp.model import Predictor, count_params
-from training.checkpoint import DmlpCheckpoint, load_checkpoint, save_checkpoint
+from stratum_jax.dmlp.checkpoint import DmlpCheckpoint, load_checkpoint, save_checkpoint
 from training.dataset import eval_examples, train_val_examples
 from training.evaluate import example_metrics, policy_hit_rates
 from training.time_scale import choose_time_scale, flat_labels, warn_loudly
