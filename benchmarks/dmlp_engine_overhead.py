@@ -43,7 +43,7 @@ H = (10.0, 50.0, 100.0, 200.0, 500.0)
 def train_small_checkpoint(directory: str) -> str:
     """One epoch of the default-width DMLP on a synthetic trace (about a minute on a laptop CPU)."""
     from stratum_jax.dmlp.model import DEFAULT_HIDDEN
-    from training.checkpoint import DmlpCheckpoint, save_checkpoint
+    from stratum_jax.dmlp.checkpoint import DmlpCheckpoint, save_checkpoint
     from training.dataset import train_val_examples
     from training.synthetic import conversation_trace, write_jsonl
     from training.trainer import TrainConfig, train

@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 from stratum_jax.dmlp.features import FEATURE_NAMES                      # noqa: E402
 from stratum_jax.dmlp.model import Predictor                             # noqa: E402
 from stratum_jax.dmlp.policy import reuse_before_eviction                # noqa: E402
-from training.checkpoint import load_checkpoint                          # noqa: E402
+from stratum_jax.dmlp.checkpoint import load_checkpoint                          # noqa: E402
 from training.pipeline import EvalOptions, run_eval, run_train, write_report  # noqa: E402
 from training.trainer import TrainConfig                                 # noqa: E402
 

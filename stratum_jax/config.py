@@ -82,7 +82,7 @@ class RuntimeConfig:
     dmlp_online_track: float = 0.25  # share of KV blocks (by id) whose accesses become online examples
     enable_prefix_caching: bool = True
     seed: int = 0                    # seeds requests that bring no seed of their own
-    trace_out: str | None = None     # write the block event log (JSONL, see training/traces.py) here
+    trace_out: str | None = None     # write the block event log (JSONL, see stratum_jax/kv/event_log.py) here
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:

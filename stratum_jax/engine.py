@@ -24,7 +24,8 @@ from stratum_jax.dmlp.features import FEATURE_NAMES
 from stratum_jax.dmlp.runtime import build_cache_policy, warm_predictor
 from stratum_jax.gpu_idle import GpuIdleMeter
 from stratum_jax.kv.block_meta import Clock, EngineClock, RequestFeatures, features_of
-from stratum_jax.kv.page_pool import PagePool, prompt_chain_hashes
+from stratum_jax.kv.page_pool import PagePool
+from stratum_jax.kv.prefix_hash import prompt_chain_hashes
 from stratum_jax.kv.transfer import KvTransfers
 from stratum_jax.model.llama import init_kv_cache
 from stratum_jax.model.loader import LoadedModel, load_model
@@ -140,7 +141,7 @@ class Engine:
         self._mean_queue_ms: float | None = None
         self._trace = None
         if config.trace_out:
-            from training.traces import StratumEventLogWriter
+            from stratum_jax.kv.event_log import StratumEventLogWriter
             self._trace = StratumEventLogWriter(config.trace_out)
             self.pool.record_events = True
 
@@ -323,7 +324,7 @@ class Engine:
     def idle_tick_s(self) -> float | None:
         """How often a driver with no work should call `tick` (seconds), or None when nothing needs it
         (only a DMLP policy feeding online fine-tuning does)."""
-        ms = getattr(self.cache_policy, "idle_tick_ms", None)
+        ms = self.cache_policy.idle_tick_ms
         return None if ms is None else ms / 1e3
 
     def tick(self) -> None:

@@ -56,7 +56,7 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 
 # Exported only with --cache-policy dmlp (stratum_jax/dmlp/runtime.py registers them in the server's
-# registry; the last three only with --dmlp-online, from training/online.py).
+# registry; the last three only with --dmlp-online, from stratum_jax/dmlp/online.py).
 DMLP_METRICS: dict[str, tuple[str, str]] = {
     "stratum_dmlp_confidence": ("gauge", "DMLP hot/cold threshold on P(reuse within the decision horizon)."),
     "stratum_dmlp_accuracy": ("gauge", "DMLP accuracy of the live weights on the online holdout window."),

@@ -1,7 +1,7 @@
 """`python -m stratum_jax.train_dmlp`: train the DMLP reuse predictor on traces, or evaluate a checkpoint.
 
 Train:     --traces PATH [PATH...] --format {stratum,mooncake} --out DIR [--horizons-ms H ...]
-           [--time-scale X] [--epochs N] [--seed S] [--val-fraction F]
+           [--time-scale X (default: chosen from the trace)] [--epochs N] [--seed S] [--val-fraction F]
            writes DIR/checkpoint (orbax) and DIR/report.json
 Evaluate:  --eval-only --checkpoint DIR --traces PATH [PATH...] --format F --report OUT.json
            [--warmup-traces PATH ...]
@@ -22,8 +22,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="output directory (train mode)")
     p.add_argument("--horizons-ms", nargs="+", type=float, default=list(DEFAULT_HORIZONS_MS))
     p.add_argument("--time-scale", type=float, default=None,
-                   help="simulated ms = trace ms / X (1000 replays 1000x faster); default 1, or the "
-                        "checkpoint's in --eval-only")
+                   help="simulated ms = trace ms / X (1000 replays 1000x faster); default: chosen from "
+                        "the trace so the 500 ms horizon's positive rate is informative (printed and "
+                        "saved in meta.json), or the checkpoint's in --eval-only")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--val-fraction", type=float, default=0.2,
@@ -55,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     a = parse_args(argv)
     # Imported here so that --help answers without loading jax.
-    from training.checkpoint import CheckpointError
+    from stratum_jax.dmlp.checkpoint import CheckpointError
     from training.pipeline import EvalOptions, run_eval, run_train
     from training.trainer import TrainConfig
     from training.traces import TraceFormatError
@@ -67,13 +68,14 @@ def main(argv=None) -> int:
         else:
             cfg = TrainConfig(epochs=a.epochs, seed=a.seed, batch_size=a.batch_size,
                               learning_rate=a.learning_rate)
-            report = run_train(a.traces, a.format, a.out, a.horizons_ms, a.time_scale or 1.0,
+            report = run_train(a.traces, a.format, a.out, a.horizons_ms, a.time_scale,
                                a.val_fraction, cfg, opts)
     except (TraceFormatError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     v, pol = report["val"], report["policy"]
-    print(f"params {report['params']:,}; horizons {report['horizons_ms']} ms")
+    print(f"params {report['params']:,}; horizons {report['horizons_ms']} ms; time scale "
+          f"{report['time_scale']:g}")
     for k in ("positive_rate", "accuracy", "majority_accuracy", "auc", "brier"):
         print(f"  {k:18s} " + " ".join(f"{x:.4f}" for x in v[k]))
     print("  capacity           " + " ".join(f"{x:.2f}" for x in pol["capacity_frac"]))

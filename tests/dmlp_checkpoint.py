@@ -4,7 +4,7 @@ import numpy as np
 
 from stratum_jax.dmlp.features import FEATURE_NAMES, Normalizer
 from stratum_jax.dmlp.model import DmlpConfig, init_params
-from training.checkpoint import DmlpCheckpoint, save_checkpoint
+from stratum_jax.dmlp.checkpoint import DmlpCheckpoint, save_checkpoint
 
 HORIZONS_MS = (10.0, 50.0, 100.0, 200.0, 500.0)
 

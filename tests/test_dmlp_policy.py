@@ -4,8 +4,9 @@ import pytest
 
 from stratum_jax.dmlp.features import FEATURE_NAMES, BlockInfo
 from stratum_jax.dmlp.model import DmlpConfig
-from stratum_jax.dmlp.policy import (ConfidenceThreshold, DmlpPolicy, LruPolicy, curve_at, reuse_within)
-from stratum_jax.kv.page_size import DefaultPageSizeRule, PageSizeHints
+from stratum_jax.cache_policy import LruPolicy
+from stratum_jax.dmlp.policy import ConfidenceThreshold, DmlpPolicy, curve_at, reuse_within
+from stratum_jax.page_size import DefaultPageSizeRule, PageSizeHints
 
 H = (10.0, 50.0, 100.0)
 DEPTH = FEATURE_NAMES.index("depth")

@@ -8,8 +8,8 @@ import pytest
 
 from stratum_jax import train_dmlp
 from stratum_jax.dmlp.model import Predictor
-from training import checkpoint as ckpt_mod
-from training.checkpoint import CheckpointError, DmlpCheckpoint, load_checkpoint, save_checkpoint
+from stratum_jax.dmlp import checkpoint as ckpt_mod
+from stratum_jax.dmlp.checkpoint import CheckpointError, DmlpCheckpoint, load_checkpoint, save_checkpoint
 from training.dataset import eval_examples, train_val_examples
 from training.pipeline import EvalOptions, evaluation_report
 from training.synthetic import conversation_trace, write_jsonl
@@ -115,6 +115,14 @@ def test_cli_train_then_eval(traces, tmp_path, capsys):
     assert ev["time_scale"] == SCALE            # taken from the checkpoint
     assert ev["train"]["examples"] == report["train"]["examples"]
     assert ev["val"]["count"][0] > 0
+    # A --time-scale that disagrees with the checkpoint's is used, but said loudly and recorded.
+    capsys.readouterr()
+    rc = train_dmlp.main(["--eval-only", "--checkpoint", out, "--traces", traces["eval"], "--format",
+                          "mooncake", "--report", rpath, "--time-scale", "1"])
+    assert rc == 0
+    ev = json.load(open(rpath))
+    assert ev["time_scale"] == 1.0 and ev["checkpoint_time_scale"] == SCALE
+    assert f"--time-scale 1 differs from the checkpoint's {SCALE:g}" in capsys.readouterr().err
 
 
 def test_cli_malformed_trace_names_file_and_line(tmp_path, capsys):

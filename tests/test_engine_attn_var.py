@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stratum_jax.config import RuntimeConfig
-from stratum_jax.dmlp.policy import LruPolicy
+from stratum_jax.cache_policy import LruPolicy
 from stratum_jax.engine import Engine
 from stratum_jax.model.loader import load_model
 from stratum_jax.request import SamplingParams

@@ -12,7 +12,8 @@ from engine_load import run_random_load
 from stratum_jax.config import RuntimeConfig, parse_cores
 from stratum_jax.dmlp.features import FEATURE_NAMES, Normalizer
 from stratum_jax.dmlp.model import DmlpConfig, init_params
-from stratum_jax.dmlp.policy import DmlpPolicy, LruPolicy
+from stratum_jax.cache_policy import LruPolicy
+from stratum_jax.dmlp.policy import DmlpPolicy
 from stratum_jax.dmlp.runtime import build_cache_policy
 from stratum_jax.engine import Engine
 from stratum_jax.kv.block_meta import RequestFeatures
@@ -20,7 +21,7 @@ from stratum_jax.kv.block_table import BlockTable
 from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.model.loader import load_model
 from stratum_jax.request import SamplingParams
-from training.checkpoint import CheckpointError, save_checkpoint, DmlpCheckpoint
+from stratum_jax.dmlp.checkpoint import CheckpointError, save_checkpoint, DmlpCheckpoint
 
 H = (10.0, 50.0, 100.0, 200.0, 500.0)
 INPUT = FEATURE_NAMES.index("input_tokens")
@@ -344,7 +345,7 @@ def test_corrupt_checkpoint_fails_at_start_up_naming_the_file(tmp_path):
 def test_idle_engine_still_labels_accesses_for_online_fine_tuning(tiny):
     """With no traffic, the engine's idle tick closes accesses whose horizons passed (labels all 0), so
     online fine-tuning keeps learning when a server goes quiet."""
-    from training.outcomes import OutcomeTracker
+    from stratum_jax.dmlp.outcomes import OutcomeTracker
     got = []
     tracker = OutcomeTracker(H, lambda raw, labels: got.append((raw, labels)))
     policy = DmlpPolicy(StubPredictor(), on_access=tracker.accessed, on_idle=tracker.idle, score_on_access=False)

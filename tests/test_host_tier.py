@@ -10,10 +10,11 @@ import pytest
 from dmlp_checkpoint import write_checkpoint
 from engine_load import run_random_load
 from stratum_jax.config import RuntimeConfig
-from stratum_jax.dmlp.policy import LruPolicy
+from stratum_jax.cache_policy import LruPolicy
 from stratum_jax.engine import Engine
 from stratum_jax.kv.host_tier import HostPage, HostTier
-from stratum_jax.kv.page_pool import PagePool, prompt_chain_hashes
+from stratum_jax.kv.page_pool import PagePool
+from stratum_jax.kv.prefix_hash import prompt_chain_hashes
 from stratum_jax.kv.transfer import KvTransfers, run_transfers
 from stratum_jax.model.loader import load_model
 from stratum_jax.request import SamplingParams

@@ -7,7 +7,7 @@ import pytest
 from stratum_jax.kv.block_table import BlockTable
 from stratum_jax.kv.buddy import BuddyAllocator, order_for_page_size
 from stratum_jax.kv.page_pool import PagePool
-from stratum_jax.kv.page_size import DefaultPageSizeRule, PageSizeHints
+from stratum_jax.page_size import DefaultPageSizeRule, PageSizeHints
 
 
 def test_order_for_page_size():
@@ -107,7 +107,7 @@ def test_page_size_rule():
 
 
 def test_variance_scale_judges_against_the_running_median():
-    from stratum_jax.kv.page_size import VarianceScale
+    from stratum_jax.page_size import VarianceScale
     scale = VarianceScale(window=3)
     assert scale.relative(2.0) is None                       # nothing seen yet
     for v in (1.0, 2.0, 4.0):

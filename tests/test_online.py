@@ -8,10 +8,10 @@ import prometheus_client as prom
 from stratum_jax.dmlp.features import FEATURE_NAMES, Normalizer
 from stratum_jax.dmlp.model import DmlpConfig, Predictor, init_params
 from stratum_jax.dmlp.policy import ConfidenceThreshold
-from training.checkpoint import latest_checkpoint, load_checkpoint
-from training.learner import Learner
-from training.online import OnlineConfig, OnlineFineTuner
-from training.outcomes import OutcomeTracker
+from stratum_jax.dmlp.checkpoint import latest_checkpoint, load_checkpoint
+from stratum_jax.dmlp.learner import Learner
+from stratum_jax.dmlp.online import OnlineConfig, OnlineFineTuner
+from stratum_jax.dmlp.outcomes import OutcomeTracker
 
 H = (10.0, 50.0, 100.0, 200.0, 500.0)
 RECENCY = FEATURE_NAMES.index("recency_ms")

@@ -19,7 +19,7 @@ from stratum_jax.config import RuntimeConfig
 from stratum_jax.dmlp.features import FEATURE_NAMES, Normalizer
 from stratum_jax.dmlp.model import DmlpConfig, init_params
 from stratum_jax.metrics import DMLP_METRICS
-from training.checkpoint import DmlpCheckpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from stratum_jax.dmlp.checkpoint import DmlpCheckpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 
 
 def test_server_with_dmlp_and_online_fine_tuning(tmp_path):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from stratum_jax.dmlp.features import SEED_FEATURES
-from training.traces import (StratumEventLogWriter, TraceFormatError, read_mooncake, read_stratum_log,
+from stratum_jax.kv.event_log import StratumEventLogWriter
+from training.traces import (TraceFormatError, read_mooncake, read_stratum_log,
                              read_timeline)
 
 

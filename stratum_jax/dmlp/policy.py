@@ -1,6 +1,7 @@
 """Cache policies that answer the engine's narrow questions: which blocks to evict, which host-tier
 blocks to prefetch first, which page size a request gets. `DmlpPolicy` answers from the predictor;
-`LruPolicy` is the plain baseline with the same interface.
+`LruPolicy` (stratum_jax/cache_policy.py) is the plain baseline with the same interface, the
+`CachePolicy` protocol.
 
 How predictions become evictions. The model runs once per access (`observe_access`, batched per
 request) and gives the block's reuse curve F(h) = P(next use within h of that access). An idle block
@@ -27,8 +28,9 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from stratum_jax.config import PAGE_SIZE_CLASSES
-from stratum_jax.dmlp.features import BlockInfo, raw_from_infos
-from stratum_jax.kv.page_size import DefaultPageSizeRule, PageSizeHints
+from stratum_jax.block_info import BlockInfo
+from stratum_jax.dmlp.features import raw_from_infos
+from stratum_jax.page_size import DefaultPageSizeRule, PageSizeHints
 
 if TYPE_CHECKING:     # the model pulls in flax; the page pool imports this module and needs none of it
     from stratum_jax.dmlp.model import Predictor
@@ -146,41 +148,6 @@ def tracked_block(block_id, fraction: float) -> bool:
     return (mixed >> 48) < fraction * 0x10000
 
 
-class LruPolicy:
-    """The baseline: evict the least recently used, prefetch the most recently used first.
-
-    `pool_lru`: the page pool evicts in its own least-recently-released order without building
-    candidates or calling `choose_victims` (the engine's behaviour before policies existed, and the
-    cheapest path). `choose_victims` serves callers that hold `BlockInfo`s (the simulator, tests).
-    """
-
-    pool_lru = True
-    idle_tick_ms = None     # no work to do while the engine is idle
-
-    def observe_access(self, infos: Sequence[BlockInfo]) -> None:
-        return None
-
-    def tick(self, now_ms: float) -> None:
-        return None
-
-    def note_evictions(self, n: int, now_ms: float, cached: int) -> None:
-        return None
-
-    def forget(self, block_ids) -> None:
-        return None
-
-    def choose_victims(self, candidates: Sequence[BlockInfo], n: int, now_ms: float, evicting=None) -> list:
-        free = [b for b in candidates if not b.needed_by_running]
-        return [b.block_id for b in sorted(free, key=lambda b: b.last_access_ms)[:max(n, 0)]]
-
-    def prefetch_order(self, candidates: Sequence[BlockInfo], now_ms: float) -> list:
-        return [b.block_id for b in sorted(candidates, key=lambda b: -b.last_access_ms)]
-
-    def page_size_for(self, hints: PageSizeHints, prefix_blocks: Sequence[BlockInfo] = (),
-                      now_ms: float = 0.0) -> int:
-        return DefaultPageSizeRule()(hints)
-
-
 class DmlpPolicy:
     """Eviction, prefetch and page size from predicted reuse.
 
@@ -201,6 +168,7 @@ class DmlpPolicy:
     """
 
     pool_lru = False
+    exported_to = None      # the metrics registry `runtime.export_dmlp_metrics` registered it in
 
     def __init__(self, predictor: "Predictor", threshold: ConfidenceThreshold | None = None,
                  decision_horizon: int = -1, on_access=None, score_on_access: bool = True, on_idle=None,

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 
 from stratum_jax.config import RuntimeConfig
-from stratum_jax.dmlp.policy import DmlpPolicy, LruPolicy
+from stratum_jax.cache_policy import LruPolicy
+from stratum_jax.dmlp.policy import DmlpPolicy
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,15 @@ def build_cache_policy(config: RuntimeConfig, metrics_registry=None):
         return LruPolicy(), None
     from stratum_jax.dmlp.model import Predictor
     from stratum_jax.dmlp.policy import ConfidenceThreshold
-    from training.checkpoint import load_checkpoint
+    from stratum_jax.dmlp.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(config.dmlp_checkpoint)
     predictor = Predictor(ckpt.config, ckpt.params, ckpt.normalizer)
     threshold = ConfidenceThreshold(config.dmlp_confidence)
     tuner, on_access, on_idle = None, None, None
     if config.dmlp_online:
-        from training.online import OnlineConfig, OnlineFineTuner
-        from training.outcomes import OutcomeTracker
+        from stratum_jax.dmlp.online import OnlineConfig, OnlineFineTuner
+        from stratum_jax.dmlp.outcomes import OutcomeTracker
 
         tuner = OnlineFineTuner(predictor, OnlineConfig(cpu_cores=config.dmlp_online_cores),
                                 config.dmlp_online_dir, threshold=threshold)
@@ -59,13 +60,13 @@ def export_dmlp_metrics(policy, tuner, registry) -> None:
     stratum_dmlp_updates_total and stratum_dmlp_online_dropped_total. A no-op for LRU; idempotent."""
     if not isinstance(policy, DmlpPolicy):
         return
-    if getattr(policy, "_exported_to", None) is registry:
+    if policy.exported_to is registry:
         return
     if tuner is not None:
         tuner.export(registry)               # includes the threshold's gauge
     else:
         policy.threshold.export(registry)
-    policy._exported_to = registry
+    policy.exported_to = registry
 
 
 def dmlp_status(policy, tuner) -> dict | None:

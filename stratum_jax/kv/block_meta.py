@@ -15,7 +15,7 @@ import dataclasses
 import time
 from typing import Callable
 
-from stratum_jax.dmlp.features import BlockInfo
+from stratum_jax.block_info import BlockInfo
 
 MAX_TRACKED_SHARERS = 256   # distinct request ids remembered per block; past it every new user counts
 

@@ -1,18 +1,19 @@
 """The KV page pool: physical pages out of the buddy allocator, reference counts, and hash-based prefix caching.
 
-A page is `page_size` contiguous token slots (the same slots in every layer's pool). A full page's content
-is immutable, so it gets a chain hash (its parent's hash, its page size and its token ids) and can be shared
-by any later request with the same prefix and page size. When the last owner lets go of a hashed page it
-stays cached (evictable) instead of freed; allocation evicts cached pages only when the buddy tree has no
-block of the size asked for.
+A page is `page_size` contiguous token slots (the same slots in every layer's pool). A full page's
+content is immutable, so it gets a chain hash (prefix_hash.py: its parent's hash, its page size and its
+token ids) and can be shared by any later request with the same prefix and page size. When the last
+owner lets go of a hashed page it stays cached (evictable) instead of freed; allocation evicts cached
+pages only when the buddy tree has no block of the size asked for.
 
-Which cached pages go is the cache policy's call (`stratum_jax/dmlp/policy.py`). `LruPolicy` (the
-default) is served by a fast path: the least recently released page goes first, with no candidate lists
-built. Any other policy sees every access (`observe_access`, in one batch per engine step: the pool
-queues them until `new_step` or the next eviction decision, whichever comes first) and is
-asked for a batch of victims among the unowned cached pages (`choose_victims`); the ranking it returns
-is used in order for up to VICTIM_TTL_MS (10 ms, the DMLP's shortest horizon). A `DmlpPolicy` is not even asked
-while the least recently used candidate is idle past its longest horizon (see `lru_beyond_ms`).
+Which cached pages go is the cache policy's call (the `CachePolicy` protocol, stratum_jax/cache_policy.py;
+the DMLP's is stratum_jax/dmlp/policy.py). `LruPolicy` (the default) is served by a fast path: the least
+recently released page goes first, with no candidate lists built. Any other policy sees every access
+(`observe_access`, in one batch per engine step: the pool queues them until `new_step` or the next
+eviction decision, whichever comes first) and is asked for a batch of victims among the unowned cached
+pages (`choose_victims`); the ranking it returns is used in order for up to VICTIM_TTL_MS (10 ms, the
+DMLP's shortest horizon). A `DmlpPolicy` is not even asked while the least recently used candidate is
+idle past its longest horizon (see `lru_beyond_ms`).
 
 Each cached page carries a `BlockMeta` (block_meta.py): its history and its features at the last
 access, which feed the policy and the --trace-out event log alike.
@@ -20,25 +21,25 @@ access, which feed the policy and the --trace-out event log alike.
 With a host tier (`host_tokens` > 0, kv/host_tier.py), an evicted page moves to host memory instead of
 being dropped, keeping its hash and its BlockMeta; `match_prefix` finds it there, `acquire_prefix`
 recalls it into a fresh HBM page, and `prefetch` recalls queued requests' pages into free HBM ahead of
-their admission. The pool only books these moves (`take_transfers`); the engine copies the data before
-its next device step (kv/transfer.py).
+their admission (these moves are host_moves.py). The pool only books them (`take_transfers`); the engine
+copies the data before its next device step (kv/transfer.py).
+
+Block events for --trace-out (created, accessed, evicted, recalled, freed) all go through `_record`.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import heapq
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Sequence
 
-import numpy as np
-
-from stratum_jax.config import PAGE_SIZE_CLASSES
-from stratum_jax.dmlp.features import BlockInfo
-from stratum_jax.dmlp.policy import LruPolicy
+from stratum_jax.block_info import BlockInfo
+from stratum_jax.cache_policy import CachePolicy, LruPolicy
 from stratum_jax.kv.block_meta import NO_REQUEST, BlockMeta, Clock, EngineClock, RequestFeatures
 from stratum_jax.kv.buddy import BASE_PAGE_TOKENS, BuddyAllocator, order_for_page_size
+from stratum_jax.kv.host_moves import HostTierMoves
 from stratum_jax.kv.host_tier import HostPage, HostTier, PendingTransfers
+from stratum_jax.kv.prefix_hash import chain_hash, iter_chain_hashes
 
 VICTIM_BATCH = 16     # victims asked of a non-LRU policy at a time
 VICTIM_TTL_MS = 10.0  # how long such a ranking is used (in order, skipping pages re-used since)
@@ -55,31 +56,7 @@ class Page:
     recall_source: HostPage | None = None   # set while this step's host->device copy into it is pending
 
 
-def chain_hash(parent: bytes | None, page_size: int, token_ids: Sequence[int]) -> bytes:
-    """Hash of a full page given its parent's hash: equal hashes mean equal prefixes (and page size)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"root")
-    h.update(page_size.to_bytes(2, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int32).tobytes())
-    return h.digest()
-
-
-def iter_chain_hashes(token_ids: Sequence[int], page_size: int, max_pages: int) -> Iterator[bytes]:
-    """Chain hashes of the first `max_pages` full pages of `token_ids`, computed as they are consumed (a
-    lookup that stops at its first miss hashes no further)."""
-    parent = None
-    for i in range(max_pages):
-        parent = chain_hash(parent, page_size, token_ids[i * page_size:(i + 1) * page_size])
-        yield parent
-
-
-def prompt_chain_hashes(token_ids: Sequence[int]) -> dict[int, list[bytes]]:
-    """page size -> chain hashes of the prompt's full pages under that size, all but the last token (the
-    pages a prefix-cache lookup of this prompt can hit)."""
-    return {ps: list(iter_chain_hashes(token_ids, ps, (len(token_ids) - 1) // ps)) for ps in PAGE_SIZE_CLASSES}
-
-
-class PagePool:
+class PagePool(HostTierMoves):
     """Owns every page of the KV cache. Not thread-safe: the engine thread is its only user.
 
     policy: the cache policy (default `LruPolicy`). clock: ms on the engine's clock (default: since
@@ -87,15 +64,15 @@ class PagePool:
     request-level features of an access; without it they are missing.
     """
 
-    def __init__(self, num_slots: int, enable_prefix_caching: bool = True, policy=None,
+    def __init__(self, num_slots: int, enable_prefix_caching: bool = True, policy: CachePolicy | None = None,
                  clock: Clock | None = None, host_tokens: int = 0):
         if num_slots % (BASE_PAGE_TOKENS << 5):
             raise ValueError(f"num_slots must be a multiple of 256, got {num_slots}")
         self.num_slots = num_slots
         self.enable_prefix_caching = enable_prefix_caching
         self.policy = policy if policy is not None else LruPolicy()
-        self._pool_lru = bool(getattr(self.policy, "pool_lru", False))
-        self._lru_beyond_ms = getattr(self.policy, "lru_beyond_ms", None)
+        self._pool_lru = bool(self.policy.pool_lru)
+        self._lru_beyond_ms = self.policy.lru_beyond_ms
         self.clock: Clock = clock if clock is not None else EngineClock()
         self.request_features: Callable[[str | None], RequestFeatures | None] | None = None
         self._buddy = BuddyAllocator(num_slots // BASE_PAGE_TOKENS)
@@ -252,26 +229,6 @@ class PagePool:
             self._accessed(pages, request_id, now, "accessed")
         return pages
 
-    def _recall_prefix(self, pages: list[Page | HostPage]) -> list[Page]:
-        """Recalls the host-tier pages of a matched prefix whose HBM pages are held. Returns the prefix
-        as HBM pages, each held once, cut before the first page that found no room (the held pages past
-        the cut are let go, the host pages go back to the tier)."""
-        taken = [self.host.take(p.content_hash) if isinstance(p, HostPage) else None for p in pages]
-        out: list[Page] = []
-        for i, (page, hp) in enumerate(zip(pages, taken)):
-            if hp is not None:
-                page = self._recall(hp, ref_count=1)
-                if page is None:           # no room: the prefix ends here
-                    for rest, rest_hp in zip(pages[i:], taken[i:]):
-                        if rest_hp is not None:
-                            self.host.give_back(rest_hp)
-                        else:
-                            self.release(rest)
-                    break
-                self.host_hits += 1
-            out.append(page)
-        return out
-
     def _hold(self, page: Page) -> None:
         """Takes one reference (an unowned cached page stops being evictable)."""
         if page.ref_count == 0:
@@ -279,94 +236,12 @@ class PagePool:
             self._evictable_slots -= page.page_size
         page.ref_count += 1
 
-    def _recall(self, hp: HostPage, ref_count: int) -> Page | None:
-        """A new HBM page for a host-tier page taken out of the tier, with its copy booked; None when
-        there is no room even after evicting every unowned cached page."""
-        page = self.allocate(hp.page_size)
-        if page is None:
-            return None
-        page.ref_count = ref_count
-        page.content_hash, page.parent_hash, page.meta = hp.content_hash, hp.parent_hash, hp.meta
-        page.recall_source = hp
-        self._by_hash[hp.content_hash] = page
-        self._transfers.recalls[page.start_slot] = hp
-        self._recalled_pages.append(page)
+    def _record(self, event: str, now: float, block_id: bytes, request_id: str | None,
+                meta: BlockMeta) -> None:
+        """Appends a block event for the engine's --trace-out log, when one is being recorded: the one
+        place that knows the event tuple (event, time ms, content hash, request id, BlockInfo)."""
         if self.record_events:
-            self.events.append(("recalled", self.clock(), hp.content_hash, None, self._info_of(hp.meta)))
-        return page
-
-    # -- host tier --------------------------------------------------------------------------------------
-    def host_candidates(self, hashes_by_size: dict[int, Sequence[bytes]]) -> tuple[list[HostPage], list[Page]]:
-        """A queued prompt's cached prefix: its host-tier pages (prefetch candidates) and its HBM pages
-        (which a prefetch must not evict). hashes_by_size: page size -> the prompt's full-page chain
-        hashes under that size (`prompt_chain_hashes`). A prefix is usable only from its start, so each
-        chain is walked until a page is in neither tier."""
-        if self.host is None or not len(self.host):
-            return [], []
-        host, hbm = [], []
-        for hashes in hashes_by_size.values():
-            for page in self._cached_run(hashes):
-                (host if isinstance(page, HostPage) else hbm).append(page)
-        return host, hbm
-
-    def prefetch(self, candidates: Sequence[HostPage], max_pages: int, keep: Sequence[Page] = ()) -> int:
-        """Recalls up to `max_pages` host-tier pages of queued requests into HBM, in the policy's prefetch
-        order, a page only after its parent (a prefix is only usable from its start). Room comes from free
-        slots first, then from evicting cached pages the policy ranks lowest, never `keep` (the queued
-        requests' HBM prefix pages) nor a page prefetched here: a queued request's page is about to be
-        used, which an idle cached page is not known to be. The pages stay cached and unowned until a
-        request takes them. Returns how many were recalled."""
-        if self.host is None or max_pages <= 0:
-            return 0
-        unique = {hp.content_hash: hp for hp in candidates if hp.content_hash in self.host}
-        if not unique:
-            return 0
-        now = self.clock()
-        order = self.policy.prefetch_order([self._info_of(hp.meta) for hp in unique.values()], now)
-        held = list({id(p): p for p in keep if p.content_hash is not None and self._by_hash.get(p.content_hash) is p}.values())
-        for p in held:
-            self._hold(p)
-        waiting: dict[bytes, list[HostPage]] = collections.defaultdict(list)   # parent -> deferred
-        recalled: list[Page] = []
-        full = False
-        for h in order:
-            stack = [unique[h]]
-            while stack and not full and len(recalled) < max_pages:
-                hp = stack.pop()
-                if hp.content_hash not in self.host:
-                    continue
-                if hp.parent_hash is not None and hp.parent_hash not in self._by_hash:
-                    waiting[hp.parent_hash].append(hp)
-                    continue
-                taken = self.host.take(hp.content_hash)
-                page = self._recall(taken, ref_count=1)      # held until the end: not evicted by the next
-                if page is None:                             # no room left that may be taken
-                    self.host.give_back(taken)
-                    full = True
-                    break
-                recalled.append(page)
-                stack.extend(reversed(waiting.pop(hp.content_hash, [])))
-            if full or len(recalled) >= max_pages:
-                break
-        for p in recalled + held:
-            self.release(p)
-        self.prefetched += len(recalled)
-        return len(recalled)
-
-    def take_transfers(self) -> PendingTransfers:
-        """The copies booked since the last call (the engine runs them before its next device step)."""
-        out, self._transfers = self._transfers, PendingTransfers()
-        for page in self._recalled_pages:
-            page.recall_source = None
-        self._recalled_pages = []
-        return out
-
-    def _host_dropped(self, hp: HostPage) -> None:
-        """A page left the host tier for lack of room: it leaves every tier."""
-        if self.record_events:
-            self.events.append(("freed", self.clock(), hp.content_hash, None, self._info_of(hp.meta)))
-        if not self._pool_lru:
-            self.policy.forget((hp.content_hash,))
+            self.events.append((event, now, block_id, request_id, self._info_of(meta)))
 
     def _info_of(self, meta: BlockMeta) -> BlockInfo:
         if meta.info is None:
@@ -431,8 +306,7 @@ class PagePool:
                 m.info = m.snapshot(req)
                 if not self._pool_lru:
                     self._pending.append(m.info)
-                if self.record_events:
-                    self.events.append((event, now, m.block_id, request_id, m.info))
+                self._record(event, now, m.block_id, request_id, m)
             else:
                 m.info = None
 
@@ -485,22 +359,9 @@ class PagePool:
         self._evictable_slots -= page.page_size
         del self._by_hash[page.content_hash]
         if self.host is not None:
-            # To the host tier. Its KV is in the device cache as it was when this step's scheduling began,
-            # unless the page was itself recalled during this scheduling (then it is that recall's data).
-            hp = HostPage(page.content_hash, page.parent_hash, page.page_size, page.meta,
-                          src_slot=None if page.recall_source is not None else page.start_slot,
-                          same_as=page.recall_source)
-            if page.recall_source is not None:     # its own recall copy is moot now
-                del self._transfers.recalls[page.start_slot]
-                self._transfers.aliases.append(hp)
-            if hp.src_slot is not None:
-                self._transfers.offloads.append(hp)
-            if self.record_events:
-                self.events.append(("evicted", self.clock(), page.content_hash, None, self._info_of(page.meta)))
-            self.host.put(hp)
+            self._offload(page)
         else:
-            if self.record_events:
-                self.events.append(("freed", self.clock(), page.content_hash, None, self._info_of(page.meta)))
+            self._record("freed", self.clock(), page.content_hash, None, page.meta)
             if not self._pool_lru:
                 self.policy.forget((page.content_hash,))
         page.recall_source = None

@@ -7,7 +7,7 @@ import collections
 import dataclasses
 from typing import Protocol
 
-from stratum_jax.kv.page_size import VarianceScale
+from stratum_jax.page_size import VarianceScale
 from stratum_jax.sequence import Sequence
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from stratum_jax.config import PAGE_SIZE_CLASSES, RuntimeConfig
 from stratum_jax.kv.block_table import BlockTable
 from stratum_jax.kv.page_pool import Page, PagePool
-from stratum_jax.kv.page_size import FixedPageSize, PageSizeHints, PageSizeRule, VarianceScale
+from stratum_jax.page_size import FixedPageSize, PageSizeHints, PageSizeRule, VarianceScale
 from stratum_jax.request import RequestState
 from stratum_jax.scheduler.base import ScheduledBatch, StepCosts
 from stratum_jax.sequence import Sequence

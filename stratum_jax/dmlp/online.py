@@ -29,7 +29,7 @@ import numpy as np
 
 from stratum_jax.dmlp.model import Predictor
 from stratum_jax.dmlp.policy import ConfidenceThreshold
-from training.learner import OnlineConfig, numpy_tree, worker_main
+from stratum_jax.dmlp.learner import OnlineConfig, numpy_tree, worker_main
 
 __all__ = ["OnlineConfig", "OnlineFineTuner"]
 log = logging.getLogger(__name__)

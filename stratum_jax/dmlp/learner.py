@@ -62,7 +62,7 @@ class Learner:
         import optax
 
         from stratum_jax.dmlp.model import DmlpNet
-        from training.trainer import make_step
+        from stratum_jax.dmlp.train_step import make_step
         self.model_config, self.normalizer, self.config, self.threshold = model_config, normalizer, config, threshold
         self.live = params
         self.candidate = params
@@ -92,7 +92,7 @@ class Learner:
     def round(self) -> bool:
         """One round of steps on the candidate, then the holdout comparison. True if it was swapped in."""
         from stratum_jax.dmlp.features import feature_matrix
-        from training.trainer import mean_bce, predict_in_batches
+        from stratum_jax.dmlp.train_step import mean_bce, predict_in_batches
         cfg, n = self.config, len(self.train)
         for _ in range(cfg.steps_per_round):
             idx = self._rng.integers(0, n, cfg.batch_size)
@@ -120,7 +120,7 @@ class Learner:
         """Writes directory/step-N (one past the newest there) and keeps the newest few."""
         import jax
 
-        from training.checkpoint import DmlpCheckpoint, latest_checkpoint, save_checkpoint
+        from stratum_jax.dmlp.checkpoint import DmlpCheckpoint, latest_checkpoint, save_checkpoint
         latest = latest_checkpoint(directory)
         n = int(os.path.basename(latest).split("-")[1]) + 1 if latest else 1
         path = os.path.join(directory, f"step-{n:08d}")
