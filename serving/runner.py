@@ -261,11 +261,12 @@ class EngineRunner:
             return
         end = time.monotonic()
         self._step_failures = 0
+        deliveries = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream._deliver(Delivery(out, start, end))
+            deliveries.append((stream, Delivery(out, start, end)))
             if out.finished:
                 del self._streams[out.request_id]
                 self.finished += 1
@@ -275,6 +276,11 @@ class EngineRunner:
         self._publish_stats()
         if self.stats.running > 0:
             self.decode_batch += _BATCH_EMA * (self.stats.running - self.decode_batch)
+        # Bookkeeping and stats first, deliveries last: a handler that sees this step's outputs then reads
+        # counters and stats at least as new as the step (a cancelled request's pages already free), so
+        # nothing needs to sleep or poll for them.
+        for stream, delivery in deliveries:
+            stream._deliver(delivery)
         if self._profile is not None and self._profile.after_step():
             self._end_profile()
 
