@@ -127,12 +127,13 @@ class StratumServer:
         name = _model_name(self.config.model)
         mc = engine.model_config
         kv_bytes = cost.kv_bytes_per_token(mc)
+        resolved = engine.config     # max_context resolved against the model (RuntimeConfig.for_model)
         info = pb.ModelInfo(name=name, dtype=str(self.config.dtype or getattr(mc, "dtype", "")),
                             num_layers=mc.num_layers, hidden_size=mc.hidden_size, num_heads=mc.num_heads,
                             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
-                            max_context=self.config.max_context, max_tokens_cap=self.config.max_tokens_cap,
+                            max_context=resolved.max_context, max_tokens_cap=resolved.max_tokens_cap,
                             kv_bytes_per_token=kv_bytes)
-        translator = Translator(engine.tokenizer, Limits(name, self.config.max_context, self.config.max_tokens_cap))
+        translator = Translator(engine.tokenizer, Limits(name, resolved.max_context, resolved.max_tokens_cap))
         runner = EngineRunner(engine, self.metrics)
         return Served(runner, translator, info, kv_bytes), bandwidth
 
@@ -214,5 +215,5 @@ def _calibrate(engine, config: RuntimeConfig) -> None:
     if stats.decode_step_ms > 0 and stats.prefill_tokens_per_s > 0:
         return
     ids = engine.tokenizer.encode("Calibrating the step time of this server. " * 8)
-    ids = ids[: max(1, min(len(ids), config.max_context // 2))]
+    ids = ids[: max(1, min(len(ids), engine.config.max_context // 2))]
     engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0))
