@@ -15,12 +15,12 @@ import grpc
 import jax
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from serving import cost
 from serving.auth import MESSAGES_METHOD, ApiKeyInterceptor, load_keys
 from serving.hardware import device_info, measure_copy_bandwidth_gbps
 from serving.options import ServerOptions
+from serving.reflection import enable_reflection
 from serving.proto.stratum.v1 import stratum_pb2 as pb
 from serving.proto.stratum.v1 import stratum_pb2_grpc as pb_grpc
 from serving.runner import EngineRunner
@@ -33,6 +33,7 @@ from stratum_jax.request import SamplingParams
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Stratum"].full_name   # "stratum.v1.Stratum"
+_TRANSPORT_FACTOR = 4    # gRPC's receive limit, as a multiple of --max-message-bytes
 _LAST_STREAMS_S = 10.0   # after the grace period: time for cancelled streams to send their status
 
 
@@ -64,19 +65,22 @@ class StratumServer:
             log.warning("binding %s without --keys-file: anyone who can reach it can use it", opts.host)
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.servicer = StratumServicer(self.metrics, device_info(), opts.prices, opts.profile_dir)
+        self.servicer = StratumServicer(self.metrics, device_info(), opts.prices, opts.profile_dir,
+                                        max_message_bytes=opts.max_message_bytes)
         interceptors = []
         if opts.keys_file is not None:
             interceptors.append(ApiKeyInterceptor(load_keys(opts.keys_file), on_reject=self._on_auth_reject))
         self._server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", opts.max_message_bytes),
+            # The transport takes up to 4x --max-message-bytes so the servicer can enforce the limit
+            # itself: count the request and say which flag raises it (gRPC's own refusal is neither
+            # counted nor worded). Beyond 4x, gRPC refuses it before any handler runs.
+            ("grpc.max_receive_message_length", transport_receive_limit(opts.max_message_bytes)),
             ("grpc.so_reuseport", 0),   # a port in use is an error, not a silent second server
         ])
         pb_grpc.add_StratumServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._server)
+        enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+                          self._server)
         address = f"[{opts.host}]:{opts.port}" if ":" in opts.host else f"{opts.host}:{opts.port}"
         if opts.tls_cert:
             credentials = grpc.ssl_server_credentials(
@@ -202,6 +206,11 @@ class StratumServer:
         if self._profiler_started:
             jax.profiler.stop_server()
             self._profiler_started = False
+
+
+def transport_receive_limit(max_message_bytes: int) -> int:
+    """gRPC's receive limit for a server whose servicer enforces `max_message_bytes` (see start())."""
+    return min(_TRANSPORT_FACTOR * max_message_bytes, 2**31 - 1)
 
 
 def _model_name(model: str) -> str:

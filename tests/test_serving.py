@@ -262,7 +262,8 @@ def _bad_cases(served) -> list[tuple[str, pb.MessagesRequest, tuple, grpc.Status
          "x-stratum-weight"),
         ("unknown route", ok, MD + (("x-stratum-route", "fast"),), grpc.StatusCode.INVALID_ARGUMENT,
          "x-stratum-route"),
-        ("oversized", user("z" * (MAX_MESSAGE_BYTES + 1)), MD, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+        ("oversized", user("z" * (MAX_MESSAGE_BYTES + 1)), MD, grpc.StatusCode.RESOURCE_EXHAUSTED,
+         "--max-message-bytes"),
         ("no key", ok, (), grpc.StatusCode.UNAUTHENTICATED, "missing x-api-key"),
         ("wrong key", ok, (("x-api-key", "nope"),), grpc.StatusCode.UNAUTHENTICATED, "not valid"),
     ]
