@@ -107,8 +107,9 @@ class _CancelAll:
 class EngineRunner:
     """Owns the engine thread. `submit`, `cancel` and `profile` may be called from any thread."""
 
-    def __init__(self, engine, metrics=None, name: str = "stratum-engine") -> None:
+    def __init__(self, engine, metrics=None, name: str = "stratum-engine", prefill_rate=None) -> None:
         self.engine = engine
+        self.prefill_rate = prefill_rate   # a serving.cost.PrefillRate fed after every step, or None
         self._idle_tick_s = getattr(engine, "idle_tick_s", None)   # None unless the cache policy wants ticks
         self.metrics = metrics
         self._cond = threading.Condition()
@@ -261,6 +262,8 @@ class EngineRunner:
             return
         end = time.monotonic()
         self._step_failures = 0
+        if self.prefill_rate is not None:
+            self.prefill_rate.observe(getattr(self.engine, "last_step", None))
         deliveries = []
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -125,7 +125,8 @@ class StratumServer:
             engine = Engine(self.config)
         log.info("warming up (compiling the step functions)")
         engine.warmup()
-        _calibrate(engine, self.config)
+        prefill_rate = cost.PrefillRate(_representative_prefill_tokens(engine.config))
+        _calibrate(engine, prefill_rate)
         self._start_dmlp(engine)
         bandwidth = measure_copy_bandwidth_gbps()
         name = _model_name(self.config.model)
@@ -138,7 +139,7 @@ class StratumServer:
                             max_context=resolved.max_context, max_tokens_cap=resolved.max_tokens_cap,
                             kv_bytes_per_token=kv_bytes)
         translator = Translator(engine.tokenizer, Limits(name, resolved.max_context, resolved.max_tokens_cap))
-        runner = EngineRunner(engine, self.metrics)
+        runner = EngineRunner(engine, self.metrics, prefill_rate=prefill_rate)
         return Served(runner, translator, info, kv_bytes), bandwidth
 
     def _start_dmlp(self, engine) -> None:
@@ -218,11 +219,29 @@ def _model_name(model: str) -> str:
     return pathlib.Path(model).name if ("/" in model or pathlib.Path(model).is_dir()) else model
 
 
-def _calibrate(engine, config: RuntimeConfig) -> None:
-    """Runs one short request if warm-up left no measured step times (the cost model needs them)."""
-    stats = engine.stats()
-    if stats.decode_step_ms > 0 and stats.prefill_tokens_per_s > 0:
-        return
-    ids = engine.tokenizer.encode("Calibrating the step time of this server. " * 8)
-    ids = ids[: max(1, min(len(ids), engine.config.max_context // 2))]
-    engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0))
+def _representative_prefill_tokens(config: RuntimeConfig) -> int:
+    """The smallest prefill step the cost model learns its rate from: 64 tokens, or less when the prefill
+    chunk or half the context is smaller (a step never holds more)."""
+    return min(cost.REPRESENTATIVE_PREFILL_TOKENS, config.prefill_chunk, config.max_context // 2)
+
+
+def _calibrate(engine, rate: cost.PrefillRate) -> None:
+    """Gives the cost model a representative prefill rate (and a decode step time) before serving.
+
+    Warm-up prefills 3 tokens, far too few to say how fast prompts prefill. Two prompts of one
+    representative length run here: the first compiles that prefill shape, the second is timed (its steps
+    are fed to `rate`). They differ, so the prefix cache does not skip the second one's prefill.
+    """
+    config = engine.config
+    length = max(rate.min_tokens, min(config.prefill_chunk, config.max_context // 2))
+    vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
+    for offset, observe in ((0, False), (1, True)):
+        ids = [(offset + 7 * i) % vocab for i in range(length)]
+        engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+            if observe:
+                rate.observe(engine.last_step)
+    if rate.tokens_per_s <= 0:
+        log.warning("calibration saw no prefill step of >= %d tokens: CostEstimate answers FAILED_PRECONDITION "
+                    "until a request brings one", rate.min_tokens)

@@ -195,7 +195,11 @@ class StratumServicer(pb_grpc.StratumServicer):
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stats = served.runner.stats
-        measured = cost.Measured(stats.decode_step_ms, stats.prefill_tokens_per_s, served.runner.decode_batch)
+        # The prefill rate from representative steps only (cost.PrefillRate), not the engine's median over
+        # every step, which starts out as the tiny warm-up's.
+        rate = served.runner.prefill_rate
+        measured = cost.Measured(stats.decode_step_ms, rate.tokens_per_s if rate is not None else 0.0,
+                                 served.runner.decode_batch)
         try:
             c = cost.estimate(len(ids), request.max_tokens, request.ByteSize(), served.kv_bytes_per_token,
                               measured, self.prices)

@@ -258,3 +258,39 @@ def test_idle_engine_gets_periodic_ticks_only_when_it_asks():
         r.stop()
     assert reached, f"only {ticking.ticks} idle ticks in 30 s"
     assert plain.ticks == 0
+
+
+def test_runner_feeds_the_prefill_rate_from_representative_steps_only():
+    from types import SimpleNamespace
+
+    from serving.cost import PrefillRate
+
+    class TimedEngine(FakeEngine):
+        """Reports each step as a prefill of the prompts it has not seen yet (0.01 s per step)."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+            self.last_step = None
+
+        def step(self):
+            fresh = [rid for rid in self.requests if rid not in self.seen]
+            self.seen.update(fresh)
+            tokens = sum(self.requests[rid]["prompt"] for rid in fresh)
+            self.last_step = SimpleNamespace(kind="prefill" if fresh else "decode", num_tokens=tokens or 1,
+                                             seconds=0.01)
+            return super().step()
+
+    rate = PrefillRate(min_tokens=64)
+    r = EngineRunner(TimedEngine(), prefill_rate=rate)
+    r.start()
+    try:
+        async def go(prompt_len, rid):
+            await drain(await r.submit([1] * prompt_len, SamplingParams(max_tokens=2), rid))
+
+        asyncio.run(go(3, "warm-up sized"))
+        assert rate.tokens_per_s == 0.0          # a 3-token prefill is not representative
+        asyncio.run(go(100, "representative"))
+        assert rate.tokens_per_s == pytest.approx(100 / 0.01)
+    finally:
+        r.stop()
