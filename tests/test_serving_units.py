@@ -234,3 +234,9 @@ def test_prefill_rate_ignores_small_and_decode_steps():
     assert rate.tokens_per_s == pytest.approx(12800.0)
     rate.observe(_step("prefill", 256, 0.01))
     assert rate.tokens_per_s == pytest.approx((12800.0 + 25600.0) / 2)   # the median of the two
+
+
+def test_client_summary_labels_the_stop_reason():
+    from stratum_jax.client import stop_summary
+    line = stop_summary(pb.MessageStop(stop_reason=pb.MAX_TOKENS, usage=pb.Usage(input_tokens=5, output_tokens=8)))
+    assert line.startswith("[stop: max_tokens] input 5 tokens") and "output 8 tokens" in line
