@@ -29,9 +29,10 @@ class BackgroundServer:
     def metrics_url(self) -> str:
         return f"http://{self.server.options.metrics_host}:{self.server.metrics_port}/metrics"
 
-    def start(self) -> "BackgroundServer":
+    def start(self, load: bool = True) -> "BackgroundServer":
+        """Opens the port; with `load`, also loads and warms the model (else it answers UNAVAILABLE)."""
         self._thread.start()
-        self.run(self.server.start(), self._start_timeout_s)
+        self.run(self.server.start(load=load), self._start_timeout_s)
         return self
 
     def run(self, coro, timeout: float | None = None):

@@ -4,7 +4,8 @@ Inputs
     P       billed prompt tokens: the exact chat-templated count (CountTokens); no padding
     M       billed output tokens: the request's max_tokens (an upper bound: generation may stop earlier)
     t_step  measured decode step wall time (engine EMA), seconds
-    r_pre   measured prefill throughput (engine EMA), tokens/s
+    r_pre   measured prefill throughput, tokens/s: the median of recent prefill steps of at least
+            PrefillRate.min_tokens tokens (PrefillRate below), never the tiny warm-up step
     B       requests sharing a decode step: the running mean of the server's decode batch, at least 1
     kv      KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
     prices  gpu_usd_per_hour, hbm_usd_per_gb_hour, transfer_usd_per_gb
@@ -32,7 +33,9 @@ one-token ContentDelta event (4 bytes of text, a 5-digit token id) plus gRPC's 5
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import statistics
 
 from serving.proto.stratum.v1 import stratum_pb2 as pb
 
@@ -80,6 +83,38 @@ class Cost:
     transfer_gb: float
 
 
+REPRESENTATIVE_PREFILL_TOKENS = 64   # prefill steps smaller than this don't set the cost model's rate
+
+
+class PrefillRate:
+    """The prefill throughput the cost model bills with, from representative steps only.
+
+    A prefill step's tokens/s grows with its size until the device is busy: the 3-token warm-up step ran at
+    16.7 tok/s on a server that prefills thousands, and billed 1.65 compute-seconds for a 22-token prompt.
+    So only prefill steps of at least `min_tokens` tokens count (the server runs one such step at start-up,
+    serving/server.py _calibrate). `tokens_per_s` is 0.0 until one has been seen.
+
+    Fed from the engine thread with the engine's `last_step` (StepTiming: kind, seconds, prefill_tokens)
+    after every step that prefilled ("prefill", or "mixed" with decode tokens riding along, which is what
+    a loaded server mostly runs); read from any thread (`tokens_per_s` is replaced whole).
+    """
+
+    def __init__(self, min_tokens: int = REPRESENTATIVE_PREFILL_TOKENS, window: int = 64) -> None:
+        if min_tokens < 1:
+            raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
+        self.min_tokens = min_tokens
+        self._recent: collections.deque[float] = collections.deque(maxlen=window)
+        self.tokens_per_s = 0.0
+
+    def observe(self, step) -> None:
+        """step: the engine's last StepTiming (or None)."""
+        if (step is None or step.kind not in ("prefill", "mixed") or step.prefill_tokens < self.min_tokens
+                or step.seconds <= 0):
+            return
+        self._recent.append(step.prefill_tokens / step.seconds)
+        self.tokens_per_s = statistics.median(self._recent)
+
+
 def kv_bytes_per_token(model_config) -> int:
     """K and V of one token across all layers, at the model's dtype."""
     dtype = str(getattr(model_config, "dtype", "float32"))
@@ -92,7 +127,8 @@ def estimate(prompt_tokens: int, max_tokens: int, request_bytes: int, kv_bytes: 
              measured: Measured, prices: Prices) -> Cost:
     """The formula of the module docstring. Raises ValueError when the step times are not measured yet."""
     if measured.decode_step_ms <= 0 or measured.prefill_tokens_per_s <= 0:
-        raise ValueError("the server has not measured its step times yet: send a request first, then ask again")
+        raise ValueError("the server has not measured a representative decode step and prefill step yet: "
+                         "send a request (a prompt of at least 64 tokens sets the prefill rate), then ask again")
     p, m = float(prompt_tokens), float(max_tokens)
     t_step = measured.decode_step_ms / 1e3
     t_prefill = p / measured.prefill_tokens_per_s

@@ -107,8 +107,9 @@ class _CancelAll:
 class EngineRunner:
     """Owns the engine thread. `submit`, `cancel` and `profile` may be called from any thread."""
 
-    def __init__(self, engine, metrics=None, name: str = "stratum-engine") -> None:
+    def __init__(self, engine, metrics=None, name: str = "stratum-engine", prefill_rate=None) -> None:
         self.engine = engine
+        self.prefill_rate = prefill_rate   # a serving.cost.PrefillRate fed after every step, or None
         self._idle_tick_s = getattr(engine, "idle_tick_s", None)   # None unless the cache policy wants ticks
         self.metrics = metrics
         self._cond = threading.Condition()
@@ -262,11 +263,14 @@ class EngineRunner:
             return
         end = time.monotonic()
         self._step_failures = 0
+        if self.prefill_rate is not None:
+            self.prefill_rate.observe(getattr(self.engine, "last_step", None))
+        deliveries = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream._deliver(Delivery(out, start, end))
+            deliveries.append((stream, Delivery(out, start, end)))
             if out.finished:
                 del self._streams[out.request_id]
                 self.finished += 1
@@ -276,6 +280,11 @@ class EngineRunner:
         self._publish_stats()
         if self.stats.running > 0:
             self.decode_batch += _BATCH_EMA * (self.stats.running - self.decode_batch)
+        # Bookkeeping and stats first, deliveries last: a handler that sees this step's outputs then reads
+        # counters and stats at least as new as the step (a cancelled request's pages already free), so
+        # nothing needs to sleep or poll for them.
+        for stream, delivery in deliveries:
+            stream._deliver(delivery)
         if self._profile is not None and self._profile.after_step():
             self._end_profile()
 

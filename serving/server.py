@@ -16,12 +16,12 @@ import grpc
 import jax
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from serving import cost
 from serving.auth import MESSAGES_METHOD, ApiKeyInterceptor, load_keys
 from serving.hardware import device_info, measure_copy_bandwidth_gbps
 from serving.options import ServerOptions
+from serving.reflection import enable_reflection
 from serving.proto.stratum.v1 import stratum_pb2 as pb
 from serving.proto.stratum.v1 import stratum_pb2_grpc as pb_grpc
 from serving.runner import EngineRunner
@@ -34,6 +34,7 @@ from stratum_jax.request import SamplingParams
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Stratum"].full_name   # "stratum.v1.Stratum"
+_TRANSPORT_FACTOR = 4    # gRPC's receive limit, as a multiple of --max-message-bytes
 _LAST_STREAMS_S = 10.0   # after the grace period: time for cancelled streams to send their status
 
 
@@ -65,19 +66,22 @@ class StratumServer:
             log.warning("binding %s without --keys-file: anyone who can reach it can use it", opts.host)
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.servicer = StratumServicer(self.metrics, device_info(), opts.prices, opts.profile_dir)
+        self.servicer = StratumServicer(self.metrics, device_info(), opts.prices, opts.profile_dir,
+                                        max_message_bytes=opts.max_message_bytes)
         interceptors = []
         if opts.keys_file is not None:
             interceptors.append(ApiKeyInterceptor(load_keys(opts.keys_file), on_reject=self._on_auth_reject))
         self._server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", opts.max_message_bytes),
+            # The transport takes up to 4x --max-message-bytes so the servicer can enforce the limit
+            # itself: count the request and say which flag raises it (gRPC's own refusal is neither
+            # counted nor worded). Beyond 4x, gRPC refuses it before any handler runs.
+            ("grpc.max_receive_message_length", transport_receive_limit(opts.max_message_bytes)),
             ("grpc.so_reuseport", 0),   # a port in use is an error, not a silent second server
         ])
         pb_grpc.add_StratumServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._server)
+        enable_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+                          self._server)
         address = f"[{opts.host}]:{opts.port}" if ":" in opts.host else f"{opts.host}:{opts.port}"
         if opts.tls_cert:
             credentials = grpc.ssl_server_credentials(
@@ -127,7 +131,8 @@ class StratumServer:
         start = time.perf_counter()
         log.info("warming up (compiling the step functions)")
         engine.warmup()
-        _calibrate(engine, self.config)
+        prefill_rate = cost.PrefillRate(_representative_prefill_tokens(engine.config))
+        _calibrate(engine, prefill_rate)
         log.info("warm-up and calibration took %.2f s", time.perf_counter() - start)
         self._start_dmlp(engine)
         start = time.perf_counter()
@@ -136,13 +141,14 @@ class StratumServer:
         name = _model_name(self.config.model)
         mc = engine.model_config
         kv_bytes = cost.kv_bytes_per_token(mc)
+        resolved = engine.config     # max_context resolved against the model (RuntimeConfig.for_model)
         info = pb.ModelInfo(name=name, dtype=str(self.config.dtype or getattr(mc, "dtype", "")),
                             num_layers=mc.num_layers, hidden_size=mc.hidden_size, num_heads=mc.num_heads,
                             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
-                            max_context=self.config.max_context, max_tokens_cap=self.config.max_tokens_cap,
+                            max_context=resolved.max_context, max_tokens_cap=resolved.max_tokens_cap,
                             kv_bytes_per_token=kv_bytes)
-        translator = Translator(engine.tokenizer, Limits(name, self.config.max_context, self.config.max_tokens_cap))
-        runner = EngineRunner(engine, self.metrics)
+        translator = Translator(engine.tokenizer, Limits(name, resolved.max_context, resolved.max_tokens_cap))
+        runner = EngineRunner(engine, self.metrics, prefill_rate=prefill_rate)
         return Served(runner, translator, info, kv_bytes), bandwidth
 
     def _start_dmlp(self, engine) -> None:
@@ -212,16 +218,39 @@ class StratumServer:
             self._profiler_started = False
 
 
+def transport_receive_limit(max_message_bytes: int) -> int:
+    """gRPC's receive limit for a server whose servicer enforces `max_message_bytes` (see start())."""
+    return min(_TRANSPORT_FACTOR * max_message_bytes, 2**31 - 1)
+
+
 def _model_name(model: str) -> str:
     """The name clients send in `model`: the preset, or the checkpoint directory's name."""
     return pathlib.Path(model).name if ("/" in model or pathlib.Path(model).is_dir()) else model
 
 
-def _calibrate(engine, config: RuntimeConfig) -> None:
-    """Runs one short request if warm-up left no measured step times (the cost model needs them)."""
-    stats = engine.stats()
-    if stats.decode_step_ms > 0 and stats.prefill_tokens_per_s > 0:
-        return
-    ids = engine.tokenizer.encode("Calibrating the step time of this server. " * 8)
-    ids = ids[: max(1, min(len(ids), config.max_context // 2))]
-    engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0))
+def _representative_prefill_tokens(config: RuntimeConfig) -> int:
+    """The smallest prefill step the cost model learns its rate from: 64 tokens, or less when the prefill
+    chunk or half the context is smaller (a step never holds more)."""
+    return min(cost.REPRESENTATIVE_PREFILL_TOKENS, config.prefill_chunk, config.max_context // 2)
+
+
+def _calibrate(engine, rate: cost.PrefillRate) -> None:
+    """Gives the cost model a representative prefill rate (and a decode step time) before serving.
+
+    Warm-up only compiles, so nothing says yet how fast prompts prefill. Two prompts of one representative
+    length run here: the first warms the device, the second is timed (its steps are fed to `rate`). They
+    differ, so the prefix cache does not skip the second one's prefill.
+    """
+    config = engine.config
+    length = max(rate.min_tokens, min(config.prefill_chunk, config.max_context // 2))
+    vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
+    for offset, observe in ((0, False), (1, True)):
+        ids = [(offset + 7 * i) % vocab for i in range(length)]
+        engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+            if observe:
+                rate.observe(engine.last_step)
+    if rate.tokens_per_s <= 0:
+        log.warning("calibration saw no prefill step of >= %d tokens: CostEstimate answers FAILED_PRECONDITION "
+                    "until a request brings one", rate.min_tokens)

@@ -58,8 +58,11 @@ class _Call:
 
 class StratumServicer(pb_grpc.StratumServicer):
     def __init__(self, metrics: ServingMetrics, device: DeviceInfo, prices: cost.Prices,
-                 profile_root: str | pathlib.Path) -> None:
+                 profile_root: str | pathlib.Path, max_message_bytes: int | None = None) -> None:
         self.metrics = metrics
+        # Enforced here rather than by gRPC's transport (which is set to accept more, see server.py), so
+        # that an oversized Messages call is counted and its status says which flag raises the limit.
+        self.max_message_bytes = max_message_bytes
         self.device = device
         self.prices = prices
         self.profile_root = pathlib.Path(profile_root)
@@ -79,6 +82,7 @@ class StratumServicer(pb_grpc.StratumServicer):
 
     async def Messages(self, request: pb.MessagesRequest, context: grpc.aio.ServicerContext):
         call = _Call(self.metrics)
+        await self._check_size(request, context, call)
         served = await self._require_serving(context, call)
         try:
             headers = parse_headers(context.invocation_metadata())
@@ -171,6 +175,7 @@ class StratumServicer(pb_grpc.StratumServicer):
     # ---- the unary RPCs ----
 
     async def CountTokens(self, request: pb.CountTokensRequest, context) -> pb.CountTokensResponse:
+        await self._check_size(request, context)
         served = await self._require_serving(context)
         try:
             parse_headers(context.invocation_metadata())
@@ -180,6 +185,7 @@ class StratumServicer(pb_grpc.StratumServicer):
         return pb.CountTokensResponse(input_tokens=len(ids))
 
     async def CostEstimate(self, request: pb.CostEstimateRequest, context) -> pb.CostEstimateResponse:
+        await self._check_size(request, context)
         served = await self._require_serving(context)
         try:
             parse_headers(context.invocation_metadata())
@@ -189,7 +195,11 @@ class StratumServicer(pb_grpc.StratumServicer):
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stats = served.runner.stats
-        measured = cost.Measured(stats.decode_step_ms, stats.prefill_tokens_per_s, served.runner.decode_batch)
+        # The prefill rate from representative steps only (cost.PrefillRate), not the engine's median over
+        # every step, which starts out as the tiny warm-up's.
+        rate = served.runner.prefill_rate
+        measured = cost.Measured(stats.decode_step_ms, rate.tokens_per_s if rate is not None else 0.0,
+                                 served.runner.decode_batch)
         try:
             c = cost.estimate(len(ids), request.max_tokens, request.ByteSize(), served.kv_bytes_per_token,
                               measured, self.prices)
@@ -268,6 +278,17 @@ class StratumServicer(pb_grpc.StratumServicer):
         if call is not None:
             call.end("unavailable")
         await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+    async def _check_size(self, request, context, call: _Call | None = None) -> None:
+        """RESOURCE_EXHAUSTED (counted for Messages) when the request is over --max-message-bytes."""
+        size = request.ByteSize()     # the serialized size: what came over the wire
+        if self.max_message_bytes is None or size <= self.max_message_bytes:
+            return
+        message = (f"the request is {size} bytes, over this server's limit of {self.max_message_bytes} bytes: "
+                   "send a shorter request, or start the server with a larger --max-message-bytes")
+        if call is not None:
+            await self._abort(context, call, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     async def _abort(self, context, call: _Call, code: grpc.StatusCode, message: str):
         call.end(code.name.lower())

@@ -102,10 +102,16 @@ def _generate(stub, args, md) -> None:
     else:
         print("".join(text))
     if stop is not None:
-        t = stop.timings
-        print(f"[{pb.StopReason.Name(stop.stop_reason).lower()}] input {stop.usage.input_tokens} tokens "
-              f"({stop.usage.cached_input_tokens} cached), output {stop.usage.output_tokens} tokens; "
-              f"queue {t.queue_ms:.1f} ms, ttft {t.ttft_ms:.1f} ms, total {t.total_ms:.1f} ms", file=sys.stderr)
+        print(stop_summary(stop), file=sys.stderr)
+
+
+def stop_summary(stop: pb.MessageStop) -> str:
+    """The line printed after a reply: why it stopped (labelled, so "[stop: max_tokens]" does not read as a
+    token count), then usage and timings."""
+    t = stop.timings
+    return (f"[stop: {pb.StopReason.Name(stop.stop_reason).lower()}] input {stop.usage.input_tokens} tokens "
+            f"({stop.usage.cached_input_tokens} cached), output {stop.usage.output_tokens} tokens; "
+            f"queue {t.queue_ms:.1f} ms, ttft {t.ttft_ms:.1f} ms, total {t.total_ms:.1f} ms")
 
 
 def run(args) -> None:

@@ -29,6 +29,7 @@ def _hab_threshold_default() -> float:
         raise ValueError(f"${HAB_THRESHOLD_ENV} must be a number of ms or one of {sorted(HAB_PROFILES)}, "
                          f"got {text!r}") from None
 DMLP_CONFIDENCE_RANGE = (0.5, 0.95)    # the bounds of ConfidenceThreshold (stratum_jax/dmlp/policy.py)
+DEFAULT_MAX_CONTEXT = 2048             # --max-context when none is given, capped by the model's own limit
 
 
 def parse_cores(text: str | None) -> tuple[int, ...] | None:
@@ -55,7 +56,8 @@ class RuntimeConfig:
     model: str = "pydoc-2m"          # preset name (random tiny/llama-1b/llama-8b, trained pydoc-2m) or HF dir
     dtype: str | None = None         # override the model's dtype: "float32" or "bfloat16"
     max_batch_size: int = 32         # running sequences per decode step
-    max_context: int = 2048          # prompt + generated tokens per request
+    max_context: int | None = None   # prompt + generated tokens per request; None = the model's
+                                     # max_position_embeddings capped at DEFAULT_MAX_CONTEXT (for_model)
     max_tokens_cap: int = 1024       # the largest max_tokens a request may ask for
     max_queue: int = 256             # waiting requests before add_request raises QueueFullError
     kv_pool_tokens: int = 65536      # KV capacity in token slots (rounded up to a multiple of 256)
@@ -94,6 +96,8 @@ class RuntimeConfig:
         for name in ("max_batch_size", "max_context", "max_tokens_cap", "max_queue", "kv_pool_tokens",
                      "prefill_chunk", "decode_steps"):
             value = getattr(self, name)
+            if name == "max_context" and value is None:
+                continue             # resolved against the model by for_model()
             need(isinstance(value, int) and value > 0,
                  f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         need(self.max_batch_size <= 1024, f"--max-batch-size must be <= 1024, got {self.max_batch_size}")
@@ -124,9 +128,25 @@ class RuntimeConfig:
         need(not self.kv_host_tokens or self.enable_prefix_caching,
              "--kv-host-tokens keeps evicted prefix-cache pages: it needs prefix caching "
              "(drop --no-prefix-caching or --kv-host-tokens)")
-        need(self.kv_pool_tokens >= self.max_context,
+        # With max_context None the pool is checked again once the model fixes it (for_model).
+        need(self.max_context is None or self.kv_pool_tokens >= self.max_context,
              f"--kv-pool-tokens ({self.kv_pool_tokens}) must hold at least one full context "
              f"(--max-context {self.max_context})")
+
+    def for_model(self, max_position_embeddings: int) -> "RuntimeConfig":
+        """This config with max_context fixed for a model that allows `max_position_embeddings` positions.
+
+        Still one config validated once per value: the engine calls this when it knows the model, and the
+        resolved copy is validated like any other. No --max-context: the model's limit capped at
+        DEFAULT_MAX_CONTEXT (a 512-position model gets 512, not an error). An explicit --max-context above
+        the model's limit is an error, as is a --kv-pool-tokens too small for the resolved context.
+        """
+        if self.max_context is None:
+            return dataclasses.replace(self, max_context=min(DEFAULT_MAX_CONTEXT, max_position_embeddings))
+        if self.max_context > max_position_embeddings:
+            raise ValueError(f"--max-context {self.max_context} exceeds the model's max_position_embeddings "
+                             f"{max_position_embeddings}: lower it, or leave it out to use the model's limit")
+        return self
 
     def _check_dmlp(self, need) -> None:
         dmlp = self.cache_policy == "dmlp"
@@ -178,7 +198,9 @@ class RuntimeConfig:
         g.add_argument("--model", default=d.model, help="preset name (pydoc-2m: trained; tiny, llama-1b, llama-8b: random) or HF dir")
         g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
         g.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
-        g.add_argument("--max-context", type=int, default=d.max_context)
+        g.add_argument("--max-context", type=int, default=d.max_context,
+                       help=f"prompt + generated tokens per request (default: the model's "
+                            f"max_position_embeddings, at most {DEFAULT_MAX_CONTEXT})")
         g.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap)
         g.add_argument("--max-queue", type=int, default=d.max_queue)
         g.add_argument("--kv-pool-tokens", type=int, default=d.kv_pool_tokens)

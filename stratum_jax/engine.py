@@ -94,15 +94,13 @@ class Engine:
 
     def __init__(self, config: RuntimeConfig, model: LoadedModel | None = None, *, policy=None,
                  clock: Clock | None = None):
-        self.config = config
         self.compiles = CompileWatch().install()
         self.model = model if model is not None else load_model(config.model, dtype=config.dtype,
                                                                 seed=config.seed)
         self.model_config = self.model.config
         self.tokenizer = self.model.tokenizer
-        if config.max_context > self.model_config.max_position_embeddings:
-            raise ValueError(f"--max-context {config.max_context} exceeds the model's "
-                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        # max_context is fixed here, where the model's limit is known (None = that limit, capped).
+        self.config = config = config.for_model(self.model_config.max_position_embeddings)
         self.attention_backend = resolve_backend(config, self.model_config)
         self.num_slots = config.kv_pool_slots
         self.kv_cache = init_kv_cache(self.model_config, self.num_slots)

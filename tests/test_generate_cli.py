@@ -60,3 +60,30 @@ def test_prompt_ids_parse_error():
     proc = subprocess.run([sys.executable, "-m", "stratum_jax.generate", "--prompt-ids", "1,a"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "comma-separated" in proc.stderr
+
+
+GOLDEN_QWEN2 = str(__import__("pathlib").Path(__file__).parent / "hf_reference" / "golden" / "qwen2")
+
+
+def test_default_max_context_follows_a_smaller_model_limit(capsys):
+    """The qwen2 golden checkpoint allows 256 positions: with no --max-context it must run (the default is
+    the model's limit, capped at 2048), and an explicit value above the limit stays an error."""
+    assert generate.main(["--model", GOLDEN_QWEN2, "--prompt-ids", "5,6,7", "--max-tokens", "2",
+                          "--ignore-eos", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out.strip())["token_ids"]) == 2
+    assert generate.main(["--model", GOLDEN_QWEN2, "--max-context", "2048", "--prompt-ids", "5,6,7"]) != 0
+    assert "exceeds the model's max_position_embeddings 256" in capsys.readouterr().err
+
+
+def test_runtime_config_resolves_max_context_once_per_model():
+    from stratum_jax.config import DEFAULT_MAX_CONTEXT, RuntimeConfig
+    assert RuntimeConfig().for_model(512).max_context == 512
+    assert RuntimeConfig().for_model(131072).max_context == DEFAULT_MAX_CONTEXT
+    assert RuntimeConfig(max_context=300).for_model(512).max_context == 300
+    with pytest.raises(ValueError, match="--max-context 1024 exceeds"):
+        RuntimeConfig(max_context=1024).for_model(512)
+    # The pool check runs again on the resolved value.
+    with pytest.raises(ValueError, match="--kv-pool-tokens"):
+        RuntimeConfig(kv_pool_tokens=1000).for_model(4096)
+    with pytest.raises(ValueError, match="--max-context must be a positive integer"):
+        RuntimeConfig(max_context=0)

@@ -1,6 +1,7 @@
-"""Parity with HF transformers on tiny random Llama (llama3 RoPE scaling, untied, sharded) and Qwen2
-(q/k/v biases, tied) checkpoints, and on the embedded trained `pydoc-2m` (its tokenizer and chat
-template too): prompt log-probabilities within 1e-4 and 32 greedy tokens exactly.
+"""Parity with HF transformers on tiny random Llama (llama3 RoPE scaling, untied, sharded), Qwen2 (q/k/v
+biases, tied) and Qwen2-shaped (rope_theta 1e6, head_dim 128, large q/k biases, untied, a 130-token
+prompt: where float32 RoPE frequency rounding shows) checkpoints, and on the embedded trained `pydoc-2m`
+(its tokenizer and chat template too): prompt log-probabilities within 1e-4 and 32 greedy tokens exactly.
 
 The references come from tests/hf_reference/make_hf_reference.py. The committed copy in
 tests/hf_reference/golden/ is always checked; when STRATUM_HF_PYTHON names a Python with torch and
@@ -24,9 +25,8 @@ from stratum_jax.model.loader import load_model
 
 HERE = Path(__file__).parent / "hf_reference"
 GOLDEN = HERE / "golden"
-MODELS = ("llama", "qwen2")
-NUM_SLOTS = 128  # > longest prompt (57) + 32 generated tokens
-PREFILL = 64  # prompts are padded to one length so each model compiles one prefill shape
+MODELS = ("llama", "qwen2", "qwen2_rope")
+NUM_SLOTS = 256  # > longest prompt (130) + 32 generated tokens
 ATOL = 1e-4
 
 
@@ -62,10 +62,15 @@ def _step(params, cfg, token_ids, positions, kv_cache, write_slots):
     return compute_logits(params, cfg, hidden), kv_cache
 
 
+def _prefill_len(n: int) -> int:
+    """Prompts are padded to 64 or 256 tokens, so each model compiles one prefill shape."""
+    return 64 if n <= 64 else 256
+
+
 def _prefill(model, ids: list[int]):
-    """Runs the prompt padded to PREFILL tokens; padding writes to slot NUM_SLOTS, which is dropped."""
+    """Runs the prompt padded to _prefill_len tokens; padding writes to slot NUM_SLOTS, which is dropped."""
     n = len(ids)
-    pad = PREFILL - n
+    pad = _prefill_len(n) - n
     tokens = jnp.asarray(ids + [0] * pad, jnp.int32)
     positions = jnp.asarray(list(range(n)) + [0] * pad, jnp.int32)
     slots = jnp.asarray(list(range(n)) + [NUM_SLOTS] * pad, jnp.int32)
@@ -120,6 +125,11 @@ def test_goldens_exercise_what_they_claim():
     assert qwen2.config.tie_word_embeddings and "lm_head" not in qwen2.params
     assert qwen2.config.attention_bias
     assert float(jnp.abs(qwen2.params["layers_0"]["self_attn"]["k_proj"]["bias"]).max()) > 0.1
+    rope = _load(str(GOLDEN / "qwen2_rope"))
+    assert rope.config.rope_theta == 1e6 and rope.config.head_dim == 128 and rope.config.attention_bias
+    assert not rope.config.tie_word_embeddings and "lm_head" in rope.params
+    refs = json.loads((GOLDEN / "reference.json").read_text())["models"]["qwen2_rope"]
+    assert min(len(r["ids"]) for r in refs) >= 130
 
 
 def test_ignoring_rope_scaling_would_fail():

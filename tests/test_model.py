@@ -497,3 +497,53 @@ def test_bfloat16_forward_tracks_float32(tiny_params):
     got, cache = _decode_sequence(params16, cfg16, ids, [N], np.arange(N), NUM_SLOTS)
     assert got.dtype == jnp.float32 and cache[0][0].dtype == jnp.bfloat16
     np.testing.assert_allclose(got, ref, atol=0.05, rtol=0)
+
+
+def _set_eos(ckpt, config_eos, generation_eos):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=config_eos)))
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    gen.pop("eos_token_id", None)
+    if generation_eos is not None:
+        gen["eos_token_id"] = generation_eos
+    (ckpt / "generation_config.json").write_text(json.dumps(gen))
+
+
+def test_checkpoint_eos_ends_generation_without_a_tokenizer_json(ckpt):
+    """No tokenizer.json: the checkpoint's EOS ids (config.json, replaced by generation_config.json's when
+    it names them, lists included) end greedy generation; the byte tokenizer's 257 is just a token then."""
+    from stratum_jax.config import RuntimeConfig
+    from stratum_jax.engine import Engine
+    from stratum_jax.request import FinishReason, SamplingParams
+
+    config = RuntimeConfig(model=str(ckpt), max_context=128, kv_pool_tokens=1024, max_batch_size=4,
+                           prefill_chunk=32)
+    prompt = [5, 6, 7, 8]
+    free = Engine(config).generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    # Stop on a token greedy decoding reaches a few steps in (not the first), so stopping there is observable.
+    stop = next(t for t in free.token_ids[2:] if t != ByteTokenizer.EOS)
+    where = free.token_ids.index(stop)
+    never = next(t for t in range(1, 272) if t not in free.token_ids)   # an EOS id greedy never produces
+
+    for config_eos, generation_eos in [(stop, None), (never, [never, stop]), ([never], stop)]:
+        _set_eos(ckpt, config_eos, generation_eos)
+        model = load_model(str(ckpt))
+        assert isinstance(model.tokenizer, ByteTokenizer)
+        assert stop in model.tokenizer.eos_token_ids and ByteTokenizer.EOS not in model.tokenizer.eos_token_ids
+        out = Engine(config, model=model).generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0]
+        assert out.finish_reason == FinishReason.EOS, (config_eos, generation_eos, out)
+        assert out.token_ids == free.token_ids[:where + 1]
+
+    # generation_config.json's list replaces config.json's id, as in transformers' generate().
+    _set_eos(ckpt, stop, [never])
+    model = load_model(str(ckpt))
+    assert model.config.eos_token_ids == model.tokenizer.eos_token_ids == (never,)
+
+
+def test_bad_generation_config_eos_names_the_file(ckpt):
+    _set_eos(ckpt, None, ["two"])
+    with pytest.raises(CheckpointError, match="generation_config.json"):
+        load_model(str(ckpt))
+    _set_eos(ckpt, None, 100_000)
+    with pytest.raises(CheckpointError, match="generation_config.json.*eos_token_ids"):
+        load_model(str(ckpt))

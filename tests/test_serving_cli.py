@@ -100,7 +100,7 @@ def server(tmp_path_factory):
 def test_client_cli(server):
     r = server.client("Hello there", "--max-tokens", "5", "--temperature", "0")
     assert r.returncode == 0, r.stderr
-    assert re.search(r"\[(max_tokens|end_turn)\] input \d+ tokens .* output [1-5] tokens", r.stderr), r.stderr
+    assert re.search(r"\[stop: (max_tokens|end_turn)\] input \d+ tokens .* output [1-5] tokens", r.stderr), r.stderr
     streamed = server.client("Hello there", "--max-tokens", "5", "--temperature", "0", "--stream")
     assert streamed.returncode == 0 and streamed.stdout == r.stdout      # same greedy text either way
     health = json.loads(server.client("--health").stdout)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
+import time
 
 import pytest
 
@@ -32,10 +34,16 @@ class FakeStats:
 
 
 class FakeEngine:
-    """The Engine contract in miniature: each step emits token 7 for every request; one page per request."""
+    """The Engine contract in miniature: each step emits token 7 for every request; one page per request.
 
-    def __init__(self, max_queue: int = 4) -> None:
+    `emit_limit` makes timing irrelevant: a request emits at most that many tokens and then stays in flight,
+    emitting nothing, until it is cancelled. Without it a "long" request could finish before the test's
+    next command reaches the engine thread (this fake steps in microseconds), which made tests flaky.
+    """
+
+    def __init__(self, max_queue: int = 4, emit_limit: int | None = None) -> None:
         self.max_queue = max_queue
+        self.emit_limit = emit_limit
         self.requests: dict[str, dict] = {}
         self.steps = 0
         self.fail_steps = 0          # the next N steps raise
@@ -70,6 +78,8 @@ class FakeEngine:
                 outputs.append(StepOutput(rid, [], "", finished=True, finish_reason=FinishReason.CANCELLED,
                                           prompt_tokens=r["prompt"], output_tokens=r["out"]))
                 continue
+            if self.emit_limit is not None and r["out"] >= self.emit_limit:
+                continue             # stalled: in flight until cancelled
             r["out"] += 1
             done = r["out"] >= r["params"].max_tokens
             if done:
@@ -77,6 +87,8 @@ class FakeEngine:
             outputs.append(StepOutput(rid, [7], "x", finished=done,
                                       finish_reason=FinishReason.LENGTH if done else None,
                                       prompt_tokens=r["prompt"], output_tokens=r["out"]))
+        if not outputs:
+            time.sleep(0.001)        # every request is stalled: don't spin the engine thread at full speed
         return outputs
 
     def stats(self) -> FakeStats:
@@ -100,6 +112,15 @@ def runner():
     r.stop()
 
 
+@pytest.fixture
+def stalling_runner():
+    """Requests emit one token, then stay in flight until cancelled."""
+    r = EngineRunner(FakeEngine(emit_limit=1))
+    r.start()
+    yield r
+    r.stop()
+
+
 def test_streams_every_token_then_one_terminal_output(runner):
     async def go():
         stream = await runner.submit([1, 2], SamplingParams(max_tokens=3), "a")
@@ -111,7 +132,9 @@ def test_streams_every_token_then_one_terminal_output(runner):
     assert runner.accepted == runner.finished == 1
 
 
-def test_rejections_come_back_as_exceptions(runner):
+def test_rejections_come_back_as_exceptions(stalling_runner):
+    runner = stalling_runner
+
     async def go():
         with pytest.raises(InvalidRequestError):
             await runner.submit([], SamplingParams(), "empty")
@@ -127,28 +150,33 @@ def test_rejections_come_back_as_exceptions(runner):
     assert asyncio.run(go()) == [FinishReason.CANCELLED] * 4
 
 
-def test_cancel_frees_at_the_next_step(runner):
+def test_cancel_frees_at_the_next_step(stalling_runner):
+    runner = stalling_runner
+
     async def go():
         stream = await runner.submit([1], SamplingParams(max_tokens=10_000), "long")
         await stream.next()
         stream.cancel()
         outs = await drain(stream)
-        await asyncio.sleep(0.05)
-        return outs
+        # No sleep: the runner publishes a step's stats before it delivers that step's outputs, so the
+        # handler that sees the cancellation also sees the freed pages.
+        return outs, runner.stats
 
-    outs = asyncio.run(go())
+    outs, stats = asyncio.run(go())
     assert outs[-1].finish_reason == FinishReason.CANCELLED
-    assert runner.stats.kv_pages_free == runner.stats.kv_pages_total
+    assert stats.kv_pages_free == stats.kv_pages_total
     assert runner.accepted == runner.finished
 
 
-def test_engine_failure_ends_in_flight_requests_with_an_error(runner):
+def test_engine_failure_ends_in_flight_requests_with_an_error(stalling_runner):
+    runner = stalling_runner
+
     async def go():
-        stream = await runner.submit([1], SamplingParams(max_tokens=10_000), "doomed")
+        stream = await runner.submit([1], SamplingParams(max_tokens=10_000), "doomed")   # stalls: never ends
         await stream.next()
         runner.engine.fail_steps = 1
         outs = await drain(stream)
-        after = await runner.submit([1], SamplingParams(max_tokens=2), "after")   # the server keeps serving
+        after = await runner.submit([1], SamplingParams(max_tokens=1), "after")   # the server keeps serving
         return outs[-1], await drain(after)
 
     last, after = asyncio.run(go())
@@ -168,7 +196,9 @@ def test_repeated_engine_failures_close_the_runner(runner):
     asyncio.run(go())
 
 
-def test_stop_cancels_everything(runner):
+def test_stop_cancels_everything(stalling_runner):
+    runner = stalling_runner
+
     async def go():
         stream = await runner.submit([1], SamplingParams(max_tokens=10_000), "x")
         await stream.next()
@@ -204,7 +234,6 @@ def test_profile_counts_engine_steps(runner, tmp_path):
 def test_idle_engine_gets_periodic_ticks_only_when_it_asks():
     """An engine with `idle_tick_s` (a DMLP feeding online fine-tuning) is ticked while idle; one without
     is never woken (an idle server burns no CPU)."""
-    import time
 
     class TickingEngine(FakeEngine):
         def __init__(self, idle_tick_s):
@@ -212,14 +241,56 @@ def test_idle_engine_gets_periodic_ticks_only_when_it_asks():
             self.idle_tick_s = idle_tick_s
             self.ticks = 0
 
+            self.five_ticks = threading.Event()
+
         def tick(self):
             self.ticks += 1
+            if self.ticks >= 5:
+                self.five_ticks.set()
 
     ticking, plain = TickingEngine(0.02), TickingEngine(None)
     runners = [EngineRunner(ticking), EngineRunner(plain)]
     for r in runners:
         r.start()
-    time.sleep(0.3)
+    # Wait for the ticks themselves, not for a fixed time (a loaded machine may tick late).
+    reached = ticking.five_ticks.wait(30)
     for r in runners:
         r.stop()
-    assert ticking.ticks >= 5 and plain.ticks == 0
+    assert reached, f"only {ticking.ticks} idle ticks in 30 s"
+    assert plain.ticks == 0
+
+
+def test_runner_feeds_the_prefill_rate_from_representative_steps_only():
+    from types import SimpleNamespace
+
+    from serving.cost import PrefillRate
+
+    class TimedEngine(FakeEngine):
+        """Reports each step as a prefill of the prompts it has not seen yet (0.01 s per step)."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+            self.last_step = None
+
+        def step(self):
+            fresh = [rid for rid in self.requests if rid not in self.seen]
+            self.seen.update(fresh)
+            tokens = sum(self.requests[rid]["prompt"] for rid in fresh)
+            self.last_step = SimpleNamespace(kind="prefill" if fresh else "decode", num_tokens=tokens or 1,
+                                             prefill_tokens=tokens, seconds=0.01)
+            return super().step()
+
+    rate = PrefillRate(min_tokens=64)
+    r = EngineRunner(TimedEngine(), prefill_rate=rate)
+    r.start()
+    try:
+        async def go(prompt_len, rid):
+            await drain(await r.submit([1] * prompt_len, SamplingParams(max_tokens=2), rid))
+
+        asyncio.run(go(3, "warm-up sized"))
+        assert rate.tokens_per_s == 0.0          # a 3-token prefill is not representative
+        asyncio.run(go(100, "representative"))
+        assert rate.tokens_per_s == pytest.approx(100 / 0.01)
+    finally:
+        r.stop()

@@ -212,3 +212,33 @@ def test_profile_names_stay_inside_the_profile_dir(tmp_path):
     assert profiling.check_request(0, 0) == (profiling.DEFAULT_STEPS, profiling.DEFAULT_TIMEOUT_S)
     with pytest.raises(ValueError, match="num_steps"):
         profiling.check_request(10**6, 1)
+
+
+# ---- the prefill rate the cost model bills with ----
+
+def _step(kind, tokens, seconds):
+    """A StepTiming-like record: `tokens` prompt tokens (none for a decode step)."""
+    return types.SimpleNamespace(kind=kind, num_tokens=tokens, seconds=seconds,
+                                 prefill_tokens=0 if kind == "decode" else tokens)
+
+
+def test_prefill_rate_ignores_small_and_decode_steps():
+    """The 3-token warm-up prefill (16.7 tok/s) must never become the billed rate."""
+    rate = cost.PrefillRate(min_tokens=64)
+    for step in (None, _step("prefill", 3, 0.18), _step("decode", 128, 0.01), _step("prefill", 63, 0.01)):
+        rate.observe(step)
+    assert rate.tokens_per_s == 0.0
+    measured = cost.Measured(decode_step_ms=5.0, prefill_tokens_per_s=rate.tokens_per_s, decode_batch=1.0)
+    with pytest.raises(ValueError, match="representative"):
+        cost.estimate(22, 10, 100, 1024, measured, cost.Prices())
+    rate.observe(_step("prefill", 128, 0.01))
+    rate.observe(_step("prefill", 3, 0.18))
+    assert rate.tokens_per_s == pytest.approx(12800.0)
+    rate.observe(_step("prefill", 256, 0.01))
+    assert rate.tokens_per_s == pytest.approx((12800.0 + 25600.0) / 2)   # the median of the two
+
+
+def test_client_summary_labels_the_stop_reason():
+    from stratum_jax.client import stop_summary
+    line = stop_summary(pb.MessageStop(stop_reason=pb.MAX_TOKENS, usage=pb.Usage(input_tokens=5, output_tokens=8)))
+    assert line.startswith("[stop: max_tokens] input 5 tokens") and "output 8 tokens" in line

@@ -56,6 +56,7 @@ class OnlineFineTuner:
         self._process = None
         self._thread: threading.Thread | None = None
         self.updates = 0
+        self.evaluations = 0     # rounds the worker evaluated on the holdout (each reports "swap" or "stats")
         self.dropped = 0
         self.accuracy = float("nan")
         self.error: str | None = None
@@ -133,12 +134,14 @@ class OnlineFineTuner:
                 _, params, self.accuracy, confidence, updates = msg
                 self.model.params = jax.device_put(params)    # readers see the old or the new tree
                 self.threshold.set(confidence)
+                self.evaluations += 1
                 if self._updates_counter is not None:
                     self._updates_counter.inc(updates - self.updates)
                 self.updates = updates
             elif kind == "stats":
                 _, self.accuracy, confidence = msg
                 self.threshold.set(confidence)
+                self.evaluations += 1
             elif kind == "checkpoint":
                 self.last_checkpoint = msg[1]
             elif kind == "stopped":

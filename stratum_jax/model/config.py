@@ -172,8 +172,7 @@ class ModelConfig:
         num_heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         head_dim = d.get("head_dim") or hidden // num_heads
-        eos = d.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+        eos_ids = hf_eos_ids(d.get("eos_token_id"))
         bos = d.get("bos_token_id")
         return cls(
             vocab_size=int(need("vocab_size")),
@@ -193,6 +192,13 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
         )
+
+
+def hf_eos_ids(value) -> tuple[int, ...]:
+    """An HF `eos_token_id` field (None, an int, or a list of ints) -> a tuple of ids."""
+    if value is None:
+        return ()
+    return tuple(int(e) for e in (value if isinstance(value, list) else [value]) if e is not None)
 
 
 def freeze_rope_scaling(d: dict[str, Any]) -> tuple:

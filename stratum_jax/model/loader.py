@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stratum_jax.model.config import PRESETS, ModelConfig
+from stratum_jax.model.config import PRESETS, ModelConfig, hf_eos_ids
 from stratum_jax.model.llama import Params, init_params, param_shapes
 from stratum_jax.model.safetensors_file import DTYPES, SafetensorsFile
 from stratum_jax.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -74,6 +74,7 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0) -> 
         raise
     except ValueError as e:
         raise CheckpointError(f"{cfg_file}: {e}") from e
+    cfg = _generation_eos(path, cfg)
     start = time.perf_counter()
     tokenizer = _load_tokenizer(path, cfg)
     loaded = time.perf_counter()
@@ -192,11 +193,30 @@ def _load_tokenizer(directory: Path, cfg: ModelConfig) -> Tokenizer:
             raise CheckpointError(f"{tok_file}: cannot be loaded ({e})") from e
         source = str(tok_file)
     else:
-        tokenizer, source = ByteTokenizer(cfg.vocab_size), f"the byte tokenizer (no {tok_file})"
+        # The checkpoint's own EOS ids end generation; the byte tokenizer's 257 only when it names none.
+        tokenizer = ByteTokenizer(cfg.vocab_size, eos_token_ids=cfg.eos_token_ids)
+        source = f"the byte tokenizer (no {tok_file})"
     if tokenizer.vocab_size > cfg.vocab_size:
         raise CheckpointError(f"{source} has {tokenizer.vocab_size} tokens but {directory / 'config.json'} "
                               f"has vocab_size {cfg.vocab_size}")
     return tokenizer
+
+
+def _generation_eos(directory: Path, cfg: ModelConfig) -> ModelConfig:
+    """generation_config.json's eos_token_id, when it has one, replaces config.json's (as transformers'
+    generate() does): it is where checkpoints list every stop id (Llama 3.1: three of them)."""
+    gen_file = directory / "generation_config.json"
+    if not gen_file.is_file():
+        return cfg
+    gen = _read_json(gen_file)
+    if not isinstance(gen, dict) or gen.get("eos_token_id") is None:
+        return cfg
+    try:
+        eos = hf_eos_ids(gen["eos_token_id"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{gen_file}: eos_token_id must be an int or a list of ints, "
+                              f"got {gen['eos_token_id']!r}") from e
+    return _replace(cfg, str(gen_file), eos_token_ids=eos)
 
 
 def _read_json(path: Path) -> Any:

@@ -66,14 +66,16 @@ class ByteTokenizer(Tokenizer):
     """ids 0..255 are the UTF-8 bytes; then <bos>=256, <eos>=257, <pad>=258.
 
     vocab_size is max(259, vocab_size): a model's larger vocabulary is padding that never decodes.
+    eos_token_ids: the ids that end generation; a checkpoint that names its own EOS passes them (its 257 may
+    be an ordinary token), else <eos>=257.
     """
 
     BOS, EOS, PAD = 256, 257, 258
 
-    def __init__(self, vocab_size: int = 259):
+    def __init__(self, vocab_size: int = 259, eos_token_ids: tuple[int, ...] = ()):
         self.vocab_size = max(259, vocab_size)
         self.bos_token_id = self.BOS
-        self.eos_token_ids = (self.EOS,)
+        self.eos_token_ids = tuple(eos_token_ids) or (self.EOS,)
         self.pad_token_id = self.PAD
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:

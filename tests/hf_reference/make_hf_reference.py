@@ -10,6 +10,8 @@ script, or to follow a new transformers release) with:
 Output, under OUT_DIR:
     llama/   LlamaForCausalLM, llama3 RoPE scaling, untied, head_dim != hidden/heads, saved in shards
     qwen2/   Qwen2ForCausalLM, q/k/v biases, tied embeddings, 1 kv head
+    qwen2_rope/  Qwen2ForCausalLM shaped like released Qwen2 where RoPE is most sensitive: rope_theta 1e6,
+             head_dim 128, q/k/v biases, untied embeddings; one 130-token prompt (angles up to 129 rad)
     reference.json  per model and prompt: the prompt ids, HF's log-probability of each prompt token
                     given its prefix, the full log_softmax after the last prompt token, and 32 greedy
                     tokens from `generate`.
@@ -30,6 +32,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 VOCAB = 272  # >= 259, so the byte tokenizer also fits these checkpoints
 PROMPT_LENGTHS = (1, 6, 23, 57)
+QWEN2_ROPE_QK_BIAS_STD = 12.0   # q/k bias std of qwen2_rope: large enough that the old RoPE drift exceeded 1e-4
+LONG_PROMPT_LENGTHS = (130,)   # qwen2_rope: past 128 positions, where float32 RoPE angle errors show
 NEW_TOKENS = 32
 
 
@@ -48,22 +52,32 @@ def build_models():
     qwen2 = Qwen2Config(
         hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1, rms_norm_eps=1e-6,
         tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=10000.0), **common)
-    return {"llama": (LlamaForCausalLM, llama, 1), "qwen2": (Qwen2ForCausalLM, qwen2, 2)}
+    # Kept small (2 heads of 128, MLP 128) so the checkpoint stays ~3 MB.
+    qwen2_rope = Qwen2Config(
+        hidden_size=256, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0), **common)
+    return {"llama": (LlamaForCausalLM, llama, 1, PROMPT_LENGTHS, 0.5),
+            "qwen2": (Qwen2ForCausalLM, qwen2, 2, PROMPT_LENGTHS, 0.5),
+            "qwen2_rope": (Qwen2ForCausalLM, qwen2_rope, 3, LONG_PROMPT_LENGTHS, QWEN2_ROPE_QK_BIAS_STD)}
 
 
 @torch.no_grad()
-def randomize(model, seed):
+def randomize(model, seed, qk_bias_std=0.5):
     """HF's init (std 0.02, zero biases, unit norms) makes near-uniform attention and logits that would
     hide RoPE, bias and norm mistakes; use O(1) activations instead: 1/sqrt(fan_in) matrices (x2 on q/k
     for peaked attention), random biases and norm weights, and small embeddings (std 0.15) so that the
-    tied Qwen2 head does not just predict the last token again."""
+    tied Qwen2 head does not just predict the last token again.
+
+    qk_bias_std: released Qwen2 checkpoints have large q/k biases (tens), so their attention scores are
+    large and small RoPE angle errors move the log-probs; qwen2_rope copies that with a larger value."""
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=g)
         if name.endswith("norm.weight"):
             p.copy_(1.0 + 0.2 * noise)
         elif name.endswith(".bias"):
-            p.copy_(0.5 * noise)
+            p.copy_((qk_bias_std if ("q_proj" in name or "k_proj" in name) else 0.5) * noise)
         elif name.endswith("embed_tokens.weight"):
             p.copy_(0.15 * noise)
         else:
@@ -72,10 +86,10 @@ def randomize(model, seed):
 
 
 @torch.no_grad()
-def reference_for(model, seed):
+def reference_for(model, seed, prompt_lengths):
     g = torch.Generator().manual_seed(seed)
     out = []
-    for n in PROMPT_LENGTHS:
+    for n in prompt_lengths:
         ids = torch.randint(0, VOCAB, (1, n), generator=g)
         logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
         prompt_lp = logprobs[:-1].gather(1, ids[0, 1:, None])[:, 0]
@@ -90,13 +104,13 @@ def main(out_dir: str) -> None:
     out = Path(out_dir)
     torch.manual_seed(0)
     ref = {"transformers": transformers.__version__, "torch": torch.__version__, "models": {}}
-    for name, (cls, cfg, seed) in build_models().items():
+    for name, (cls, cfg, seed, prompt_lengths, qk_bias_std) in build_models().items():
         model = cls(cfg).eval()
-        randomize(model, seed)
+        randomize(model, seed, qk_bias_std)
         model.generation_config.eos_token_id = None
         # Shards exercise the loader's model.safetensors.index.json path.
         model.save_pretrained(out / name, max_shard_size="100KB" if name == "llama" else "10MB")
-        ref["models"][name] = reference_for(model, seed)
+        ref["models"][name] = reference_for(model, seed, prompt_lengths)
     (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
     (out / "pydoc-2m.json").write_text(json.dumps(pydoc_reference(), indent=1) + "\n")
 
