@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 import time
 
 import jax
@@ -30,6 +31,12 @@ from stratum_jax.sequence import Sequence
 from stratum_jax.step_shapes import StepShape, all_step_shapes, bucket_for, prefill_buckets, prefill_tile
 
 log = logging.getLogger(__name__)
+
+# Compiled step executables of this process, shared by every runner whose key matches (as jax's own jit
+# cache is shared): (StepShape, StepGeometry, ModelConfig, num_slots) -> executable. An executable
+# depends on nothing else (the params and KV pools are arguments, their shapes follow from the key).
+_EXECUTABLES: dict[tuple, object] = {}
+_EXECUTABLES_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass
@@ -72,7 +79,6 @@ class ModelRunner:
                                 attn_stats=attn_stats)
         self.buckets = prefill_buckets(config)
         self.shapes = all_step_shapes(config)
-        self._executables: dict[StepShape, object] = {}
 
     # -- compilation --------------------------------------------------------------------------------
     def _lower(self, shape: StepShape, kv_cache):
@@ -89,10 +95,19 @@ class ModelRunner:
         hidden = jax.ShapeDtypeStruct((PROMPT_LOGPROB_PIECE, cfg.hidden_size), np.dtype(cfg.dtype))
         return prompt_logprobs_piece.lower(params, hidden, np.zeros(PROMPT_LOGPROB_PIECE, np.int32), cfg=cfg)
 
+    def _key(self, shape: StepShape) -> tuple:
+        return shape, self.geo, self.model.config, self.num_slots
+
+    def missing_shapes(self) -> list[StepShape]:
+        """The shapes of this config with no executable yet (empty after `compile_all`)."""
+        return [s for s in self.shapes if self._key(s) not in _EXECUTABLES]
+
     def _executable(self, shape: StepShape, kv_cache):
-        exe = self._executables.get(shape)
+        exe = _EXECUTABLES.get(self._key(shape))
         if exe is None:
-            exe = self._executables[shape] = self._lower(shape, kv_cache).compile()
+            exe = self._lower(shape, kv_cache).compile()
+            with _EXECUTABLES_LOCK:
+                exe = _EXECUTABLES.setdefault(self._key(shape), exe)
         return exe
 
     def compile_all(self, kv_cache, progress: bool = True) -> float:
@@ -100,7 +115,7 @@ class ModelRunner:
         one shape at a time (Python); the XLA compiles run in threads, since XLA releases the GIL and a
         GPU host has cores to spare."""
         t0 = time.perf_counter()
-        todo = [s for s in self.shapes if s not in self._executables]
+        todo = self.missing_shapes()
         log.info("compiling %d step shapes (rows=%d, table width=%d, prefill buckets=%s, decode steps=%d, "
                  "attention=%s)", len(todo), self.geo.rows, self.geo.table_width, list(self.buckets),
                  self.geo.decode_steps, self.geo.backend)
@@ -116,7 +131,8 @@ class ModelRunner:
             futures = [pool.submit(compile_one, shape, self._lower(shape, kv_cache)) for shape in todo]
             for future in concurrent.futures.as_completed(futures):
                 shape, exe = future.result()
-                self._executables[shape] = exe
+                with _EXECUTABLES_LOCK:
+                    _EXECUTABLES.setdefault(self._key(shape), exe)
                 bar.update()
         seconds = time.perf_counter() - t0
         log.info("compiled %d step shapes in %.1f s (%d threads)", len(todo), seconds, workers)

@@ -104,3 +104,15 @@ class StepOutput:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     output_tokens: int = 0       # total so far
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[list[TokenLogprob]] | None
+    prompt_logprobs: list[list[TokenLogprob]] | None
+    prompt_tokens: int
+    cached_prompt_tokens: int

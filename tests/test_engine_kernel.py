@@ -23,10 +23,10 @@ def _tiny_d64():
                        name="tiny-d64")
 
 
-def _run(model, attention, interpret, prompts, page_size=None, max_tokens=6):
-    engine = Engine(RuntimeConfig(model="tiny", max_context=256, kv_pool_tokens=4096, max_batch_size=8,
+def _run(model, attention, interpret, prompts, page_size=None, max_tokens=6, max_batch_size=8, decode_steps=4):
+    engine = Engine(RuntimeConfig(model="tiny", max_context=256, kv_pool_tokens=4096, max_batch_size=max_batch_size,
                                   prefill_chunk=64, attention=attention, interpret_kernels=interpret,
-                                  page_size=page_size), model=model)
+                                  page_size=page_size, decode_steps=decode_steps), model=model)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [r.token_ids for r in engine.generate(prompts, sp)]
 
@@ -34,11 +34,13 @@ def _run(model, attention, interpret, prompts, page_size=None, max_tokens=6):
 PROMPTS = [[5, 6, 7], list(range(20, 61)), [9] * 17, list(range(100, 110))]
 
 
-def test_engine_kernel_interpret_matches_reference():
+def test_engine_kernel_interpret_matches_reference(two_splits):
+    """The interpreter runs every CTA of every step in Python (every row of every packed and decode
+    step, padding rows too), so: 2 rows, 2 splits, 2 decode steps per call."""
     model = _tiny_d64()
-    prompts = [[5, 6, 7], list(range(20, 45))]          # the interpreter is slow: a small batch
-    assert (_run(model, "kernel", True, prompts, page_size=8, max_tokens=3)
-            == _run(model, "reference", False, prompts, page_size=8, max_tokens=3))
+    prompts = [[5, 6, 7], list(range(20, 45))]
+    kw = dict(page_size=8, max_tokens=3, max_batch_size=2, decode_steps=2)
+    assert _run(model, "kernel", True, prompts, **kw) == _run(model, "reference", False, prompts, **kw)
 
 
 def test_kernel_on_cpu_without_interpret_is_refused():
