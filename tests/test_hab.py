@@ -96,3 +96,17 @@ def test_threshold_from_environment(monkeypatch, value, want):
     monkeypatch.setenv("STRATUM_HAB_THRESHOLD_MS", "soon")
     with pytest.raises(ValueError, match="STRATUM_HAB_THRESHOLD_MS"):
         RuntimeConfig(model="tiny")
+
+
+def test_a_starving_request_goes_before_the_cpm_pick():
+    """Only the oldest request has waited past the bound: it is admitted first even though the idle time
+    would pick another one; with room for two, the CPM pick comes next."""
+    config = RuntimeConfig(model="tiny", max_context=1024, kv_pool_tokens=8192, max_batch_size=2, prefill_chunk=512,
+                           max_num_batched_tokens=2 + 1024, scheduler="hab", hab_threshold_ms=8.0,
+                           hab_max_wait_ms=300.0)
+    sched = build_scheduler(config, PagePool(config.kv_pool_slots, enable_prefix_caching=False))
+    sched.add(_seq("old-big", 400, arrival_s=99.0))                     # waited 1.5 s at now = 100.5
+    for i, (name, n) in enumerate([("mid", 200), ("fit", 160), ("small", 40)]):
+        sched.add(_seq(name, n, arrival_s=100.4 + i * 0.001))
+    batch = sched.schedule(_costs(now_s=100.5, idle_ms=9.0))
+    assert _admitted(batch) == ["old-big", "fit"] and sched.triggers == 1
