@@ -6,7 +6,7 @@ Caveat: the key-block and "attention skipped" cases patch a module global and re
 function, and jax reuses the first trace, so they run the baseline: their lines are not valid (a
 correct version would pass the variant through a static argument).
 """
-import functools, time, sys
+import time
 import numpy as np, jax, jax.numpy as jnp
 import stratum_jax.decode as D
 import stratum_jax.attention as A

@@ -2,7 +2,7 @@
 static loop, sampling under lax.cond vs static greedy/sampled variants, top-20 logprobs on/off. Chose
 stratum_jax/decode.py's SamplerVariant and static decode loop. Prints one line per variant; its
 2026-11-30 output is transcribed in benchmarks/results/sampler_variants_h200.json."""
-import time, dataclasses, functools, sys
+import time
 import numpy as np, jax, jax.numpy as jnp
 from jax import lax
 import stratum_jax.decode as D
