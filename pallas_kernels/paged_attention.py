@@ -358,9 +358,9 @@ def _paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sca
 
     if score_stats:
         res, stats = res[:-3], res[-3:]
-        score_var = _score_variance_from_partials(
-            *(group_rows(x) for x in stats), lengths=lengths, page_sizes=page_sizes,
-            max_pages=max_pages, block_kv=config.block_kv, splits=splits).reshape(batch, num_q_heads)
+        n = _split_key_counts(lengths, page_sizes, max_pages=max_pages, block_kv=config.block_kv, splits=splits)
+        score_var = _score_variance_from_partials(*(group_rows(x) for x in stats),
+                                                  n[:, :, None, None]).reshape(batch, num_q_heads)
 
     if splits == 1:
         out = res[0].reshape(batch, num_kv_heads, rows_per_h, head_dim)[:, :, :group]
@@ -372,6 +372,125 @@ def _paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sca
     if score_stats:
         return out, score_var
     return out
+
+
+# The causal-block variant's default: 128-token tiles were the fastest swept config for llama-1b
+# (BENCHMARKS.md, prefill attention; 3 stages of 128 do not fit SMEM at head_dim 128).
+PREFILL_KERNEL_CONFIG = TuningConfig(block_kv=128, num_stages=2, num_splits=1)
+
+
+def paged_prefill_attention_reference(q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes, *,
+                                      sm_scale=None, return_score_stats: bool = False):
+    """Pure-jnp causal attention of query blocks over paged KV (same contract as
+    `paged_prefill_attention`), via the decode reference with one row per query token. For tests."""
+    blocks, tokens, num_q_heads, head_dim = q.shape
+    q_starts = jnp.maximum(q_starts, 0)
+    tok_lengths = jnp.minimum(q_starts[:, None] + jnp.arange(1, tokens + 1, dtype=jnp.int32)[None, :],
+                              lengths[:, None])
+    tok_lengths = jnp.where(lengths[:, None] > 0, jnp.maximum(tok_lengths, 0), 0).reshape(-1)
+    rep = lambda a: jnp.repeat(a, tokens, axis=0)
+    res = paged_attention_reference(q.reshape(blocks * tokens, num_q_heads, head_dim), k_pool, v_pool,
+                                    tok_lengths, rep(page_starts), rep(page_sizes), sm_scale=sm_scale,
+                                    return_score_stats=return_score_stats)
+    if return_score_stats:
+        return res[0].reshape(q.shape), res[1].reshape(blocks, tokens, num_q_heads)
+    return res.reshape(q.shape)
+
+
+def prefill_block_tokens(num_q_heads: int, num_kv_heads: int) -> int | None:
+    """Query tokens per block of `paged_prefill_attention` (its q tile is 64 rows = tokens x the GQA
+    group), or None when the group is not a power of 2 <= 64 (the kernel does not take that model)."""
+    group = num_q_heads // max(num_kv_heads, 1)
+    if group < 1 or group > _Q_ROWS or group & (group - 1):
+        return None
+    return _Q_ROWS // group
+
+
+def paged_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes, *,
+                            sm_scale: float | None = None, config: TuningConfig | None = None,
+                            interpret: bool = False, return_score_stats: bool = False):
+    """Causal attention of blocks of consecutive query tokens over a paged KV pool (the prefill path;
+    the decode kernel with a 64-row q tile of `tokens` tokens x the GQA group).
+
+    Args:
+      q: [blocks, tokens, num_q_heads, head_dim] bf16/fp32, tokens = prefill_block_tokens(...) (or
+        fewer; a power of 2 keeps the q tile full). Token i of block b is at position q_starts[b] + i.
+      k_pool, v_pool: [num_kv_heads, num_slots, head_dim] bf16 (the decode kernel's pools; the block's
+        own keys must already be written).
+      q_starts: [blocks] int32, the position of each block's first token (>= 0; negative counts as 0).
+      lengths: [blocks] int32, the keys the block may see: min(q_starts + tokens, the sequence's
+        context); 0 marks a padding block (output zeros). Keys >= length are never read as values,
+        so stale or NaN slots there are harmless.
+      page_starts: [blocks, max_pages] int32 and page_sizes: [blocks] int32, each block's sequence's
+        block table, as in `paged_attention`.
+      config: TuningConfig with num_splits None or 1 (causal blocks are never split).
+    Returns [blocks, tokens, num_q_heads, head_dim] in q.dtype: token i attends to the keys at positions
+    < min(q_starts + i + 1, lengths). With return_score_stats also score_var [blocks, tokens,
+    num_q_heads] float32, each row's score variance over those keys (as in `paged_attention`).
+    """
+    if q.ndim != 4:
+        raise ValueError(f"paged_prefill_attention: q must be [blocks, tokens, num_q_heads, head_dim], got {q.shape}")
+    blocks, tokens, num_q_heads, head_dim = q.shape
+    _check_inputs(q[:, 0], k_pool, v_pool, lengths, page_starts, page_sizes)
+    if q_starts.shape != (blocks,) or q_starts.dtype != jnp.int32:
+        raise ValueError(f"paged_prefill_attention: q_starts must be int32 [blocks={blocks}], got "
+                         f"{q_starts.dtype} {q_starts.shape}")
+    most = prefill_block_tokens(num_q_heads, k_pool.shape[0])
+    if most is None or tokens > most:
+        raise ValueError(f"paged_prefill_attention: {tokens} tokens x a GQA group of "
+                         f"{num_q_heads // k_pool.shape[0]} do not fit the 64-row q tile (the group must be "
+                         f"a power of 2 and tokens <= {most})")
+    if head_dim not in (64, 128):
+        raise ValueError(f"paged_prefill_attention: head_dim must be 64 or 128, got {head_dim}")
+    config = config or TuningConfig()
+    if config.num_splits not in (None, 1):
+        raise ValueError(f"paged_prefill_attention: causal blocks are not split, got num_splits={config.num_splits}")
+    config = dataclasses.replace(config, num_splits=1)
+    scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
+    args = (q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes)
+    kw = dict(scale=scale, config=config, score_stats=bool(return_score_stats))
+    if interpret:
+        with mosaic_gpu_interpret():
+            return _paged_prefill_attention(*args, p_via_smem=True, **kw)
+    return _paged_prefill_attention(*args, p_via_smem=interpret_mode_active(), **kw)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "p_via_smem", "score_stats"))
+def _paged_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes, *, scale, config,
+                             p_via_smem, score_stats):
+    blocks, tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[0]
+    group = num_q_heads // num_kv_heads
+    rows = tokens * group
+    # q tile of (block b, kv head h): rows token-major (row = token * group + g), padded to 64 rows.
+    q2 = q.astype(jnp.bfloat16).reshape(blocks, tokens, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q2 = jnp.pad(q2.reshape(blocks, num_kv_heads, rows, head_dim), ((0, 0), (0, 0), (0, _Q_ROWS - rows), (0, 0)))
+    max_pages = page_starts.shape[1]
+    window = _table_window(max_pages, 1, config.block_kv)
+    table = page_starts.reshape(-1)
+    if table.shape[0] % 4 or table.shape[0] < window:
+        table = jnp.pad(table, (0, (-table.shape[0]) % 4 + max(0, window - table.shape[0])))
+    kernel = _build_kernel(
+        batch=blocks, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
+        table_len=table.shape[0], rows_per_b=num_kv_heads * _Q_ROWS, rows_per_h=_Q_ROWS, copy_rows=_Q_ROWS,
+        out_dtype=jnp.dtype(q.dtype), scale=scale, soft_cap=None, config=config,
+        p_via_smem=p_via_smem or config.p_via_smem, score_stats=score_stats, query_tokens=tokens)
+    # A negative start would leave a row no key at all (its online softmax would be NaN, not zeros).
+    res = kernel(lengths, page_sizes, jnp.maximum(q_starts, 0), table, q2.reshape(-1, head_dim), k_pool, v_pool)
+
+    def to_tokens(x):
+        """[blocks, Hkv, 64, ...] rows -> [blocks, tokens, Hq, ...]."""
+        x = x[:, :, :rows].reshape(blocks, num_kv_heads, tokens, group, *x.shape[3:])
+        return jnp.moveaxis(x, 1, 2).reshape(blocks, tokens, num_q_heads, *x.shape[4:])
+
+    out = to_tokens(res[0].reshape(blocks, num_kv_heads, _Q_ROWS, head_dim))
+    if not score_stats:
+        return out
+    shift, s1, s2 = (to_tokens(x.reshape(blocks, num_kv_heads, _Q_ROWS)) for x in res[-3:])
+    # Keys each row saw: its causal end, clamped to the block's length (0 for padding blocks).
+    seen = jnp.minimum(q_starts[:, None] + jnp.arange(1, tokens + 1, dtype=jnp.int32)[None, :], lengths[:, None])
+    n = jnp.where(lengths[:, None] > 0, jnp.maximum(seen, 0), 0).astype(jnp.float32)[:, :, None]
+    return out, _score_variance_from_partials(shift[:, None], s1[:, None], s2[:, None], n[:, None])
 
 
 def _split_key_counts(lengths, page_sizes, *, max_pages, block_kv, splits):
@@ -388,15 +507,15 @@ def _split_key_counts(lengths, page_sizes, *, max_pages, block_kv, splits):
     return jnp.maximum(n, 0).astype(jnp.float32)
 
 
-def _score_variance_from_partials(shift, s1, s2, *, lengths, page_sizes, max_pages, block_kv, splits):
+def _score_variance_from_partials(shift, s1, s2, n):
     """Merge the kernel's per-split score sums into the population variance of each row's scores.
 
-    shift, s1, s2: [B, S, Hkv, G] fp32 in the kernel's base-2 units (scores times log2(e)): the
-    split's shift c, sum(s - c) and sum((s - c)^2) over the split's valid keys. Returns [B, Hkv, G]
-    fp32, in natural units, >= 0, and 0 where the sequence has no valid key.
+    shift, s1, s2: [B, S, ...] fp32 in the kernel's base-2 units (scores times log2(e)): the split's
+    shift c, sum(s - c) and sum((s - c)^2) over the split's valid keys; n: the count of those keys,
+    float32, broadcastable to them. Returns [B, ...] fp32, in natural units, >= 0, and 0 where the row
+    has no valid key.
     """
-    n = _split_key_counts(lengths, page_sizes, max_pages=max_pages, block_kv=block_kv,
-                          splits=splits)[:, :, None, None]                       # [B, S, 1, 1]
+    splits = shift.shape[1]
     has = n > 0
     n_safe = jnp.maximum(n, 1.0)
     # Per split: mean and M2 (sum of squared deviations from the split's own mean).
@@ -431,9 +550,14 @@ def _combine_splits(o_part, lse):
 
 def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len, rows_per_b,
                   rows_per_h, copy_rows, out_dtype, scale, soft_cap, config, p_via_smem,
-                  score_stats=False):
+                  score_stats=False, query_tokens=1):
     """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or (o_part, lse), followed
-    by (shift, sum, sum of squares) score-stat rows when score_stats (see the module docstring)."""
+    by (shift, sum, sum of squares) score-stat rows when score_stats (see the module docstring).
+
+    query_tokens Q > 1 (prefill blocks, `paged_prefill_attention`): the q tile's 64 rows are Q
+    consecutive query tokens x `group` q heads (row r is token r // group; group a power of 2), f takes
+    q_starts [batch] int32 after page_sizes, and row r sees the keys < min(q_start + r // group + 1,
+    length) (causal); every row's output (all 64) is written. Q = 1 is the decode kernel, unchanged."""
     T = config.block_kv
     stages = config.num_stages
     splits = config.num_splits
@@ -456,8 +580,17 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
     # +1.7-17% over the plain kernel, and 2-3x smaller error). Larger tiles would need 64-128
     # registers per sum, so they reduce per tile.
     stats_per_column = score_stats and T == 64
+    causal = query_tokens > 1
+    log2_group = group.bit_length() - 1
+    out_rows_per_h = _Q_ROWS if causal else group
+    if causal and (1 << log2_group != group or query_tokens * group > _Q_ROWS or splits != 1):
+        raise ValueError(f"prefill blocks need a power-of-2 group ({group}), query_tokens * group <= "
+                         f"{_Q_ROWS} ({query_tokens} * {group}) and one split ({splits})")
 
-    def body(lengths_ref, psizes_ref, table_ref, q_ref, k_ref, v_ref, *rest):
+    def body(lengths_ref, psizes_ref, *rest):
+        if causal:
+            qstart_ref, rest = rest[0], rest[1:]
+        table_ref, q_ref, k_ref, v_ref, *rest = rest
         if splits == 1:
             (o_ref,), rest = rest[:1], rest[1:]
             lse_ref = None
@@ -490,6 +623,19 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
         else:
             tile_lo, tile_hi = jnp.int32(0), n_tiles
         num_steps = tile_hi - tile_lo
+        if causal:
+            # Row r's keys end at its own token's position (+1): a [64, T] bound, the same every tile.
+            q_start = qstart_ref[b]
+            row_tok = lax.shift_right_logical(
+                plgpu.broadcasted_iota(jnp.int32, (_Q_ROWS, T), 0, layout=wgmma_layout), log2_group)
+            row_end = jnp.minimum(q_start + row_tok + 1, length)
+
+        def visible(tile, n_valid):
+            """[64, T] bool: the keys of `tile` (n_valid = length - tile * T of them exist) each row sees."""
+            cols = plgpu.broadcasted_iota(jnp.int32, (_Q_ROWS, T), 1, layout=wgmma_layout)
+            if causal:
+                return cols < row_end - tile * T
+            return cols < n_valid
 
         # --- page-table window and q rows -> SMEM --------------------------------------------
         page_lo = jnp.minimum(lax.shift_right_logical(tile_lo * T, log2_p), max_pages - 1)
@@ -553,7 +699,7 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
             return k_ring.at[slot], v_ring.at[slot]
 
         # --- attend: online softmax update with one tile ----------------------------------
-        def attend(carry, k_tile, v_tile, n_valid):
+        def attend(carry, k_tile, v_tile, tile, n_valid):
             if score_stats:
                 acc, m_i, l_i, c_i, s1_i, s2_i = carry
             else:
@@ -567,14 +713,14 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
                 s = jnp.tanh(s * (scale / soft_cap)) * (soft_cap * _LOG2E)
             else:
                 s = s * qk_scale
-            cols = plgpu.broadcasted_iota(jnp.int32, (_Q_ROWS, T), 1, layout=wgmma_layout)
-            s = jnp.where(cols < n_valid, s, -jnp.inf)
+            seen = visible(tile, n_valid)
+            s = jnp.where(seen, s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             if score_stats:
                 # Shift: the row max of the CTA's first tile (m_i is -inf only before it). Masked
                 # keys (s = -inf, or NaN from free slots before the mask) contribute exactly 0.
                 c_i = jnp.where(m_i == -jnp.inf, m_new, c_i)
-                d = jnp.where(cols < n_valid, s - lax.broadcast_in_dim(c_i, s.shape, [0]), 0.0)
+                d = jnp.where(seen, s - lax.broadcast_in_dim(c_i, s.shape, [0]), 0.0)
                 if stats_per_column:
                     s1_i = s1_i + d
                     s2_i = s2_i + d * d
@@ -616,7 +762,7 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
             tile = tile_lo + i
             n_valid = length - tile * T
             k_tile, v_tile = _materialize_bf16(slot, n_valid)
-            carry = attend(carry, k_tile, v_tile, n_valid)
+            carry = attend(carry, k_tile, v_tile, tile, n_valid)
             # attend() awaited its WGMMAs, so the slot is free: refill it. Each warp awaits only its
             # own share of a WGMMA, so all four must be past it before the TMA overwrites the slot;
             # Pallas' automatic barriers do that per copy, otherwise one sync per tile here.
@@ -654,7 +800,7 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
             out_row = q_row
         else:
             out_row = (b * splits + k_split) * rows_per_b + h * rows_per_h
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row_off, group)], o_ref.at[pl.ds(out_row, group)])
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row_off, out_rows_per_h)], o_ref.at[pl.ds(out_row, out_rows_per_h)])
         if lse_ref is not None:
             plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, lse_cols)], lse_ref.at[b * splits + k_split, h])
         if score_stats:

@@ -99,3 +99,44 @@ def float64_score_variance(case, *, sm_scale=None, soft_cap=None) -> np.ndarray:
     for b, hq, s, _ in _float64_scores(case, sm_scale, soft_cap):
         out[b, hq] = s.var()
     return out
+
+
+def prefill_blocks_case(case, blocks, tokens, seed=0) -> dict:
+    """Causal prefill blocks over the sequences of a `random_paged_case`: blocks is a list of
+    (sequence, q_start, n_valid) — `tokens` query tokens at positions q_start.. of that sequence (its
+    first n_valid are real, the rest padding); sequence -1 makes a padding block. Returns the
+    `paged_prefill_attention` arguments (q [blocks, tokens, Hq, D] bf16, q_starts, lengths,
+    page_starts, page_sizes, k_pool, v_pool) plus "valid" [blocks, tokens] bool."""
+    rng = np.random.default_rng(seed)
+    seq = np.array([max(s, 0) for s, _, _ in blocks])
+    ctx = np.asarray(case["lengths"])[seq]
+    starts = np.array([max(q0, 0) for _, q0, _ in blocks], np.int32)
+    lengths = np.array([0 if s < 0 else min(q0 + tokens, int(c)) for (s, q0, _), c in zip(blocks, ctx)], np.int32)
+    valid = np.array([[s >= 0 and i < n for i in range(tokens)] for s, _, n in blocks])
+    q = rng.standard_normal((len(blocks), tokens, case["q"].shape[1], case["q"].shape[2])) * 1.5
+    return dict(q=jnp.asarray(q, jnp.bfloat16), k_pool=case["k_pool"], v_pool=case["v_pool"],
+                q_starts=jnp.asarray(starts), lengths=jnp.asarray(lengths),
+                page_starts=case["page_starts"][seq], page_sizes=case["page_sizes"][seq], valid=valid)
+
+
+def _per_token_case(pcase) -> dict:
+    """A prefill-blocks case as a decode case with one row per query token (its visible keys as the
+    row's length), so the decode truths serve the prefill kernel."""
+    blocks, tokens = pcase["q"].shape[:2]
+    seen = np.minimum(np.asarray(pcase["q_starts"])[:, None] + np.arange(1, tokens + 1)[None, :],
+                      np.asarray(pcase["lengths"])[:, None])
+    seen = np.where(np.asarray(pcase["lengths"])[:, None] > 0, seen, 0).reshape(-1)
+    rep = lambda a: jnp.repeat(a, tokens, axis=0)
+    return dict(q=pcase["q"].reshape(blocks * tokens, *pcase["q"].shape[2:]), k_pool=pcase["k_pool"],
+                v_pool=pcase["v_pool"], lengths=jnp.asarray(seen, jnp.int32),
+                page_starts=rep(pcase["page_starts"]), page_sizes=rep(pcase["page_sizes"]))
+
+
+def float64_prefill_attention(pcase) -> np.ndarray:
+    """Ground truth of `paged_prefill_attention`: [blocks, tokens, Hq, D] float64."""
+    return float64_attention(_per_token_case(pcase)).reshape(pcase["q"].shape)
+
+
+def float64_prefill_score_variance(pcase) -> np.ndarray:
+    """Ground truth of its score variance: [blocks, tokens, Hq] float64."""
+    return float64_score_variance(_per_token_case(pcase)).reshape(pcase["q"].shape[:3])

@@ -1,8 +1,9 @@
 """Attention over the paged KV cache for one packed step, and the backend switch.
 
 The step (stratum_jax/decode.py) calls `decode_attention` for its decode tokens (one query per row: the
-Pallas Mosaic GPU kernel, or the tiled jnp path) and `tiled_paged_attention` for its prefill tiles
-(query tiles of one row each, causal by absolute position). The tiled path is an online softmax over
+Pallas Mosaic GPU kernel, or the tiled jnp path) and `prefill_attention` for its prefill tiles (query
+tiles of one row each, causal by absolute position: the kernel's causal-block variant, or the tiled
+jnp path). The tiled path is an online softmax over
 blocks of keys gathered through each row's block table; it is exact, and the kernels' tests compare
 against float64 truths (pallas_kernels/testing.py, tests/test_tiled_attention.py).
 
@@ -136,6 +137,37 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
     mean = s1 / jnp.maximum(n, 1.0)
     var = jnp.where(n > 0, jnp.maximum(s2 / jnp.maximum(n, 1.0) - mean * mean, 0.0), 0.0)
     return out, var.transpose(0, 3, 1, 2).reshape(tiles, tile, num_heads)
+
+
+def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_pool, *, backend: str,
+                      interpret: bool = False, max_context: int | None = None, return_score_stats: bool = False,
+                      kernel_config=None):
+    """The prefill tiles' attention: `tiled_paged_attention`'s contract (q [tiles, tile, num_heads,
+    head_dim], a tile's valid queries a prefix of consecutive positions). backend "kernel": the Pallas
+    kernel's causal-block variant (`paged_prefill_attention`: blocks of 64 // group tokens, each
+    streaming its row's pages once for the whole GQA group), where the model's group is a power of 2;
+    otherwise, and for "reference", the tiled jnp path. kernel_config: the kernel's TuningConfig
+    (default: PREFILL_KERNEL_CONFIG)."""
+    tiles, tile, num_heads, head_dim = q.shape
+    from pallas_kernels.paged_attention import PREFILL_KERNEL_CONFIG, paged_prefill_attention, prefill_block_tokens
+    per_block = prefill_block_tokens(num_heads, k_pool.shape[0])
+    if backend != "kernel" or per_block is None or tile % per_block:
+        return tiled_paged_attention(q, q_positions, tile_rows, tables, k_pool, v_pool, max_context=max_context,
+                                     return_score_stats=return_score_stats)
+    blocks = tiles * (tile // per_block)
+    rows = jnp.repeat(tile_rows, tile // per_block)                                  # [blocks]
+    starts = q_positions.reshape(blocks, per_block)[:, 0]
+    safe_rows = jnp.maximum(rows, 0)
+    valid = (rows >= 0) & (starts >= 0)
+    lengths = jnp.where(valid, jnp.minimum(starts + per_block, tables.context_lens[safe_rows]), 0)
+    res = paged_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), k_pool, v_pool,
+                                  jnp.maximum(starts, 0), lengths.astype(jnp.int32), tables.page_starts[safe_rows],
+                                  tables.page_sizes[safe_rows], interpret=interpret,
+                                  config=kernel_config or PREFILL_KERNEL_CONFIG,
+                                  return_score_stats=return_score_stats)
+    if return_score_stats:
+        return res[0].reshape(q.shape), res[1].reshape(tiles, tile, num_heads)
+    return res.reshape(q.shape)
 
 
 def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend: str, interpret: bool = False,

@@ -8,8 +8,8 @@ A step's tokens are packed into one flat array of `rows + prefill_tokens` tokens
     a tile boundary and the rest of its last tile is padding (position -1).
 Every matmul, norm and the KV write run once over the flat array, so prefill chunks ride along with
 the decode tokens in one device call. Attention splits: decode tokens go to the Pallas kernel (or the
-tiled jnp path), prefill tiles to the tiled jnp path (stratum_jax/attention.py), whose loop over key
-blocks has a data-dependent trip count. So the only compile axis is `prefill_tokens` (a small set of
+tiled jnp path), prefill tiles to the kernel's causal-block variant (or the tiled jnp path, whose loop
+over key blocks has a data-dependent trip count; stratum_jax/attention.py). So the only compile axis is `prefill_tokens` (a small set of
 buckets, stratum_jax/step_shapes.py); the row count and the block-table width are fixed by the config,
 and sampling settings (temperature, top-p/k, seeds, logprobs) are arrays.
 
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from stratum_jax.attention import RowTables, decode_attention, tiled_paged_attention
+from stratum_jax.attention import RowTables, decode_attention, prefill_attention
 from stratum_jax.model import llama
 from stratum_jax.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
 
@@ -117,10 +117,10 @@ def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
         out, var = res if geo.attn_stats else (res, None)
         outs, variances = [out], [var]
         if tiles:
-            res = tiled_paged_attention(q[rows:].reshape(tiles, tile, *q.shape[1:]),
-                                        batch.positions[rows:].reshape(tiles, tile), batch.tile_rows,
-                                        batch.tables, k_pool, v_pool, max_context=geo.max_context,
-                                        return_score_stats=geo.attn_stats)
+            res = prefill_attention(q[rows:].reshape(tiles, tile, *q.shape[1:]),
+                                    batch.positions[rows:].reshape(tiles, tile), batch.tile_rows,
+                                    batch.tables, k_pool, v_pool, backend=geo.backend, interpret=geo.interpret,
+                                    max_context=geo.max_context, return_score_stats=geo.attn_stats)
             pre, pre_var = res if geo.attn_stats else (res, None)
             outs.append(pre.reshape(prefill, *q.shape[1:]))
             variances.append(None if pre_var is None else pre_var.reshape(prefill, -1))

@@ -14,8 +14,11 @@ import jax.numpy as jnp
 
 from pallas_kernels._interpret import mosaic_gpu_interpret
 from pallas_kernels.paged_attention import (
-    PAGE_SIZES, TuningConfig, paged_attention, paged_attention_reference)
-from pallas_kernels.testing import float64_attention, float64_score_variance, random_paged_case
+    PAGE_SIZES, TuningConfig, paged_attention, paged_attention_reference, paged_prefill_attention,
+    paged_prefill_attention_reference, prefill_block_tokens)
+from pallas_kernels.testing import (
+    float64_attention, float64_prefill_attention, float64_prefill_score_variance, float64_score_variance,
+    prefill_blocks_case, random_paged_case)
 
 BF16_TOL = 2e-2
 
@@ -193,6 +196,59 @@ def test_kernel_score_var(kind):
 
 
 # ---------------------------------------------------------------------------------------------
+# Causal prefill blocks (paged_prefill_attention)
+# ---------------------------------------------------------------------------------------------
+
+def _prefill_case(num_q_heads, num_kv_heads, head_dim, seed):
+    """Sequences on every page size (NaN in free slots); blocks: one ending at its sequence's end, one
+    in the middle of a long context (keys over several tiles and pages), one truncated (only its first
+    few tokens real: the chunk ended inside the block), one starting at position 0, one padding block."""
+    case = random_paged_case(seed, lengths=[140, 230, 75, 9], page_sizes=[8, 32, 256, 16],
+                             num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    n = prefill_block_tokens(num_q_heads, num_kv_heads)
+    blocks = [(0, 140 - n, n), (1, 150, n), (2, 75 - 5, 5), (3, 0, min(n, 9)), (-1, 0, 0)]
+    return prefill_blocks_case(case, blocks, n, seed=seed)
+
+
+def _check_valid(out, want, valid, tol=BF16_TOL):
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32))
+    assert not np.isnan(out[valid]).any(), "NaN in a real token's output"
+    err = np.abs(out - want)[valid].max()
+    assert err <= tol, f"max abs err {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("heads", [(8, 2, 64), (2, 2, 64), (16, 2, 64)])
+def test_prefill_kernel_matches_float64(heads):
+    """The causal-block kernel (interpret mode) against float64: GQA groups 4 (16 tokens per block),
+    1 (64 tokens) and 8 (8 tokens); every page-size class; NaN in free slots; truncated and padding
+    blocks (a padding block's output is zeros). The score variance too."""
+    pcase = _prefill_case(*heads, seed=21)
+    valid = pcase.pop("valid")
+    out, var = paged_prefill_attention(**pcase, interpret=True, return_score_stats=True)
+    _check_valid(out, float64_prefill_attention(pcase), valid)
+    assert not np.asarray(out[-1], np.float32).any(), "a padding block must give zeros"
+    v, want = np.asarray(var)[valid], float64_prefill_score_variance(pcase)[valid]
+    np.testing.assert_allclose(v, want, rtol=VAR_RTOL, atol=VAR_ATOL)
+    ref = paged_prefill_attention_reference(**pcase)
+    _check_valid(ref, float64_prefill_attention(pcase), valid)
+
+
+def test_prefill_kernel_block128_and_errors():
+    """block_kv 128 (pages both smaller and larger than a tile); and the entry point's errors."""
+    pcase = _prefill_case(8, 2, 64, seed=22)
+    valid = pcase.pop("valid")
+    out = paged_prefill_attention(**pcase, interpret=True, config=TuningConfig(block_kv=128))
+    _check_valid(out, float64_prefill_attention(pcase), valid)
+    with pytest.raises(ValueError, match="causal blocks are not split"):
+        paged_prefill_attention(**pcase, config=TuningConfig(num_splits=2))
+    with pytest.raises(ValueError, match="do not fit the 64-row q tile"):
+        paged_prefill_attention(**{**pcase, "q": jnp.zeros((5, 32, 8, 64), jnp.bfloat16)})
+    with pytest.raises(ValueError, match="q_starts must be int32"):
+        paged_prefill_attention(**{**pcase, "q_starts": pcase["q_starts"][:2]})
+    assert prefill_block_tokens(12, 4) is None and prefill_block_tokens(32, 8) == 16
+
+
+# ---------------------------------------------------------------------------------------------
 # Entry point validation
 # ---------------------------------------------------------------------------------------------
 
@@ -264,3 +320,16 @@ def test_kernel_score_stats_compiled_on_gpu(config, soft_cap):
     plain = paged_attention(**case, config=config, soft_cap=soft_cap)
     assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32), equal_nan=True)
     check(out, float64_attention(case, soft_cap=soft_cap))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("config", [TuningConfig(), TuningConfig(block_kv=128)])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (32, 8, 64), (8, 8, 64)])
+def test_prefill_kernel_compiled_on_gpu(config, heads):
+    pcase = _prefill_case(*heads, seed=23)
+    valid = pcase.pop("valid")
+    out, var = paged_prefill_attention(**pcase, config=config, return_score_stats=True)
+    _check_valid(out, float64_prefill_attention(pcase), valid)
+    np.testing.assert_allclose(np.asarray(var)[valid], float64_prefill_score_variance(pcase)[valid],
+                               rtol=1e-2, atol=1e-3)
