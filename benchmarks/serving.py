@@ -12,10 +12,17 @@
 
     python benchmarks/serving.py --replot benchmarks/results/serving_tiny_cpu_smoke.json   # PNG only
 
+    # --http: the same replay over the OpenAI-compatible HTTP API (streamed chat completions with
+    # stream_options.include_usage, through the `openai` SDK), the servers started with --http-port 0
+    python benchmarks/serving.py --http --model tiny ... --out-prefix serving_tiny_http
+
 For each config of `--configs` (NAME=EXTRA SERVER FLAGS, `;`-separated) it starts its own server as a
 subprocess (`python -m stratum_jax.serve --model M --host 127.0.0.1 --port 0 --metrics-port 0
 <--server-args> <extra flags>`), reads the ports it logs, waits for grpc.health.v1 SERVING, asks Health
 for the device, then replays the window once per rate and stops the server (SIGTERM, bounded wait).
+With --http the requests go over HTTP instead (CountTokens, Health and GetMetrics stay on gRPC: the same
+server answers both); each chunk's tokens are counted through the `return_token_ids` extension, so the
+figures mean the same as gRPC's, and the server-side timings (queue_ms, server TTFT) are not available.
 
 The workload. Request i of the window arrives at (timestamp_i - timestamp_first) / rate. Its prompt is
 built from its `hash_ids`: each id is one block of text, the same text wherever the id appears (so
@@ -52,6 +59,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -85,8 +93,10 @@ RESULTS = REPO / "benchmarks" / "results"
 TRACE_BLOCK_TOKENS = 512          # one hash id per 512-token block in the Mooncake release
 SERVICE = "stratum.v1.Stratum"
 _LISTENING = re.compile(r"listening on (\S+):(\d+) \(.*?\); metrics (?:on http://(\S+?):(\d+)/metrics|off)")
+_HTTP_LISTENING = re.compile(r"HTTP API on (\S+)/v1")
 _OWN_FLAGS = ("--host", "--port", "--metrics-port", "--metrics-host", "--model", "--keys-file", "--tls-cert",
-              "--tls-key")
+              "--tls-key", "--http-port", "--http-host")
+_HTTP_STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}   # as gRPC names them (no stop sequences sent)
 
 
 # ---------------------------------------------------------------- the trace and the prompts (pure)
@@ -372,11 +382,12 @@ class Poller:
 class ServerProcess:
     """`python -m stratum_jax.serve` on loopback with free ports; its log goes to log_path."""
 
-    def __init__(self, model: str, flags: list[str], log_path: pathlib.Path) -> None:
+    def __init__(self, model: str, flags: list[str], log_path: pathlib.Path, http: bool = False) -> None:
         self.cmd = [sys.executable, "-m", "stratum_jax.serve", "--model", model, "--host", "127.0.0.1",
-                    "--port", "0", "--metrics-port", "0", *flags]
+                    "--port", "0", "--metrics-port", "0", *(["--http-port", "0"] if http else []), *flags]
         self.log_path = log_path
         self.target: str | None = None
+        self.http_url: str | None = None      # e.g. http://127.0.0.1:PORT, with --http
         self.metrics_url: str | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self._reader = None
@@ -390,6 +401,8 @@ class ServerProcess:
                 log.write(line)
                 log.flush()
                 self.tail.append(line.rstrip())
+                if (h := _HTTP_LISTENING.search(line)) is not None:
+                    self.http_url = h.group(1)      # logged before the gRPC line that sets _ports
                 m = _LISTENING.search(line)
                 if m and not self._ports.is_set():
                     self.target = f"{m.group(1)}:{m.group(2)}"
@@ -509,7 +522,42 @@ async def one_request(stub, pb, p: Planned, t0: float, timeout_s: float, sem: as
         r.status = "CANCELLED_AT_END" if r.send_lag_s is not None else "NOT_SENT"
 
 
-async def replay(stub, pb, planned: list[Planned], args, deadline: float) -> float:
+async def one_request_http(client, p: Planned, t0: float, timeout_s: float, sem: asyncio.Semaphore) -> None:
+    """one_request over the OpenAI-compatible HTTP API: a streamed chat completion with the usage chunk."""
+    import openai
+    r = p.result
+    try:
+        async with sem:
+            arrival = t0 + r.arrival_s
+            r.send_lag_s = time.perf_counter() - arrival
+            r.status = "NO_STOP_EVENT"
+            stream = await client.chat.completions.create(
+                model="", messages=[{"role": "user", "content": p.text}], max_tokens=r.target_out, temperature=0,
+                stream=True, stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+                timeout=timeout_s)
+            async with stream:      # closes the connection (the server cancels) on any exit
+                async for chunk in stream:
+                    for choice in chunk.choices:
+                        ids = (choice.model_extra or {}).get("token_ids") or ()
+                        if ids:
+                            r.token_times.append(time.perf_counter() - arrival)
+                            r.output_tokens += len(ids)
+                        if choice.finish_reason:
+                            r.stop_reason = _HTTP_STOP_REASONS.get(choice.finish_reason, choice.finish_reason)
+                    if chunk.usage is not None:
+                        r.prompt_tokens = chunk.usage.prompt_tokens
+                        details = chunk.usage.prompt_tokens_details
+                        r.cached_tokens = details.cached_tokens if details is not None else None
+                        r.status = "OK"
+    except openai.APIStatusError as e:
+        r.status = f"HTTP_{e.status_code}"
+    except openai.APIError as e:            # a connection error, or an error event mid-stream
+        r.status = type(e).__name__
+    except asyncio.CancelledError:
+        r.status = "CANCELLED_AT_END" if r.send_lag_s is not None else "NOT_SENT"
+
+
+async def replay(send, planned: list[Planned], args, deadline: float) -> float:
     """Sends every planned request at its arrival time; returns the rate's start (perf_counter)."""
     sem = asyncio.Semaphore(args.max_concurrency)
     t0 = time.perf_counter() + 0.1
@@ -520,7 +568,7 @@ async def replay(stub, pb, planned: list[Planned], args, deadline: float) -> flo
             break                                   # the rest stay NOT_SENT
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one_request(stub, pb, p, t0, args.request_timeout, sem)))
+        tasks.append(asyncio.create_task(send(p, t0, args.request_timeout, sem)))
     if tasks:
         bound = min(deadline, t0 + planned[-1].result.arrival_s + args.request_timeout + 5.0)
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, bound - time.perf_counter()))
@@ -566,9 +614,9 @@ async def run_config(name: str, flags: list[str], window, args, deadline: float,
 
     log_dir = pathlib.Path(args.server_log_dir or tempfile.mkdtemp(prefix="serving-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    server = ServerProcess(args.model, flags, log_dir / f"{args.out_prefix}_{name}.server.log")
+    server = ServerProcess(args.model, flags, log_dir / f"{args.out_prefix}_{name}.server.log", http=args.http)
     out.update(name=name, server_flags=flags, server_command=shlex.join(server.cmd), server_log=str(server.log_path),
-               rates={})
+               transport="http" if args.http else "grpc", rates={})
     started = time.monotonic()
     try:
         await server.start(min(args.start_timeout, max(1.0, deadline - time.perf_counter())))
@@ -578,8 +626,14 @@ async def run_config(name: str, flags: list[str], window, args, deadline: float,
         return
     out["server_start_s"] = round(time.monotonic() - started, 1)
     try:
-        async with grpc.aio.insecure_channel(server.target) as channel:
+        async with grpc.aio.insecure_channel(server.target) as channel, _http_client(server, args) as client:
             stub = pb_grpc.StratumStub(channel)
+            if args.http:
+                if server.http_url is None:
+                    raise RuntimeError("the server did not log its HTTP address")
+                send = functools.partial(one_request_http, client)
+            else:
+                send = functools.partial(one_request, stub, pb)
             h = await stub.Health(pb.HealthRequest(), timeout=30)
             out["health"] = {"device": h.device, "platform": h.platform, "cuda_version": h.cuda_version,
                              "jax_version": h.jax_version, "version": h.version,
@@ -597,12 +651,12 @@ async def run_config(name: str, flags: list[str], window, args, deadline: float,
             print(f"[{name}] serving on {server.target} ({h.device}, {h.platform}); started in "
                   f"{out['server_start_s']} s", file=sys.stderr)
             if args.warmup_requests:
-                out["warmup"] = await warmup(stub, pb, window, shape, args, server.metrics_url, deadline)
+                out["warmup"] = await warmup(send, stub, pb, window, shape, args, server.metrics_url, deadline)
             for i, rate in enumerate(args.rates):
                 if time.perf_counter() >= deadline:
                     out["rates"][str(rate)] = {"skipped": "the --run-timeout passed"}
                     continue
-                out["rates"][str(rate)] = await run_rate(stub, pb, window, shape, rate, f"rate{i}", args,
+                out["rates"][str(rate)] = await run_rate(send, stub, pb, window, shape, rate, f"rate{i}", args,
                                                          server.metrics_url, deadline)
     except (RuntimeError, grpc.aio.AioRpcError, OSError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
@@ -611,12 +665,30 @@ async def run_config(name: str, flags: list[str], window, args, deadline: float,
         out["server_exit_status"] = await server.stop(args.stop_timeout)
 
 
-async def warmup(stub, pb, window, shape, args, metrics_url, deadline) -> dict:
+@contextlib.asynccontextmanager
+async def _http_client(server: ServerProcess, args):
+    """An AsyncOpenAI client on the server's HTTP API with --http (else None). No retries: a refused
+    request is a result. The connection pool is as large as the concurrency, so none waits for a socket."""
+    if not args.http:
+        yield None
+        return
+    import httpx2 as httpx
+    import openai
+    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
+    client = openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0,
+                                http_client=openai.DefaultAsyncHttpxClient(limits=limits))
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def warmup(send, stub, pb, window, shape, args, metrics_url, deadline) -> dict:
     """The first --warmup-requests of the window, all at once, with their own text; not measured."""
     planned, _ = plan(window[: args.warmup_requests], shape, 1e9, "warmup")
     before = await scrape(metrics_url)
     t = time.perf_counter()
-    await replay(stub, pb, planned, args, deadline)
+    await replay(send, planned, args, deadline)
     await wait_idle(stub, pb, args.request_timeout)
     after = await scrape(metrics_url)
     return {"requests": len(planned), "finished": sum(p.result.ok for p in planned),
@@ -629,13 +701,13 @@ def _delta(a, b):
     return None if a is None or b is None else b - a
 
 
-async def run_rate(stub, pb, window, shape, rate, salt, args, metrics_url, deadline) -> dict:
+async def run_rate(send, stub, pb, window, shape, rate, salt, args, metrics_url, deadline) -> dict:
     planned, clipped = plan(window, shape, rate, salt)
     idle_before = await wait_idle(stub, pb, args.request_timeout)
     before = await scrape(metrics_url)
     poller = Poller(metrics_url, args.poll_s)
     poller.start(time.perf_counter())
-    await replay(stub, pb, planned, args, deadline)
+    await replay(send, planned, args, deadline)
     samples = await poller.stop()
     idle_after = await wait_idle(stub, pb, args.request_timeout)
     after = await scrape(metrics_url)
@@ -799,6 +871,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-args", default="", help="flags every server gets (before the config's)")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--http", action="store_true",
+                   help="replay over the OpenAI-compatible HTTP API (--http-port 0) instead of gRPC Messages")
     p.add_argument("--max-concurrency", type=int, default=512, help="streams open at once (later arrivals wait)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="gRPC deadline of each request (s)")
     p.add_argument("--run-timeout", type=float, default=3600.0, help="bound on the whole invocation (s)")
@@ -875,7 +949,8 @@ def main(argv: list[str] | None = None) -> int:
                                if "_token_times" in s} for c in configs}
     health = next((c["health"] for c in configs if "health" in c), {})
     report = {
-        "benchmark": "serving (issue #10): Mooncake conversation trace replayed over gRPC",
+        "benchmark": "serving (issue #10): Mooncake conversation trace replayed over "
+                     + ("HTTP (OpenAI API, issue #17)" if args.http else "gRPC"),
         "date": started.isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["serving.py", *argv]),
         "git_commit": _git_commit(),

@@ -1,4 +1,4 @@
-"""API keys: the keys file, and the interceptor that turns away calls without a valid x-api-key.
+"""API keys: the keys file, the check, and the gRPC interceptor that turns away calls without a valid x-api-key.
 
 The keys file holds one key per line; blank lines and lines starting with '#' are ignored. The standard
 health service stays open, so that load balancers and orchestrators can probe without a key.
@@ -36,26 +36,33 @@ def load_keys(path: str | pathlib.Path) -> tuple[str, ...]:
     return tuple(keys)
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Answers UNAUTHENTICATED to calls whose x-api-key is missing or not one of the configured keys."""
+class KeyChecker:
+    """Whether a key is one of the configured keys; shared by the gRPC interceptor and the HTTP endpoint."""
 
-    def __init__(self, keys: tuple[str, ...], on_reject=None) -> None:
+    def __init__(self, keys: tuple[str, ...]) -> None:
         self._keys = tuple(k.encode() for k in keys)
-        self._on_reject = on_reject   # called with the method name of each rejected call
 
-    def _valid(self, key: str | None) -> bool:
+    def valid(self, key: str | None) -> bool:
         if not key:
             return False
         given = key.encode()
         # compare_digest against every key, without stopping early, so timing says nothing about them.
         return sum(hmac.compare_digest(given, k) for k in self._keys) > 0
 
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Answers UNAUTHENTICATED to calls whose x-api-key is missing or not one of the configured keys."""
+
+    def __init__(self, keys: tuple[str, ...], on_reject=None) -> None:
+        self._keys = KeyChecker(keys)
+        self._on_reject = on_reject   # called with the method name of each rejected call
+
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if method.startswith(OPEN_SERVICES):
             return await continuation(handler_call_details)
         key = metadata_dict(handler_call_details.invocation_metadata).get(API_KEY_HEADER)
-        if self._valid(key):
+        if self._keys.valid(key):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is None:          # unknown method: let gRPC answer UNIMPLEMENTED

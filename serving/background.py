@@ -29,6 +29,11 @@ class BackgroundServer:
     def metrics_url(self) -> str:
         return f"http://{self.server.options.metrics_host}:{self.server.metrics_port}/metrics"
 
+    @property
+    def http_url(self) -> str:
+        """The HTTP API's base URL (with --http-port), e.g. http://127.0.0.1:8000."""
+        return f"http://{self.server.options.http_address}:{self.server.http_port}"
+
     def start(self, load: bool = True) -> "BackgroundServer":
         """Opens the port; with `load`, also loads and warms the model (else it answers UNAVAILABLE)."""
         self._thread.start()

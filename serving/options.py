@@ -17,6 +17,8 @@ class ServerOptions:
     port: int = 50051                    # 0 = any free port (the bound port is logged)
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9400             # Prometheus /metrics; 0 = any free port, -1 = off
+    http_host: str | None = None         # the OpenAI-compatible HTTP endpoint's address; None = `host`
+    http_port: int = -1                  # its port; 0 = any free port (logged), -1 = off
     profile_port: int = -1               # jax.profiler.start_server; -1 = off
     profile_dir: str = "profiles"        # Profile RPC traces go in sub-directories of this
     keys_file: str | None = None         # API keys, one a line; None = no authentication
@@ -33,6 +35,7 @@ class ServerOptions:
 
         need(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
         need(-1 <= self.metrics_port <= 65535, f"--metrics-port must be in [-1, 65535], got {self.metrics_port}")
+        need(-1 <= self.http_port <= 65535, f"--http-port must be in [-1, 65535] (-1 = off), got {self.http_port}")
         need(-1 <= self.profile_port <= 65535 and self.profile_port != 0,
              f"--profile-port must be a port in [1, 65535] (or -1 = off), got {self.profile_port}")
         need(self.max_message_bytes >= 1024, f"--max-message-bytes must be >= 1024, got {self.max_message_bytes}")
@@ -43,10 +46,13 @@ class ServerOptions:
 
     @property
     def is_loopback(self) -> bool:
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            return self.host == "localhost"
+        """Whether every port this server opens for requests (gRPC, and HTTP when on) is on loopback."""
+        hosts = [self.host] + ([self.http_address] if self.http_port >= 0 else [])
+        return all(_is_loopback(h) for h in hosts)
+
+    @property
+    def http_address(self) -> str:
+        return self.host if self.http_host is None else self.http_host
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -57,11 +63,16 @@ class ServerOptions:
         g.add_argument("--metrics-host", default=d.metrics_host)
         g.add_argument("--metrics-port", type=int, default=d.metrics_port,
                        help="Prometheus port; 0 = any free port, -1 = off")
+        g.add_argument("--http-port", type=int, default=d.http_port,
+                       help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                            "/v1/models, /health, /metrics) on this port; 0 = any free port, -1 = off (default)")
+        g.add_argument("--http-host", default=d.http_host, help="address of the HTTP API (default: --host)")
         g.add_argument("--profile-port", type=int, default=d.profile_port,
                        help="start jax.profiler.start_server on this port (-1 = off); jax binds it on "
                             "every interface, so keep it behind a firewall")
         g.add_argument("--profile-dir", default=d.profile_dir, help="where Profile RPC traces are written")
-        g.add_argument("--keys-file", default=d.keys_file, help="API keys, one per line; requires x-api-key")
+        g.add_argument("--keys-file", default=d.keys_file,
+                       help="API keys, one per line; requires x-api-key (gRPC) or Authorization: Bearer (HTTP)")
         g.add_argument("--tls-cert", default=d.tls_cert, help="PEM certificate chain (with --tls-key)")
         g.add_argument("--tls-key", default=d.tls_key, help="PEM private key (with --tls-cert)")
         g.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
@@ -80,3 +91,10 @@ class ServerOptions:
         prices = Prices(args.gpu_usd_per_hour, args.transfer_usd_per_gb, args.hbm_usd_per_gb_hour)
         names = {f.name for f in dataclasses.fields(cls)} - {"prices"}
         return cls(prices=prices, **{k: v for k, v in vars(args).items() if k in names})
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

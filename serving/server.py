@@ -1,9 +1,11 @@
-"""The gRPC server: builds it, loads and warms the model, and drains it on shutdown.
+"""The gRPC server (and, with --http-port, the OpenAI-compatible HTTP endpoint beside it, on the same event
+loop, Frontend and engine runner): builds it, loads and warms the model, and drains it on shutdown.
 
-Start-up order: the port opens first, with grpc.health.v1 answering NOT_SERVING and Messages answering
-UNAVAILABLE; then the model loads and warms on a worker thread, the memory bandwidth is measured, and only
+Start-up order: the ports open first, with grpc.health.v1 answering NOT_SERVING, Messages answering
+UNAVAILABLE (HTTP: /health and the completions endpoints answer 503); then the model loads and warms on a worker thread, the memory bandwidth is measured, and only
 then does health turn SERVING. Draining reverses it: health turns NOT_SERVING, new requests get
-UNAVAILABLE, in-flight ones may finish within the grace period, and the rest end with UNAVAILABLE.
+UNAVAILABLE (HTTP 503), in-flight ones of both transports may finish within the grace period, and the
+rest end with UNAVAILABLE (an HTTP stream: an error event).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from serving.reflection import enable_reflection
 from serving.proto.stratum.v1 import stratum_pb2 as pb
 from serving.proto.stratum.v1 import stratum_pb2_grpc as pb_grpc
 from serving.runner import EngineRunner
-from serving.servicer import DRAINING, Served, StratumServicer
+from serving.frontend import DRAINING, Frontend, Served
+from serving.servicer import StratumServicer
 from serving.translate import Limits, Translator
 from stratum_jax.config import RuntimeConfig
 from stratum_jax.metrics import ServingMetrics
@@ -48,11 +51,14 @@ class StratumServer:
         self.metrics = ServingMetrics()
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self.frontend = Frontend(self.metrics, max_message_bytes=options.max_message_bytes)
         self.servicer: StratumServicer | None = None
         self.runner: EngineRunner | None = None
         self._server: grpc.aio.Server | None = None
         self._health = HealthServicer()
         self._metrics_httpd = None
+        self._http = None                # serving.http.HttpServer, with --http-port
         self._profiler_started = False
         self._drained: asyncio.Event | None = None
         self._dmlp_tuner = None          # the online DMLP fine-tuner, while it runs
@@ -63,14 +69,15 @@ class StratumServer:
         """Opens the port, then (when `load`) loads and warms the model; returns once it is SERVING."""
         opts = self.options
         if not opts.is_loopback and opts.keys_file is None:
-            log.warning("binding %s without --keys-file: anyone who can reach it can use it", opts.host)
+            log.warning("binding %s without --keys-file: anyone who can reach it can use it",
+                        opts.host if opts.http_port < 0 else f"{opts.host} / {opts.http_address}")
+        keys = None if opts.keys_file is None else load_keys(opts.keys_file)
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.servicer = StratumServicer(self.metrics, device_info(), opts.prices, opts.profile_dir,
-                                        max_message_bytes=opts.max_message_bytes)
+        self.servicer = StratumServicer(self.frontend, device_info(), opts.prices, opts.profile_dir)
         interceptors = []
-        if opts.keys_file is not None:
-            interceptors.append(ApiKeyInterceptor(load_keys(opts.keys_file), on_reject=self._on_auth_reject))
+        if keys is not None:
+            interceptors.append(ApiKeyInterceptor(keys, on_reject=self._on_auth_reject))
         self._server = grpc.aio.server(interceptors=interceptors, options=[
             # The transport takes up to 4x --max-message-bytes so the servicer can enforce the limit
             # itself: count the request and say which flag raises it (gRPC's own refusal is neither
@@ -93,6 +100,8 @@ class StratumServer:
         if opts.metrics_port >= 0:
             self._metrics_httpd, self.metrics_port = self.metrics.start_http_server(opts.metrics_host,
                                                                                     opts.metrics_port)
+        if opts.http_port >= 0:
+            self._start_http(keys)
         if opts.profile_port > 0:
             log.warning("profiler server on port %d: jax binds it on every interface", opts.profile_port)
             jax.profiler.start_server(opts.profile_port)
@@ -102,6 +111,16 @@ class StratumServer:
                  f"on http://{opts.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port else "off")
         if load:
             await self.load()
+
+    def _start_http(self, keys: tuple[str, ...] | None) -> None:
+        from serving.http import HttpServer, OpenAIApp   # starlette and uvicorn only when asked for
+        opts = self.options
+        tls = (opts.tls_cert, opts.tls_key) if opts.tls_cert else None
+        self._http = HttpServer(OpenAIApp(self.frontend, keys, self.metrics.registry), opts.http_address,
+                                opts.http_port, tls=tls, shutdown_timeout_s=_LAST_STREAMS_S)
+        self._http.start()
+        self.http_port = self._http.port
+        log.info("OpenAI-compatible HTTP API on %s/v1", self._http.url)
 
     async def load(self) -> None:
         """Loads and warms the model off the event loop, then turns the server SERVING."""
@@ -182,22 +201,25 @@ class StratumServer:
             return
         self._drained = asyncio.Event()
         grace = self.options.drain_grace_s if grace_s is None else grace_s
-        servicer = self.servicer
-        log.info("draining: %d requests in flight, grace %.1f s", len(servicer.active), grace)
-        servicer.state = DRAINING
+        frontend = self.frontend
+        log.info("draining: %d requests in flight, grace %.1f s", len(frontend.active), grace)
+        frontend.state = DRAINING
         await self._health.enter_graceful_shutdown()
         if self.runner is not None:
             self.runner.close("the server is draining")
         try:
-            await asyncio.wait_for(servicer.idle.wait(), grace)
+            await asyncio.wait_for(frontend.idle.wait(), grace)
         except TimeoutError:
-            log.info("grace period over: cancelling %d requests", len(servicer.active))
-            servicer.shutdown_streams()
+            log.info("grace period over: cancelling %d requests", len(frontend.active))
+            frontend.shutdown_streams()
             try:
-                await asyncio.wait_for(servicer.idle.wait(), _LAST_STREAMS_S)
+                await asyncio.wait_for(frontend.idle.wait(), _LAST_STREAMS_S)
             except TimeoutError:
-                log.warning("%d streams did not end after cancellation", len(servicer.active))
+                log.warning("%d streams did not end after cancellation", len(frontend.active))
         await self._server.stop(grace=1.0)
+        if self._http is not None:
+            await self._http.stop()
+            self._http = None
         if self.runner is not None:
             await asyncio.to_thread(self.runner.stop)
         await asyncio.to_thread(self._stop_dmlp)

@@ -1,4 +1,5 @@
-"""`python -m stratum_jax.serve` and `python -m stratum_jax.client` as processes: TLS, the CLI, SIGTERM drain.
+"""`python -m stratum_jax.serve` and `python -m stratum_jax.client` as processes: TLS, the CLI, SIGTERM drain
+(of gRPC and HTTP streams alike: the server also serves the OpenAI-compatible HTTP API, over TLS too).
 
 One server process for the module. The drain test comes last: it ends the process.
 """
@@ -11,10 +12,13 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -35,6 +39,14 @@ class ServerProcess:
     ca: str | None            # the self-signed certificate, when TLS is on
     log: list[str]
     profile_port: int
+    http_url: str
+
+    def http_open(self, path: str, body: dict | None = None, timeout: float = 10):
+        """urlopen on the HTTP API (verifying the self-signed certificate when TLS is on)."""
+        context = ssl.create_default_context(cafile=self.ca) if self.ca else None
+        request = urllib.request.Request(self.http_url + path, data=None if body is None else json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        return urllib.request.urlopen(request, timeout=timeout, context=context)
 
     def channel(self) -> grpc.Channel:
         if self.ca:
@@ -72,7 +84,7 @@ def server(tmp_path_factory):
     cmd = [sys.executable, "-m", "stratum_jax.serve", "--model", "tiny", "--port", "0", "--metrics-port", "-1",
            "--max-batch-size", "4", "--prefill-chunk", "32", "--max-tokens-cap", str(LONG_TOKENS),
            "--drain-grace-s", str(GRACE_S), "--profile-dir", str(tmp / "profiles"),
-           "--profile-port", str(profile_port)]
+           "--profile-port", str(profile_port), "--http-port", "0"]
     if tls:
         cmd += ["--tls-cert", tls[0], "--tls-key", tls[1]]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
@@ -90,7 +102,8 @@ def server(tmp_path_factory):
     try:
         assert ready.wait(START_TIMEOUT_S), "server did not start:\n" + "".join(log)
         port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", "".join(log)).group(1))
-        yield ServerProcess(proc, f"127.0.0.1:{port}", tls[0] if tls else None, log, profile_port)
+        http_url = re.search(r"HTTP API on (\S+)/v1", "".join(log)).group(1)
+        yield ServerProcess(proc, f"127.0.0.1:{port}", tls[0] if tls else None, log, profile_port, http_url)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -155,12 +168,26 @@ def test_sigterm_drains(server):
         return pb.MessagesRequest(messages=[pb.Message(role="user", content=text)], max_tokens=max_tokens,
                                   temperature=0.0)
 
-    long_started, short_started = threading.Event(), threading.Event()
-    threads = [threading.Thread(target=run, args=("long", user("long", LONG_TOKENS), long_started))]
-    threads[0].start()
-    assert long_started.wait(60)
+    def http_stream(started: threading.Event):
+        """A streamed chat completion over HTTP(S): its SSE data lines."""
+        lines = []
+        body = {"messages": [{"role": "user", "content": "long http"}], "max_tokens": LONG_TOKENS,
+                "temperature": 0, "stream": True}
+        with server.http_open("/v1/chat/completions", body, timeout=120) as r:
+            for line in r:
+                if line.startswith(b"data: "):
+                    lines.append(line[6:].strip())
+                    started.set()
+        results["http"] = lines
+
+    long_started, short_started, http_started = threading.Event(), threading.Event(), threading.Event()
+    threads = [threading.Thread(target=run, args=("long", user("long", LONG_TOKENS), long_started)),
+               threading.Thread(target=http_stream, args=(http_started,))]
+    for t in threads:
+        t.start()
+    assert long_started.wait(60) and http_started.wait(60)
     threads.append(threading.Thread(target=run, args=("short", user("short", 3), short_started)))
-    threads[1].start()
+    threads[-1].start()
     assert short_started.wait(60)
 
     server.proc.send_signal(signal.SIGTERM)
@@ -170,6 +197,10 @@ def test_sigterm_drains(server):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Messages(user("too late", 3), timeout=10))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+    for path, body in (("/health", None), ("/v1/completions", {"prompt": "too late", "max_tokens": 3})):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            server.http_open(path, body)
+        assert e.value.code == 503, path
 
     for t in threads:
         t.join(60)
@@ -177,6 +208,8 @@ def test_sigterm_drains(server):
     assert status == "OK" and events[-1].WhichOneof("event") == "stop"       # finished within the grace
     status, details = results["long"]
     assert status == "UNAVAILABLE" and "shut down" in details, details      # cut off after the grace
+    last = json.loads(results["http"][-1])                                  # the HTTP stream too: an error event
+    assert len(results["http"]) > 2 and "shut down" in last["error"]["message"], results["http"][-3:]
     assert server.proc.wait(60) == 0
     log = "".join(server.log)
     assert "drained" in log
