@@ -3,9 +3,9 @@ Megatron's (per-device shards, two all-reduces per layer), the Pallas kernel run
 shard_map, an HF checkpoint loads shard by shard, and two processes joined by jax.distributed give one
 process's tokens.
 
-The 4-device cases run in one subprocess (tests/tp_cases.py): the CPU device count is fixed when jax
-starts, and the rest of the suite runs with one device. The two-process run uses the generate CLI, with
-one CPU device per process and gloo collectives over loopback; it starts first and runs alongside.
+The 4-device cases run in subprocesses (tests/tp_cases.py, in two parts side by side): the CPU device
+count is fixed when jax starts, and the rest of the suite runs with one device. The two-process run uses
+the generate CLI, with one CPU device per process and gloo collectives over loopback, alongside them.
 """
 import json
 import os
@@ -51,16 +51,20 @@ def results():
         [sys.executable, "-m", "stratum_jax.generate", *FLAGS, "--model", "tiny", "--tensor-parallel", "2",
          "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    cases = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_cases.py"), *FLAGS], cwd=ROOT, env=_env(),
-                           capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert cases.returncode == 0, cases.stderr[-3000:]
-    outputs = []
+    parts = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "tp_cases.py"), part, *FLAGS], cwd=ROOT,
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for part in ("engines", "pieces")]
+    cases, outputs = {}, []
+    for p in parts:
+        out, err = p.communicate(timeout=TIMEOUT_S)
+        assert p.returncode == 0, err[-3000:]
+        cases.update(json.loads(out))
     for p in procs:
         out, err = p.communicate(timeout=TIMEOUT_S)
         assert p.returncode == 0, err[-3000:]
         # gloo prints its connection messages on stdout too: keep the JSON lines.
         outputs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
-    return json.loads(cases.stdout), outputs
+    return cases, outputs
 
 
 def _tokens(run):

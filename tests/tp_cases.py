@@ -3,7 +3,7 @@
 tests/test_tensor_parallel.py runs this in a subprocess: the device count must be set before jax is
 imported, and the rest of the suite runs with one device.
 
-    python tests/tp_cases.py GENERATE_FLAGS...     (see tests/test_tensor_parallel.py)
+    python tests/tp_cases.py {engines,pieces} GENERATE_FLAGS...     (see tests/test_tensor_parallel.py)
 """
 import os
 
@@ -12,7 +12,6 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -30,7 +29,7 @@ from stratum_jax.tensor_parallel import make_tensor_parallel  # noqa: E402
 from stratum_jax.tp_attention import sharded_decode_attention  # noqa: E402
 
 # The generate flags of every engine here: argv (tests/test_tensor_parallel.py gives the same to the CLI).
-FLAGS = sys.argv[1:]
+PART, FLAGS = sys.argv[1], sys.argv[2:]
 
 
 def run_cli_config(extra: list[str]):
@@ -137,24 +136,24 @@ def errors() -> dict:
 
 
 def main() -> None:
-    t0 = time.perf_counter()
-    result = {"devices": jax.device_count(), "runs": {}, "layout": {}, "collectives": {}}
-    tiny = ["--model", "tiny"]
-    cases = {"tiny_tp1": tiny, "tiny_tp2": tiny + ["--tensor-parallel", "2"],
-             "tiny_tp4_replicated": tiny + ["--tensor-parallel", "4", "--tp-embedding", "replicated"]}
-    for name, extra in cases.items():
-        outputs, engine = run_cli_config(extra)
-        print(name, time.perf_counter() - t0, file=sys.stderr)
-        result["runs"][name] = outputs
-        if engine.model.tp is not None:
-            result["layout"][name] = layout(engine)
-            result["collectives"][name] = collectives(engine)
-    result["hf_load"] = hf_load()
-    print("hf", time.perf_counter() - t0, file=sys.stderr)
-    result["kernel"] = kernel_under_shard_map()
-    print("kernel", time.perf_counter() - t0, file=sys.stderr)
-    result["errors"] = errors()
-    print("errors", time.perf_counter() - t0, file=sys.stderr)
+    """argv: PART then the generate flags. PART "engines": the engine runs (layouts, collectives, errors);
+    "pieces": the HF load and the kernel under shard_map (the test runs both parts side by side)."""
+    result = {"devices": jax.device_count()}
+    if PART == "engines":
+        result.update(runs={}, layout={}, collectives={})
+        tiny = ["--model", "tiny"]
+        cases = {"tiny_tp1": tiny, "tiny_tp2": tiny + ["--tensor-parallel", "2"],
+                 "tiny_tp4_replicated": tiny + ["--tensor-parallel", "4", "--tp-embedding", "replicated"]}
+        for name, extra in cases.items():
+            outputs, engine = run_cli_config(extra)
+            result["runs"][name] = outputs
+            if engine.model.tp is not None:
+                result["layout"][name] = layout(engine)
+                result["collectives"][name] = collectives(engine)
+        result["errors"] = errors()
+    else:
+        result["hf_load"] = hf_load()
+        result["kernel"] = kernel_under_shard_map()
     json.dump(result, sys.stdout)
 
 
