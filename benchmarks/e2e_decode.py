@@ -1,10 +1,16 @@
 """End-to-end decode throughput of the engine for a preset and batch size, beside its roofline.
 
     python benchmarks/e2e_decode.py --model llama-1b --batch 64 --prompt-len 512 --new-tokens 256
+    python benchmarks/e2e_decode.py --model llama-70b --batch 32 --prompt-len 512 --new-tokens 128 \
+        --tensor-parallel 2 --attention kernel
 
 Prefill and decode are timed apart (the engine reports each step's kind and wall time). The roofline is
 the bytes a decode step must read, weights plus the KV of every running sequence, over a device-to-device
-copy bandwidth measured in the same run. Prints a short table; writes JSON under benchmarks/results/.
+copy bandwidth measured in the same run; with --tensor-parallel N it is the bytes one device holds and
+reads (its weight shards, replicated ones whole, and its KV heads) over one device's bandwidth, the N
+devices reading in parallel. --profile-dir DIR also traces a few decode calls after the timed pass
+(benchmarks/tp_profile_split.py splits such a trace into compute and communication). Prints a short
+table; writes JSON under benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -21,10 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from stratum_jax.config import RuntimeConfig
+from stratum_jax.config import SCHEDULERS, TP_EMBEDDINGS, RuntimeConfig
+from stratum_jax.distributed import init_distributed
 from stratum_jax.engine import Engine
 from stratum_jax.model.loader import load_model
 from stratum_jax.request import SamplingParams
+from stratum_jax.tensor_parallel import make_tensor_parallel
 
 
 def measure_copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 10, inner: int = 5) -> float:
@@ -47,6 +55,11 @@ def param_bytes(params) -> int:
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(params))
 
 
+def device_param_bytes(params) -> int:
+    """Bytes of parameters on the first device: its shards (a replicated leaf counts whole)."""
+    return sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
+
+
 def run_one(model, args, attention: str, bw: float) -> dict:
     ctx = args.prompt_len + args.new_tokens
     # Prefill steps of up to --prefill-tokens prompt tokens; decode timing counts only the calls with no
@@ -56,7 +69,10 @@ def run_one(model, args, attention: str, bw: float) -> dict:
                            kv_pool_tokens=args.batch * (ctx + 256), prefill_chunk=prefill_chunk,
                            max_num_batched_tokens=args.batch + args.prefill_tokens,
                            max_tokens_cap=args.new_tokens, attention=attention, page_size=args.page_size,
-                           decode_steps=args.decode_steps)
+                           decode_steps=args.decode_steps, tensor_parallel=args.tensor_parallel,
+                           tp_embedding=args.tp_embedding, scheduler=args.scheduler,
+                           coordinator=args.coordinator, num_processes=args.num_processes,
+                           process_id=args.process_id)
     engine = Engine(config, model=model)
     cfg = engine.model_config
     rng = np.random.default_rng(0)
@@ -78,6 +94,18 @@ def run_one(model, args, attention: str, bw: float) -> dict:
             if engine.last_step is not None:
                 timings.append(engine.last_step)
     wall = time.perf_counter() - t_all
+    if args.profile_dir:
+        # A few full-batch decode calls under the profiler, after the timed pass (compiled, warm).
+        for p in prompts:
+            engine.add_request([3] + p[1:], sp)
+        while engine.has_unfinished() and (engine.last_step is None or engine.last_step.kind != "decode"):
+            engine.step()
+        with jax.profiler.trace(args.profile_dir, create_perfetto_trace=True):
+            for _ in range(args.profile_calls):
+                if engine.has_unfinished():
+                    engine.step()
+        while engine.has_unfinished():
+            engine.step()
     decode = [t for t in timings if t.kind == "decode"]
     prefill = [t for t in timings if t.kind in ("prefill", "mixed")]
     full_decode = [t for t in decode if t.num_seqs == args.batch]
@@ -87,12 +115,18 @@ def run_one(model, args, attention: str, bw: float) -> dict:
                if full_decode else float("nan"))
 
     w_bytes = param_bytes(model.params)
+    tp = args.tensor_parallel
+    w_device = device_param_bytes(model.params)
+    # KV heads on one device: the mesh's config has >= tp heads, split evenly (tensor_parallel.py).
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    kv_per_token_device = kv_per_token // tp
     mean_ctx = args.prompt_len + args.new_tokens / 2
-    roofline_ms = (w_bytes + args.batch * mean_ctx * kv_per_token) / bw * 1e3
+    roofline_ms = (w_device + args.batch * mean_ctx * kv_per_token_device) / bw * 1e3
     return {
         "model": args.model, "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "attention": attention, "page_size": args.page_size or "adaptive",
+        "tensor_parallel": tp, "tp_embedding": args.tp_embedding if tp > 1 else None,
+        "processes": jax.process_count(), "devices": tp,
         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "date": datetime.date.today().isoformat(),
         "decode_steps_per_call": args.decode_steps,
@@ -101,7 +135,8 @@ def run_one(model, args, attention: str, bw: float) -> dict:
         "prefill_tokens": sum(t.prefill_tokens for t in prefill),
         "prefill_seconds": sum(t.seconds for t in prefill),
         "wall_seconds": wall, "copy_bandwidth_gbps": bw / 1e9, "weight_bytes": w_bytes,
-        "kv_bytes_per_token": kv_per_token, "roofline_step_ms": roofline_ms,
+        "weight_bytes_per_device": w_device, "kv_bytes_per_token": kv_per_token,
+        "kv_bytes_per_token_per_device": kv_per_token_device, "roofline_step_ms": roofline_ms,
         "roofline_tokens_per_s": args.batch / (roofline_ms / 1e3),
         "fraction_of_roofline": roofline_ms / step_ms if step_ms == step_ms else None,
     }
@@ -119,18 +154,33 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-tokens", type=int, default=8192, help="prompt tokens per prefill step")
     ap.add_argument("--copy-gb", type=float, default=4.0)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/e2e_decode_<model>.json)")
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="split the model over N devices")
+    ap.add_argument("--tp-embedding", default="vocab-parallel", choices=TP_EMBEDDINGS)
+    ap.add_argument("--scheduler", default="hab", choices=SCHEDULERS)
+    ap.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="multi-host (stratum_jax/distributed.py)")
+    ap.add_argument("--num-processes", type=int, default=1)
+    ap.add_argument("--process-id", type=int, default=0)
+    ap.add_argument("--profile-dir", default=None, help="trace --profile-calls decode calls here (perfetto)")
+    ap.add_argument("--profile-calls", type=int, default=5)
     args = ap.parse_args(argv)
 
-    model = load_model(args.model, seed=0)
+    flags = RuntimeConfig(model=args.model, tensor_parallel=args.tensor_parallel, tp_embedding=args.tp_embedding,
+                          scheduler=args.scheduler, coordinator=args.coordinator,
+                          num_processes=args.num_processes, process_id=args.process_id)   # validates them
+    init_distributed(flags)
+    tp = make_tensor_parallel(args.tensor_parallel, embedding=args.tp_embedding)
+    model = load_model(args.model, seed=0, tp=tp)
     bw = measure_copy_bandwidth(int(args.copy_gb * (1 << 30)))
     runs = [run_one(model, args, attention, bw) for attention in args.attention]
-    out = pathlib.Path(args.out or f"benchmarks/results/e2e_decode_{args.model}.json")
+    suffix = f"_tp{args.tensor_parallel}" if args.tensor_parallel > 1 else ""
+    out = pathlib.Path(args.out or f"benchmarks/results/e2e_decode_{args.model}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(runs, indent=2))
-    print(f"{'model':10} {'batch':>5} {'attn':>9} {'tok/s':>10} {'step ms':>8} {'roof ms':>8} {'of roof':>7} "
+    if jax.process_index() == 0:               # every process ran the same steps; one writes them
+        out.write_text(json.dumps(runs, indent=2))
+    print(f"{'model':10} {'tp':>3} {'batch':>5} {'attn':>9} {'tok/s':>10} {'step ms':>8} {'roof ms':>8} {'of roof':>7} "
           f"{'prefill tok/s':>13}")
     for r in runs:
-        print(f"{r['model']:10} {r['batch']:5d} {r['attention']:>9} {r['decode_tokens_per_s']:10.0f} "
+        print(f"{r['model']:10} {r['tensor_parallel']:3d} {r['batch']:5d} {r['attention']:>9} {r['decode_tokens_per_s']:10.0f} "
               f"{r['decode_step_ms_median']:8.2f} {r['roofline_step_ms']:8.2f} {r['fraction_of_roofline'] or 0:7.1%} "
               f"{r['prefill_tokens'] / max(r['prefill_seconds'], 1e-9):13.0f}")
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s on {runs[0]['device']}; wrote {out}")

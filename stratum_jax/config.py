@@ -7,6 +7,7 @@ import os
 
 PAGE_SIZE_CLASSES = (8, 16, 32, 64, 128, 256)   # tokens per page: 8 * 2^k
 ATTENTION_BACKENDS = ("auto", "reference", "kernel")
+TP_EMBEDDINGS = ("vocab-parallel", "replicated")   # --tp-embedding (stratum_jax/tensor_parallel.py)
 CACHE_POLICIES = ("lru", "dmlp")
 SCHEDULERS = ("hab", "fcfs")
 # Where the entry points (serve, generate) keep jax's persistent compilation cache unless told otherwise.
@@ -85,6 +86,11 @@ class RuntimeConfig:
     enable_prefix_caching: bool = True
     seed: int = 0                    # seeds requests that bring no seed of their own
     trace_out: str | None = None     # write the block event log (JSONL, see stratum_jax/kv/event_log.py) here
+    tensor_parallel: int = 1         # devices the model is split over (stratum_jax/tensor_parallel.py)
+    tp_embedding: str = "vocab-parallel"   # with tensor_parallel > 1: embedding + LM head split or replicated
+    coordinator: str | None = None   # jax.distributed: HOST:PORT of process 0 (stratum_jax/distributed.py)
+    num_processes: int = 1           # jax.distributed: processes (hosts) in the job
+    process_id: int = 0              # jax.distributed: this process's rank in [0, num_processes)
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -121,6 +127,7 @@ class RuntimeConfig:
         need(self.cache_policy in CACHE_POLICIES,
              f"--cache-policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
         self._check_dmlp(need)
+        self._check_parallel(need)
         for name in ("kv_host_tokens", "kv_prefetch_pages"):
             value = getattr(self, name)
             need(isinstance(value, int) and value >= 0,
@@ -147,6 +154,31 @@ class RuntimeConfig:
             raise ValueError(f"--max-context {self.max_context} exceeds the model's max_position_embeddings "
                              f"{max_position_embeddings}: lower it, or leave it out to use the model's limit")
         return self
+
+    def _check_parallel(self, need) -> None:
+        need(isinstance(self.tensor_parallel, int) and self.tensor_parallel >= 1,
+             f"--tensor-parallel must be a positive integer, got {self.tensor_parallel!r}")
+        need(self.tp_embedding in TP_EMBEDDINGS,
+             f"--tp-embedding must be one of {TP_EMBEDDINGS}, got {self.tp_embedding!r}")
+        need(isinstance(self.num_processes, int) and self.num_processes >= 1,
+             f"--num-processes must be a positive integer, got {self.num_processes!r}")
+        need(isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes,
+             f"--process-id must lie in [0, --num-processes {self.num_processes}), got {self.process_id!r}")
+        if self.num_processes == 1:
+            need(self.coordinator is None, "--coordinator needs --num-processes > 1 (and --process-id)")
+            return
+        host, _, port = (self.coordinator or "").rpartition(":")
+        need(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+             f"--num-processes {self.num_processes} needs --coordinator HOST:PORT (process 0's address), "
+             f"got {self.coordinator!r}")
+        # Every process runs the host side (scheduler, page pool, cache policy) on the same requests and
+        # must make the same choices, or the processes' device programs diverge and the collectives hang.
+        # HAB admits by measured idle time and the DMLP reads it too: both differ between processes.
+        need(self.scheduler == "fcfs", "--num-processes > 1 needs --scheduler fcfs (HAB's admissions follow "
+                                       "each process's own measured idle time, so processes would diverge)")
+        need(self.cache_policy == "lru", "--num-processes > 1 needs --cache-policy lru (the DMLP's features "
+                                         "include measured times, so processes would diverge)")
+        need(not self.kv_host_tokens, "--num-processes > 1 does not support --kv-host-tokens")
 
     def _check_dmlp(self, need) -> None:
         dmlp = self.cache_policy == "dmlp"
@@ -195,7 +227,7 @@ class RuntimeConfig:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         d = RuntimeConfig()
         g = parser.add_argument_group("runtime")
-        g.add_argument("--model", default=d.model, help="preset name (pydoc-2m: trained; tiny, llama-1b, llama-8b: random) or HF dir")
+        g.add_argument("--model", default=d.model, help="preset name (pydoc-2m: trained; tiny, llama-1b, llama-8b, llama-70b: random) or HF dir")
         g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
         g.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
         g.add_argument("--max-context", type=int, default=d.max_context,
@@ -257,6 +289,19 @@ class RuntimeConfig:
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--engine-seed", dest="seed", type=int, default=d.seed,
                        help="seeds preset weights and requests that bring no seed")
+        g = parser.add_argument_group("parallelism")
+        g.add_argument("--tensor-parallel", type=int, default=d.tensor_parallel, metavar="N",
+                       help="split the model over N devices (Megatron-style: heads and FFN columns; "
+                            "all devices of all processes with --num-processes)")
+        g.add_argument("--tp-embedding", default=d.tp_embedding, choices=TP_EMBEDDINGS,
+                       help="with --tensor-parallel: split the embedding and LM head over the vocabulary, "
+                            "or replicate them on every device")
+        g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="multi-host: address of process 0 (jax.distributed.initialize)")
+        g.add_argument("--num-processes", type=int, default=d.num_processes, metavar="P",
+                       help="multi-host: processes in the job, one per host")
+        g.add_argument("--process-id", type=int, default=d.process_id, metavar="I",
+                       help="multi-host: this process's rank, 0 .. P-1 (0 runs the coordinator)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "RuntimeConfig":

@@ -36,9 +36,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from stratum_jax.attention import RowTables, decode_attention, prefill_attention
+from stratum_jax.attention import RowTables
 from stratum_jax.model import llama
 from stratum_jax.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
+from stratum_jax.tensor_parallel import TensorParallel, replicate, shard_vocab
+from stratum_jax.tp_attention import sharded_decode_attention, sharded_prefill_attention
 
 # A row's attn_score_var covers its last this-many tokens of the step (the DMLP's "variance of attention
 # scores over the last 5 tokens").
@@ -56,6 +58,7 @@ class StepGeometry:
     backend: str = "reference"  # decode attention: "kernel" (Pallas) or "reference"
     interpret: bool = False     # run the Pallas kernel in the interpreter (CPU tests)
     attn_stats: bool = False    # compute attn_score_var
+    tp: TensorParallel | None = None   # the mesh the params and pools are laid out on (None: one device)
 
     @property
     def max_context(self) -> int:
@@ -111,16 +114,17 @@ def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
     layer_var = []
 
     def attend(layer, q, k_pool, v_pool):
-        res = decode_attention(q[:rows], batch.positions[:rows], batch.tables, k_pool, v_pool,
-                               backend=geo.backend, interpret=geo.interpret, max_context=geo.max_context,
-                               return_score_stats=geo.attn_stats)
+        res = sharded_decode_attention(geo.tp, q[:rows], batch.positions[:rows], batch.tables, k_pool, v_pool,
+                                       backend=geo.backend, interpret=geo.interpret, max_context=geo.max_context,
+                                       return_score_stats=geo.attn_stats)
         out, var = res if geo.attn_stats else (res, None)
         outs, variances = [out], [var]
         if tiles:
-            res = prefill_attention(q[rows:].reshape(tiles, tile, *q.shape[1:]),
-                                    batch.positions[rows:].reshape(tiles, tile), batch.tile_rows,
-                                    batch.tables, k_pool, v_pool, backend=geo.backend, interpret=geo.interpret,
-                                    max_context=geo.max_context, return_score_stats=geo.attn_stats)
+            res = sharded_prefill_attention(geo.tp, q[rows:].reshape(tiles, tile, *q.shape[1:]),
+                                            batch.positions[rows:].reshape(tiles, tile), batch.tile_rows,
+                                            batch.tables, k_pool, v_pool, backend=geo.backend,
+                                            interpret=geo.interpret, max_context=geo.max_context,
+                                            return_score_stats=geo.attn_stats)
             pre, pre_var = res if geo.attn_stats else (res, None)
             outs.append(pre.reshape(prefill, *q.shape[1:]))
             variances.append(None if pre_var is None else pre_var.reshape(prefill, -1))
@@ -187,9 +191,9 @@ def packed_step(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry)
     """
     hidden, attn_var, kv_cache = _forward(params, kv_cache, batch, cfg=cfg, geo=geo)
     with jax.named_scope("sampling"):
-        logits = llama.compute_logits(params, cfg, hidden[batch.sample_index])
+        logits = shard_vocab(llama.compute_logits(params, cfg, hidden[batch.sample_index]), geo.tp)
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return StepResult(tokens, logits, hidden[geo.rows:], attn_var), kv_cache
+    return replicate(StepResult(tokens, logits, hidden[geo.rows:], attn_var), geo.tp), kv_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +245,8 @@ def decode_steps(params, kv_cache, last_tokens, positions, steps_allowed, tables
             sample_index=batch_rows)
         hidden, attn_var, kv = _forward(params, kv, batch, cfg=cfg, geo=geo)
         step_sampling = dataclasses.replace(sampling, token_index=sampling.token_index + i)
-        new, logprob, top_ids, top_lp = sample_logits(llama.compute_logits(params, cfg, hidden), step_sampling,
-                                                      variant=variant)
+        logits = shard_vocab(llama.compute_logits(params, cfg, hidden), geo.tp)
+        new, logprob, top_ids, top_lp = sample_logits(logits, step_sampling, variant=variant)
         out = DecodeResult(out.tokens.at[i].set(new), out.logprob.at[i].set(logprob),
                            out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lp),
                            out.attn_score_var.at[i].set(jnp.where(active, attn_var, 0.0)))
@@ -253,4 +257,4 @@ def decode_steps(params, kv_cache, last_tokens, positions, steps_allowed, tables
                        jnp.zeros((steps, rows, k), jnp.int32), jnp.zeros((steps, rows, k), jnp.float32),
                        jnp.zeros((steps, rows), jnp.float32))
     kv_cache, _, out = lax.fori_loop(0, steps, body, (kv_cache, last_tokens, out))
-    return out, kv_cache
+    return replicate(out, geo.tp), kv_cache

@@ -37,6 +37,7 @@ from stratum_jax.request import (FinishReason, GenerationResult, InvalidRequestE
 from stratum_jax.scheduler import build_scheduler
 from stratum_jax.scheduler.base import ScheduledBatch, StepCosts
 from stratum_jax.sequence import Sequence
+from stratum_jax.tensor_parallel import make_tensor_parallel
 
 
 class Engine:
@@ -46,15 +47,22 @@ class Engine:
     def __init__(self, config: RuntimeConfig, model: LoadedModel | None = None, *, policy=None,
                  clock: Clock | None = None):
         self.compiles = CompileWatch().install()
-        self.model = model if model is not None else load_model(config.model, dtype=config.dtype,
-                                                                seed=config.seed)
+        if model is None:
+            tp = make_tensor_parallel(config.tensor_parallel, embedding=config.tp_embedding)
+            model = load_model(config.model, dtype=config.dtype, seed=config.seed, tp=tp)
+        elif config.tensor_parallel != (model.tp.size if model.tp is not None else 1):
+            raise ValueError(f"--tensor-parallel {config.tensor_parallel} but the model given was laid out "
+                             f"for {model.tp.size if model.tp is not None else 1} devices: load it with "
+                             "load_model(..., tp=make_tensor_parallel(config.tensor_parallel))")
+        self.model = model
         self.model_config = self.model.config
         self.tokenizer = self.model.tokenizer
         # max_context is fixed here, where the model's limit is known (None = that limit, capped).
         self.config = config = config.for_model(self.model_config.max_position_embeddings)
         self.attention_backend = resolve_backend(config, self.model_config)
         self.num_slots = config.kv_pool_slots
-        self.kv_cache = init_kv_cache(self.model_config, self.num_slots)
+        self.kv_cache = init_kv_cache(self.model_config, self.num_slots,
+                                      sharding=model.tp.kv_sharding if model.tp is not None else None)
         # The cache policy (eviction, page size); with --dmlp-online also the fine-tuner, which the
         # engine feeds (through the policy) but never starts: the server does, after warm-up.
         if policy is None:

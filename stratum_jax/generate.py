@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from stratum_jax.compile_watch import enable_persistent_cache
+    from stratum_jax.distributed import init_distributed
     from stratum_jax.engine import Engine       # heavy imports after the flags are known to be good
+    init_distributed(config)                    # before anything touches a jax backend
     enable_persistent_cache(config.compilation_cache_dir)
     from stratum_jax.model.loader import CheckpointError
     try:

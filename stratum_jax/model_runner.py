@@ -76,7 +76,7 @@ class ModelRunner:
         self.geo = StepGeometry(rows=config.max_batch_size, table_width=-(-config.max_context // 8),
                                 prefill_tile=prefill_tile(config), decode_steps=config.decode_steps,
                                 backend=backend, interpret=config.interpret_kernels and backend == "kernel",
-                                attn_stats=attn_stats)
+                                attn_stats=attn_stats, tp=model.tp)
         self.buckets = prefill_buckets(config)
         self.shapes = all_step_shapes(config)
 
@@ -90,7 +90,8 @@ class ModelRunner:
             batch, _ = self._packed_inputs(None, shape.prefill_tokens)
             return packed_step.lower(params, kv_cache, batch, cfg=cfg, geo=geo)
         if shape.kind == "sample":
-            logits = jax.ShapeDtypeStruct((geo.rows, cfg.vocab_size), np.float32)
+            logits = jax.ShapeDtypeStruct((geo.rows, cfg.vocab_size), np.float32,
+                                          sharding=geo.tp.replicated if geo.tp else None)   # as packed_step's
             return sample_step.lower(logits, self._tables_and_sampling([])[2], variant=shape.variant)
         hidden = jax.ShapeDtypeStruct((PROMPT_LOGPROB_PIECE, cfg.hidden_size), np.dtype(cfg.dtype))
         return prompt_logprobs_piece.lower(params, hidden, np.zeros(PROMPT_LOGPROB_PIECE, np.int32), cfg=cfg)

@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         options = ServerOptions.from_cli_args(args)
     except ValueError as e:
         parser.error(str(e))
+    if config.num_processes > 1:
+        # Every process would need every request (tensor_parallel.py): gRPC reaches only one of them.
+        parser.error("--num-processes > 1 is for generate and benchmarks/e2e_decode.py; the server runs on "
+                     "one host (use --tensor-parallel N over its GPUs)")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("imports took %.2f s", time.perf_counter() - _STARTED)
     enable_persistent_cache(config.compilation_cache_dir)

@@ -345,9 +345,9 @@ def test_load_checkpoint_offsets_out_of_range(ckpt):
         load_model(str(ckpt))
 
 
-@pytest.mark.parametrize("target", ["does-not-exist", "llama-70b"])
+@pytest.mark.parametrize("target", ["does-not-exist", "llama-405b"])
 def test_load_unknown_name_lists_presets(target):
-    with pytest.raises(CheckpointError, match=f"{target}: does not exist.*tiny, llama-1b, llama-8b"):
+    with pytest.raises(CheckpointError, match=f"{target}: does not exist.*tiny, llama-1b, llama-8b, llama-70b"):
         load_model(target)
 
 

@@ -249,4 +249,10 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=8, head_dim=128, rope_theta=500000.0,
         rope_scaling=freeze_rope_scaling(dict(_LLAMA3_ROPE, factor=8.0)), tie_word_embeddings=False,
         max_position_embeddings=131072, dtype="bfloat16", bos_token_id=256, eos_token_ids=(257,)),
+    # The shape of Llama-3.1-70B (141 GB in bf16: more than one H200 holds; --tensor-parallel 2).
+    "llama-70b": ModelConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+        num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+        rope_scaling=freeze_rope_scaling(dict(_LLAMA3_ROPE, factor=8.0)), tie_word_embeddings=False,
+        max_position_embeddings=131072, dtype="bfloat16", bos_token_id=256, eos_token_ids=(257,)),
 }

@@ -250,11 +250,14 @@ class Decoder(nn.Module):
         return self.logits(hidden)
 
 
-def init_kv_cache(cfg: ModelConfig, num_slots: int) -> KVCache:
-    """Zeroed pools: per layer (k_pool, v_pool), each [num_kv_heads, num_slots, head_dim] in cfg.dtype."""
+def init_kv_cache(cfg: ModelConfig, num_slots: int, sharding: jax.sharding.Sharding | None = None) -> KVCache:
+    """Zeroed pools: per layer (k_pool, v_pool), each [num_kv_heads, num_slots, head_dim] in cfg.dtype.
+    sharding: where the pools live (tensor parallelism splits their kv heads over devices, each device
+    allocating only its own); default: the default device."""
     start = time.perf_counter()
     shape = (cfg.num_kv_heads, num_slots, cfg.head_dim)
-    cache = [(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)) for _ in range(cfg.num_layers)]
+    cache = [(jnp.zeros(shape, cfg.dtype, device=sharding), jnp.zeros(shape, cfg.dtype, device=sharding))
+             for _ in range(cfg.num_layers)]
     jax.block_until_ready(cache)  # costs nothing at start-up, and makes the logged time true
     log.info("KV cache: %d layers x 2 x %s %s = %.2f GiB allocated in %.2f s", cfg.num_layers, list(shape),
              cfg.dtype, 2 * cfg.num_layers * math.prod(shape) * jnp.dtype(cfg.dtype).itemsize / 2**30,
@@ -311,9 +314,11 @@ def _fmix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _normal_leaf(words: jax.Array, shape: tuple[int, ...], dtype: str) -> jax.Array:
-    """N(0, 0.02) [shape] in dtype from the leaf's stream words [2] uint32.
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "sharding"))
+def _normal_leaf(words: jax.Array, shape: tuple[int, ...], dtype: str,
+                 sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+    """N(0, 0.02) [shape] in dtype from the leaf's stream words [2] uint32, laid out as `sharding`
+    (default: the default device). Element values do not depend on the sharding.
 
     A counter-based generator: element i gets bits = fmix32(fmix32(i * golden + w0) ^ w1), whose top 24
     bits make u in (-1, 1) and sqrt(2) * erfinv(u) a standard normal (|z| <= 5.4). Not jax.random: on CPU
@@ -322,36 +327,42 @@ def _normal_leaf(words: jax.Array, shape: tuple[int, ...], dtype: str) -> jax.Ar
     transform, scale and cast fuse into one loop, so no float32 copy of the leaf exists. One compile per
     (shape, dtype): llama-1b's 113 matrices have 5 distinct shapes.
     """
-    ctr = jax.lax.iota(jnp.uint32, math.prod(shape))  # callers keep leaves under 2**32 elements
+    # The row-major flat index, built in the leaf's own shape (no reshape), so that a sharded leaf's
+    # generator partitions elementwise and each device computes only its shard.
+    strides = np.cumprod((1,) + shape[:0:-1])[::-1]
+    ctr = sum(jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(strides[d]) for d in range(len(shape)))
     bits = _fmix32(_fmix32(ctr * jnp.uint32(0x9E3779B9) + words[0]) ^ words[1])
     u = (bits >> 8).astype(jnp.float32) * np.float32(2.0**-23) - np.float32(1 - 2.0**-24)
-    z = jax.lax.erf_inv(u) * np.float32(np.sqrt(2.0) * _INIT_STD)
-    return z.astype(dtype).reshape(shape)
+    z = (jax.lax.erf_inv(u) * np.float32(np.sqrt(2.0) * _INIT_STD)).astype(dtype)
+    return z if sharding is None else jax.lax.with_sharding_constraint(z, sharding)
 
 
-def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
+def init_params(cfg: ModelConfig, seed: int = 0, shardings: Params | None = None) -> Params:
     """Random parameters, deterministic in seed: N(0, 0.02) matrices, unit norms, zero biases.
 
     Matrix i of the flattened tree (jax.tree_util order) is drawn from stream words that hash (seed, i),
     on the default device, directly in cfg.dtype (no host arrays, no flax trace of the whole decoder).
-    The calls are asynchronous; block on the result to time them.
+    shardings: a tree like `param_shapes(cfg)` of jax Shardings; each leaf is then created already laid
+    out that way (every device generating only its shard: no leaf materialises whole on one device),
+    with the same values as without. The calls are asynchronous; block on the result to time them.
     """
     leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))
+    placements = [None] * len(leaves) if shardings is None else treedef.flatten_up_to(shardings)
     seed_hash = _splitmix64(seed & _MASK64)
     out = []
-    for index, (path, spec) in enumerate(leaves):
+    for index, ((path, spec), sharding) in enumerate(zip(leaves, placements)):
         name, parent = path[-1].key, path[-2].key
         if name == "bias":
-            out.append(jnp.zeros(spec.shape, spec.dtype))
+            out.append(jnp.zeros(spec.shape, spec.dtype, device=sharding))
         elif parent.endswith("norm"):  # input_layernorm, post_attention_layernorm, norm
-            out.append(jnp.ones(spec.shape, spec.dtype))
+            out.append(jnp.ones(spec.shape, spec.dtype, device=sharding))
         else:
             if math.prod(spec.shape) >= 2**32:
                 raise ValueError(f"{'/'.join(k.key for k in path)} {list(spec.shape)} has 2**32 elements or "
                                  "more: the init's uint32 counter would repeat")
             h = _splitmix64(seed_hash ^ index)
             words = np.array([h & 0xFFFFFFFF, h >> 32], np.uint32)
-            out.append(_normal_leaf(words, shape=spec.shape, dtype=spec.dtype.name))
+            out.append(_normal_leaf(words, shape=spec.shape, dtype=spec.dtype.name, sharding=sharding))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -22,6 +22,7 @@ from stratum_jax.model.config import PRESETS, ModelConfig, hf_eos_ids
 from stratum_jax.model.llama import Params, init_params, param_shapes
 from stratum_jax.model.safetensors_file import DTYPES, SafetensorsFile
 from stratum_jax.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from stratum_jax.tensor_parallel import TensorParallel, init_params_on_mesh, place_on_mesh
 
 log = logging.getLogger(__name__)
 
@@ -41,26 +42,37 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass
 class LoadedModel:
+    """config: the model as laid out (with tensor parallelism: tp.tp_model_config of the checkpoint's);
+    tp: the mesh its params live on (None: one device)."""
+
     config: ModelConfig
     params: Params
     tokenizer: Tokenizer
     name: str
+    tp: TensorParallel | None = None
 
 
-def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0) -> LoadedModel:
-    """A preset name ("tiny", "llama-1b", "llama-8b") -> random parameters from `seed` and the byte
-    tokenizer; an embedded name ("pydoc-2m") -> that trained checkpoint; a directory -> its HF checkpoint. `dtype` ("float32"/"bfloat16") overrides the preset's
-    or the checkpoint's dtype; weights are converted once, on the device.
+def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0,
+               tp: TensorParallel | None = None) -> LoadedModel:
+    """A preset name ("tiny", "llama-1b", "llama-8b", "llama-70b") -> random parameters from `seed` and the
+    byte tokenizer; an embedded name ("pydoc-2m") -> that trained checkpoint; a directory -> its HF
+    checkpoint. `dtype` ("float32"/"bfloat16") overrides the preset's or the checkpoint's dtype; weights
+    are converted once, on the device. tp: lay the weights out on its mesh (stratum_jax/tensor_parallel.py),
+    each device creating or reading only its own shard.
     """
     if name_or_dir in PRESETS:
         cfg = PRESETS[name_or_dir]
         if dtype is not None:
             cfg = _replace(cfg, f"preset {name_or_dir!r}", dtype=dtype)
         start = time.perf_counter()
-        params = jax.block_until_ready(init_params(cfg, seed))  # blocks only so that the time logged is true
+        if tp is None:
+            params = init_params(cfg, seed)
+        else:
+            cfg, params = init_params_on_mesh(cfg, seed, tp)
+        jax.block_until_ready(params)  # blocks only so that the time logged is true
         log.info("initialised preset %s: %s params in %s (seed %d) on %s in %.2f s", name_or_dir,
-                 f"{cfg.num_params:,}", cfg.dtype, seed, jax.devices()[0].device_kind, time.perf_counter() - start)
-        return LoadedModel(cfg, params, ByteTokenizer(cfg.vocab_size), name_or_dir)
+                 f"{cfg.num_params:,}", cfg.dtype, seed, _where(tp), time.perf_counter() - start)
+        return LoadedModel(cfg, params, ByteTokenizer(cfg.vocab_size), name_or_dir, tp)
 
     path = EMBEDDED.get(name_or_dir, Path(name_or_dir))
     if not path.is_dir():
@@ -78,12 +90,22 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0) -> 
     start = time.perf_counter()
     tokenizer = _load_tokenizer(path, cfg)
     loaded = time.perf_counter()
-    params = jax.block_until_ready(load_params(path, cfg))  # blocks only so that the time logged is true
+    if tp is not None:
+        try:
+            tp.check_model(cfg)
+        except ValueError as e:
+            raise CheckpointError(f"{cfg_file}: {e}") from e
+    params = jax.block_until_ready(load_params(path, cfg, tp))  # blocks only so that the time logged is true
     log.info("loaded %s: tokenizer in %.2f s, %s params (%.2f GB in %s) onto %s in %.2f s", path,
              loaded - start, f"{cfg.num_params:,}", _nbytes(params) / 1e9, cfg.dtype,
-             jax.devices()[0].device_kind, time.perf_counter() - loaded)
+             _where(tp), time.perf_counter() - loaded)
     name = name_or_dir if name_or_dir in EMBEDDED else path.resolve().name
-    return LoadedModel(cfg, params, tokenizer, name)
+    return LoadedModel(cfg if tp is None else tp.tp_model_config(cfg), params, tokenizer, name, tp)
+
+
+def _where(tp: TensorParallel | None) -> str:
+    kind = jax.devices()[0].device_kind
+    return kind if tp is None else f"{tp.size} x {kind} (tensor parallel)"
 
 
 def hf_tensor_name(path: tuple[str, ...]) -> str:
@@ -97,9 +119,11 @@ def hf_tensor_name(path: tuple[str, ...]) -> str:
     return ".".join(["model", head, *rest])
 
 
-def load_params(directory: str | Path, cfg: ModelConfig) -> Params:
+def load_params(directory: str | Path, cfg: ModelConfig, tp: TensorParallel | None = None) -> Params:
     """Reads the safetensors weights of `directory` into the parameter tree of `cfg`, in cfg.dtype, each
-    tensor straight from the memory-mapped file to the default device (no whole-model host copy)."""
+    tensor straight from the memory-mapped file to the default device (no whole-model host copy).
+    tp: instead, into the tree of tp.tp_model_config(cfg), each device reading only its shard of each
+    tensor from the file (tensor_parallel.place_on_mesh)."""
     directory = Path(directory)
     where = _tensor_files(directory)  # HF name -> file
     shapes = param_shapes(cfg)
@@ -121,6 +145,12 @@ def load_params(directory: str | Path, cfg: ModelConfig) -> Params:
     for name in expected:
         by_file.setdefault(where[name], []).append(name)
     device = jax.devices()[0]
+    placements: dict[str, tuple] = {}          # HF name -> (sharding, kv source rows) with tp
+    if tp is not None:
+        tp_cfg, rows = tp.tp_model_config(cfg), tp.kv_source_rows(cfg)
+        shapes = param_shapes(tp_cfg)
+        placements = {_name(p): (s, rows if p[-2].key in ("k_proj", "v_proj") else None)
+                      for p, s in jax.tree_util.tree_flatten_with_path(tp.param_shardings(tp_cfg, shapes))[0]}
     flat: dict[str, jax.Array] = {}
     for file, names in by_file.items():
         st = _open_safetensors(file)
@@ -133,7 +163,11 @@ def load_params(directory: str | Path, cfg: ModelConfig) -> Params:
                                       f"{list(expected[name])}")
             if kind not in DTYPES:
                 raise CheckpointError(f"{file}: tensor {name!r} has dtype {kind}, expected a float type")
-            flat[name] = _to_device(st.array(name), cfg.dtype, device)
+            if tp is None:
+                flat[name] = _to_device(st.array(name), cfg.dtype, device)
+            else:
+                x = place_on_mesh(st.array(name), *placements[name])
+                flat[name] = x if x.dtype == jnp.dtype(cfg.dtype) else x.astype(cfg.dtype)
     return jax.tree_util.tree_map_with_path(lambda p, _: flat[_name(p)], shapes)
 
 
