@@ -78,8 +78,8 @@ class ShadowLruGuard:
                 ghost.move_to_end(k)
             else:
                 ghost[k] = None
-                while len(ghost) > len(resident):
-                    ghost.popitem(last=False)
+            while len(ghost) > len(resident):     # the real cache may have shrunk since (forget)
+                ghost.popitem(last=False)
             self._n += 1
             self._real_hits += real_hit
             self._lru_hits += lru_hit
