@@ -1,6 +1,13 @@
 """DMLP on the shared Mooncake conversation trace: train on the early timeline, evaluate on the later one.
 
     python benchmarks/dmlp_mooncake.py [--trace PATH] [--skip-whole-trace]
+    python benchmarks/dmlp_mooncake.py --shifted [--trace PATH]      # issue #15: a workload shift
+
+--shifted: trains on the early 60% (a smaller MLP, so that the online replay fits a few minutes of
+2 CPU cores), then evaluates (a) on the later 40% as it is and (b) on a shifted workload derived from it
+(`training/shift.py`: arrivals 3x as dense, 8 Zipf system prompts of 4 blocks instead of the one shared
+block, 30% synthetic conversations mixed in; seed 0), each with offline, guarded and online replays
+beside LRU, LFU and Belady. Writes benchmarks/results/dmlp_shift_report.json and dmlp_shift_over_time.png.
 
 1. Splits the trace by time: the first 60% of its timeline trains, the last 40% evaluates. The trainer
    never sees a line of the later part (its own validation split is the end of the early part).
@@ -14,6 +21,7 @@ dmlp_mooncake_calibration.png, and prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -164,11 +172,81 @@ def plot(report: dict, path_hit: str, path_cal: str) -> None:
     plt.close(fig)
 
 
+SHIFT = dict(rate=3.0, system_prompts=8, system_blocks=4, mix=0.3, seed=0)
+SHIFT_CAPACITIES = (0.05, 0.1, 0.2, 0.4)
+SHIFT_MODEL = TrainConfig(epochs=2, hidden=(256, 256, 64))
+SHIFT_ROUND_MS = 2.0      # one round every 8 trace seconds (time scale 1000, cpu budget 0.25)
+
+
+def shifted(trace: str) -> int:
+    """Issue #15: held-out part and a shifted workload, offline / guarded / online beside the baselines."""
+    import jax
+
+    from training.report_plot import plot_over_time
+    from training.shift import ShiftSpec, derive, read_records
+    from training.synthetic import write_jsonl
+    opts = EvalOptions(SHIFT_CAPACITIES, 0.0, guard=True, online=True, online_round_ms=SHIFT_ROUND_MS)
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        split = split_by_time(trace, tmp)
+        t = time.perf_counter()
+        run_train([split["train"]], "mooncake", os.path.join(tmp, "run"), (10.0, 50.0, 100.0, 200.0, 500.0),
+                  TIME_SCALE, 0.25, SHIFT_MODEL, EvalOptions((0.1,), 0.0, guard=False))
+        out["train_seconds"] = time.perf_counter() - t
+        ckpt = os.path.join(tmp, "run", "checkpoint")
+        shifted_path = os.path.join(tmp, "shifted.jsonl")
+        write_jsonl(shifted_path, derive(read_records(split["eval"]), ShiftSpec(**SHIFT)))
+        for name, path in (("held_out", split["eval"]), ("shifted", shifted_path)):
+            t = time.perf_counter()
+            rep = run_eval(ckpt, [path], "mooncake", os.path.join(tmp, f"{name}.json"), [split["train"]], None, opts)
+            rep["wall_seconds"] = time.perf_counter() - t
+            out[name] = rep
+            hit = rep["policy"]["hit_rate"]
+            print(f"\n{name}: capacity " + " ".join(f"{c:7.2f}" for c in SHIFT_CAPACITIES))
+            for p, rates in hit.items():
+                print(f"  {p:22s} " + " ".join(f"{x:7.4f}" for x in rates))
+    dev = jax.devices()[0]
+    out["benchmark"] = {
+        "trace": os.path.relpath(os.path.abspath(trace), ROOT), "time_scale": TIME_SCALE,
+        "train_share_of_timeline": TRAIN_SHARE, "shift": SHIFT, "model": dataclasses.asdict(SHIFT_MODEL),
+        "online_round_ms": SHIFT_ROUND_MS, "capacities": SHIFT_CAPACITIES,
+        "device": f"cpu ({os.cpu_count()} cores)" if dev.platform == "cpu" else dev.device_kind,
+        "jax": jax.__version__, "date": datetime.date.today().isoformat(), "platform": platform.platform(),
+        "targets": {name: shift_targets(out[name]["policy"]) for name in ("held_out", "shifted")},
+    }
+    path = os.path.join(RESULTS, "dmlp_shift_report.json")
+    write_report(out, path)
+    plot_over_time(out["shifted"], os.path.join(RESULTS, "dmlp_shift_over_time.png"), SHIFT_CAPACITIES,
+                   title="Shifted Mooncake workload (3x arrivals, 8 system prompts, 30% synthetic): hit rate "
+                         "over time; grey lines = online weight swaps")
+    print(json.dumps(out["benchmark"]["targets"], indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+def shift_targets(pol: dict) -> dict:
+    """Issue #15's targets on one report's policy section (hit rates as fractions)."""
+    hit, lru = pol["hit_rate"], pol["hit_rate"]["lru"]
+    i01 = pol["capacity_frac"].index(0.1)
+    margin = lambda name: [round(100 * (d - l), 3) for d, l in zip(hit[name], lru)]
+    return {
+        "points_vs_lru": {name: margin(name) for name in hit if name.startswith("dmlp")},
+        "guarded_ge_lru_minus_0.5_everywhere": all(m >= -0.5 for m in margin("dmlp_guarded")),
+        "online_ge_lru_minus_0.5_everywhere": all(m >= -0.5 for m in margin("dmlp_online")),
+        "online_ge_lru_plus_1_at_0.1": margin("dmlp_online")[i01] >= 1.0,
+        "offline_ge_lru_everywhere": all(m >= 0 for m in margin("dmlp")),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--skip-whole-trace", action="store_true", help="do not time training on the whole trace")
+    ap.add_argument("--shifted", action="store_true", help="issue #15's shifted-workload evaluation instead")
     a = ap.parse_args()
+    if a.shifted:
+        os.makedirs(RESULTS, exist_ok=True)
+        return shifted(a.trace)
     os.makedirs(RESULTS, exist_ok=True)
     opts = EvalOptions(CAPACITY_FRACS, HOST_FRAC)
     with tempfile.TemporaryDirectory() as tmp:

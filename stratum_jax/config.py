@@ -83,6 +83,7 @@ class RuntimeConfig:
     dmlp_online_dir: str | None = None   # where the online fine-tuner writes its orbax checkpoints
     dmlp_online_cores: tuple[int, ...] | None = None   # CPU cores to pin the fine-tuning worker to
     dmlp_online_track: float = 0.25  # share of KV blocks (by id) whose accesses become online examples
+    dmlp_guard: bool = True          # shadow-LRU guard: evict in LRU order while the DMLP trails LRU
     enable_prefix_caching: bool = True
     seed: int = 0                    # seeds requests that bring no seed of their own
     trace_out: str | None = None     # write the block event log (JSONL, see stratum_jax/kv/event_log.py) here
@@ -284,6 +285,9 @@ class RuntimeConfig:
         g.add_argument("--dmlp-online-track", type=float, default=d.dmlp_online_track, metavar="FRACTION",
                        help="share of KV blocks, sampled by block id, whose accesses become online training "
                             "examples (each costs the engine thread a little), in (0, 1]")
+        g.add_argument("--dmlp-guard", action=argparse.BooleanOptionalAction, default=d.dmlp_guard,
+                       help="shadow-LRU guard: evict in LRU order while the DMLP's recent hit rate trails "
+                            "what LRU would have had (stratum_dmlp_guard_active); on by default")
         g.add_argument("--trace-out", default=None, metavar="PATH",
                        help="append the KV block event log (JSONL) to PATH, for DMLP training")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")

@@ -56,9 +56,15 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 
 # Exported only with --cache-policy dmlp (stratum_jax/dmlp/runtime.py registers them in the server's
-# registry; the last three only with --dmlp-online, from stratum_jax/dmlp/online.py).
+# registry; the guard's three with --dmlp-guard, the default, from stratum_jax/dmlp/guard.py; the last
+# three only with --dmlp-online, from stratum_jax/dmlp/online.py).
 DMLP_METRICS: dict[str, tuple[str, str]] = {
     "stratum_dmlp_confidence": ("gauge", "DMLP hot/cold threshold on P(reuse within the decision horizon)."),
+    "stratum_dmlp_guard_active": ("gauge", "1 while the shadow-LRU guard has the DMLP policy evict in LRU order."),
+    "stratum_dmlp_guard_dmlp_hit_rate": ("gauge", "Prefix-cache hit rate of the live policy over the guard's "
+                                         "last full window."),
+    "stratum_dmlp_guard_lru_hit_rate": ("gauge", "Hit rate a ghost LRU of the same size would have had over "
+                                        "the same accesses."),
     "stratum_dmlp_accuracy": ("gauge", "DMLP accuracy of the live weights on the online holdout window."),
     "stratum_dmlp_updates_total": ("counter", "Online fine-tuning weight hot-swaps."),
     "stratum_dmlp_online_dropped_total": ("counter", "Online examples dropped because the queue was full."),

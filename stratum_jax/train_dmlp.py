@@ -4,12 +4,15 @@ Train:     --traces PATH [PATH...] --format {stratum,mooncake} --out DIR [--hori
            [--time-scale X (default: chosen from the trace)] [--epochs N] [--seed S] [--val-fraction F]
            writes DIR/checkpoint (orbax) and DIR/report.json
 Evaluate:  --eval-only --checkpoint DIR --traces PATH [PATH...] --format F --report OUT.json
-           [--warmup-traces PATH ...]
+           [--warmup-traces PATH ...] [--online [--online-round-ms MS] [--online-track F]] [--no-guard]
+           --online replays the traces with the server's online fine-tuning on simulated time and adds
+           policy.hit_rate.dmlp_online and OUT_over_time.png (hit rate over time)
 The work is done in training/ (pipeline.py); this module only parses flags.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from stratum_jax.dmlp.model import DEFAULT_HORIZONS_MS
@@ -40,7 +43,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--report", help="report path (eval mode)")
     p.add_argument("--warmup-traces", nargs="*", default=[],
                    help="eval mode: earlier parts of the same timeline, replayed first and not scored")
+    p.add_argument("--online", action="store_true",
+                   help="eval mode: also replay with the server's online fine-tuning (labels, sampling, "
+                        "cadence and swap rule of --dmlp-online) on the replay's simulated clock")
+    p.add_argument("--online-round-ms", type=float, default=None,
+                   help="simulated ms each online round is charged (sets the cadence with the learner's "
+                        "cpu budget); default 1.0")
+    p.add_argument("--online-track", type=float, default=0.25,
+                   help="share of blocks whose accesses become online examples (as --dmlp-online-track)")
+    p.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
+                   help="also replay the DMLP behind the shadow-LRU guard (on by default; the online "
+                        "replay uses it too)")
+    p.add_argument("--guard-window", type=int, default=2048, help="the guard's window, in block accesses")
     a = p.parse_args(argv)
+    if a.online and not a.eval_only:
+        p.error("--online applies to --eval-only (training evaluates offline on its own held-out part)")
+    if a.online_round_ms is not None and not a.online_round_ms > 0:
+        p.error("--online-round-ms must be > 0")
+    if not 0.0 < a.online_track <= 1.0:
+        p.error("--online-track must lie in (0, 1]")
+    if a.guard_window < 1:
+        p.error("--guard-window must be >= 1")
     if a.eval_only:
         if not a.checkpoint or not a.report:
             p.error("--eval-only needs --checkpoint and --report")
@@ -61,10 +84,19 @@ def main(argv=None) -> int:
     from training.trainer import TrainConfig
     from training.traces import TraceFormatError
 
-    opts = EvalOptions(tuple(a.capacity_fracs), a.host_frac)
+    from training.online_replay import DEFAULT_ROUND_MS
+
+    opts = EvalOptions(tuple(a.capacity_fracs), a.host_frac, guard=a.guard, guard_window=a.guard_window,
+                       online=a.online, online_round_ms=a.online_round_ms or DEFAULT_ROUND_MS,
+                       online_track=a.online_track)
     try:
         if a.eval_only:
             report = run_eval(a.checkpoint, a.traces, a.format, a.report, a.warmup_traces, a.time_scale, opts)
+            if a.online:
+                from training.report_plot import plot_over_time
+                png = os.path.splitext(a.report)[0] + "_over_time.png"
+                plot_over_time(report, png, tuple(a.capacity_fracs))
+                print(f"wrote {png}")
         else:
             cfg = TrainConfig(epochs=a.epochs, seed=a.seed, batch_size=a.batch_size,
                               learning_rate=a.learning_rate)

@@ -101,7 +101,7 @@ def test_cli_train_then_eval(traces, tmp_path, capsys):
         assert len(report["val"][k]) == len(H)
     pol = report["policy"]
     assert pol["capacity_frac"] == [0.05, 0.1, 0.2, 0.4]
-    assert set(pol["hit_rate"]) == {"lru", "lfu", "dmlp", "belady"}
+    assert set(pol["hit_rate"]) == {"lru", "lfu", "dmlp", "belady", "dmlp_guarded"}   # the guard is on by default
     assert all(len(v) == 4 for v in pol["hit_rate"].values())
     # Belady is the optimum: no policy beats it.
     for name in ("lru", "lfu", "dmlp"):

@@ -10,8 +10,10 @@ import numpy as np
 from tqdm import tqdm
 
 from stratum_jax.dmlp.model import Predictor
+from stratum_jax.dmlp.guard import ShadowLruGuard
 from stratum_jax.dmlp.policy import DmlpPolicy
 from training.dataset import Replay
+from training.online_replay import OnlineRun
 from training.labels import Examples
 from training.metrics import calibration, horizon_metrics
 from training.simulator import LFU, LRU, Belady, Predicted, SimResult, replay
@@ -37,34 +39,71 @@ def example_metrics(predictor: Predictor, ex: Examples) -> tuple[dict, dict]:
     return metrics, calib
 
 
+def guarded_policy(predictor: Predictor, guard: bool, window: int) -> DmlpPolicy:
+    """The DMLP policy of a replay; with `guard`, its shadow-LRU guard (window in accesses)."""
+    return DmlpPolicy(predictor, guard=ShadowLruGuard(window=window) if guard else None)
+
+
 def policy_hit_rates(replays: list[Replay], predictor: Predictor, capacity_fracs=DEFAULT_CAPACITY_FRACS,
-                     host_frac: float = 0.0) -> dict:
+                     host_frac: float = 0.0, guard: bool = True, online: list[OnlineRun] | None = None,
+                     guard_window: int = 2048, time_bins: int = 24) -> dict:
+    """Hit rates per policy and capacity. Policies: lru, lfu, belady, dmlp (the offline model, no guard,
+    as before the guard existed) and, with `guard`, dmlp_guarded (the same model behind the shadow-LRU
+    guard). With `online` (one `OnlineRun` per replay): dmlp_online (the weights fine-tuned online, behind
+    the guard when `guard`) and, with the guard, dmlp_online_unguarded. `over_time` holds each policy's
+    hit rate per time bin of the scored part (the first replay only) and the guard's trips."""
     curves = [predict_all(predictor, r.history.raw()) for r in replays]
-    totals = {p: [SimResult() for _ in capacity_fracs] for p in POLICIES}
+    policies = list(POLICIES) + (["dmlp_guarded"] if guard else [])
+    if online is not None:
+        policies += ["dmlp_online"] + (["dmlp_online_unguarded"] if guard else [])
+    totals = {p: [SimResult() for _ in capacity_fracs] for p in policies}
     unique = [len(np.unique(r.stream.block[r.score_from:])) for r in replays]
-    runs = [(i, p, ci) for ci in range(len(capacity_fracs)) for i in range(len(replays)) for p in POLICIES]
+    r0 = replays[0]
+    edges = np.linspace(r0.stream.t_ms[r0.score_from], r0.stream.t_end_ms, time_bins + 1)
+    bin_of = np.clip(np.searchsorted(edges, r0.stream.t_ms[r0.score_from:], side="right") - 1, 0, time_bins - 1)
+    per_bin = np.bincount(bin_of, minlength=time_bins)
+    over_time = {"t_ms": ((edges[:-1] + edges[1:]) / 2).tolist(), "hit_rate": {p: [] for p in policies},
+                 "guard_trips": {p: [] for p in policies if "guarded" in p or p == "dmlp_online"}}
+    runs = [(i, p, ci) for ci in range(len(capacity_fracs)) for i in range(len(replays)) for p in policies]
     for i, name, ci in tqdm(runs, desc="policies", unit="replay", leave=False):
         r = replays[i]
         cap = max(1, round(capacity_fracs[ci] * unique[i]))
-        policy = {
-            "lru": LRU, "lfu": LFU,
-            "belady": lambda: Belady(r.history.next_event),
-            "dmlp": lambda: Predicted(curves[i], r.stream.t_ms, DmlpPolicy(predictor).order_victims, cap),
-        }[name]()
-        res = replay(r.stream, cap, policy, host_capacity=round(host_frac * unique[i]), count_from=r.score_from)
+        pol = None
+        if name == "lru":
+            policy = LRU()
+        elif name == "lfu":
+            policy = LFU()
+        elif name == "belady":
+            policy = Belady(r.history.next_event)
+        else:
+            guarded = name in ("dmlp_guarded",) or (name == "dmlp_online" and guard)
+            pol = guarded_policy(predictor, guarded, guard_window)
+            run = online[i] if name.startswith("dmlp_online") else None
+            policy = Predicted(curves[i] if run is None else run.curves, r.stream.t_ms, pol.order_victims, cap,
+                               observer=pol if guarded else None, version=None if run is None else run.version)
+        hits = np.zeros(r.stream.num_events, bool)
+        res = replay(r.stream, cap, policy, host_capacity=round(host_frac * unique[i]), count_from=r.score_from,
+                     hit_events=hits)
         t = totals[name][ci]
         t.accesses += res.accesses
         t.hits += res.hits
         t.host_hits += res.host_hits
-    hit = {p: [t.hit_rate for t in totals[p]] for p in POLICIES}
+        if i == 0:
+            rate = np.bincount(bin_of, weights=hits[r.score_from:], minlength=time_bins) / np.maximum(per_bin, 1)
+            over_time["hit_rate"][name].append(rate.tolist())
+            if name in over_time["guard_trips"]:
+                over_time["guard_trips"][name].append(pol.guard.trips if pol.guard is not None else 0)
+    hit = {p: [t.hit_rate for t in totals[p]] for p in policies}
     gap = [(d - l) / (b - l) if b > l else float("nan")
            for d, l, b in zip(hit["dmlp"], hit["lru"], hit["belady"])]
     return {
         "capacity_frac": list(capacity_fracs),
         "hit_rate": hit,
-        "host_hit_rate": {p: [t.host_hits / max(t.accesses, 1) for t in totals[p]] for p in POLICIES},
+        "host_hit_rate": {p: [t.host_hits / max(t.accesses, 1) for t in totals[p]] for p in policies},
         "dmlp_gap_closed": gap,
         "unique_blocks": int(sum(unique)),
         "scored_accesses": int(totals["lru"][0].accesses),
         "host_frac": host_frac,
+        "guard": {"on": guard, "window": guard_window} if guard else {"on": False},
+        "over_time": over_time,
     }

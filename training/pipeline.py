@@ -12,7 +12,9 @@ import numpy as np
 from stratum_jax.dmlp.model import Predictor, count_params
 from stratum_jax.dmlp.checkpoint import DmlpCheckpoint, load_checkpoint, save_checkpoint
 from training.dataset import eval_examples, train_val_examples
+from stratum_jax.dmlp.online import OnlineConfig
 from training.evaluate import example_metrics, policy_hit_rates
+from training.online_replay import DEFAULT_ROUND_MS, online_run
 from training.time_scale import choose_time_scale, flat_labels, warn_loudly
 from training.trainer import TrainConfig, train
 from training.traces import read_timeline, read_traces
@@ -20,8 +22,19 @@ from training.traces import read_timeline, read_traces
 
 @dataclasses.dataclass(frozen=True)
 class EvalOptions:
+    """capacity_fracs, host_frac: the replays' caches. guard: replay the DMLP also behind the shadow-LRU
+    guard (`guard_window` accesses). online: also replay with the server's online fine-tuning on the
+    simulated clock (`training/online_replay.py`), each round charged `online_round_ms`, tracking
+    `online_track` of the blocks; `online_config`: the learner's settings (the server's by default)."""
+
     capacity_fracs: tuple[float, ...]
     host_frac: float
+    guard: bool = True
+    guard_window: int = 2048
+    online: bool = False
+    online_round_ms: float = DEFAULT_ROUND_MS
+    online_track: float = 0.25
+    online_config: OnlineConfig = OnlineConfig()
 
 
 def headline_horizon(horizons_ms, positive_rate) -> float:
@@ -103,6 +116,10 @@ def run_eval(checkpoint: str, traces: list[str], fmt: str, report_path: str, war
 def evaluation_report(predictor: Predictor, ckpt: DmlpCheckpoint, ex, replays, opts: EvalOptions) -> dict:
     """The report of `predictor` (with the provenance of `ckpt`) on examples and replays."""
     metrics, calib = example_metrics(predictor, ex)
+    runs = None
+    if opts.online:
+        runs = [online_run(r, predictor, opts.online_config, opts.online_round_ms, opts.online_track)
+                for r in replays]
     report = {
         "params": count_params(ckpt.params),
         "horizons_ms": list(ckpt.config.horizons_ms),
@@ -112,9 +129,14 @@ def evaluation_report(predictor: Predictor, ckpt: DmlpCheckpoint, ex, replays, o
                   "seconds": float(ckpt.extra.get("train_seconds", 0.0))},
         "val": metrics,
         "calibration": calib,
-        "policy": policy_hit_rates(replays, predictor, opts.capacity_fracs, opts.host_frac),
+        "policy": policy_hit_rates(replays, predictor, opts.capacity_fracs, opts.host_frac, guard=opts.guard,
+                                   online=runs, guard_window=opts.guard_window),
         "labels_flat": [],
     }
+    if runs is not None:
+        report["online"] = {"config": runs[0].config, "rounds": [r.rounds for r in runs],
+                            "swaps": [len(r.swap_ms) for r in runs], "swap_ms": runs[0].swap_ms,
+                            "holdout_accuracy": runs[0].accuracy[::max(1, len(runs[0].accuracy) // 200)]}
     _flag_flat_labels(report, "evaluation", metrics["positive_rate"])
     return report
 

@@ -113,24 +113,48 @@ class Belady(_HeapPolicy):
     insert = touch
 
 
+class AccessObserver(Protocol):
+    """What a replay tells a guarded policy (`DmlpPolicy`): accesses in order, evictions, weight swaps."""
+
+    def guard_accessed(self, block_ids: list) -> None: ...
+    def forget(self, block_ids) -> None: ...
+    def model_changed(self) -> None: ...
+
+
 class Predicted:
     """The DMLP in a replay. Features at an access do not depend on the cache, so the reuse curves of
-    every access are predicted once up front: `curves` [E, H]. `order(curves [N, H], idle_ms [N], n,
-    now_ms, cached, access_seq [N]) -> indices [n]` picks victims (`DmlpPolicy.order_victims`), here
-    over every cached block that the current request does not use.
+    every access are predicted once up front: `curves` [E, H] (by the weights live at each access, for
+    an online replay). `order(curves [N, H], idle_ms [N], n, now_ms, cached, access_seq [N]) -> indices
+    [n]` picks victims (`DmlpPolicy.order_victims`), here over every cached block that the current
+    request does not use. `observer`: the policy whose shadow-LRU guard sees the replay's accesses and
+    evictions (None: unguarded); `version` int [E]: the weights' version at each access (online
+    replays), so the observer hears of each swap when the replay reaches it.
     """
 
-    def __init__(self, curves: np.ndarray, t_ms: np.ndarray, order: Callable[..., np.ndarray], capacity: int):
+    def __init__(self, curves: np.ndarray, t_ms: np.ndarray, order: Callable[..., np.ndarray], capacity: int,
+                 observer: AccessObserver | None = None, version: np.ndarray | None = None):
         self.curves, self.t_ms, self.order = curves, t_ms, order
         self.block = np.zeros(capacity, np.int64)     # cached blocks in slots [0, n)
         self.event = np.zeros(capacity, np.int64)     # ... and the event of their last access
         self.n = 0
         self.slot: dict[int, int] = {}
+        self.observer, self.version = observer, version
+        self._version = 0 if version is None else int(version[0])
+
+    def _seen(self, block, event):
+        if self.observer is None:
+            return
+        if self.version is not None and self.version[event] != self._version:
+            self._version = int(self.version[event])
+            self.observer.model_changed()
+        self.observer.guard_accessed([block])
 
     def touch(self, block, event):
+        self._seen(block, event)
         self.event[self.slot[block]] = event
 
     def insert(self, block, event):
+        self._seen(block, event)
         self.slot[block] = self.n
         self.block[self.n], self.event[self.n] = block, event
         self.n += 1
@@ -150,13 +174,16 @@ class Predicted:
             if i != self.n:
                 self.block[i], self.event[i] = self.block[self.n], self.event[self.n]
                 self.slot[int(self.block[i])] = i
+        if self.observer is not None:
+            self.observer.forget(out)
         return out
 
 
 def replay(stream: AccessStream, capacity: int, policy: Policy, host_capacity: int = 0,
-           count_from: int = 0) -> SimResult:
+           count_from: int = 0, hit_events: np.ndarray | None = None) -> SimResult:
     """Replays `stream` through an HBM cache of `capacity` blocks; counts events from `count_from` on
-    (earlier ones only warm the cache)."""
+    (earlier ones only warm the cache). hit_events: bool [E], set True at each HBM hit (for hit rates
+    over time)."""
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1 block, got {capacity}")
     hbm: set[int] = set()
@@ -175,6 +202,8 @@ def replay(stream: AccessStream, capacity: int, policy: Policy, host_capacity: i
                 if blk in hbm:
                     policy.touch(blk, e)
                 res.hits += scored
+                if hit_events is not None:
+                    hit_events[e] = True
             else:
                 if blk in host:
                     del host[blk]

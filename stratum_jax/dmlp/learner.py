@@ -133,6 +133,36 @@ class Learner:
         return path
 
 
+class RoundSchedule:
+    """The fine-tuner's cadence, on whatever clock the caller keeps (seconds): the worker's monotonic
+    clock in the server, a replay's simulated clock in the cache simulator. After a round that kept the
+    learner busy for b seconds, the next is due b * (1 / cpu_budget - 1) later, so busy / (busy + pause)
+    = cpu_budget; the learner must also be `ready`."""
+
+    def __init__(self, cpu_budget: float):
+        if not 0.0 < cpu_budget <= 1.0:
+            raise ValueError(f"cpu_budget must lie in (0, 1], got {cpu_budget}")
+        self.cpu_budget = cpu_budget
+        self.next_s = -float("inf")
+
+    def wait_s(self, now_s: float) -> float:
+        """Seconds until the next round is due (0 if it is)."""
+        return max(0.0, self.next_s - now_s)
+
+    def done(self, end_s: float, busy_s: float) -> None:
+        """A round ended at end_s after busy_s seconds of work."""
+        self.next_s = end_s + busy_s * (1.0 / self.cpu_budget - 1.0)
+
+
+def run_round(learner: Learner) -> tuple:
+    """One round and the message that reports it, as the live weights' owner applies it
+    (`online.LiveWeights.apply`): ("swap", params, accuracy, confidence, updates) or
+    ("stats", accuracy, confidence)."""
+    if learner.round():
+        return ("swap", numpy_tree(learner.live), learner.accuracy, learner.threshold.value, learner.updates)
+    return ("stats", learner.accuracy, learner.threshold.value)
+
+
 def worker_main(data_q, control_q, out_q, model_config, params, normalizer, config: OnlineConfig,
                 threshold_state: tuple, checkpoint_dir: str, parent_pid: int) -> None:
     """Entry point of the fine-tuning process. Pins itself, limits XLA to one thread, then loops:
@@ -148,6 +178,7 @@ def worker_main(data_q, control_q, out_q, model_config, params, normalizer, conf
         value, low, high, step = threshold_state
         learner = Learner(model_config, params, normalizer, config, ConfidenceThreshold(value, low, high, step))
         last_ckpt, pause, paused = time.monotonic(), 0.0, False
+        schedule = RoundSchedule(config.cpu_budget)
         while os.getppid() == parent_pid:
             try:    # the pause that keeps the budget doubles as the wait for commands
                 cmd = control_q.get(timeout=pause)
@@ -161,15 +192,14 @@ def worker_main(data_q, control_q, out_q, model_config, params, normalizer, conf
                 pause = 0.05
                 continue
             busy = time.perf_counter()
-            if learner.round():
-                out_q.put(("swap", numpy_tree(learner.live), learner.accuracy, learner.threshold.value, learner.updates))
-            else:
-                out_q.put(("stats", learner.accuracy, learner.threshold.value))
+            out_q.put(run_round(learner))
             busy = time.perf_counter() - busy
             if time.monotonic() - last_ckpt >= config.checkpoint_interval_s:
                 out_q.put(("checkpoint", learner.checkpoint(checkpoint_dir)))
                 last_ckpt = time.monotonic()
-            pause = busy * (1.0 / config.cpu_budget - 1.0)   # busy / (busy + pause) = cpu_budget
+            now = time.monotonic()
+            schedule.done(now, busy)
+            pause = schedule.wait_s(now)
         _drain(data_q, learner)
         out_q.put(("stopped", learner.checkpoint(checkpoint_dir)))
     except Exception:

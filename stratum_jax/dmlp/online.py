@@ -29,13 +29,82 @@ import numpy as np
 
 from stratum_jax.dmlp.model import Predictor
 from stratum_jax.dmlp.policy import ConfidenceThreshold
-from stratum_jax.dmlp.learner import OnlineConfig, numpy_tree, worker_main
+from stratum_jax.dmlp.learner import Learner, OnlineConfig, RoundSchedule, numpy_tree, run_round, worker_main
 
-__all__ = ["OnlineConfig", "OnlineFineTuner"]
+__all__ = ["InlineFineTuner", "OnlineConfig", "OnlineFineTuner"]
 log = logging.getLogger(__name__)
 
 
-class OnlineFineTuner:
+class LiveWeights:
+    """What a fine-tuner does with a round's report (`learner.run_round`), in the server and in a
+    replay alike: a swap replaces `model.params` (one reference assignment: readers see the old or the
+    new tree) and sets the calibrated threshold; both kinds count an evaluation."""
+
+    model: Predictor
+    threshold: ConfidenceThreshold
+    updates: int
+    evaluations: int
+    accuracy: float
+    _updates_counter: object
+
+    def apply(self, msg: tuple) -> None:
+        if msg[0] == "swap":
+            _, params, self.accuracy, confidence, updates = msg
+            self.model.params = jax.device_put(params)
+            if self._updates_counter is not None:
+                self._updates_counter.inc(updates - self.updates)
+            self.updates = updates
+        else:
+            _, self.accuracy, confidence = msg
+        self.threshold.set(confidence)
+        self.evaluations += 1
+
+
+class InlineFineTuner(LiveWeights):
+    """The online fine-tuner of a replay: the server's learner, round cadence and swap rule, run in this
+    process on the replay's clock instead of a worker process on wall time. `observe` as the server's
+    (`OnlineFineTuner.observe`, minus the queue: nothing is dropped); `advance(now_s)` runs the rounds
+    due by then. A replay has no wall time to measure a round by, so each round is charged `round_s`
+    seconds of its clock; with `config.cpu_budget` that sets the cadence (one round per
+    round_s / cpu_budget)."""
+
+    def __init__(self, model: Predictor, config: OnlineConfig, round_s: float,
+                 threshold: ConfidenceThreshold | None = None):
+        if not round_s > 0:
+            raise ValueError(f"round_s must be > 0, got {round_s}")
+        self.model, self.config, self.round_s = model, config, round_s
+        self.threshold = threshold or ConfidenceThreshold()
+        self.learner = Learner(model.config, model.params, model.normalizer, config, self.threshold)
+        self.schedule = RoundSchedule(config.cpu_budget)
+        self.updates = self.evaluations = 0
+        self.accuracy = float("nan")
+        self._updates_counter = None
+        self.swap_times_s: list[float] = []     # when each swap took effect, on the replay's clock
+
+    def observe(self, features: np.ndarray, reuse_labels: np.ndarray) -> bool:
+        self.learner.add(np.atleast_2d(np.asarray(features, np.float32)),
+                         np.atleast_2d(np.asarray(reuse_labels, np.float32)))
+        return True
+
+    def due(self, now_s: float) -> bool:
+        """Whether `advance(now_s)` would run a round."""
+        return self.learner.ready and self.schedule.wait_s(now_s) == 0.0
+
+    def advance(self, now_s: float) -> bool:
+        """Runs a round if one is due at now_s: it starts now and takes round_s, and its result is live
+        from now (a replay calls this at each arrival, so the round's own duration is not waited out).
+        Returns whether a round ran."""
+        if not self.due(now_s):
+            return False
+        before = self.updates
+        self.apply(run_round(self.learner))
+        if self.updates != before:
+            self.swap_times_s.append(now_s)
+        self.schedule.done(now_s + self.round_s, self.round_s)
+        return True
+
+
+class OnlineFineTuner(LiveWeights):
     """model: the live `Predictor` (shared with `DmlpPolicy`); its `params` are replaced on a swap.
     threshold: the policy's `ConfidenceThreshold` (a private one if None). Use: `observe(...)` from the
     engine, `start()` once, `stop()` at shutdown."""
@@ -130,18 +199,8 @@ class OnlineFineTuner:
                     return
                 continue
             kind = msg[0]
-            if kind == "swap":
-                _, params, self.accuracy, confidence, updates = msg
-                self.model.params = jax.device_put(params)    # readers see the old or the new tree
-                self.threshold.set(confidence)
-                self.evaluations += 1
-                if self._updates_counter is not None:
-                    self._updates_counter.inc(updates - self.updates)
-                self.updates = updates
-            elif kind == "stats":
-                _, self.accuracy, confidence = msg
-                self.threshold.set(confidence)
-                self.evaluations += 1
+            if kind in ("swap", "stats"):
+                self.apply(msg)
             elif kind == "checkpoint":
                 self.last_checkpoint = msg[1]
             elif kind == "stopped":

@@ -30,6 +30,7 @@ import numpy as np
 from stratum_jax.config import PAGE_SIZE_CLASSES
 from stratum_jax.block_info import BlockInfo
 from stratum_jax.dmlp.features import raw_from_infos
+from stratum_jax.dmlp.guard import ShadowLruGuard
 from stratum_jax.page_size import DefaultPageSizeRule, PageSizeHints
 
 if TYPE_CHECKING:     # the model pulls in flax; the page pool imports this module and needs none of it
@@ -164,6 +165,8 @@ class DmlpPolicy:
     track_fraction: the share of blocks whose accesses reach `on_access` (chosen by block id, so a tracked
     block has every access tracked and its labels stay exact). Online fine-tuning does not need every
     access of a busy server, and the engine thread pays for each one it hands over.
+    guard: a `ShadowLruGuard` (guard.py) that sees every access and eviction; while it is active,
+    victims go in LRU order and the model is not run for them. None: no guard.
     Thread-safe: the curve store is guarded by a lock.
     """
 
@@ -172,7 +175,7 @@ class DmlpPolicy:
 
     def __init__(self, predictor: "Predictor", threshold: ConfidenceThreshold | None = None,
                  decision_horizon: int = -1, on_access=None, score_on_access: bool = True, on_idle=None,
-                 track_fraction: float = 1.0):
+                 track_fraction: float = 1.0, guard: ShadowLruGuard | None = None):
         if not 0.0 < track_fraction <= 1.0:
             raise ValueError(f"track_fraction must lie in (0, 1], got {track_fraction}")
         self.track_fraction = track_fraction
@@ -186,6 +189,9 @@ class DmlpPolicy:
         self.residency = Residency(initial_ms=self.horizons_ms[-1])
         self._curves: dict[object, tuple[np.ndarray, float]] = {}   # block id -> (curve [H], access ms)
         self._lock = threading.Lock()
+        self.guard = guard
+        # The weights the guard last judged (a guarded policy's predictor must have `params`).
+        self._guarded_params = predictor.params if guard is not None else None
 
     @property
     def idle_tick_ms(self) -> float | None:
@@ -220,11 +226,46 @@ class DmlpPolicy:
         access_seq [N]: order of the last accesses, to break ties between equal times as LRU does.
         evicting: how many of them are evicted now, for the residency estimate (default all n); a caller
         that uses a ranking only in part passes 0 and reports each eviction with `note_evictions`."""
-        evicted = min(n, len(curves)) if evicting is None else evicting
+        evicted = min(n, len(idle_ms)) if evicting is None else evicting
         residency = self.residency.update(now_ms, evicted, cached)
-        score = reuse_before_eviction(curves, self.horizons_ms, idle_ms, residency)
         seq = np.zeros(len(idle_ms)) if access_seq is None else access_seq
+        if self.lru_mode:
+            return np.lexsort((seq, -idle_ms))[:n]
+        score = reuse_before_eviction(curves, self.horizons_ms, idle_ms, residency)
         return np.lexsort((seq, -idle_ms, score))[:n]
+
+    @property
+    def lru_mode(self) -> bool:
+        """True while the guard has victims go in LRU order (curves are then not needed)."""
+        return self.guard is not None and self.guard.active
+
+    def guard_accessed(self, block_ids: Sequence) -> None:
+        """Shows accesses (in order) to the guard, and tells it when the weights changed since it last
+        looked (an online swap replaces `predictor.params`). The engine calls it through
+        `observe_access`, the cache simulator directly."""
+        if self.guard is None:
+            return
+        if self.predictor.params is not self._guarded_params:
+            self._guarded_params = self.predictor.params
+            self.guard.model_changed()
+        self.guard.accessed(block_ids)
+
+    def model_changed(self) -> None:
+        """The weights changed (a replay that swaps curves, not `predictor.params`, says so here)."""
+        if self.guard is not None:
+            self.guard.model_changed()
+
+    def tracked_indices(self, block_ids: Sequence) -> list[int]:
+        """Indices of the accesses whose blocks belong to the tracked share (`track_fraction`)."""
+        return [i for i, b in enumerate(block_ids) if tracked_block(b, self.track_fraction)]
+
+    def track_accesses(self, block_ids: Sequence, raw: np.ndarray, now_ms: float) -> None:
+        """Hands the tracked share of accesses (raw [N, F]: features at this access) to `on_access`, which
+        labels them for online fine-tuning: what `observe_access` does for the engine, for callers that
+        already hold the feature rows (the cache simulator's online replay), so both sample alike."""
+        keep = self.tracked_indices(block_ids) if self.on_access is not None else []
+        if keep:
+            self.on_access([block_ids[i] for i in keep], raw[keep], now_ms)
 
     # ---- engine level ----
 
@@ -235,13 +276,14 @@ class DmlpPolicy:
         `needed_by_running` plays no part here (it is not a model input)."""
         if not infos:
             return np.zeros((0, len(self.horizons_ms)), np.float32)
+        self.guard_accessed([b.block_id for b in infos])
         if not self.score_on_access and self.on_access is None:
             return None
         raw = raw_from_infos(infos) if self.score_on_access else None
         probs = self._score(infos, raw) if self.score_on_access else None
         if self.on_access is not None:
             now = max(b.last_access_ms for b in infos)
-            keep = [i for i, b in enumerate(infos) if tracked_block(b.block_id, self.track_fraction)]
+            keep = self.tracked_indices([b.block_id for b in infos])
             if keep:
                 tracked = [infos[i] for i in keep]
                 self.on_access([b.block_id for b in tracked],
@@ -256,7 +298,10 @@ class DmlpPolicy:
         return probs
 
     def forget(self, block_ids) -> None:
-        """Drops stored curves of blocks that left every tier."""
+        """Drops stored curves of blocks that left every tier (and tells the guard they left)."""
+        if self.guard is not None:
+            block_ids = list(block_ids)
+            self.guard.forget(block_ids)
         with self._lock:
             for b in block_ids:
                 self._curves.pop(b, None)
@@ -268,7 +313,7 @@ class DmlpPolicy:
         free = [b for b in candidates if not b.needed_by_running]
         if not free or n <= 0:
             return []
-        curves = self._curves_of(free)
+        curves = None if self.lru_mode else self._curves_of(free)
         idle = now_ms - np.fromiter((b.last_access_ms for b in free), np.float64, len(free))
         cached = len(candidates) if cached is None else cached
         return [free[i].block_id for i in self.order_victims(curves, idle, n, now_ms, cached, evicting=evicting)]

@@ -33,6 +33,7 @@ def build_cache_policy(config: RuntimeConfig, metrics_registry=None):
     from stratum_jax.dmlp.model import Predictor
     from stratum_jax.dmlp.policy import ConfidenceThreshold
     from stratum_jax.dmlp.checkpoint import load_checkpoint
+    from stratum_jax.dmlp.guard import ShadowLruGuard
 
     ckpt = load_checkpoint(config.dmlp_checkpoint)
     predictor = Predictor(ckpt.config, ckpt.params, ckpt.normalizer)
@@ -46,18 +47,20 @@ def build_cache_policy(config: RuntimeConfig, metrics_registry=None):
                                 config.dmlp_online_dir, threshold=threshold)
         tracker = OutcomeTracker(ckpt.config.horizons_ms, tuner.observe)
         on_access, on_idle = tracker.accessed, tracker.idle
+    guard = ShadowLruGuard() if config.dmlp_guard else None
     policy = DmlpPolicy(predictor, threshold, on_access=on_access, score_on_access=False, on_idle=on_idle,
-                        track_fraction=config.dmlp_online_track)
-    log.info("cache policy dmlp: %s (horizons %s ms, confidence %.2f, online %s)", config.dmlp_checkpoint,
-             list(ckpt.config.horizons_ms), threshold.value, "on" if tuner else "off")
+                        track_fraction=config.dmlp_online_track, guard=guard)
+    log.info("cache policy dmlp: %s (horizons %s ms, confidence %.2f, online %s, guard %s)", config.dmlp_checkpoint,
+             list(ckpt.config.horizons_ms), threshold.value, "on" if tuner else "off", "on" if guard else "off")
     if metrics_registry is not None:
         export_dmlp_metrics(policy, tuner, metrics_registry)
     return policy, tuner
 
 
 def export_dmlp_metrics(policy, tuner, registry) -> None:
-    """Registers stratum_dmlp_confidence (any DMLP policy) and, with a tuner, stratum_dmlp_accuracy,
-    stratum_dmlp_updates_total and stratum_dmlp_online_dropped_total. A no-op for LRU; idempotent."""
+    """Registers stratum_dmlp_confidence (any DMLP policy), with a guard stratum_dmlp_guard_active and
+    its two windowed hit rates, and, with a tuner, stratum_dmlp_accuracy, stratum_dmlp_updates_total and
+    stratum_dmlp_online_dropped_total. A no-op for LRU; idempotent."""
     if not isinstance(policy, DmlpPolicy):
         return
     if policy.exported_to is registry:
@@ -66,6 +69,8 @@ def export_dmlp_metrics(policy, tuner, registry) -> None:
         tuner.export(registry)               # includes the threshold's gauge
     else:
         policy.threshold.export(registry)
+    if policy.guard is not None:
+        policy.guard.export(registry)
     policy.exported_to = registry
 
 

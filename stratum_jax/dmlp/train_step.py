@@ -2,6 +2,8 @@
 and the online learner that fine-tunes inside the server (learner.py)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +39,10 @@ def predict_in_batches(net: DmlpNet, params, x: np.ndarray, batch: int = 16384) 
     return np.concatenate(out) if out else np.zeros((0, len(net.config.horizons_ms)), np.float32)
 
 
+@functools.lru_cache(maxsize=8)
 def _prob_fn(net: DmlpNet):
+    """Cached per network (flax modules hash by their config): the online learner predicts its holdout
+    every round, and a fresh jit each time would compile each time."""
     return jax.jit(lambda p, x: -jnp.expm1(-net.apply({"params": p}, x)))
 
 
