@@ -76,7 +76,7 @@ class ModelRunner:
         self.geo = StepGeometry(rows=config.max_batch_size, table_width=-(-config.max_context // 8),
                                 prefill_tile=prefill_tile(config), decode_steps=config.decode_steps,
                                 backend=backend, interpret=config.interpret_kernels and backend == "kernel",
-                                attn_stats=attn_stats, tp=model.tp)
+                                attn_stats=attn_stats, tp=None if model is None else model.tp)
         self.buckets = prefill_buckets(config)
         self.shapes = all_step_shapes(config)
 
