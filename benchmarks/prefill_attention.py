@@ -20,9 +20,7 @@ import datetime
 import functools
 import json
 import pathlib
-import statistics
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -31,24 +29,12 @@ import jax                                     # noqa: E402
 import jax.numpy as jnp                        # noqa: E402
 import numpy as np                             # noqa: E402
 
+from benchmarks.score_stats_cost import timed                    # noqa: E402  (one timing loop for kernel benchmarks)
 from pallas_kernels.paged_attention import TuningConfig           # noqa: E402
 from stratum_jax.attention import RowTables, prefill_attention   # noqa: E402
 
 SHAPES = {"llama-1b": (32, 8, 64), "llama-8b": (32, 8, 128), "tiny": (4, 1, 64)}
 TILE = 128
-
-
-def timed(fn, *, reps, inner):
-    for _ in range(2):
-        jax.block_until_ready(fn())
-    samples = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(inner):
-            out = fn()
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t) / inner)
-    return statistics.median(samples)
 
 
 def make_step(seed, *, heads, kv_heads, head_dim, ctx, chunk, chunks, max_context, rows=64):
