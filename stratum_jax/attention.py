@@ -104,12 +104,12 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
         if delta is not None:                        # DKVC: anchor + scale * delta, rebuilt per block
             k, v = delta.gather(slots, pos)                                          # [Hkv, N, K, D]
         else:
-            k, v = k_pool[:, slots], v_pool[:, slots]                                # [Hkv, N, K, D]
+            k = k_pool[:, slots]                                                     # [Hkv, N, K, D]
         # Zero V past the row's context: those slots (stale data, or whatever a table entry past the
         # row's pages points at) may hold NaN/inf, and P = 0 there does not stop 0 * NaN in P @ V.
         # (Masked scores need no such care: jnp.where below replaces them outright.)
         in_ctx = pos[None, :] < ctx[:, None]                                         # [N, K]
-        v = jnp.where(in_ctx[None, :, :, None], v, 0)
+        v = jnp.where(in_ctx[None, :, :, None], v if delta is not None else v_pool[:, slots], 0)
         s = jnp.einsum("nqhgd,hnkd->nhgqk", qg, k, preferred_element_type=jnp.float32) * scale
         visible = ((pos[None, None, :] <= q_positions[:, :, None])
                    & (pos[None, None, :] < ctx[:, None, None]))                      # [N, Q, K]
@@ -158,8 +158,11 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     (default: PREFILL_KERNEL_CONFIG)."""
     tiles, tile, num_heads, head_dim = q.shape
     from pallas_kernels.paged_attention import PREFILL_KERNEL_CONFIG, paged_prefill_attention, prefill_block_tokens
-    per_block = prefill_block_tokens(num_heads, k_pool.num_kv_heads if isinstance(k_pool, DeltaKV) else k_pool.shape[0])
-    if backend != "kernel" or per_block is None or tile % per_block or isinstance(k_pool, DeltaKV):
+    if isinstance(k_pool, DeltaKV):      # the causal-block kernel reads bf16 pools only
+        return tiled_paged_attention(q, q_positions, tile_rows, tables, k_pool, v_pool, max_context=max_context,
+                                     return_score_stats=return_score_stats)
+    per_block = prefill_block_tokens(num_heads, k_pool.shape[0])
+    if backend != "kernel" or per_block is None or tile % per_block:
         return tiled_paged_attention(q, q_positions, tile_rows, tables, k_pool, v_pool, max_context=max_context,
                                      return_score_stats=return_score_stats)
     blocks = tiles * (tile // per_block)

@@ -38,7 +38,7 @@ ALIGNED_LEN = 256                      # the position-aligned candidate's anchor
 WARMUP_WINDOWS = 8                     # half fit the anchors, half measure them
 FLOOR_QUANTILE = 0.99
 WARMUP_MODULES = ("argparse", "collections", "dataclasses", "functools", "itertools", "json", "logging",
-                  "pathlib", "re", "string", "subprocess", "textwrap", "threading", "typing", "unittest")
+                  "pathlib", "re", "string", "subprocess", "textwrap", "threading", "contextlib", "unittest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +46,14 @@ class AnchorChoice:
     """kind: "mean" or "aligned"; anchors: per layer (anchor_k, anchor_v) [Hkv, anchor_len, D] in the model
     dtype; floors: per layer (k_floor, v_floor) [Hkv] float32; rms: {"mean", "aligned", "kv"}: held-out
     root mean square of the deltas under each candidate, and of K/V themselves (a plain fp8 cache's
-    "delta" from a zero anchor)."""
+    "delta" from a zero anchor); zero_floors: the floors the same rule gives a zero anchor (plain fp8 KV,
+    the quality study's comparison)."""
 
     kind: str
     anchors: list
     floors: list
     rms: dict
+    zero_floors: list
 
 
 def warmup_text() -> str:
@@ -97,11 +99,22 @@ def fit_anchor(params, cfg, windows: np.ndarray) -> AnchorChoice:
     """Fits both candidates on windows[:half], measures them on windows[half:] ([S, 2 * ALIGNED_LEN] ids),
     and picks the one with the smaller held-out delta RMS."""
     start = time.perf_counter()
-    half = windows.shape[0] // 2
     per_window = [jax.device_get(_window_kv(params, jnp.asarray(w), cfg=cfg)) for w in windows]
     # [layers, 2 (k, v), S, Hkv, W, D] float32
     kv = np.stack([np.stack([np.stack([np.asarray(x, np.float32) for x in layer]) for layer in w])
                    for w in per_window], axis=2)
+    choice = choose_anchor(kv, cfg.dtype)
+    log.info("DKVC anchor: %s (anchor_len %d) chosen from a warm-up run of %d windows x %d tokens in %.2f s; "
+             "held-out delta RMS: mean anchor %.4f, position-aligned (%d) %.4f, no anchor (|K/V|) %.4f",
+             choice.kind, choice.anchors[0][0].shape[1], windows.shape[0], windows.shape[1],
+             time.perf_counter() - start, choice.rms["mean"], ALIGNED_LEN, choice.rms["aligned"], choice.rms["kv"])
+    return choice
+
+
+def choose_anchor(kv: np.ndarray, dtype) -> AnchorChoice:
+    """kv [layers, 2 (K, V), S windows, Hkv, W positions, D] float32, W a multiple of ALIGNED_LEN: fits both
+    candidates on windows[:S // 2], measures on the rest, returns the choice (anchors in `dtype`)."""
+    half = kv.shape[2] // 2
     fit, held = kv[:, :, :half], kv[:, :, half:]
     mean = fit.mean(axis=(2, 4), keepdims=True)[:, :, 0]                          # [L, 2, Hkv, 1, D]
     aligned = fit[..., :ALIGNED_LEN, :].mean(axis=2)                               # [L, 2, Hkv, A, D]
@@ -113,15 +126,13 @@ def fit_anchor(params, cfg, windows: np.ndarray) -> AnchorChoice:
            "kv": float(np.sqrt(np.mean(held ** 2)))}
     kind = "aligned" if rms["aligned"] < rms["mean"] else "mean"
     chosen, deltas = (aligned, d_aligned) if kind == "aligned" else (mean, d_mean)
-    # Floors: a quantile of the per-token max |delta|, over held-out windows and positions -> [L, 2, Hkv].
-    token_amax = np.abs(deltas).max(axis=-1)                                       # [L, 2, S, Hkv, W]
-    floors = np.quantile(token_amax.transpose(0, 1, 3, 2, 4).reshape(*token_amax.shape[:2], cfg.num_kv_heads, -1),
-                         FLOOR_QUANTILE, axis=-1) / FP8_MAX
-    dtype = jnp.dtype(cfg.dtype)
-    anchors = [(jnp.asarray(chosen[i, 0], dtype), jnp.asarray(chosen[i, 1], dtype)) for i in range(cfg.num_layers)]
-    floor_list = [(floors[i, 0].astype(np.float32), floors[i, 1].astype(np.float32)) for i in range(cfg.num_layers)]
-    log.info("DKVC anchor: %s (anchor_len %d) chosen from a warm-up run of %d windows x %d tokens in %.2f s; "
-             "held-out delta RMS: mean anchor %.4f, position-aligned (%d) %.4f, no anchor (|K/V|) %.4f",
-             kind, chosen.shape[3], windows.shape[0], w, time.perf_counter() - start, rms["mean"], ALIGNED_LEN,
-             rms["aligned"], rms["kv"])
-    return AnchorChoice(kind, anchors, floor_list, rms)
+    anchors = [(jnp.asarray(chosen[i, 0], dtype), jnp.asarray(chosen[i, 1], dtype)) for i in range(kv.shape[0])]
+    return AnchorChoice(kind, anchors, _floors(deltas), rms, _floors(held))
+
+
+def _floors(deltas: np.ndarray) -> list:
+    """deltas [L, 2, S, Hkv, W, D] -> per layer (k_floor, v_floor) [Hkv] float32: the FLOOR_QUANTILE quantile
+    of the per-token max |delta| over windows and positions, / 448."""
+    amax = np.abs(deltas).max(axis=-1).transpose(0, 1, 3, 2, 4)                    # [L, 2, Hkv, S, W]
+    floors = np.quantile(amax.reshape(*amax.shape[:3], -1), FLOOR_QUANTILE, axis=-1) / FP8_MAX
+    return [(floors[i, 0].astype(np.float32), floors[i, 1].astype(np.float32)) for i in range(floors.shape[0])]

@@ -13,7 +13,8 @@ The K (or V) of the token at absolute position t in slot s is
     anchor[:, t % anchor_len] + scale[:, s // 8] * delta[:, s]        (float32, cast to the anchor's dtype)
 
 fp16 deltas keep unit scales (fp16's range holds any delta of a bf16 model's K/V, and its 11-bit mantissa
-is finer than bf16's 8). fp8 e4m3 (|x| <= 448) needs a scale, set per granule so:
+is finer than bf16's 8, so the rebuild is the bf16 value or one rounding away: not always exact, since a
+value much smaller than its anchor leaves a delta that needs more bits). fp8 e4m3 (|x| <= 448) needs a scale, set per granule so:
 
   - A granule's scale is set when its first slot (s % 8 == 0) is written, and then stays fixed until that
     slot is written again: scale = max(floor, amax / 448), where amax is the largest |delta| among the
