@@ -225,3 +225,29 @@ def test_fp8_delta_pages_evicted_to_the_host_and_recalled_give_identical_tokens(
     per_token_bf16 = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     per_token = engine.transfers.stats.offloaded_bytes / (engine.transfers.stats.offloaded_pages * PS)
     assert per_token == per_token_bf16 / 2 + cfg.num_layers * cfg.num_kv_heads
+    st = engine.stats()
+    assert st.kv_precision == "fp8-delta" and st.kv_bytes_per_token == per_token
+    assert st.kv_recall_batches >= 1 and len(st.kv_recall_seconds) == min(64, st.kv_recall_batches)
+
+
+def test_dkvc_metrics_from_engine_stats():
+    """stratum_kv_precision, stratum_kv_bytes per tier, recalled pages and the recall-time histogram, each
+    recall observed once however often a snapshot is read."""
+    from stratum_jax.engine_stats import EngineStats
+    from stratum_jax.metrics import ServingMetrics
+    m = ServingMetrics()
+    base = dict(queued=0, running=1, kv_pages_total=64, kv_pages_free=60, kv_tokens_total=512, kv_tokens_used=32,
+                kv_tokens_written=30, prefix_cache_hits=3, prefix_cache_queries=4, preemptions=0, steps=5,
+                decode_step_ms=1.0, prefill_tokens_per_s=1.0, kv_host_tokens_total=1024, kv_host_tokens_used=48,
+                kv_recalled_pages=2, kv_precision="fp8-delta", kv_bytes_per_token=100)
+    m.observe_engine(EngineStats(**base, kv_recall_batches=2, kv_recall_seconds=(0.002, 0.004)))
+    m.observe_engine(EngineStats(**base, kv_recall_batches=2, kv_recall_seconds=(0.002, 0.004)))
+    m.observe_engine(EngineStats(**{**base, "kv_recalled_pages": 3}, kv_recall_batches=3,
+                                 kv_recall_seconds=(0.002, 0.004, 0.5)))
+    value = m.registry.get_sample_value
+    assert value("stratum_kv_precision", {"precision": "fp8-delta"}) == 1
+    assert value("stratum_kv_bytes", {"tier": "device"}) == 32 * 100
+    assert value("stratum_kv_bytes", {"tier": "host"}) == 48 * 100
+    assert value("stratum_kv_recalled_pages_total") == 3
+    assert value("stratum_kv_recall_seconds_count") == 3
+    assert value("stratum_kv_recall_seconds_sum") == pytest.approx(0.506)

@@ -15,7 +15,7 @@ import logging
 import jax
 
 from stratum_jax.kv.anchor import fit_anchor, warmup_windows
-from stratum_jax.kv.delta_cache import init_delta_cache
+from stratum_jax.kv.delta_cache import DeltaKV, init_delta_cache, num_slots_of
 from stratum_jax.model.llama import init_kv_cache
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,17 @@ def resolve_precision(requested: str, *, platform: str, capability: tuple[int, i
         return "fp16-delta", (f"fp8-delta refused: the GPU's compute capability {capability[0]}.{capability[1]} "
                               f"has no fp8 (needs >= 8.9), falling back to fp16-delta")
     return requested, f"requested; memory bandwidth {bandwidth_gbps or 0:.0f} GB/s"
+
+
+def kv_bytes_per_slot(kv_cache) -> int:
+    """Bytes one token slot takes over all layers: K and V (bf16 pools), or their deltas plus an eighth of
+    their granule's scales (DKVC); the resident anchor is not per slot and not counted."""
+    total = 0.0
+    for layer in kv_cache:
+        arrays = ((layer.k_delta, layer.v_delta, layer.k_scale, layer.v_scale) if isinstance(layer, DeltaKV)
+                  else tuple(layer))
+        total += sum(a.nbytes / num_slots_of(layer) for a in arrays)
+    return round(total)
 
 
 def start_kv_cache(requested: str, model, num_slots: int, sharding=None):

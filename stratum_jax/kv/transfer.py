@@ -20,6 +20,7 @@ moving it onto jax's `pinned_host` memory kind (direct device <-> pinned copies)
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -41,6 +42,9 @@ class TransferStats:
     seconds: float = 0.0       # wall time spent in run_transfers (host side, copies included)
     device_get_s: float = 0.0  # of which: waiting for the gathered pages to reach host memory
     upload_s: float = 0.0      # of which: handing the recalled pages to the device (host -> device copy)
+    recall_batches: int = 0    # runs that recalled pages
+    recall_seconds: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=64))
+                               # the upload time of the latest recall batches
 
 
 def _bucket(n: int) -> int:
@@ -188,6 +192,8 @@ class KvTransfers:
             on_device = jax.device_put(padded)
             on_device.block_until_ready()
             stats.upload_s += time.perf_counter() - t1
+            stats.recall_batches += 1
+            stats.recall_seconds.append(time.perf_counter() - t1)
             cache = _scatter(cache, jnp.asarray(padded_slots), on_device)
             stats.recalled_pages += len(starts)
             stats.recalled_bytes += padded[:n].nbytes
