@@ -221,15 +221,19 @@ class ServingMetrics:
             self.kv_pages_free.labels(HOST_TIER).set((host_total - used) // 8)
         self.decode_step.set(stats.decode_step_ms / 1e3)
         self.prefill_tps.set(stats.prefill_tokens_per_s)
-        self.kv_precision.labels(stats.kv_precision).set(1)
-        self.kv_bytes.labels(KV_TIER).set(stats.kv_tokens_used * stats.kv_bytes_per_token)
+        # The KV figures, as the host-tier ones above, read with defaults: a snapshot from an older or a
+        # stand-in stats object may lack them.
+        self.kv_precision.labels(getattr(stats, "kv_precision", "bf16")).set(1)
+        bytes_per_token = getattr(stats, "kv_bytes_per_token", 0)
+        self.kv_bytes.labels(KV_TIER).set(stats.kv_tokens_used * bytes_per_token)
         if host_total:
-            self.kv_bytes.labels(HOST_TIER).set(stats.kv_host_tokens_used * stats.kv_bytes_per_token)
+            self.kv_bytes.labels(HOST_TIER).set(stats.kv_host_tokens_used * bytes_per_token)
         # The recall times of the steps since the last snapshot (the engine keeps the latest few).
-        new = stats.kv_recall_batches - self._last_engine_counts.get("kv_recall_batches", 0)
-        for seconds in stats.kv_recall_seconds[len(stats.kv_recall_seconds) - min(new, len(stats.kv_recall_seconds)):]:
+        batches, recent = getattr(stats, "kv_recall_batches", 0), getattr(stats, "kv_recall_seconds", ())
+        new = batches - self._last_engine_counts.get("kv_recall_batches", 0)
+        for seconds in recent[len(recent) - min(new, len(recent)):]:
             self.recall_seconds.observe(seconds)
-        self._last_engine_counts["kv_recall_batches"] = stats.kv_recall_batches
+        self._last_engine_counts["kv_recall_batches"] = batches
         for name, metric in (("prefix_cache_hits", self.cache_hits), ("prefix_cache_queries", self.cache_queries),
                              ("preemptions", self.preemptions), ("steps", self.steps),
                              ("kv_host_hits", self.host_hits), ("kv_prefetched_pages", self.prefetched),
