@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from stratum_jax.kv.delta_cache import DeltaKV
+
 
 @dataclasses.dataclass(frozen=True)
 class RowTables:
@@ -53,7 +55,8 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
 
     q: [tiles, tile, num_heads, head_dim]; q_positions: [tiles, tile] int32 absolute positions (-1:
     padding query); tile_rows: [tiles] int32, the row (into `tables`) every query of a tile belongs to
-    (-1: padding tile). k_pool, v_pool: [num_kv_heads, num_slots, head_dim].
+    (-1: padding tile). k_pool, v_pool: [num_kv_heads, num_slots, head_dim]; or, for a DKVC cache, k_pool
+    a DeltaKV (stratum_jax/kv/delta_cache.py) and v_pool None: K/V are rebuilt block by block.
     A query at position p sees its row's keys at positions <= p and < context_len. The loop runs
     over blocks of `key_block` positions: all blocks up to `max_context` (the engine's --max-context, a
     config constant; default: what the tables can address with 256-token pages) when that is at most
@@ -67,7 +70,9 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
     position 0), so float32 does not cancel when scores share a large offset.
     """
     tiles, tile, num_heads, head_dim = q.shape
-    num_kv_heads = k_pool.shape[0]
+    delta = k_pool if isinstance(k_pool, DeltaKV) else None
+    num_kv_heads = delta.num_kv_heads if delta is not None else k_pool.shape[0]
+    kv_dtype = delta.dtype if delta is not None else k_pool.dtype
     group = num_heads // num_kv_heads
     table_width = tables.page_starts.shape[1]
     scale = head_dim ** -0.5
@@ -87,7 +92,7 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
     static_blocks = -(-bound // key_block)
     need = jnp.minimum(ctx, jnp.max(q_positions, axis=1) + 1)                        # keys a tile needs
     dynamic_blocks = (jnp.max(need, initial=0) + key_block - 1) // key_block
-    qg = q.reshape(tiles, tile, num_kv_heads, group, head_dim).astype(k_pool.dtype)
+    qg = q.reshape(tiles, tile, num_kv_heads, group, head_dim).astype(kv_dtype)
     neg = jnp.float32(-jnp.inf)
     acc_shape = (tiles, num_kv_heads, group, tile)
 
@@ -96,12 +101,15 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
         pos = b * key_block + jnp.arange(key_block, dtype=jnp.int32)                 # [K]
         page = jnp.minimum(pos[None, :] // page_size, table_width - 1)
         slots = jnp.take_along_axis(starts, page, axis=1) + pos[None, :] % page_size  # [N, K]
-        k = k_pool[:, slots]                                                         # [Hkv, N, K, D]
+        if delta is not None:                        # DKVC: anchor + scale * delta, rebuilt per block
+            k, v = delta.gather(slots, pos)                                          # [Hkv, N, K, D]
+        else:
+            k = k_pool[:, slots]                                                     # [Hkv, N, K, D]
         # Zero V past the row's context: those slots (stale data, or whatever a table entry past the
         # row's pages points at) may hold NaN/inf, and P = 0 there does not stop 0 * NaN in P @ V.
         # (Masked scores need no such care: jnp.where below replaces them outright.)
         in_ctx = pos[None, :] < ctx[:, None]                                         # [N, K]
-        v = jnp.where(in_ctx[None, :, :, None], v_pool[:, slots], 0)
+        v = jnp.where(in_ctx[None, :, :, None], v if delta is not None else v_pool[:, slots], 0)
         s = jnp.einsum("nqhgd,hnkd->nhgqk", qg, k, preferred_element_type=jnp.float32) * scale
         visible = ((pos[None, None, :] <= q_positions[:, :, None])
                    & (pos[None, None, :] < ctx[:, None, None]))                      # [N, Q, K]
@@ -150,6 +158,9 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     (default: PREFILL_KERNEL_CONFIG)."""
     tiles, tile, num_heads, head_dim = q.shape
     from pallas_kernels.paged_attention import PREFILL_KERNEL_CONFIG, paged_prefill_attention, prefill_block_tokens
+    if isinstance(k_pool, DeltaKV):      # the causal-block kernel reads bf16 pools only
+        return tiled_paged_attention(q, q_positions, tile_rows, tables, k_pool, v_pool, max_context=max_context,
+                                     return_score_stats=return_score_stats)
     per_block = prefill_block_tokens(num_heads, k_pool.shape[0])
     if backend != "kernel" or per_block is None or tile % per_block:
         return tiled_paged_attention(q, q_positions, tile_rows, tables, k_pool, v_pool, max_context=max_context,
@@ -179,7 +190,8 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
     """
     rows = q.shape[0]
     lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
-    if backend == "kernel":
+    # A DKVC cache goes through the tiled path until pallas_kernels/delta_attention.py is plugged in here.
+    if backend == "kernel" and not isinstance(k_pool, DeltaKV):
         from pallas_kernels.paged_attention import paged_attention
         return paged_attention(q, k_pool, v_pool, lengths, tables.page_starts, tables.page_sizes,
                                interpret=interpret, return_score_stats=return_score_stats)

@@ -15,6 +15,14 @@ DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/stratum-jax/xla"
 # HAB's idle threshold: the design's default, and its profiles for high QPS and for low latency.
 HAB_PROFILES = {"default": 8.0, "high-qps": 4.0, "low-latency": 2.0}
 HAB_THRESHOLD_ENV = "STRATUM_HAB_THRESHOLD_MS"
+KV_PRECISIONS = ("bf16", "fp16-delta", "fp8-delta")   # --kv-precision (DKVC: stratum_jax/kv/delta_cache.py)
+KV_PRECISION_ENV = "STRATUM_DKVC_PRECISION"
+
+
+def _kv_precision_default() -> str:
+    """--kv-precision's default: $STRATUM_DKVC_PRECISION (the design's stratum_dkvc_precision), else bf16.
+    Checked with the other fields in __post_init__."""
+    return os.environ.get(KV_PRECISION_ENV, "").strip() or "bf16"
 
 
 def _hab_threshold_default() -> float:
@@ -84,6 +92,8 @@ class RuntimeConfig:
     dmlp_online_cores: tuple[int, ...] | None = None   # CPU cores to pin the fine-tuning worker to
     dmlp_online_track: float = 0.25  # share of KV blocks (by id) whose accesses become online examples
     dmlp_guard: bool = True          # shadow-LRU guard: evict in LRU order while the DMLP trails LRU
+    kv_precision: str = dataclasses.field(default_factory=_kv_precision_default)   # KV pages: bf16, or
+                                     # deltas from a resident anchor (fp16/fp8); the engine may fall back
     enable_prefix_caching: bool = True
     seed: int = 0                    # seeds requests that bring no seed of their own
     trace_out: str | None = None     # write the block event log (JSONL, see stratum_jax/kv/event_log.py) here
@@ -127,6 +137,8 @@ class RuntimeConfig:
              f"--attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         need(self.cache_policy in CACHE_POLICIES,
              f"--cache-policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
+        need(self.kv_precision in KV_PRECISIONS,
+             f"--kv-precision (or ${KV_PRECISION_ENV}) must be one of {KV_PRECISIONS}, got {self.kv_precision!r}")
         self._check_dmlp(need)
         self._check_parallel(need)
         for name in ("kv_host_tokens", "kv_prefetch_pages"):
@@ -165,6 +177,9 @@ class RuntimeConfig:
              f"--num-processes must be a positive integer, got {self.num_processes!r}")
         need(isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes,
              f"--process-id must lie in [0, --num-processes {self.num_processes}), got {self.process_id!r}")
+        need(self.tensor_parallel == 1 or self.kv_precision == "bf16",
+             f"--kv-precision {self.kv_precision} is not supported with --tensor-parallel > 1 yet: use "
+             "--kv-precision bf16")
         if self.num_processes == 1:
             need(self.coordinator is None, "--coordinator needs --num-processes > 1 (and --process-id)")
             return
@@ -267,6 +282,11 @@ class RuntimeConfig:
         g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
                        help="decode attention: the Pallas kernel, the jnp reference, or auto (the kernel on a "
                             "Hopper GPU for bf16 models with head_dim 64/128, else the reference)")
+        g.add_argument("--kv-precision", default=None, choices=KV_PRECISIONS,
+                       help="KV pages: bf16, or DKVC deltas from a resident anchor built at start-up, as fp16 or "
+                            f"fp8 e4m3 with per-granule scales (default: ${KV_PRECISION_ENV}, else bf16). fp8 "
+                            "falls back to fp16-delta on GPUs without fp8, and deltas to bf16 when the measured "
+                            "memory bandwidth is HBM2-class; the log says which ran")
         g.add_argument("--interpret-kernels", action="store_true",
                        help="run Pallas kernels in the Mosaic GPU interpreter (for CPU)")
         g.add_argument("--cache-policy", default=d.cache_policy, choices=CACHE_POLICIES,
@@ -315,6 +335,8 @@ class RuntimeConfig:
             values["compilation_cache_dir"] = None
         if values.get("hab_threshold_ms") is None:
             values.pop("hab_threshold_ms", None)       # the field's default reads the environment
+        if values.get("kv_precision") is None:
+            values.pop("kv_precision", None)           # likewise ($STRATUM_DKVC_PRECISION)
         return cls(**values)
 
 

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from stratum_jax.attention import RowTables
+from stratum_jax.kv.delta_cache import num_slots_of
 from stratum_jax.model import llama
 from stratum_jax.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
 from stratum_jax.tensor_parallel import TensorParallel, replicate, shard_vocab
@@ -228,7 +229,7 @@ def decode_steps(params, kv_cache, last_tokens, positions, steps_allowed, tables
     meaningless, except attn_score_var, 0 there), new kv_cache).
     """
     rows, k = geo.rows, MAX_TOP_LOGPROBS if variant.logprobs else 0
-    num_slots = kv_cache[0][0].shape[1]
+    num_slots = num_slots_of(kv_cache[0])
     batch_rows = jnp.arange(rows)
 
     def body(i, carry):

@@ -26,10 +26,10 @@ from stratum_jax.kv.block_meta import Clock, EngineClock, RequestFeatures, featu
 from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.kv.prefix_hash import prompt_chain_hashes
 from stratum_jax.kv.transfer import KvTransfers
-from stratum_jax.model.llama import init_kv_cache
+from stratum_jax.kv.precision import kv_bytes_per_slot, start_kv_cache
 from stratum_jax.model.loader import LoadedModel, load_model
 from stratum_jax.model.tokenizer import IncrementalDetokenizer
-from stratum_jax.model_runner import ModelRunner, RunResult
+from stratum_jax.model_runner import ModelRunner, RunResult, kv_layout_of
 from stratum_jax.outputs import OutputProcessor, token_logprobs
 from stratum_jax.engine_stats import EngineStats, StepTiming
 from stratum_jax.request import (FinishReason, GenerationResult, InvalidRequestError, QueueFullError, RequestState,
@@ -61,8 +61,10 @@ class Engine:
         self.config = config = config.for_model(self.model_config.max_position_embeddings)
         self.attention_backend = resolve_backend(config, self.model_config)
         self.num_slots = config.kv_pool_slots
-        self.kv_cache = init_kv_cache(self.model_config, self.num_slots,
-                                      sharding=model.tp.kv_sharding if model.tp is not None else None)
+        # bf16 pools, or DKVC's anchor + delta pools (--kv-precision; the precision run may be a fallback).
+        self.kv_precision, self.kv_cache, self.kv_anchor = start_kv_cache(
+            config.kv_precision, model, self.num_slots,
+            sharding=model.tp.kv_sharding if model.tp is not None else None)
         # The cache policy (eviction, page size); with --dmlp-online also the fine-tuner, which the
         # engine feeds (through the policy) but never starts: the server does, after warm-up.
         if policy is None:
@@ -82,8 +84,11 @@ class Engine:
         # Device idle time between steps: the DMLP's gpu_idle_frac, the stratum_gpu_idle_* metrics, HAB.
         self.gpu_idle = GpuIdleMeter()
         self.scheduler = build_scheduler(config, self.pool)   # page size: --page-size, else the policy
+        # Bytes per token slot over all layers: the pools' (deltas and per-granule scales with DKVC), not
+        # the resident anchor's.
+        self._kv_bytes_per_token = kv_bytes_per_slot(self.kv_cache)
         self.runner = ModelRunner(config, self.model, num_slots=self.num_slots, backend=self.attention_backend,
-                                  attn_stats=self._measure_attention_stats)
+                                  attn_stats=self._measure_attention_stats, kv_layout=kv_layout_of(self.kv_cache))
         self.outputs = OutputProcessor(frozenset(self.tokenizer.eos_token_ids)
                                        | frozenset(self.model_config.eos_token_ids), config.max_context)
         self._requests: dict[str, Sequence] = {}
@@ -382,4 +387,6 @@ class Engine:
             kv_offloaded_pages=self.transfers.stats.offloaded_pages,
             kv_recalled_pages=self.transfers.stats.recalled_pages,
             jit_compilations=self.compiles.total, jit_compilations_after_serving=self.compiles.after_serving,
-            hab_triggers=self.scheduler.triggers)
+            hab_triggers=self.scheduler.triggers, kv_precision=self.kv_precision,
+            kv_bytes_per_token=self._kv_bytes_per_token, kv_recall_batches=self.transfers.stats.recall_batches,
+            kv_recall_seconds=tuple(self.transfers.stats.recall_seconds))

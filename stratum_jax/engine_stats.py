@@ -31,6 +31,10 @@ class EngineStats:
     jit_compilations: int = 0            # XLA compiles in this process since the engine was built
     jit_compilations_after_serving: int = 0   # of those, after warm-up (each one is a bug)
     hab_triggers: int = 0                # times HAB admitted by CPM (0 for FCFS)
+    kv_precision: str = "bf16"           # the KV precision running (--kv-precision after its fallbacks)
+    kv_bytes_per_token: int = 0          # KV bytes a token slot holds over all layers (DKVC: deltas + scales)
+    kv_recall_batches: int = 0           # steps that recalled host-tier pages
+    kv_recall_seconds: tuple[float, ...] = ()   # host-to-device copy time of the latest such steps (<= 64)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,14 @@ METRICS: dict[str, tuple[str, str]] = {
                                    "not recomputed); also counted in stratum_prefix_cache_hits_total."),
     "stratum_kv_prefetched_pages_total": ("counter", "Host-tier pages copied back ahead of their request's admission."),
     "stratum_kv_offloaded_pages_total": ("counter", "KV pages copied from HBM to the host tier on eviction."),
+    "stratum_kv_recalled_pages_total": ("counter", "KV pages copied from the host tier back to HBM (prefix hits "
+                                        "and prefetches)."),
+    "stratum_kv_recall_seconds": ("histogram", "Host-to-device copy time of one step's recalled pages (one "
+                                  "observation per step that recalled any)."),
+    "stratum_kv_bytes": ("gauge", "KV bytes held, by memory tier: in use on the device, cached on the host. With "
+                         "DKVC the pages hold deltas and scales (the resident anchor is not counted)."),
+    "stratum_kv_precision": ("gauge", "1, labelled with the KV precision running (bf16, fp16-delta, fp8-delta): "
+                             "--kv-precision after its fallbacks."),
     "stratum_preemptions_total": ("counter", "Running requests preempted because the KV pool was full."),
     "stratum_engine_steps_total": ("counter", "Engine steps run."),
     "stratum_decode_step_seconds": ("gauge", "Recent decode step wall time (moving average)."),
@@ -72,13 +80,15 @@ DMLP_METRICS: dict[str, tuple[str, str]] = {
 
 # name -> its one label, for the metrics that have one.
 LABELS = {"stratum_kv_pages_used": "tier", "stratum_kv_pages_free": "tier", "stratum_kv_tokens_used": "tier",
-          "stratum_kv_tokens_total": "tier", "stratum_requests_total": "status", "stratum_stop_reasons_total": "reason",
+          "stratum_kv_tokens_total": "tier", "stratum_kv_bytes": "tier", "stratum_kv_precision": "precision",
+          "stratum_requests_total": "status", "stratum_stop_reasons_total": "reason",
           "stratum_routed_requests_total": "route"}
 
 KV_TIER = "device"
 HOST_TIER = "host"   # the host-memory tier (--kv-host-tokens), only when there is one
 _RECENT = 2048       # requests kept for the percentiles of GetMetrics
 
+_RECALL_BUCKETS = (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1)
 _IDLE_MS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0)
 _TTFT_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5)
@@ -162,6 +172,10 @@ class ServingMetrics:
         self.host_hits = counter("stratum_kv_host_hits_total")
         self.prefetched = counter("stratum_kv_prefetched_pages_total")
         self.offloaded = counter("stratum_kv_offloaded_pages_total")
+        self.recalled = counter("stratum_kv_recalled_pages_total")
+        self.recall_seconds = histogram("stratum_kv_recall_seconds", _RECALL_BUCKETS)
+        self.kv_bytes = gauge("stratum_kv_bytes")
+        self.kv_precision = gauge("stratum_kv_precision")
         self.cache_hit_rate = gauge("stratum_cache_hit_rate")
         self.preemptions = counter("stratum_preemptions_total")
         self.steps = counter("stratum_engine_steps_total")
@@ -207,10 +221,24 @@ class ServingMetrics:
             self.kv_pages_free.labels(HOST_TIER).set((host_total - used) // 8)
         self.decode_step.set(stats.decode_step_ms / 1e3)
         self.prefill_tps.set(stats.prefill_tokens_per_s)
+        # The KV figures, as the host-tier ones above, read with defaults: a snapshot from an older or a
+        # stand-in stats object may lack them.
+        self.kv_precision.labels(getattr(stats, "kv_precision", "bf16")).set(1)
+        bytes_per_token = getattr(stats, "kv_bytes_per_token", 0)
+        self.kv_bytes.labels(KV_TIER).set(stats.kv_tokens_used * bytes_per_token)
+        if host_total:
+            self.kv_bytes.labels(HOST_TIER).set(stats.kv_host_tokens_used * bytes_per_token)
+        # The recall times of the steps since the last snapshot (the engine keeps the latest few).
+        batches, recent = getattr(stats, "kv_recall_batches", 0), getattr(stats, "kv_recall_seconds", ())
+        new = batches - self._last_engine_counts.get("kv_recall_batches", 0)
+        for seconds in recent[len(recent) - min(new, len(recent)):]:
+            self.recall_seconds.observe(seconds)
+        self._last_engine_counts["kv_recall_batches"] = batches
         for name, metric in (("prefix_cache_hits", self.cache_hits), ("prefix_cache_queries", self.cache_queries),
                              ("preemptions", self.preemptions), ("steps", self.steps),
                              ("kv_host_hits", self.host_hits), ("kv_prefetched_pages", self.prefetched),
-                             ("kv_offloaded_pages", self.offloaded), ("jit_compilations", self.jit_compilations),
+                             ("kv_offloaded_pages", self.offloaded), ("kv_recalled_pages", self.recalled),
+                             ("jit_compilations", self.jit_compilations),
                              ("jit_compilations_after_serving", self.jit_compilations_after_serving),
                              ("hab_triggers", self.hab_triggers)):
             value = int(getattr(stats, name, 0))

@@ -33,7 +33,7 @@ from stratum_jax.step_shapes import StepShape, all_step_shapes, bucket_for, pref
 log = logging.getLogger(__name__)
 
 # Compiled step executables of this process, shared by every runner whose key matches (as jax's own jit
-# cache is shared): (StepShape, StepGeometry, ModelConfig, num_slots) -> executable. An executable
+# cache is shared): (StepShape, StepGeometry, ModelConfig, num_slots, kv_layout) -> executable. An executable
 # depends on nothing else (the params and KV pools are arguments, their shapes follow from the key).
 _EXECUTABLES: dict[tuple, object] = {}
 _EXECUTABLES_LOCK = threading.Lock()
@@ -68,11 +68,24 @@ class RunResult:
     done_s: float            # results on the host
 
 
+def kv_layout_of(kv_cache) -> tuple:
+    """(class name, then (shape, dtype) of every leaf) of one layer's cache: () for the bf16 pools, whose
+    shapes the rest of the key already fixes (so their key is as before)."""
+    layer = kv_cache[0]
+    if isinstance(layer, tuple):
+        return ()
+    return (type(layer).__name__,) + tuple((x.shape, str(x.dtype)) for x in jax.tree_util.tree_leaves(layer))
+
+
 class ModelRunner:
-    def __init__(self, config: RuntimeConfig, model, *, num_slots: int, backend: str, attn_stats: bool):
+    def __init__(self, config: RuntimeConfig, model, *, num_slots: int, backend: str, attn_stats: bool,
+                 kv_layout: tuple = ()):
+        """kv_layout: what tells this engine's KV cache pytree apart from another's with the same slots (DKVC's
+        precision and anchor length: `kv_layout_of`); part of the executables' key."""
         self.config = config
         self.model = model
         self.num_slots = num_slots
+        self.kv_layout = kv_layout
         self.geo = StepGeometry(rows=config.max_batch_size, table_width=-(-config.max_context // 8),
                                 prefill_tile=prefill_tile(config), decode_steps=config.decode_steps,
                                 backend=backend, interpret=config.interpret_kernels and backend == "kernel",
@@ -97,7 +110,7 @@ class ModelRunner:
         return prompt_logprobs_piece.lower(params, hidden, np.zeros(PROMPT_LOGPROB_PIECE, np.int32), cfg=cfg)
 
     def _key(self, shape: StepShape) -> tuple:
-        return shape, self.geo, self.model.config, self.num_slots
+        return shape, self.geo, self.model.config, self.num_slots, self.kv_layout
 
     def missing_shapes(self) -> list[StepShape]:
         """The shapes of this config with no executable yet (empty after `compile_all`)."""

@@ -12,10 +12,15 @@ splitting a gather into pages, or joining pages for a scatter, is a plain memcpy
 in the middle made that a strided copy of head_dim-sized pieces, which dominated the copy time on the
 H200). Slot counts are padded to a quarter-octave bucket (>= 64, < 25% waste), so few shapes compile;
 padded gather slots read slot 0 and are discarded, padded scatter slots point past the pool and are
-dropped.
+dropped. A DKVC cache (stratum_jax/kv/delta_cache.py) moves its deltas and scales as rows of bytes
+(`_gather_deltas`): half a bf16 page's bytes for fp8, plus 1/(4 * head_dim) for the scales.
+
+Not done yet (issue #12): the host side is numpy buffers filled by `np.asarray` of the gathered array;
+moving it onto jax's `pinned_host` memory kind (direct device <-> pinned copies) is left.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -24,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stratum_jax.kv.delta_cache import GRANULE, DeltaKV, num_slots_of
 from stratum_jax.kv.host_tier import PageBuffers, PendingTransfers, copy_into
 
 
@@ -36,6 +42,9 @@ class TransferStats:
     seconds: float = 0.0       # wall time spent in run_transfers (host side, copies included)
     device_get_s: float = 0.0  # of which: waiting for the gathered pages to reach host memory
     upload_s: float = 0.0      # of which: handing the recalled pages to the device (host -> device copy)
+    recall_batches: int = 0    # runs that recalled pages
+    recall_seconds: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=64))
+                               # the upload time of the latest recall batches
 
 
 def _bucket(n: int) -> int:
@@ -46,7 +55,9 @@ def _bucket(n: int) -> int:
 
 @jax.jit
 def _gather(cache, slots):
-    """slots int32 [n] -> [n, layers, 2, kv_heads, head_dim]."""
+    """slots int32 [n] -> [n, layers, 2, kv_heads, head_dim] (a DKVC cache: `_gather_deltas`)."""
+    if isinstance(cache[0], DeltaKV):
+        return _gather_deltas(cache, slots)
     kv = jnp.stack([jnp.stack([k[:, slots], v[:, slots]]) for k, v in cache])   # [layers, 2, heads, n, dim]
     return jnp.transpose(kv, (3, 0, 1, 2, 4))
 
@@ -54,9 +65,46 @@ def _gather(cache, slots):
 @functools.partial(jax.jit, donate_argnums=0)
 def _scatter(cache, slots, data):
     """Writes data [n, layers, 2, kv_heads, head_dim] at slots [n]; slots past the pool are dropped."""
+    if isinstance(cache[0], DeltaKV):
+        return _scatter_deltas(cache, slots, data)
     kv = jnp.transpose(data, (1, 2, 3, 0, 4))                                    # [layers, 2, heads, n, dim]
     return [(k.at[:, slots].set(kv[i, 0], mode="drop"), v.at[:, slots].set(kv[i, 1], mode="drop"))
             for i, (k, v) in enumerate(cache)]
+
+
+# A DKVC page moves only its deltas and its granules' scales (the anchor stays resident). On the host
+# each slot is one row of bytes, uint8 [n, layers * 2 * kv_heads * head_dim * itemsize + layers *
+# kv_heads]: the slot's deltas, then an eighth of its granule's scales (a granule's layers * 2 * kv_heads
+# float32 scales are 8 * layers * kv_heads bytes, cut into 8 pieces, one per slot), so a page is still a
+# contiguous block of rows and the host tier needs no second array. Pages start on 8-slot boundaries and
+# hold whole granules, and the padding adds multiples of 64 rows, so every 8 consecutive rows of a
+# scatter are one granule's.
+def _gather_deltas(cache, slots):
+    n = slots.shape[0]
+    d = jnp.stack([jnp.stack([c.k_delta[:, slots], c.v_delta[:, slots]]) for c in cache])  # [L, 2, H, n, D]
+    d = jax.lax.bitcast_convert_type(jnp.transpose(d, (3, 0, 1, 2, 4)), jnp.uint8).reshape(n, -1)
+    g = slots // GRANULE
+    s = jnp.stack([jnp.stack([c.k_scale[:, g], c.v_scale[:, g]]) for c in cache])          # [L, 2, H, n]
+    s = jax.lax.bitcast_convert_type(jnp.transpose(s, (3, 0, 1, 2)), jnp.uint8).reshape(n, GRANULE, -1)
+    piece = jnp.take_along_axis(s, (slots % GRANULE)[:, None, None], axis=1)[:, 0]          # [n, L * H]
+    return jnp.concatenate([d, piece], axis=1)
+
+
+def _scatter_deltas(cache, slots, data):
+    n, layers = data.shape[0], len(cache)
+    heads, _, dim = cache[0].k_delta.shape
+    dtype = cache[0].k_delta.dtype
+    width = jnp.dtype(dtype).itemsize
+    raw = data[:, :layers * 2 * heads * dim * width].reshape(n, layers, 2, heads, dim, *((width,) if width > 1 else ()))
+    d = jnp.transpose(jax.lax.bitcast_convert_type(raw, dtype), (1, 2, 3, 0, 4))            # [L, 2, H, n, D]
+    raw = data[:, layers * 2 * heads * dim * width:].reshape(n // GRANULE, layers, 2, heads, 4)
+    s = jnp.transpose(jax.lax.bitcast_convert_type(raw, jnp.float32), (1, 2, 3, 0))        # [L, 2, H, n / 8]
+    g = slots[::GRANULE] // GRANULE                         # padding rows point past the pool: dropped
+    return [dataclasses.replace(c, k_delta=c.k_delta.at[:, slots].set(d[i, 0], mode="drop"),
+                                v_delta=c.v_delta.at[:, slots].set(d[i, 1], mode="drop"),
+                                k_scale=c.k_scale.at[:, g].set(s[i, 0], mode="drop"),
+                                v_scale=c.v_scale.at[:, g].set(s[i, 1], mode="drop"))
+            for i, c in enumerate(cache)]
 
 
 class _Offload:
@@ -111,7 +159,7 @@ class KvTransfers:
         if not pending:
             stats.seconds += time.perf_counter() - t0
             return cache
-        num_slots = cache[0][0].shape[1]
+        num_slots = num_slots_of(cache[0])
         if pending.offloads:
             slots = np.concatenate([np.arange(hp.src_slot, hp.src_slot + hp.page_size) for hp in pending.offloads])
             padded = np.zeros(_bucket(len(slots)), np.int32)
@@ -144,6 +192,8 @@ class KvTransfers:
             on_device = jax.device_put(padded)
             on_device.block_until_ready()
             stats.upload_s += time.perf_counter() - t1
+            stats.recall_batches += 1
+            stats.recall_seconds.append(time.perf_counter() - t1)
             cache = _scatter(cache, jnp.asarray(padded_slots), on_device)
             stats.recalled_pages += len(starts)
             stats.recalled_bytes += padded[:n].nbytes

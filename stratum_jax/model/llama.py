@@ -35,14 +35,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stratum_jax.kv.delta_cache import DeltaKV
 from stratum_jax.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 Params = dict[str, Any]
-# One (k_pool, v_pool) per layer, each [num_kv_heads, num_slots, head_dim] in cfg.dtype.
-KVCache = list[tuple[jax.Array, jax.Array]]
-# attend(layer, q [T, num_heads, head_dim], k_pool, v_pool) -> [T, num_heads, head_dim]
+# One (k_pool, v_pool) per layer, each [num_kv_heads, num_slots, head_dim] in cfg.dtype; or, with DKVC,
+# one DeltaKV per layer (stratum_jax/kv/delta_cache.py).
+KVCache = list[tuple[jax.Array, jax.Array]] | list[DeltaKV]
+# attend(layer, q [T, num_heads, head_dim], k_pool, v_pool) -> [T, num_heads, head_dim]; with DKVC,
+# attend(layer, q, delta_kv, None)
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 _INIT_STD = 0.02  # HF's default initializer_range
@@ -169,13 +172,20 @@ class Attention(nn.Module):
         q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
         k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        k_pool, v_pool = cache
-        # Slots >= num_slots are padding tokens: mode="drop" discards their writes.
-        k_pool = k_pool.at[:, write_slots, :].set(k.transpose(1, 0, 2), mode="drop")
-        v_pool = v_pool.at[:, write_slots, :].set(v.transpose(1, 0, 2), mode="drop")
-        o = attend(self.layer, q, k_pool, v_pool).astype(dtype)
+        if isinstance(cache, DeltaKV):
+            # DKVC: the deltas from the layer's anchor are written here, inside the step; attend gets the
+            # DeltaKV as its k_pool and None as v_pool (stratum_jax/kv/delta_cache.py).
+            cache = cache.write(k, v, positions, write_slots)
+            o = attend(self.layer, q, cache, None).astype(dtype)
+        else:
+            k_pool, v_pool = cache
+            # Slots >= num_slots are padding tokens: mode="drop" discards their writes.
+            k_pool = k_pool.at[:, write_slots, :].set(k.transpose(1, 0, 2), mode="drop")
+            v_pool = v_pool.at[:, write_slots, :].set(v.transpose(1, 0, 2), mode="drop")
+            o = attend(self.layer, q, k_pool, v_pool).astype(dtype)
+            cache = (k_pool, v_pool)
         o = Linear(cfg.hidden_size, False, dtype, name="o_proj")(o.reshape(t, cfg.num_heads * cfg.head_dim))
-        return o, (k_pool, v_pool)
+        return o, cache
 
 
 class MLP(nn.Module):

@@ -1,0 +1,172 @@
+"""DKVC's storage: a resident anchor per layer and KV head, and each KV slot as a low-precision delta from it.
+
+The storage contract, per layer (pallas_kernels/delta_attention.py reads the same arrays):
+
+    anchor_k, anchor_v: [num_kv_heads, anchor_len, head_dim] in the model's dtype (bf16). anchor_len is 1
+        (a mean anchor) or a multiple of 256 (position-aligned anchor blocks; stratum_jax/kv/anchor.py).
+    k_delta, v_delta:   [num_kv_heads, num_slots, head_dim], float16 ("fp16-delta") or float8_e4m3fn
+        ("fp8-delta"); the same slots and page tables as the bf16 pools.
+    k_scale, v_scale:   [num_kv_heads, num_slots // 8] float32, one per 8-slot granule per KV head.
+
+The K (or V) of the token at absolute position t in slot s is
+
+    anchor[:, t % anchor_len] + scale[:, s // 8] * delta[:, s]        (float32, cast to the anchor's dtype)
+
+fp16 deltas keep unit scales (fp16's range holds any delta of a bf16 model's K/V, and its 11-bit mantissa
+is finer than bf16's 8, so the rebuild is the bf16 value or one rounding away: not always exact, since a
+value much smaller than its anchor leaves a delta that needs more bits). fp8 e4m3 (|x| <= 448) needs a scale, set per granule so:
+
+  - A granule's scale is set when its first slot (s % 8 == 0) is written, and then stays fixed until that
+    slot is written again: scale = max(floor, amax / 448), where amax is the largest |delta| among the
+    tokens that land in the granule in that same step, and floor is the layer/head's calibrated scale
+    (`k_floor` / `v_floor`, from the warm-up run: stratum_jax/kv/anchor.py).
+  - Tokens written into the granule by later steps use the scale as it is; a delta beyond 448 * scale
+    saturates at +-448 (e4m3fn has no inf: an unclipped cast would give NaN).
+
+Why this rule: a page's slots fill in position order (pages start on 8-slot boundaries and positions map
+to consecutive slots), so the first-slot write is the granule's first write. A prefill chunk writes
+whole granules in one step and gets their exact amax. A decode step writes one token; growing the scale
+afterwards would mean re-quantising the granule's earlier slots (a second rounding of data already
+rounded, plus a read-modify-write of 8 slots per token), and a scale that never moves is what lets a
+granule be copied to the host tier and back bit for bit. The floor bounds how tight a decode granule's
+first token can make the scale, so later tokens seldom saturate. The quality study
+(benchmarks/dkvc_quality.py) measures the result with decode-written positions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+GRANULE = 8                     # slots per scale entry (the smallest page)
+FP8_MAX = 448.0                 # the largest finite float8_e4m3fn
+DELTA_DTYPES = {"fp16-delta": jnp.float16, "fp8-delta": jnp.float8_e4m3fn}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaKV:
+    """One layer's delta cache (a registered pytree; module docstring for the contract).
+
+    anchor_k, anchor_v: [Hkv, anchor_len, D] model dtype; k_delta, v_delta: [Hkv, num_slots, D] float16 or
+    float8_e4m3fn; k_scale, v_scale: [Hkv, num_slots // 8] float32; k_floor, v_floor: [Hkv] float32, the
+    smallest scale a granule is given (fp16: ones, unused).
+    """
+
+    anchor_k: jax.Array
+    anchor_v: jax.Array
+    k_delta: jax.Array
+    v_delta: jax.Array
+    k_scale: jax.Array
+    v_scale: jax.Array
+    k_floor: jax.Array
+    v_floor: jax.Array
+
+    @property
+    def num_slots(self) -> int:
+        return self.k_delta.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_delta.shape[0]
+
+    @property
+    def dtype(self):
+        """The dtype K/V are rebuilt in (the anchor's: the model's)."""
+        return self.anchor_k.dtype
+
+    def write(self, k: jax.Array, v: jax.Array, positions: jax.Array, slots: jax.Array) -> "DeltaKV":
+        """Stores the deltas of k, v [T, Hkv, D] (tokens at absolute `positions` [T] int32) at `slots` [T]
+        int32; slots >= num_slots are padding and dropped. Returns the updated cache (inside the jit step)."""
+        k_delta, k_scale = _write(self.anchor_k, self.k_delta, self.k_scale, self.k_floor, k, positions, slots)
+        v_delta, v_scale = _write(self.anchor_v, self.v_delta, self.v_scale, self.v_floor, v, positions, slots)
+        return dataclasses.replace(self, k_delta=k_delta, v_delta=v_delta, k_scale=k_scale, v_scale=v_scale)
+
+    def gather(self, slots: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """K and V rebuilt at slots [N, K] int32 holding absolute positions [K] int32 (the same positions for
+        every one of the N rows, as in the tiled attention's key blocks) -> k, v [Hkv, N, K, D] in
+        self.dtype."""
+        return (_rebuild(self.anchor_k, self.k_delta, self.k_scale, slots, positions),
+                _rebuild(self.anchor_v, self.v_delta, self.v_scale, slots, positions))
+
+
+jax.tree_util.register_dataclass(DeltaKV, data_fields=[f.name for f in dataclasses.fields(DeltaKV)],
+                                 meta_fields=[])
+
+
+def _write(anchor, delta, scale, floor, x, positions, slots):
+    """One of K/V: x [T, Hkv, D] -> (delta, scale) updated (module docstring for the scale rule)."""
+    a = anchor[:, positions % anchor.shape[1]].astype(jnp.float32)                   # [Hkv, T, D]
+    d = x.transpose(1, 0, 2).astype(jnp.float32) - a
+    if delta.dtype == jnp.float16:
+        return delta.at[:, slots].set(d.astype(jnp.float16), mode="drop"), scale
+    granules = scale.shape[1]
+    g = slots // GRANULE                                                             # padding: >= granules
+    first = jnp.where(slots % GRANULE == 0, g, granules)                             # granules restarted
+    fresh = jnp.zeros((granules,), jnp.bool_).at[first].set(True, mode="drop")
+    in_fresh = jnp.where(fresh.at[g].get(mode="fill", fill_value=False), g, granules)
+    scale = scale.at[:, first].set(jnp.broadcast_to(floor[:, None], (floor.shape[0], first.shape[0])),
+                                   mode="drop")
+    scale = scale.at[:, in_fresh].max(jnp.max(jnp.abs(d), axis=-1) / FP8_MAX, mode="drop")
+    s = scale.at[:, g].get(mode="fill", fill_value=1.0)                              # [Hkv, T]
+    q = jnp.clip(d / s[..., None], -FP8_MAX, FP8_MAX).astype(delta.dtype)
+    return delta.at[:, slots].set(q, mode="drop"), scale
+
+
+def _rebuild(anchor, delta, scale, slots, positions):
+    """[Hkv, N, K, D] = anchor[:, positions % anchor_len] + scale[:, slots // 8] * delta[:, slots]."""
+    a = anchor[:, positions % anchor.shape[1]].astype(jnp.float32)[:, None]          # [Hkv, 1, K, D]
+    d = delta[:, slots].astype(jnp.float32)                                          # [Hkv, N, K, D]
+    if delta.dtype != jnp.float16:                                                   # fp16 scales are ones
+        d = d * scale[:, slots // GRANULE][..., None]
+    return (a + d).astype(anchor.dtype)
+
+
+def num_slots_of(layer_cache) -> int:
+    """Slots in one layer's cache: a DeltaKV, or the bf16 (k_pool, v_pool) pair [Hkv, num_slots, D]."""
+    return layer_cache.num_slots if isinstance(layer_cache, DeltaKV) else layer_cache[0].shape[1]
+
+
+def init_delta_cache(anchors, floors, num_slots: int, precision: str) -> list[DeltaKV]:
+    """Zeroed delta pools around resident anchors.
+
+    anchors: per layer (anchor_k, anchor_v) [Hkv, anchor_len, D]; floors: per layer (k_floor, v_floor)
+    [Hkv] float32 (fp16-delta ignores them: its scales are ones); num_slots: a multiple of 8;
+    precision: "fp16-delta" or "fp8-delta".
+    """
+    if precision not in DELTA_DTYPES:
+        raise ValueError(f"delta precision must be one of {tuple(DELTA_DTYPES)}, got {precision!r}")
+    if num_slots % GRANULE:
+        raise ValueError(f"num_slots must be a multiple of {GRANULE}, got {num_slots}")
+    start = time.perf_counter()
+    dtype = DELTA_DTYPES[precision]
+    cache = []
+    for (ak, av), (fk, fv) in zip(anchors, floors, strict=True):
+        heads, _, dim = ak.shape
+        if precision == "fp16-delta":
+            fk = fv = np.ones((heads,), np.float32)
+        # Every leaf its own buffer: the step donates the cache, and XLA refuses one buffer donated twice.
+        fk, fv = jnp.array(fk, jnp.float32), jnp.array(fv, jnp.float32)
+        granules = num_slots // GRANULE
+        cache.append(DeltaKV(
+            anchor_k=jnp.array(ak), anchor_v=jnp.array(av),
+            k_delta=jnp.zeros((heads, num_slots, dim), dtype), v_delta=jnp.zeros((heads, num_slots, dim), dtype),
+            k_scale=jnp.broadcast_to(fk[:, None], (heads, granules)).copy(),
+            v_scale=jnp.broadcast_to(fv[:, None], (heads, granules)).copy(),
+            k_floor=fk, v_floor=fv))
+    jax.block_until_ready(cache)
+    ak = anchors[0][0]
+    pool_bytes = 2 * math.prod((ak.shape[0], num_slots, ak.shape[2])) * jnp.dtype(dtype).itemsize
+    scale_bytes = 2 * ak.shape[0] * (num_slots // GRANULE) * 4
+    anchor_bytes = 2 * ak.size * ak.dtype.itemsize
+    log.info("KV cache (%s): %d layers x (2 x %s %s deltas + scales + anchor of %d positions) = %.3f GiB "
+             "allocated in %.2f s", precision, len(cache), [ak.shape[0], num_slots, ak.shape[2]],
+             jnp.dtype(dtype).name, ak.shape[1], len(cache) * (pool_bytes + scale_bytes + anchor_bytes) / 2**30,
+             time.perf_counter() - start)
+    return cache
