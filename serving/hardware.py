@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 
 import jax
-import jax.numpy as jnp
 
-GPU_COPY_BYTES = 1 << 30     # 1 GiB: far past the L2 of any GPU
-CPU_COPY_BYTES = 64 << 20    # 64 MiB: past most CPU caches, yet quick on a CI runner
-REPEATS = 5
+from stratum_jax.bandwidth import measure_copy_bandwidth_gbps  # noqa: F401  (the engine measures it too: DKVC)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,20 +41,3 @@ def _cuda_version(device) -> str:
         return ""
     number = int(match.group(1))   # CUDA's encoding: 1000 * major + 10 * minor
     return f"{number // 1000}.{number % 1000 // 10}" if number >= 1000 else str(number)
-
-
-def measure_copy_bandwidth_gbps(nbytes: int | None = None, repeats: int = REPEATS) -> float:
-    """The best of `repeats` timed on-device copies, in GB/s (1e9 bytes/s)."""
-    device = jax.devices()[0]
-    if nbytes is None:
-        nbytes = GPU_COPY_BYTES if device.platform == "gpu" else CPU_COPY_BYTES
-    x = jnp.zeros((nbytes // 4,), jnp.float32, device=device)
-    step = jax.jit(lambda a: a + 1.0)
-    step(x).block_until_ready()   # compile and warm
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    del x
-    return 2 * nbytes / best / 1e9

@@ -20,7 +20,7 @@ from stratum_jax.model.llama import init_kv_cache
 
 log = logging.getLogger(__name__)
 
-# Device-copy bandwidth (serving/hardware.py's measurement: read + write of a 1 GiB buffer) below which
+# Device-copy bandwidth (stratum_jax/bandwidth.py's measurement: read + write of a 1 GiB buffer) below which
 # delta KV falls back to bf16. HBM2/HBM2e parts (V100, A100, H100 PCIe) measure below 2 TB/s; HBM3 parts
 # (H100 SXM ~3 TB/s, H200 4.0-4.1 TB/s in BENCHMARKS.md) above.
 HBM_BANDWIDTH_THRESHOLD_GBPS = 2000.0
@@ -76,7 +76,7 @@ def start_kv_cache(requested: str, model, num_slots: int, sharding=None):
     device = jax.devices()[0]
     bandwidth = None
     if device.platform == "gpu":
-        from serving.hardware import measure_copy_bandwidth_gbps   # the server's own start-up probe
+        from stratum_jax.bandwidth import measure_copy_bandwidth_gbps   # the server's start-up probe too
         bandwidth = measure_copy_bandwidth_gbps()
     precision, why = resolve_precision(requested, platform=device.platform, capability=_capability(device),
                                        bandwidth_gbps=bandwidth)
