@@ -22,7 +22,7 @@ split-K, online softmax, score statistics) with another `KVFormat` (`DeltaPages`
       its 1 or 2, into its own 4-entry area of the slot's scale buffer.
   fetch, per tile (position-aligned anchor only): one TMA copy of the tile's T anchor rows, which are
       contiguous because T (64/128) divides 256 which divides anchor_len, into an anchor ring.
-      With a mean anchor (anchor_len 1) the wrapper broadcasts the row to one [T, D] tile, which each
+      With a mean anchor (anchor_len 1) the wrapper broadcasts the row to one [64, D] chunk, which each
       CTA copies once (prologue) and keeps resident.
   materialize: per 64-row chunk, load the delta (WGMMA layout), the anchor rows and the per-row
       scales (T / 8 scalar SMEM reads selected into a row vector), rebuild K and V in fp32 registers,
@@ -32,9 +32,9 @@ split-K, online softmax, score statistics) with another `KVFormat` (`DeltaPages`
       into a bf16 staging tile. `attend` is the paged kernel's, unchanged.
 fp8 -> fp32 goes through fp16 (Mosaic GPU converts e4m3 pairwise to f16x2; both steps are exact).
 
-SMEM per CTA at T=64, D=128, 2 stages: delta ring 32 KB (fp8) / 64 KB (fp16), 32 KB of bf16 tiles
-(resident anchor) or 64 KB (anchor ring), plus the paged kernel's 48 KB of q/out tiles - 112-176 KB.
-Only the fp8 / mean-anchor combination fits two CTAs per SM, like the paged kernel's default.
+SMEM per CTA (`delta_smem_bytes`; 227 KB at most): at D=128, T=64, 2 stages, about 145-185 KB (fp8 /
+fp16 deltas, by table width; the paged kernel: 110-120 KB), so one CTA per SM where the paged kernel fits two. At D=128 with
+T=128 only fp8 deltas with a mean anchor fit (~210 KB); at D=64 every combination fits.
 """
 
 from __future__ import annotations
@@ -59,13 +59,14 @@ GRANULE = 8            # slots per scale
 ANCHOR_BLOCK = 256     # a position-aligned anchor is a multiple of this many rows
 _CHUNK = 64            # rows rebuilt at a time (WGMMA's M; bounds the registers a rebuild needs)
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
+_SMEM_LIMIT = 227 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class DeltaPages:
     """KV format of the delta kernel (see the module docstring). Inputs, in order: k_delta, v_delta
     [Hkv, S, D] delta dtype; k_scale, v_scale [Hkv, S // 8] f32; anchor_k, anchor_v [Hkv, A, D] bf16
-    with A = block_kv (a mean anchor broadcast to one tile; `resident_anchor`) or the anchor's
+    with A = 64 (a mean anchor broadcast to one 64-row chunk; `resident_anchor`) or the anchor's
     length (a multiple of 256)."""
     delta_dtype: str              # "float16" or "float8_e4m3fn" (a string: static and hashable)
     resident_anchor: bool
@@ -85,9 +86,10 @@ class DeltaPages:
         # Scale entries per slot: T / 8 granules, or 4 per page for 8/16-token pages (T / 2 at most).
         scales = plgpu.SMEM((stages, block_kv // 2), jnp.float32)
         out = [ring, ring, scales, scales]
-        if self.resident_anchor:
+        if self.resident_anchor:   # one 64-row anchor chunk (every chunk of a tile reads the same rows)
+            chunk = plgpu.SMEM((_CHUNK, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
             tile = plgpu.SMEM((block_kv, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
-            out += [tile, tile, tile, tile, plgpu.Barrier(num_arrivals=2, num_barriers=1)]  # anchors, staging
+            out += [chunk, chunk, tile, tile, plgpu.Barrier(num_arrivals=2, num_barriers=1)]  # anchors, staging
         else:
             anchor_ring = plgpu.SMEM((stages, block_kv, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
             out += [anchor_ring, anchor_ring]
@@ -144,7 +146,7 @@ class DeltaPages:
         k_ring, v_ring, k_sc, v_sc = ctx.smem[:4]
         if self.resident_anchor:
             k_anc, v_anc, k_out, v_out, _ = ctx.smem[4:]
-            anchor = lambda ref, r: ref[pl.ds(r, _CHUNK)]
+            anchor = lambda ref, r: ref[...]
             # The staging tiles were the previous tile's WGMMA operands: every warp must be past its
             # share of those MMAs before any thread overwrites them (commit_smem syncs the warpgroup).
             plgpu.commit_smem()
@@ -177,6 +179,17 @@ class DeltaPages:
             rebuild(v_ring, v_sc, v_anc, v_out, r0, True)
         plgpu.commit_smem()     # make the stores visible to the async proxy (WGMMA)
         return k_out, v_out
+
+
+def delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, *, resident_anchor: bool, max_pages: int,
+                     out_itemsize: int = 4) -> int:
+    """Approximate SMEM footprint of one CTA of the delta kernel (227 KB max; <= ~113 KB for two CTAs
+    per SM): the paged kernel's q/out/table share plus the delta ring, scales and bf16 tiles."""
+    T, S = config.block_kv, config.num_stages
+    rest = config.smem_bytes(head_dim, max_pages, out_itemsize) - 2 * S * T * head_dim * 2   # minus the bf16 ring
+    ring = 2 * S * T * head_dim * jnp.dtype(delta_dtype).itemsize + 2 * S * (T // 2) * 4
+    tiles = 2 * (T + _CHUNK) * head_dim * 2 if resident_anchor else 2 * S * T * head_dim * 2
+    return rest + ring + tiles
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,6 +272,11 @@ def delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, l
     config, scale, cap = kernel_static_args("delta_attention", q, k_delta.shape[0], sm_scale, soft_cap, config)
     if config.block_kv not in (64, 128):
         raise ValueError(f"delta_attention: block_kv must be 64 or 128, got {config.block_kv}")
+    smem = delta_smem_bytes(config, q.shape[2], k_delta.dtype, resident_anchor=anchor_k.shape[1] == 1,
+                            max_pages=page_starts.shape[1])
+    if smem > _SMEM_LIMIT:
+        raise ValueError(f"delta_attention: {config} needs about {smem // 1024} KB of shared memory per CTA, more "
+                         f"than the {_SMEM_LIMIT // 1024} KB a Hopper SM has; use block_kv=64 or fewer num_stages")
     kw = dict(scale=scale, soft_cap=cap, config=config, score_stats=bool(return_score_stats))
     args = (q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes)
     if interpret:
@@ -272,8 +290,8 @@ def _delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, 
                      scale, soft_cap, config, p_via_smem, score_stats):
     num_kv_heads, _, head_dim = k_delta.shape
     resident = anchor_k.shape[1] == 1
-    if resident:   # a mean anchor: one [T, D] tile per head that each CTA copies once
-        tile = (num_kv_heads, config.block_kv, head_dim)
+    if resident:   # a mean anchor: one [64, D] chunk per head that each CTA copies once
+        tile = (num_kv_heads, _CHUNK, head_dim)
         anchor_k, anchor_v = jnp.broadcast_to(anchor_k, tile), jnp.broadcast_to(anchor_v, tile)
     fmt = DeltaPages(delta_dtype=jnp.dtype(k_delta.dtype).name, resident_anchor=resident)
     return decode_attention_pipeline(

@@ -32,19 +32,20 @@ sequence are never read and the arrival count stays static.
 into SMEM with one bulk copy; q rows are brought in with one TMA copy. `num_stages` K/V tiles are
 in flight in a ring of SMEM buffers; the loop awaits tile i, computes on it, and re-issues the
 freed slot for tile i + num_stages. Per tile:
-    fetch(tile, slot)      -> issue TMA copies (this file: plain bf16 pages)
-    materialize(slot)      -> bf16 K and V tiles in SMEM, ready for WGMMA (here: zero V rows past
-                              the end of the sequence, so stale/NaN slots can't poison P @ V)
+    fetch(tile, slot)      -> issue TMA copies (the KV format's, per page piece and per tile)
+    materialize(slot)      -> bf16 K and V tiles in SMEM, ready for WGMMA (bf16 pages: zero V rows
+                              past the end of the sequence, so stale/NaN slots can't poison P @ V)
     attend(state, K, V)    -> S = q K^T (WGMMA, fp32), soft cap, mask, online softmax (base 2),
                               acc += P V (WGMMA)
 The q tile has 64 rows (WGMMA's M); rows beyond the group's q heads are don't-care rows.
 
-*Delta-KV variant (DKVC) plugs in at `materialize`.* Its `fetch` issues copies of the anchor block
-(once per CTA, resident) and of the fp16/fp8 delta pages plus their per-page scales into the same
-ring (delta pages of 1 byte/elem halve the bytes per tile); its `materialize` loads anchor + delta
-from SMEM into registers, rebuilds K = anchor + scale * delta in fp32, casts to bf16 and stores into
-a bf16 staging tile (WGMMA's B operand must live in SMEM), then `commit_smem()`. `attend` is
-unchanged. See `_materialize_bf16` for the hook's contract.
+*KV formats: the delta-KV kernel shares this pipeline.* What is copied per page and per tile, and how
+the bf16 K/V tiles are made, is a static `KVFormat` (`_build_kernel(kv_format=...)`): `Bf16Pages`
+here (one TMA copy per page, V rows past the end zeroed in place), `DeltaPages` in
+delta_attention.py (fp16/fp8 delta pages plus their scale granules, anchor rows, K/V rebuilt as
+anchor + scale * delta in registers into bf16 tiles). Everything else (grid, page-table window,
+ring, split-K, softmax, score statistics) is one code path; with `Bf16Pages` the traced kernel is
+the same as before the split (its lowered text was compared).
 
 *Split-K (flash-decoding).* With few (sequence, kv head) pairs, the tiles of each sequence are split
 over `num_splits` CTAs; each writes a normalised partial output and its log2-sum-exp, and a small

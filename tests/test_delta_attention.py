@@ -127,6 +127,8 @@ def test_entry_point_errors():
             delta_attention_reference(**{**case, **override})
     with pytest.raises(ValueError, match="block_kv must be 64 or 128"):
         delta_attention(**case, config=TuningConfig(block_kv=256))
+    with pytest.raises(ValueError, match="KB of shared memory per CTA"):
+        delta_attention(**case, config=TuningConfig(num_stages=12))
     with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
         delta_attention(**{**case, "q": jnp.zeros((1, 4, 32), jnp.bfloat16),
                            "k_delta": case["k_delta"][..., :32], "v_delta": case["v_delta"][..., :32],
