@@ -50,7 +50,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.paged_attention import (
-    MMA_TRANSFORMS, TileContext, TuningConfig, check_pool_and_tables, decode_attention_pipeline,
+    MMA_TRANSFORMS, TileContext, TuningConfig, check_pools_and_tables, decode_attention_pipeline,
     kernel_static_args, reference_attend, reference_token_slots)
 
 # The precision names of the engine flag (--kv-precision) -> delta dtype.
@@ -199,12 +199,8 @@ def delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, *, reside
 def _check_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes):
     def fail(msg):
         raise ValueError(f"delta_attention: {msg}")
-    if q.ndim != 3:
-        fail(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
-    if k_delta.ndim != 3 or v_delta.shape != k_delta.shape:
-        fail(f"k_delta and v_delta must both be [num_kv_heads, num_slots, head_dim], got {k_delta.shape} "
-             f"and {v_delta.shape}")
-    check_pool_and_tables(fail, q, k_delta.shape, "k_delta/v_delta", lengths, page_starts, page_sizes)
+    check_pools_and_tables("delta_attention", q, ("k_delta", k_delta), ("v_delta", v_delta), lengths,
+                           page_starts, page_sizes)
     if k_delta.dtype != v_delta.dtype or k_delta.dtype not in DELTA_DTYPES.values():
         fail(f"k_delta/v_delta must both be float16 (fp16-delta) or float8_e4m3fn (fp8-delta), got "
              f"{k_delta.dtype}/{v_delta.dtype}")

@@ -235,26 +235,29 @@ def score_variance(s, valid):
 # ---------------------------------------------------------------------------------------------
 
 def _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes):
+    check_pools_and_tables("paged_attention", q, ("k_pool", k_pool), ("v_pool", v_pool), lengths, page_starts,
+                           page_sizes)
+    if k_pool.dtype != jnp.bfloat16 or v_pool.dtype != jnp.bfloat16:
+        raise ValueError(f"paged_attention: k_pool/v_pool must be bfloat16, got {k_pool.dtype}/{v_pool.dtype}")
+
+
+def check_pools_and_tables(name, q, k, v, lengths, page_starts, page_sizes):
+    """Entry checks shared by the paged and delta kernels (not dtypes of the pools): q [batch,
+    num_q_heads, head_dim] bf16/fp32, k = (k_name, k_pool) and v = (v_name, v_pool) of the same shape
+    [num_kv_heads, num_slots, head_dim], and the page tables. Raises ValueError("{name}: ...") on the
+    first problem, saying what to fix."""
     def fail(msg):
-        raise ValueError(f"paged_attention: {msg}")
+        raise ValueError(f"{name}: {msg}")
+    (k_name, k_pool), (v_name, v_pool) = k, v
     if q.ndim != 3:
         fail(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
     if k_pool.ndim != 3 or v_pool.shape != k_pool.shape:
-        fail(f"k_pool and v_pool must both be [num_kv_heads, num_slots, head_dim], got {k_pool.shape} "
+        fail(f"{k_name} and {v_name} must both be [num_kv_heads, num_slots, head_dim], got {k_pool.shape} "
              f"and {v_pool.shape}")
-    check_pool_and_tables(fail, q, k_pool.shape, "k_pool/v_pool", lengths, page_starts, page_sizes)
-    if k_pool.dtype != jnp.bfloat16 or v_pool.dtype != jnp.bfloat16:
-        fail(f"k_pool/v_pool must be bfloat16, got {k_pool.dtype}/{v_pool.dtype}")
-
-
-def check_pool_and_tables(fail, q, pool_shape, pool_name, lengths, page_starts, page_sizes):
-    """Entry checks shared by the paged and delta kernels: q [batch, num_q_heads, head_dim] bf16/fp32
-    against a 3-D pool shape [num_kv_heads, num_slots, head_dim], and the page tables. Calls
-    fail(message) (which raises) on the first problem."""
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_slots, kv_dim = pool_shape
+    num_kv_heads, num_slots, kv_dim = k_pool.shape
     if kv_dim != head_dim:
-        fail(f"head_dim mismatch: q has {head_dim}, {pool_name} have {kv_dim}")
+        fail(f"head_dim mismatch: q has {head_dim}, {k_name}/{v_name} have {kv_dim}")
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         fail(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if num_slots % 256:
