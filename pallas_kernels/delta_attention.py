@@ -23,7 +23,7 @@ split-K, online softmax, score statistics) with another `KVFormat` (`DeltaPages`
   fetch, per tile (position-aligned anchor only): one TMA copy of the tile's T anchor rows, which are
       contiguous because T (64/128) divides 256 which divides anchor_len, into an anchor ring.
       With a mean anchor (anchor_len 1) the wrapper broadcasts the row to one [64, D] chunk, which each
-      CTA copies once (prologue) and keeps resident.
+      CTA copies once (prologue, through its staging tile) and keeps in registers for the whole loop.
   materialize: per 64-row chunk, load the delta (WGMMA layout), the anchor rows and the per-row
       scales (T / 8 scalar SMEM reads selected into a row vector), rebuild K and V in fp32 registers,
       zero the V rows at or past the length (stale slots may hold NaN deltas or scales, and
@@ -32,9 +32,11 @@ split-K, online softmax, score statistics) with another `KVFormat` (`DeltaPages`
       into a bf16 staging tile. `attend` is the paged kernel's, unchanged.
 fp8 -> fp32 goes through fp16 (Mosaic GPU converts e4m3 pairwise to f16x2; both steps are exact).
 
-SMEM per CTA (`delta_smem_bytes`; 227 KB at most): at D=128, T=64, 2 stages, about 145-185 KB (fp8 /
-fp16 deltas, by table width; the paged kernel: 110-120 KB), so one CTA per SM where the paged kernel fits two. At D=128 with
-T=128 only fp8 deltas with a mean anchor fit (~210 KB); at D=64 every combination fits.
+SMEM per CTA (`delta_smem_bytes`; 227 KB at most) at D=128, 2 stages, B=64 (no split), 4K-16K contexts:
+with T=64, fp8 deltas and a mean anchor 99-105 KB, the paged kernel's footprint (two CTAs per SM);
+fp16 deltas or a position-aligned anchor add 32 KB each (one CTA per SM). With T=128 only fp8 deltas
+fit (164-170 KB with a mean anchor, 228-234 KB with an anchor ring: over the limit at D=128, refused
+at the entry with a message); at D=64 every combination fits.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ _SMEM_LIMIT = 227 * 1024
 class DeltaPages:
     """KV format of the delta kernel (see the module docstring). Inputs, in order: k_delta, v_delta
     [Hkv, S, D] delta dtype; k_scale, v_scale [Hkv, S // 8] f32; anchor_k, anchor_v [Hkv, A, D] bf16
-    with A = 64 (a mean anchor broadcast to one 64-row chunk; `resident_anchor`) or the anchor's
+    with A = 64 (a mean anchor broadcast to one 64-row chunk, kept in registers; `resident_anchor`) or the anchor's
     length (a multiple of 256)."""
     delta_dtype: str              # "float16" or "float8_e4m3fn" (a string: static and hashable)
     resident_anchor: bool
@@ -86,25 +88,30 @@ class DeltaPages:
         # Scale entries per slot: T / 8 granules, or 4 per page for 8/16-token pages (T / 2 at most).
         scales = plgpu.SMEM((stages, block_kv // 2), jnp.float32)
         out = [ring, ring, scales, scales]
-        if self.resident_anchor:   # one 64-row anchor chunk (every chunk of a tile reads the same rows)
-            chunk = plgpu.SMEM((_CHUNK, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
+        if self.resident_anchor:   # staging tiles (the anchor chunk lands in them first), a barrier
             tile = plgpu.SMEM((block_kv, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
-            out += [chunk, chunk, tile, tile, plgpu.Barrier(num_arrivals=2, num_barriers=1)]  # anchors, staging
+            out += [tile, tile, plgpu.Barrier(num_arrivals=2, num_barriers=1)]
         else:
             anchor_ring = plgpu.SMEM((stages, block_kv, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
             out += [anchor_ring, anchor_ring]
         return out
 
     def prologue(self, ctx: TileContext):
-        if self.resident_anchor:
+        if self.resident_anchor:   # the 64-row anchor chunk -> the first rows of the staging tiles
             _, _, _, _, ak, av = ctx.inputs
-            k_anc, v_anc, _, _, bar = ctx.smem[4:]
-            plgpu.copy_gmem_to_smem(ak.at[ctx.h], k_anc, bar.at[0])
-            plgpu.copy_gmem_to_smem(av.at[ctx.h], v_anc, bar.at[0])
+            k_st, v_st, bar = ctx.smem[4:]
+            plgpu.copy_gmem_to_smem(ak.at[ctx.h], k_st.at[pl.ds(0, _CHUNK)], bar.at[0])
+            plgpu.copy_gmem_to_smem(av.at[ctx.h], v_st.at[pl.ds(0, _CHUNK)], bar.at[0])
 
     def prologue_wait(self, ctx: TileContext):
-        if self.resident_anchor:
-            plgpu.barrier_wait(ctx.smem[-1].at[0])
+        """A mean anchor stays in registers for the whole loop: [64, D] bf16 per K and V (32 registers
+        each per thread), which saves the SMEM of two resident tiles (the fp8 kernel then fits two
+        CTAs per SM at T=64, D=128, as the paged kernel does). Returns (anchor_k, anchor_v) or None."""
+        if not self.resident_anchor:
+            return None
+        k_st, v_st, bar = ctx.smem[4:]
+        plgpu.barrier_wait(bar.at[0])
+        return k_st[pl.ds(0, _CHUNK)], v_st[pl.ds(0, _CHUNK)]
 
     def fetch_page(self, ctx: TileContext, src, row, n, slot, k_bar, v_bar):
         kd, vd, ks, vs, _, _ = ctx.inputs
@@ -141,14 +148,16 @@ class DeltaPages:
         small = 4 * page_in_tile + (lax.shift_right_logical(entry, 3) & 3) + within
         return jnp.where(log2_p <= 4, small, jnp.int32(j))
 
-    def materialize(self, ctx: TileContext, slot, tile, n_valid):
+    def materialize(self, ctx: TileContext, state, slot, tile, n_valid):
         T, D = ctx.block_kv, ctx.head_dim
         k_ring, v_ring, k_sc, v_sc = ctx.smem[:4]
         if self.resident_anchor:
-            k_anc, v_anc, k_out, v_out, _ = ctx.smem[4:]
-            anchor = lambda ref, r: ref[...]
-            # The staging tiles were the previous tile's WGMMA operands: every warp must be past its
-            # share of those MMAs before any thread overwrites them (commit_smem syncs the warpgroup).
+            k_anc, v_anc = state
+            k_out, v_out, _ = ctx.smem[4:]
+            anchor = lambda value, r: value
+            # The staging tiles were the previous tile's WGMMA operands (or, at the first tile, where
+            # the anchor was loaded from): every warp must be past its reads before any thread
+            # overwrites them (commit_smem syncs the warpgroup).
             plgpu.commit_smem()
         else:
             k_anc, v_anc = ctx.smem[4:6]
@@ -188,7 +197,7 @@ def delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, *, reside
     T, S = config.block_kv, config.num_stages
     rest = config.smem_bytes(head_dim, max_pages, out_itemsize) - 2 * S * T * head_dim * 2   # minus the bf16 ring
     ring = 2 * S * T * head_dim * jnp.dtype(delta_dtype).itemsize + 2 * S * (T // 2) * 4
-    tiles = 2 * (T + _CHUNK) * head_dim * 2 if resident_anchor else 2 * S * T * head_dim * 2
+    tiles = 2 * T * head_dim * 2 if resident_anchor else 2 * S * T * head_dim * 2
     return rest + ring + tiles
 
 
@@ -269,7 +278,8 @@ def delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, l
     if config.block_kv not in (64, 128):
         raise ValueError(f"delta_attention: block_kv must be 64 or 128, got {config.block_kv}")
     smem = delta_smem_bytes(config, q.shape[2], k_delta.dtype, resident_anchor=anchor_k.shape[1] == 1,
-                            max_pages=page_starts.shape[1])
+                            max_pages=page_starts.shape[1],
+                            out_itemsize=q.dtype.itemsize if config.num_splits == 1 else 4)
     if smem > _SMEM_LIMIT:
         raise ValueError(f"delta_attention: {config} needs about {smem // 1024} KB of shared memory per CTA, more "
                          f"than the {_SMEM_LIMIT // 1024} KB a Hopper SM has; use block_kv=64 or fewer num_stages")

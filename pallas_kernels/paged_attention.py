@@ -626,12 +626,12 @@ class KVFormat(Protocol):
           `slot`, each arriving once on k_bar (K side) or v_bar (V side): `copies_per_page` each;
       fetch_tile(ctx, t0, slot, k_bar, v_bar): copies once per tile whose first token is t0
           (`copies_per_tile` arrivals on each barrier; none for plain pages);
-      materialize(ctx, slot, tile, n_valid) -> (k_ref, v_ref): await the slot (ctx.wait_k/wait_v)
+      materialize(ctx, state, slot, tile, n_valid) -> (k_ref, v_ref): await the slot (ctx.wait_k/wait_v)
           and return [T, D] bf16 SMEM refs in MMA_TRANSFORMS layout holding the tile's K and V, with
           the V rows >= n_valid finite (P = 0 there, but 0 * NaN = NaN inside the MMA), the stores
           committed to the async proxy (plgpu.commit_smem);
-      prologue(ctx) / prologue_wait(ctx): once per CTA, before the first fetch / before the loop
-          (resident data).
+      prologue(ctx) / prologue_wait(ctx) -> state: once per CTA, before the first fetch / before the
+          loop (resident data); `state` (e.g. values kept in registers) goes to every materialize.
     Implementations are frozen dataclasses (they are static jit arguments)."""
 
     num_inputs: int
@@ -640,10 +640,10 @@ class KVFormat(Protocol):
 
     def scratch_types(self, *, stages: int, block_kv: int, head_dim: int) -> list: ...
     def prologue(self, ctx: TileContext) -> None: ...
-    def prologue_wait(self, ctx: TileContext) -> None: ...
+    def prologue_wait(self, ctx: TileContext) -> object: ...
     def fetch_page(self, ctx: TileContext, src, row: int, n: int, slot, k_bar, v_bar) -> None: ...
     def fetch_tile(self, ctx: TileContext, t0, slot, k_bar, v_bar) -> None: ...
-    def materialize(self, ctx: TileContext, slot, tile, n_valid) -> tuple: ...
+    def materialize(self, ctx: TileContext, state, slot, tile, n_valid) -> tuple: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -662,7 +662,7 @@ class Bf16Pages:
         pass
 
     def prologue_wait(self, ctx):
-        pass
+        return None
 
     def fetch_page(self, ctx, src, row, n, slot, k_bar, v_bar):
         (k_ref, v_ref), (k_ring, v_ring) = ctx.inputs, ctx.smem
@@ -673,7 +673,7 @@ class Bf16Pages:
     def fetch_tile(self, ctx, t0, slot, k_bar, v_bar):
         pass
 
-    def materialize(self, ctx, slot, tile, n_valid):
+    def materialize(self, ctx, state, slot, tile, n_valid):
         k_ring, v_ring = ctx.smem
         ctx.wait_k(slot)
         ctx.wait_v(slot)
@@ -894,13 +894,13 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
         for s_ in range(stages):
             pl.when(s_ < num_steps)(functools.partial(fetch, tile_lo + s_, s_))
         plgpu.barrier_wait(meta_bar.at[1])
-        kv_format.prologue_wait(ctx)
+        kv_state = kv_format.prologue_wait(ctx)
 
         def step(i, carry):
             slot = lax.rem(i, stages)
             tile = tile_lo + i
             n_valid = length - tile * T
-            k_tile, v_tile = kv_format.materialize(ctx, slot, tile, n_valid)
+            k_tile, v_tile = kv_format.materialize(ctx, kv_state, slot, tile, n_valid)
             carry = attend(carry, k_tile, v_tile, tile, n_valid)
             # attend() awaited its WGMMAs, so the slot is free: refill it. Each warp awaits only its
             # own share of a WGMMA, so all four must be past it before the TMA overwrites the slot;

@@ -88,12 +88,12 @@ def test_kernel_fp16_position_anchor_block128_split_stats():
                                rtol=2e-4, atol=1e-5)
 
 
-def test_kernel_fp8_position_anchor_d128():
-    """fp8 deltas with head_dim 128 (128-byte rows: the other swizzle), a 512-row position-aligned
-    anchor, block_kv 64, GQA 4, the soft cap."""
+def test_kernel_fp8_mean_anchor_d128_block128():
+    """fp8 deltas with head_dim 128 (128-byte rows: the other swizzle), a mean anchor with block_kv 128
+    (the anchor chunk in registers serves both 64-row halves of a tile), GQA 4, the soft cap."""
     case = random_delta_case(3, lengths=[40, 260, 3], page_sizes=[16, 128, 8], num_q_heads=4, num_kv_heads=1,
-                             head_dim=128, delta_dtype=FP8, anchor_len=512)
-    out = delta_attention(**case, interpret=True, soft_cap=8.0, config=TuningConfig(block_kv=64, num_splits=1))
+                             head_dim=128, delta_dtype=FP8, anchor_len=1)
+    out = delta_attention(**case, interpret=True, soft_cap=8.0, config=TuningConfig(block_kv=128, num_splits=1))
     check(out, case, soft_cap=8.0)
 
 
