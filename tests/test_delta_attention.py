@@ -7,14 +7,16 @@ few and each covers several features; the file's budget is about 60 s.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.delta_attention import delta_attention, delta_attention_reference
-from pallas_kernels.paged_attention import TuningConfig
+from pallas_kernels.delta_attention import delta_attention, delta_attention_reference, delta_smem_bytes
+from pallas_kernels.paged_attention import TuningConfig, default_num_splits
 from pallas_kernels.testing import float64_delta_attention, float64_delta_score_variance, random_delta_case
 
 FP8, FP16 = jnp.float8_e4m3fn, jnp.float16
@@ -147,9 +149,16 @@ def test_entry_point_errors():
                                     TuningConfig(p_via_smem=True, num_splits=1)])
 def test_kernel_compiled_on_gpu(dtype, anchor_len, config):
     """The compiled kernel at the benchmark's head shape (Hq=32, Hkv=8, D=128), every page size, NaN in
-    free slots, a length-0 row, contexts to 1000; the score variance too."""
+    free slots, a length-0 row, contexts to 1000; the score variance too. A config that does not fit
+    SMEM (block_kv 128 with fp16 deltas or an anchor ring) must be refused at the entry instead."""
     case = random_delta_case(9, lengths=[1, 15, 33, 65, 127, 300, 0, 1000], page_sizes=[8, 16, 32, 64, 128, 256, 8, 32],
                              num_q_heads=32, num_kv_heads=8, head_dim=128, delta_dtype=dtype, anchor_len=anchor_len)
+    splits = config.num_splits or default_num_splits(8, 8)
+    if delta_smem_bytes(dataclasses.replace(config, num_splits=splits), 128, dtype, resident_anchor=anchor_len == 1,
+                        max_pages=case["page_starts"].shape[1], out_itemsize=2 if splits == 1 else 4) > 227 * 1024:
+        with pytest.raises(ValueError, match="KB of shared memory per CTA"):
+            delta_attention(**case, config=config)
+        return
     out, var = delta_attention(**case, config=config, return_score_stats=True)
     check(out, case)
     np.testing.assert_allclose(np.asarray(var), float64_delta_score_variance(case, mma_bf16=True), rtol=2e-3, atol=1e-4)
