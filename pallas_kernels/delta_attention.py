@@ -68,8 +68,8 @@ _SMEM_LIMIT = 227 * 1024
 class DeltaPages:
     """KV format of the delta kernel (see the module docstring). Inputs, in order: k_delta, v_delta
     [Hkv, S, D] delta dtype; k_scale, v_scale [Hkv, S // 8] f32; anchor_k, anchor_v [Hkv, A, D] bf16
-    with A = 64 (a mean anchor broadcast to one 64-row chunk, kept in registers; `resident_anchor`) or the anchor's
-    length (a multiple of 256)."""
+    with A = 64 (a mean anchor broadcast to one 64-row chunk, kept in registers; `resident_anchor`)
+    or the anchor's length (a multiple of 256)."""
     delta_dtype: str              # "float16" or "float8_e4m3fn" (a string: static and hashable)
     resident_anchor: bool
     num_inputs: int = 6
@@ -175,7 +175,8 @@ class DeltaPages:
             delta = ring[slot, pl.ds(r0, _CHUNK)]
             if delta.dtype.itemsize == 1:
                 delta = delta.astype(jnp.float16)
-            x = anchor(anc, r0).astype(jnp.float32) + lax.broadcast_in_dim(scale, (_CHUNK, D), [0]) * delta.astype(jnp.float32)
+            scale = lax.broadcast_in_dim(scale, (_CHUNK, D), [0])
+            x = anchor(anc, r0).astype(jnp.float32) + scale * delta.astype(jnp.float32)
             if zero_past_end:
                 x = jnp.where(rows < n_valid - r0, x, 0.0)
             out[pl.ds(r0, _CHUNK)] = x.astype(jnp.bfloat16)

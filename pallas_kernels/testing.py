@@ -64,7 +64,9 @@ def random_paged_case(seed, *, lengths, page_sizes, num_q_heads, num_kv_heads, h
 
 def _float64(x) -> np.ndarray:
     """A jax array's values (bf16/fp16/fp8 included) or a numpy array, as float64."""
-    return x if isinstance(x, np.ndarray) and x.dtype == np.float64 else np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    if isinstance(x, np.ndarray) and x.dtype == np.float64:
+        return x
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
 
 
 def _float64_scores(case, sm_scale, soft_cap):
