@@ -4,6 +4,7 @@ attention vs XLA dense decode attention, beside a measured device-to-device copy
     python benchmarks/kernels.py                       # H200 shapes: B=64, Hq=32, Hkv=8, D=128
     python benchmarks/kernels.py --contexts 4096 --pages 16,64 --out /tmp/k.json
     python benchmarks/kernels.py --dry-run             # tiny shapes, Mosaic GPU interpreter, on CPU
+    python benchmarks/kernels.py --delta               # delta-KV kernel (fp16/fp8 deltas) vs the paged kernel
 
 For each context (1K/4K/16K) and page size (8..256, plus a batch mixing all sizes) it
   - checks every kernel's output against XLA dense attention on the same tokens (fp32),
@@ -16,6 +17,15 @@ split-K, NaN in free slots, zero-length rows) are checked against float64 numpy.
 Timing: 3 warm-up calls, then the best of `--rounds` medians, each over `--reps` samples of `--inner`
 back-to-back calls closed by block_until_ready (the inputs are far larger than L2, so no rotation is needed).
 Writes the full JSON (`--out`) and a PNG (bandwidth vs page size per context) next to it.
+
+`--delta` times instead the delta-KV kernel (pallas_kernels/delta_attention.py) with fp16 and fp8
+deltas (mean and/or 256-row position-aligned anchor, a few configs that fit SMEM, best kept) beside
+the bf16 paged kernel's default config on the same page layout, and a read-only ceiling measured in
+the same run (a large bf16 sum). Each delta output is checked against XLA dense attention over the
+K/V rebuilt in fp32. Reported: time, the delta/paged time ratio (#12 asks fp8 <= 0.6x and fp16 <=
+1.1x at 4K and 16K), bytes/s over the bytes each kernel must read, and the paged kernel's % of the
+read ceiling (#12 asks >= 80% at 1K for every page size). JSON: --out (default
+benchmarks/results/delta_kernels_h200.json).
 """
 from __future__ import annotations
 
@@ -42,6 +52,8 @@ import numpy as np                             # noqa: E402
 from pallas_kernels.testing import float64_attention, random_paged_case   # noqa: E402
 from pallas_kernels.paged_attention import (   # noqa: E402
     PAGE_SIZES, TuningConfig, paged_attention)
+from pallas_kernels.delta_attention import (   # noqa: E402
+    DELTA_DTYPES, delta_attention, delta_smem_bytes, rebuild_reference)
 
 MIXED = "mixed"
 
@@ -82,6 +94,17 @@ def copy_ceiling(nbytes, reps, rounds=3):
         del x
     best = max(variants, key=lambda v: v["tbps"])
     return dict(best, variants=variants)
+
+
+def read_ceiling(nbytes, reps, rounds=3):
+    """Bytes read per second by a large bf16 sum to one fp32 scalar: a read-only stream, the ceiling a
+    decode-attention kernel (which reads K/V and writes almost nothing) can approach."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    t = bench(f, (x,), reps=reps, inner=5, rounds=rounds)
+    rec = dict(dtype="bfloat16", bytes=x.nbytes, seconds=t, tbps=x.nbytes / t / 1e12)
+    del x
+    return rec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,8 +265,16 @@ def main(argv=None):
                     help="time only the default TuningConfig (what the engine runs), no sweep")
     ap.add_argument("--check-configs", default="default", choices=["default", "all"])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in the Mosaic GPU interpreter (CPU)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/kernels_h200.json"))
+    ap.add_argument("--delta", action="store_true", help="the delta-KV kernel vs the paged kernel (see above)")
+    ap.add_argument("--precisions", default="fp16-delta,fp8-delta", help="with --delta")
+    ap.add_argument("--anchor-lens", default="1,256", help="with --delta: 1 (mean) and/or multiples of 256")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_h200.json, "
+                                                "or delta_kernels_h200.json with --delta)")
     a = ap.parse_args(argv)
+    if a.out is None:
+        a.out = str(ROOT / "benchmarks/results" / ("delta_kernels_h200.json" if a.delta else "kernels_h200.json"))
+    if a.delta:
+        return run_delta(a)
 
     interpret = a.dry_run
     if a.dry_run:
@@ -379,6 +410,126 @@ def main(argv=None):
     save()
     plot(result, out_path.with_suffix(".png"))
     print(f"wrote {out_path} and {out_path.with_suffix('.png')}")
+    return 0
+
+
+def delta_configs(head_dim, dtype, anchor_len, table_width, quick):
+    """The delta kernel's candidates: the default, 3 stages, 128-token tiles (those that fit SMEM)."""
+    cands = [TuningConfig(), TuningConfig(num_stages=3), TuningConfig(block_kv=128)]
+    if quick:
+        cands = cands[:1]
+    return [c for c in cands if delta_smem_bytes(c, head_dim, dtype, resident_anchor=anchor_len == 1,
+                                                 max_pages=table_width) <= 227 * 1024]
+
+
+def run_delta(a):
+    """fp16/fp8-delta kernel vs the bf16 paged kernel (default configs) at each context and page size."""
+    interpret = a.dry_run
+    if a.dry_run:
+        a.batch, a.q_heads, a.kv_heads, a.head_dim = 2, 4, 1, 64
+        a.contexts, a.reps, a.inner, a.rounds, a.quick, a.pages, a.anchor_lens = "512", 1, 1, 1, True, "64", "1"
+    B, Hq, Hkv, D = a.batch, a.q_heads, a.kv_heads, a.head_dim
+    contexts = [int(c) for c in a.contexts.split(",")]
+    pages = [p if p == MIXED else int(p) for p in a.pages.split(",")]
+    precisions = a.precisions.split(",")
+    anchor_lens = [int(x) for x in a.anchor_lens.split(",")]
+    dev = jax.devices()[0]
+    meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, platform=dev.platform,
+                jax=jax.__version__, batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D, reps=a.reps, inner=a.inner,
+                rounds=a.rounds, dry_run=a.dry_run, mode="delta")
+    print(json.dumps(meta), flush=True)
+    out_path = pathlib.Path(a.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    result = dict(meta=meta, read=None, copy=None, shapes=[])
+
+    def save():
+        out_path.write_text(json.dumps(result, indent=1))
+
+    result["read"] = read_ceiling(64 << 20 if a.dry_run else 4 << 30, reps=a.reps, rounds=a.rounds)
+    result["copy"] = copy_ceiling(64 << 20 if a.dry_run else 2 << 30, reps=a.reps, rounds=a.rounds)
+    read = result["read"]["tbps"]
+    print(f"read ceiling (bf16 sum): {read:.3f} TB/s; copy ceiling {result['copy']['tbps']:.3f} TB/s", flush=True)
+    save()
+    scale = 1.0 / math.sqrt(D)
+    rng = np.random.default_rng(1)
+    key = jax.random.key(0)
+    for ctx in contexts:
+        table_width = ctx // 8
+        num_slots = B * ctx
+        keys = jax.random.split(key, 12)
+        key = keys[0]
+        shape = (Hkv, num_slots, D)
+        k_pool = jax.random.normal(keys[1], shape, jnp.bfloat16)
+        v_pool = jax.random.normal(keys[2], shape, jnp.bfloat16)
+        q = jax.random.normal(keys[3], (B, Hq, D), jnp.bfloat16)
+        lengths = jnp.full((B,), ctx, jnp.int32)
+        paged_io = 2 * B * Hkv * ctx * D * 2 + 2 * q.nbytes
+        scales = [jax.random.uniform(k, (Hkv, num_slots // 8), jnp.float32, 0.005, 0.02) for k in keys[4:6]]
+        anchors = {A: [jax.random.normal(k, (Hkv, A, D), jnp.bfloat16) for k in keys[6:8]] for A in anchor_lens}
+        for page in pages:
+            sizes = [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(B)] if page == MIXED else [page] * B
+            starts_np, _ = page_layout(rng, B, ctx, sizes, table_width)
+            starts, psz = jnp.asarray(starts_np), jnp.asarray(sizes, jnp.int32)
+            rec = dict(context=ctx, page=page, paged=None, delta=[])
+            fn = jax.jit(functools.partial(paged_attention, interpret=interpret))
+            t = bench(fn, (q, k_pool, v_pool, lengths, starts, psz), reps=a.reps, inner=a.inner, rounds=a.rounds)
+            rec["paged"] = dict(ms=t * 1e3, tbps=paged_io / t / 1e12, pct_read=100 * paged_io / t / 1e12 / read)
+            print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} paged: {t * 1e3:.3f} ms "
+                  f"{rec['paged']['pct_read']:.1f}% of read", flush=True)
+            t_np = np.arange(ctx)
+            slot = jnp.asarray(np.stack([starts_np[b, t_np // P] + t_np % P for b, P in enumerate(sizes)]))
+            for prec in precisions:
+                dt = DELTA_DTYPES[prec]
+                kd = (jax.random.normal(keys[8], shape, jnp.bfloat16) * 8).astype(dt)
+                vd = (jax.random.normal(keys[9], shape, jnp.bfloat16) * 8).astype(dt)
+                # Bytes it must read: the deltas and scale granules of every live token, q, the output.
+                io = 2 * B * Hkv * ctx * D * dt.itemsize + 2 * B * Hkv * (ctx // 8) * 4 + 2 * q.nbytes
+                for A in anchor_lens:
+                    ak, av = anchors[A]
+                    args = (q, kd, vd, scales[0], scales[1], ak, av, lengths, starts, psz)
+                    # Truth: XLA dense attention over the K/V rebuilt in fp32.
+                    kr = jnp.swapaxes(rebuild_reference(ak, scales[0], kd, slot, jnp.arange(ctx)), 0, 1)
+                    vr = jnp.swapaxes(rebuild_reference(av, scales[1], vd, slot, jnp.arange(ctx)), 0, 1)
+                    ref = np.asarray(xla_decode_attention(q.astype(jnp.float32), kr, vr, lengths, scale=scale))
+                    del kr, vr
+                    runs = []
+                    for cfg in delta_configs(D, dt, A, table_width, a.quick):
+                        r = dict(config=dataclasses.asdict(cfg))
+                        try:
+                            fn = jax.jit(functools.partial(delta_attention, config=cfg, interpret=interpret))
+                            got = np.asarray(fn(*args).astype(jnp.float32))
+                            r["max_abs_err"] = float(np.abs(got - ref).max())
+                            r["ok"] = bool(r["max_abs_err"] <= 3e-2 * max(1.0, float(np.abs(ref).max())))
+                            t = bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds)
+                            r.update(ms=t * 1e3, tbps=io / t / 1e12, x_paged=t * 1e3 / rec["paged"]["ms"])
+                        except Exception as e:  # noqa: BLE001 - one failing config must not kill the run
+                            r.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+                        runs.append(r)
+                        print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} {prec} A={A} {cfg}: " +
+                              (f"{r['ms']:.3f} ms x{r['x_paged']:.2f} of paged, err {r['max_abs_err']:.2g}"
+                               if "ms" in r else r.get("error", "")[:300]), flush=True)
+                    ok = [r for r in runs if r.get("ok") and "ms" in r]
+                    rec["delta"].append(dict(precision=prec, anchor_len=A, io_bytes=io, runs=runs,
+                                             best=min(ok, key=lambda r: r["ms"]) if ok else None))
+                del kd, vd
+            result["shapes"].append(rec)
+            save()
+        del k_pool, v_pool
+
+    print(f"\n{meta['device']}  jax {meta['jax']}  {meta['date']}  B={B} Hq={Hq} Hkv={Hkv} D={D}  "
+          f"read {read:.2f} TB/s")
+    cols = [(d["precision"], d["anchor_len"]) for d in result["shapes"][0]["delta"]] if result["shapes"] else []
+    print(f"{'ctx':>6} {'page':>6} | {'paged ms':>8} {'%read':>6} | " +
+          " | ".join(f"{p[:4]} A={A:<4} ms  x" for p, A in cols))
+    for rec in result["shapes"]:
+        cells = []
+        for d in rec["delta"]:
+            b = d["best"]
+            cells.append(f"{b['ms']:7.3f} {b['x_paged']:4.2f}" if b else f"{'FAILED':>12}")
+        print(f"{rec['context']:>6} {rec['page']:>6} | {rec['paged']['ms']:8.3f} {rec['paged']['pct_read']:5.1f}% | "
+              + " | ".join(f"{c:>16}" for c in cells))
+    save()
+    print(f"wrote {out_path}")
     return 0
 
 

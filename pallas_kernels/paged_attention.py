@@ -32,19 +32,20 @@ sequence are never read and the arrival count stays static.
 into SMEM with one bulk copy; q rows are brought in with one TMA copy. `num_stages` K/V tiles are
 in flight in a ring of SMEM buffers; the loop awaits tile i, computes on it, and re-issues the
 freed slot for tile i + num_stages. Per tile:
-    fetch(tile, slot)      -> issue TMA copies (this file: plain bf16 pages)
-    materialize(slot)      -> bf16 K and V tiles in SMEM, ready for WGMMA (here: zero V rows past
-                              the end of the sequence, so stale/NaN slots can't poison P @ V)
+    fetch(tile, slot)      -> issue TMA copies (the KV format's, per page piece and per tile)
+    materialize(slot)      -> bf16 K and V tiles in SMEM, ready for WGMMA (bf16 pages: zero V rows
+                              past the end of the sequence, so stale/NaN slots can't poison P @ V)
     attend(state, K, V)    -> S = q K^T (WGMMA, fp32), soft cap, mask, online softmax (base 2),
                               acc += P V (WGMMA)
 The q tile has 64 rows (WGMMA's M); rows beyond the group's q heads are don't-care rows.
 
-*Delta-KV variant (DKVC) plugs in at `materialize`.* Its `fetch` issues copies of the anchor block
-(once per CTA, resident) and of the fp16/fp8 delta pages plus their per-page scales into the same
-ring (delta pages of 1 byte/elem halve the bytes per tile); its `materialize` loads anchor + delta
-from SMEM into registers, rebuilds K = anchor + scale * delta in fp32, casts to bf16 and stores into
-a bf16 staging tile (WGMMA's B operand must live in SMEM), then `commit_smem()`. `attend` is
-unchanged. See `_materialize_bf16` for the hook's contract.
+*KV formats: the delta-KV kernel shares this pipeline.* What is copied per page and per tile, and how
+the bf16 K/V tiles are made, is a static `KVFormat` (`_build_kernel(kv_format=...)`): `Bf16Pages`
+here (one TMA copy per page, V rows past the end zeroed in place), `DeltaPages` in
+delta_attention.py (fp16/fp8 delta pages plus their scale granules, anchor rows, K/V rebuilt as
+anchor + scale * delta in registers into bf16 tiles). Everything else (grid, page-table window,
+ring, split-K, softmax, score statistics) is one code path; with `Bf16Pages` the traced kernel is
+the same as before the split (its lowered text was compared).
 
 *Split-K (flash-decoding).* With few (sequence, kv head) pairs, the tiles of each sequence are split
 over `num_splits` CTAs; each writes a normalised partial output and its log2-sum-exp, and a small
@@ -79,6 +80,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -169,22 +171,35 @@ def paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, page_size
     (computed here in two passes: mean, then mean squared deviation).
     """
     _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes)
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pool.shape[0]
-    group = num_q_heads // num_kv_heads
-    max_pages = page_starts.shape[1]
-    scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
+    _, slot, valid = reference_token_slots(lengths, page_starts, page_sizes, k_pool.shape[1])
+    k = k_pool[:, slot].astype(jnp.float32)                                      # [Hkv, B, T, D]
+    v = v_pool[:, slot].astype(jnp.float32)
+    return reference_attend(q, k, v, valid, sm_scale=sm_scale, soft_cap=soft_cap,
+                            return_score_stats=return_score_stats)
 
+
+def reference_token_slots(lengths, page_starts, page_sizes, num_slots):
+    """The references' gather indices: (t [T] int32 token positions, slot [B, T] int32 pool slot of
+    token t of sequence b (0 where invalid), valid [B, T] bool), T = max_pages * max(PAGE_SIZES)."""
+    max_pages = page_starts.shape[1]
     n_tok = max_pages * max(PAGE_SIZES)
     t = jnp.arange(n_tok, dtype=jnp.int32)
     psz = jnp.maximum(page_sizes.astype(jnp.int32), 1)[:, None]                   # [B, 1]
     page_idx = jnp.minimum(t[None, :] // psz, max_pages - 1)                      # [B, T]
     slot = jnp.take_along_axis(page_starts.astype(jnp.int32), page_idx, axis=1) + t[None, :] % psz
     valid = t[None, :] < jnp.minimum(lengths.astype(jnp.int32)[:, None], max_pages * psz)
-    slot = jnp.where(valid, jnp.clip(slot, 0, k_pool.shape[1] - 1), 0)
+    slot = jnp.where(valid, jnp.clip(slot, 0, num_slots - 1), 0)
+    return t, slot, valid
 
-    k = k_pool[:, slot].astype(jnp.float32)                                      # [Hkv, B, T, D]
-    v = v_pool[:, slot].astype(jnp.float32)
+
+def reference_attend(q, k, v, valid, *, sm_scale=None, soft_cap=None, return_score_stats=False):
+    """The references' fp32 attention: q [B, Hq, D], k/v [Hkv, B, T, D] fp32 gathered keys/values,
+    valid [B, T] bool (keys outside it, even NaN, are ignored). Returns [B, Hq, D] in q.dtype (and
+    score_var [B, Hq] with return_score_stats)."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[0]
+    group = num_q_heads // num_kv_heads
+    scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
     qf = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_dim)
     s = jnp.einsum("bhgd,hbtd->bhgt", qf, k) * scale
     if soft_cap is not None:
@@ -220,25 +235,35 @@ def score_variance(s, valid):
 # ---------------------------------------------------------------------------------------------
 
 def _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes):
+    check_pools_and_tables("paged_attention", q, ("k_pool", k_pool), ("v_pool", v_pool), lengths, page_starts,
+                           page_sizes)
+    if k_pool.dtype != jnp.bfloat16 or v_pool.dtype != jnp.bfloat16:
+        raise ValueError(f"paged_attention: k_pool/v_pool must be bfloat16, got {k_pool.dtype}/{v_pool.dtype}")
+
+
+def check_pools_and_tables(name, q, k, v, lengths, page_starts, page_sizes):
+    """Entry checks shared by the paged and delta kernels (not dtypes of the pools): q [batch,
+    num_q_heads, head_dim] bf16/fp32, k = (k_name, k_pool) and v = (v_name, v_pool) of the same shape
+    [num_kv_heads, num_slots, head_dim], and the page tables. Raises ValueError("{name}: ...") on the
+    first problem, saying what to fix."""
     def fail(msg):
-        raise ValueError(f"paged_attention: {msg}")
+        raise ValueError(f"{name}: {msg}")
+    (k_name, k_pool), (v_name, v_pool) = k, v
     if q.ndim != 3:
         fail(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
     if k_pool.ndim != 3 or v_pool.shape != k_pool.shape:
-        fail(f"k_pool and v_pool must both be [num_kv_heads, num_slots, head_dim], got {k_pool.shape} "
+        fail(f"{k_name} and {v_name} must both be [num_kv_heads, num_slots, head_dim], got {k_pool.shape} "
              f"and {v_pool.shape}")
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, num_slots, kv_dim = k_pool.shape
     if kv_dim != head_dim:
-        fail(f"head_dim mismatch: q has {head_dim}, k_pool/v_pool have {kv_dim}")
+        fail(f"head_dim mismatch: q has {head_dim}, {k_name}/{v_name} have {kv_dim}")
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         fail(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if num_slots % 256:
         fail(f"num_slots ({num_slots}) must be a multiple of 256 (the largest page)")
     if q.dtype not in (jnp.bfloat16, jnp.float32):
         fail(f"q must be bfloat16 or float32, got {q.dtype}")
-    if k_pool.dtype != jnp.bfloat16 or v_pool.dtype != jnp.bfloat16:
-        fail(f"k_pool/v_pool must be bfloat16, got {k_pool.dtype}/{v_pool.dtype}")
     if lengths.shape != (batch,) or page_sizes.shape != (batch,):
         fail(f"lengths and page_sizes must be [batch={batch}], got {lengths.shape} and {page_sizes.shape}")
     if page_starts.ndim != 2 or page_starts.shape[0] != batch or page_starts.shape[1] < 1:
@@ -280,21 +305,7 @@ def paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *,
       kernel's approximate tanh when a soft cap is set.
     """
     _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes)
-    head_dim = q.shape[2]
-    if head_dim not in (64, 128):
-        raise ValueError(f"paged_attention: head_dim must be 64 or 128, got {head_dim}")
-    group = q.shape[1] // k_pool.shape[0]
-    if group > _Q_ROWS:
-        raise ValueError(f"paged_attention: num_q_heads // num_kv_heads = {group} > {_Q_ROWS} is not supported")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"paged_attention: soft_cap must be > 0, got {soft_cap}")
-    if sm_scale is not None and not sm_scale > 0:
-        raise ValueError(f"paged_attention: sm_scale must be > 0, got {sm_scale}")
-    config = config or TuningConfig()
-    if config.num_splits is None:
-        config = dataclasses.replace(config, num_splits=default_num_splits(q.shape[0], k_pool.shape[0]))
-    scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
-    cap = None if soft_cap is None else float(soft_cap)
+    config, scale, cap = kernel_static_args("paged_attention", q, k_pool.shape[0], sm_scale, soft_cap, config)
     stats = bool(return_score_stats)
     if interpret:
         with mosaic_gpu_interpret():
@@ -308,11 +319,42 @@ def paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *,
                             score_stats=stats)
 
 
+def kernel_static_args(name, q, num_kv_heads, sm_scale, soft_cap, config):
+    """Checks the decode kernels' static arguments (head_dim 64/128, GQA group <= 64, soft_cap and
+    sm_scale > 0) and returns (config with num_splits filled in, scale, soft_cap as float or None)."""
+    head_dim = q.shape[2]
+    if head_dim not in (64, 128):
+        raise ValueError(f"{name}: head_dim must be 64 or 128, got {head_dim}")
+    group = q.shape[1] // num_kv_heads
+    if group > _Q_ROWS:
+        raise ValueError(f"{name}: num_q_heads // num_kv_heads = {group} > {_Q_ROWS} is not supported")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"{name}: soft_cap must be > 0, got {soft_cap}")
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"{name}: sm_scale must be > 0, got {sm_scale}")
+    config = config or TuningConfig()
+    if config.num_splits is None:
+        config = dataclasses.replace(config, num_splits=default_num_splits(q.shape[0], num_kv_heads))
+    scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
+    return config, scale, None if soft_cap is None else float(soft_cap)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "config", "p_via_smem", "score_stats"))
 def _paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, scale, soft_cap, config,
                      p_via_smem, score_stats=False):
+    return decode_attention_pipeline(q, (k_pool, v_pool), lengths, page_starts, page_sizes, kv_format=BF16_PAGES,
+                                     num_kv_heads=k_pool.shape[0], scale=scale, soft_cap=soft_cap, config=config,
+                                     p_via_smem=p_via_smem, score_stats=score_stats)
+
+
+def decode_attention_pipeline(q, kv_inputs, lengths, page_starts, page_sizes, *, kv_format, num_kv_heads, scale,
+                              soft_cap, config, p_via_smem, score_stats=False):
+    """The decode kernel's wrapper for any KV format (traced inside a jit): lays q out in 8-row blocks,
+    flattens the page table, runs `_build_kernel` with `kv_format` over `kv_inputs` (the format's GMEM
+    arrays, in `kv_format`'s order), merges split-K partials and score statistics. q [batch,
+    num_q_heads, head_dim]; returns [batch, num_q_heads, head_dim] in q.dtype (and score_var
+    [batch, num_q_heads] float32 with score_stats)."""
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pool.shape[0]
     group = num_q_heads // num_kv_heads
     splits = config.num_splits
     out_dtype = q.dtype
@@ -345,8 +387,8 @@ def _paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sca
         table_len=table.shape[0], rows_per_b=rows_per_b,
         rows_per_h=rows_per_h, copy_rows=copy_rows, out_dtype=jnp.dtype(out_dtype if splits == 1 else jnp.float32),
         scale=scale, soft_cap=soft_cap, config=config, p_via_smem=p_via_smem or config.p_via_smem,
-        score_stats=score_stats)
-    res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool)
+        score_stats=score_stats, kv_format=kv_format)
+    res = kernel(lengths, page_sizes, table, q2, *kv_inputs)
 
     def group_rows(x):
         """[B * S, Hkv, cols] row vectors (lse, score stats) -> the group's rows [B, S, Hkv, G]. The
@@ -545,14 +587,120 @@ def _combine_splits(o_part, lse):
 
 
 # ---------------------------------------------------------------------------------------------
+# KV formats: what the pipeline fetches per page / per tile and how it makes the bf16 K/V tiles
+# ---------------------------------------------------------------------------------------------
+
+# SMEM layout of every tile a WGMMA reads (bf16 rows of 64 elements = 128 bytes: 128-byte swizzle).
+MMA_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+@dataclasses.dataclass(frozen=True)
+class TileContext:
+    """What a KV format's hooks see inside the kernel body of one CTA (traced values are scalars).
+
+    h: the CTA's kv head; inputs: the format's GMEM refs (its `num_inputs` kernel operands, in order);
+    smem: the format's scratch refs (the pytree its `scratch_types` returned); block_kv, head_dim:
+    static tile shape T x D; log2_p: log2 of the sequence's page size; n_pages: pages the sequence
+    uses; page_entry(p): slot of the sequence's page p (p inside this CTA's page-table window);
+    small_classes: static ((log2 P, T // P) for every page size P < T); wait_k(slot), wait_v(slot):
+    await the stage barrier of a ring slot (for whatever page-size class the sequence has)."""
+    h: object
+    inputs: tuple
+    smem: object
+    block_kv: int
+    head_dim: int
+    log2_p: object
+    n_pages: object
+    page_entry: object
+    small_classes: tuple
+    wait_k: object
+    wait_v: object
+
+
+class KVFormat(Protocol):
+    """How K/V are stored: the pipeline (`_build_kernel`) walks tiles of T tokens, split into page
+    pieces (T / P whole pages for P < T, else one T-token piece of a page), and asks the format to
+
+      fetch_page(ctx, src, row, n, slot, k_bar, v_bar): issue the async copies of the n slots
+          [src, src + n) (n, row static; src a multiple of 8) into rows [row, row + n) of ring slot
+          `slot`, each arriving once on k_bar (K side) or v_bar (V side): `copies_per_page` each;
+      fetch_tile(ctx, t0, slot, k_bar, v_bar): copies once per tile whose first token is t0
+          (`copies_per_tile` arrivals on each barrier; none for plain pages);
+      materialize(ctx, state, slot, tile, n_valid) -> (k_ref, v_ref): await the slot (ctx.wait_k/wait_v)
+          and return [T, D] bf16 SMEM refs in MMA_TRANSFORMS layout holding the tile's K and V, with
+          the V rows >= n_valid finite (P = 0 there, but 0 * NaN = NaN inside the MMA), the stores
+          committed to the async proxy (plgpu.commit_smem);
+      prologue(ctx) / prologue_wait(ctx) -> state: once per CTA, before the first fetch / before the
+          loop (resident data); `state` (e.g. values kept in registers) goes to every materialize.
+    Implementations are frozen dataclasses (they are static jit arguments)."""
+
+    num_inputs: int
+    copies_per_page: int
+    copies_per_tile: int
+
+    def scratch_types(self, *, stages: int, block_kv: int, head_dim: int) -> list: ...
+    def prologue(self, ctx: TileContext) -> None: ...
+    def prologue_wait(self, ctx: TileContext) -> object: ...
+    def fetch_page(self, ctx: TileContext, src, row: int, n: int, slot, k_bar, v_bar) -> None: ...
+    def fetch_tile(self, ctx: TileContext, t0, slot, k_bar, v_bar) -> None: ...
+    def materialize(self, ctx: TileContext, state, slot, tile, n_valid) -> tuple: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Bf16Pages:
+    """Plain bf16 pages (the paged kernel): inputs k_pool, v_pool [num_kv_heads, num_slots, D] bf16;
+    one TMA copy per page straight into a bf16 ring that WGMMA reads in place."""
+    num_inputs: int = 2
+    copies_per_page: int = 1
+    copies_per_tile: int = 0
+
+    def scratch_types(self, *, stages, block_kv, head_dim):
+        ring = plgpu.SMEM((stages, block_kv, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
+        return [ring, ring]
+
+    def prologue(self, ctx):
+        pass
+
+    def prologue_wait(self, ctx):
+        return None
+
+    def fetch_page(self, ctx, src, row, n, slot, k_bar, v_bar):
+        (k_ref, v_ref), (k_ring, v_ring) = ctx.inputs, ctx.smem
+        dst = (slot, pl.ds(row, n)) if n < ctx.block_kv else (slot,)
+        plgpu.copy_gmem_to_smem(k_ref.at[ctx.h, pl.ds(src, n)], k_ring.at[dst], k_bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[ctx.h, pl.ds(src, n)], v_ring.at[dst], v_bar)
+
+    def fetch_tile(self, ctx, t0, slot, k_bar, v_bar):
+        pass
+
+    def materialize(self, ctx, state, slot, tile, n_valid):
+        k_ring, v_ring = ctx.smem
+        ctx.wait_k(slot)
+        ctx.wait_v(slot)
+
+        @pl.when(n_valid < ctx.block_kv)
+        def _():
+            v = v_ring[slot]
+            rows = plgpu.broadcasted_iota(jnp.int32, (ctx.block_kv, ctx.head_dim), 0, layout=plgpu.Layout.WGMMA)
+            v_ring[slot] = jnp.where(rows < n_valid, v, jnp.zeros_like(v))
+            plgpu.commit_smem()     # make the stores visible to the async proxy (WGMMA)
+        return k_ring.at[slot], v_ring.at[slot]
+
+
+BF16_PAGES = Bf16Pages()
+
+
+# ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
 
 def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len, rows_per_b,
                   rows_per_h, copy_rows, out_dtype, scale, soft_cap, config, p_via_smem,
-                  score_stats=False, query_tokens=1):
-    """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or (o_part, lse), followed
+                  score_stats=False, query_tokens=1, kv_format: KVFormat | None = None):
+    """Returns f(lengths, page_sizes, table, q2, *kv_inputs) -> (o,) or (o_part, lse), followed
     by (shift, sum, sum of squares) score-stat rows when score_stats (see the module docstring).
+    kv_inputs are `kv_format`'s GMEM arrays (default BF16_PAGES: k_pool, v_pool); the format decides
+    what is copied per page and per tile, and how the bf16 K/V tiles WGMMA reads are made (`KVFormat`).
 
     query_tokens Q > 1 (prefill blocks, `paged_prefill_attention`): the q tile's 64 rows are Q
     consecutive query tokens x `group` q heads (row r is token r // group; group a power of 2), f takes
@@ -569,9 +717,12 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
     # Copy groups: copies per tile for each page-size class (P < T: T/P pages; P >= T: 1 piece).
     small_classes = [(p.bit_length() - 1, T // p) for p in PAGE_SIZES if p < T]   # (log2 P, copies)
     groups = [n for _, n in small_classes] + [1]
+    kv_format = BF16_PAGES if kv_format is None else kv_format
+    # Stage-barrier arrivals: every copy the format issues for a tile arrives once.
+    arrivals = [n * kv_format.copies_per_page + kv_format.copies_per_tile for n in groups]
     # S is computed as fp32 q.k; fold the softmax scale and log2(e) into one multiply (exp2 below).
     qk_scale = scale * _LOG2E
-    mma_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    mma_transforms = MMA_TRANSFORMS
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     # Score stats: with 64-token tiles, keep the sums per (row, column) in two [64, T] fp32 register
@@ -590,7 +741,8 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
     def body(lengths_ref, psizes_ref, *rest):
         if causal:
             qstart_ref, rest = rest[0], rest[1:]
-        table_ref, q_ref, k_ref, v_ref, *rest = rest
+        table_ref, q_ref, *rest = rest
+        kv_refs, rest = tuple(rest[:kv_format.num_inputs]), rest[kv_format.num_inputs:]
         if splits == 1:
             (o_ref,), rest = rest[:1], rest[1:]
             lse_ref = None
@@ -598,7 +750,7 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
             (o_ref, lse_ref), rest = rest[:2], rest[2:]
         if score_stats:
             stat_refs, rest = rest[:3], rest[3:]
-        (table_smem, q_smem, k_ring, v_ring, o_smem, lse_smem, meta_bar, k_bars, v_bars, *extra) = rest
+        (table_smem, q_smem, kv_smem, o_smem, lse_smem, meta_bar, k_bars, v_bars, *extra) = rest
         if score_stats:
             stat_smem, extra = extra[:3], extra[3:]
         p_smem = extra[0] if extra else None
@@ -653,6 +805,15 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
         def page_entry(p):   # slot of page p of this sequence (p must be in this CTA's window)
             return table_smem[b * max_pages + p - win_start]
 
+        def wait(bars, slot):
+            for gi, (lp, _) in enumerate(small_classes):
+                pl.when(log2_p == lp)(lambda gi=gi: plgpu.barrier_wait(bars[gi].at[slot]))
+            pl.when(log2_p >= log2_t)(lambda: plgpu.barrier_wait(bars[-1].at[slot]))
+
+        ctx = TileContext(h=h, inputs=kv_refs, smem=kv_smem, block_kv=T, head_dim=head_dim, log2_p=log2_p,
+                          n_pages=n_pages, page_entry=page_entry, small_classes=tuple(small_classes),
+                          wait_k=functools.partial(wait, k_bars), wait_v=functools.partial(wait, v_bars))
+
         # --- fetch: TMA copies of one K and V tile -----------------------------------------
         def fetch(tile, slot):
             t0 = tile * T
@@ -664,39 +825,15 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
                     for i in range(n):
                         # Page starts are multiples of P >= 8, which the tiled TMA needs.
                         src = pl.multiple_of(page_entry(jnp.minimum(first_page + i, n_pages - 1)), 8)
-                        plgpu.copy_gmem_to_smem(k_ref.at[h, pl.ds(src, p)],
-                                                k_ring.at[slot, pl.ds(i * p, p)], k_bars[gi].at[slot])
-                        plgpu.copy_gmem_to_smem(v_ref.at[h, pl.ds(src, p)],
-                                                v_ring.at[slot, pl.ds(i * p, p)], v_bars[gi].at[slot])
+                        kv_format.fetch_page(ctx, src, i * p, p, slot, k_bars[gi].at[slot], v_bars[gi].at[slot])
+                    kv_format.fetch_tile(ctx, t0, slot, k_bars[gi].at[slot], v_bars[gi].at[slot])
 
             @pl.when(log2_p >= log2_t)
             def _():
                 src = page_entry(lax.shift_right_logical(t0, log2_p)) + (t0 & (page - 1))
                 src = pl.multiple_of(src, 8)
-                plgpu.copy_gmem_to_smem(k_ref.at[h, pl.ds(src, T)], k_ring.at[slot], k_bars[-1].at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[h, pl.ds(src, T)], v_ring.at[slot], v_bars[-1].at[slot])
-
-        def wait(bars, slot):
-            for gi, (lp, _) in enumerate(small_classes):
-                pl.when(log2_p == lp)(lambda gi=gi: plgpu.barrier_wait(bars[gi].at[slot]))
-            pl.when(log2_p >= log2_t)(lambda: plgpu.barrier_wait(bars[-1].at[slot]))
-
-        # --- materialize: the K/V tiles WGMMA reads ---------------------------------------
-        def _materialize_bf16(slot, n_valid):
-            """Hook for the delta-KV variant: returns (k_tile_ref, v_tile_ref) [T, D] bf16 SMEM refs
-            that hold this tile's K and V once the copies have landed. Rows >= n_valid are past the
-            end of the sequence; their K scores are masked, but their V rows must be finite
-            (P = 0 there, and 0 * NaN = NaN inside the MMA), so they are zeroed here."""
-            wait(k_bars, slot)
-            wait(v_bars, slot)
-
-            @pl.when(n_valid < T)
-            def _():
-                v = v_ring[slot]
-                rows = plgpu.broadcasted_iota(jnp.int32, (T, head_dim), 0, layout=wgmma_layout)
-                v_ring[slot] = jnp.where(rows < n_valid, v, jnp.zeros_like(v))
-                plgpu.commit_smem()     # make the stores visible to the async proxy (WGMMA)
-            return k_ring.at[slot], v_ring.at[slot]
+                kv_format.fetch_page(ctx, src, 0, T, slot, k_bars[-1].at[slot], v_bars[-1].at[slot])
+                kv_format.fetch_tile(ctx, t0, slot, k_bars[-1].at[slot], v_bars[-1].at[slot])
 
         # --- attend: online softmax update with one tile ----------------------------------
         def attend(carry, k_tile, v_tile, tile, n_valid):
@@ -753,15 +890,17 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
             return acc, m_new, l_i
 
         # --- pipeline ---------------------------------------------------------------------
+        kv_format.prologue(ctx)
         for s_ in range(stages):
             pl.when(s_ < num_steps)(functools.partial(fetch, tile_lo + s_, s_))
         plgpu.barrier_wait(meta_bar.at[1])
+        kv_state = kv_format.prologue_wait(ctx)
 
         def step(i, carry):
             slot = lax.rem(i, stages)
             tile = tile_lo + i
             n_valid = length - tile * T
-            k_tile, v_tile = _materialize_bf16(slot, n_valid)
+            k_tile, v_tile = kv_format.materialize(ctx, kv_state, slot, tile, n_valid)
             carry = attend(carry, k_tile, v_tile, tile, n_valid)
             # attend() awaited its WGMMAs, so the slot is free: refill it. Each warp awaits only its
             # own share of a WGMMA, so all four must be past it before the TMA overwrites the slot;
@@ -817,13 +956,12 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
     scratch = [
         plgpu.SMEM((window,), jnp.int32),
         plgpu.SMEM((_Q_ROWS, head_dim), jnp.bfloat16, transforms=mma_transforms),
-        plgpu.SMEM((stages, T, head_dim), jnp.bfloat16, transforms=mma_transforms),
-        plgpu.SMEM((stages, T, head_dim), jnp.bfloat16, transforms=mma_transforms),
+        kv_format.scratch_types(stages=stages, block_kv=T, head_dim=head_dim),
         plgpu.SMEM((_Q_ROWS, head_dim), out_dtype),
         plgpu.SMEM((_Q_ROWS,), jnp.float32),
         plgpu.Barrier(num_barriers=2),
-        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in groups],
-        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in groups],
+        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
+        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
     ]
     if score_stats:
         scratch += [plgpu.SMEM((_Q_ROWS,), jnp.float32) for _ in range(3)]

@@ -1,5 +1,6 @@
 """Random paged-attention inputs and float64 ground truths, shared by the kernel tests and the kernel
-benchmark's correctness checks (tests/test_paged_attention.py, benchmarks/kernels.py).
+benchmark's correctness checks (tests/test_paged_attention.py, tests/test_delta_attention.py,
+benchmarks/kernels.py).
 
 A case is a dict of the kernel's arguments: q [B, Hq, D], k_pool/v_pool [Hkv, num_slots, D] (bf16),
 lengths [B], page_starts [B, max_pages], page_sizes [B]. Pages are placed as the engine's buddy
@@ -61,12 +62,18 @@ def random_paged_case(seed, *, lengths, page_sizes, num_q_heads, num_kv_heads, h
                 page_starts=jnp.asarray(starts), page_sizes=jnp.asarray(page_sizes, jnp.int32))
 
 
+def _float64(x) -> np.ndarray:
+    """A jax array's values (bf16/fp16/fp8 included) or a numpy array, as float64."""
+    if isinstance(x, np.ndarray) and x.dtype == np.float64:
+        return x
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
 def _float64_scores(case, sm_scale, soft_cap):
     """Yields (b, hq, scores [L] float64, v rows [L, D]) for every non-empty row, from the bf16-rounded
-    inputs the kernel sees."""
+    inputs the kernel sees (k_pool/v_pool may also be float64 numpy pools)."""
     q = np.asarray(case["q"].astype(jnp.float32), np.float64)
-    k = np.asarray(case["k_pool"].astype(jnp.float32), np.float64)
-    v = np.asarray(case["v_pool"].astype(jnp.float32), np.float64)
+    k, v = (_float64(case[n]) for n in ("k_pool", "v_pool"))
     lengths, starts, sizes = (np.asarray(case[n]) for n in ("lengths", "page_starts", "page_sizes"))
     B, Hq, D = q.shape
     group = Hq // k.shape[0]
@@ -140,3 +147,73 @@ def float64_prefill_attention(pcase) -> np.ndarray:
 def float64_prefill_score_variance(pcase) -> np.ndarray:
     """Ground truth of its score variance: [blocks, tokens, Hq] float64."""
     return float64_score_variance(_per_token_case(pcase)).reshape(pcase["q"].shape[:3])
+
+
+# ---------------------------------------------------------------------------------------------
+# Delta-KV (DKVC) cases: anchor + fp16/fp8 deltas with per-granule scales
+# ---------------------------------------------------------------------------------------------
+
+def random_delta_case(seed, *, lengths, page_sizes, num_q_heads, num_kv_heads, head_dim, delta_dtype,
+                      anchor_len=1, nan_outside=True) -> dict:
+    """A random ragged batch in the delta-KV layout (`delta_attention`'s arguments): the pages of
+    `random_paged_case`, anchor_k/v [Hkv, anchor_len, D] bf16 (offset from 0, as real K/V are),
+    deltas [Hkv, S, D] of `delta_dtype` (float16 or float8_e4m3fn) spanning the dtype's range, and
+    scales [Hkv, S // 8] float32 that differ per granule, so a kernel that picks a neighbour's scale
+    or anchor row is caught. Every slot outside a live token holds a NaN delta, and every granule with
+    no live token a NaN scale."""
+    case = random_paged_case(seed, lengths=lengths, page_sizes=page_sizes, num_q_heads=num_q_heads,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim, nan_outside=nan_outside)
+    rng = np.random.default_rng(seed + 1000)
+    live = ~np.isnan(np.asarray(case["k_pool"][0, :, 0].astype(jnp.float32))) if nan_outside else None
+    num_slots = case["k_pool"].shape[1]
+    fp8 = jnp.dtype(delta_dtype) == jnp.float8_e4m3fn
+    out = dict(q=case["q"], lengths=case["lengths"], page_starts=case["page_starts"], page_sizes=case["page_sizes"])
+    for side in ("k", "v"):
+        anchor = rng.standard_normal((num_kv_heads, anchor_len, head_dim)) + rng.standard_normal((num_kv_heads, 1, 1))
+        # Deltas up to ~100 (fp8 e4m3 keeps 3 mantissa bits at any magnitude), scales ~1/200.
+        delta = rng.standard_normal((num_kv_heads, num_slots, head_dim)) * (40.0 if fp8 else 1.0)
+        scale = rng.uniform(0.002, 0.02, (num_kv_heads, num_slots // 8)) * (1.0 if fp8 else 40.0)
+        if nan_outside:
+            delta[:, ~live] = np.nan
+            scale[:, ~live.reshape(-1, 8).any(axis=1)] = np.nan
+        out[f"anchor_{side}"] = jnp.asarray(anchor, jnp.bfloat16)
+        out[f"{side}_delta"] = jnp.asarray(delta, delta_dtype)
+        out[f"{side}_scale"] = jnp.asarray(scale, jnp.float32)
+    return out
+
+
+def float64_delta_pools(case, *, mma_bf16=False) -> tuple[np.ndarray, np.ndarray]:
+    """The rebuilt K and V pools [Hkv, S, D] float64 of a delta case: slot s holding token t of a
+    sequence gets anchor[t % anchor_len] + scale[s // 8] * delta[s] (from the rounded stored values),
+    then, with mma_bf16, rounded to bf16 as the kernel does for its MMAs; slots holding no live token
+    are NaN."""
+    lengths, starts, sizes = (np.asarray(case[n]) for n in ("lengths", "page_starts", "page_sizes"))
+    pools = []
+    for side in ("k", "v"):
+        anchor, delta, scale = (_float64(case[n]) for n in (f"anchor_{side}", f"{side}_delta", f"{side}_scale"))
+        pool = np.full(delta.shape, np.nan)
+        for b, (L, P) in enumerate(zip(lengths, sizes)):
+            t = np.arange(int(L))
+            slots = starts[b, t // int(P)] + t % int(P)
+            pool[:, slots] = anchor[:, t % anchor.shape[1]] + scale[:, slots // 8, None] * delta[:, slots]
+        if mma_bf16:
+            pool = _float64(jnp.asarray(pool.astype(np.float32), jnp.bfloat16))
+        pools.append(pool)
+    return pools[0], pools[1]
+
+
+def _as_paged(case, mma_bf16) -> dict:
+    k, v = float64_delta_pools(case, mma_bf16=mma_bf16)
+    return dict(q=case["q"], k_pool=k, v_pool=v, lengths=case["lengths"], page_starts=case["page_starts"],
+                page_sizes=case["page_sizes"])
+
+
+def float64_delta_attention(case, *, sm_scale=None, soft_cap=None, mma_bf16=False) -> np.ndarray:
+    """Ground truth of `delta_attention`: [B, Hq, D] float64 over the rebuilt K/V (unrounded, or with
+    mma_bf16 rounded to bf16 as the kernel's MMAs see them)."""
+    return float64_attention(_as_paged(case, mma_bf16), sm_scale=sm_scale, soft_cap=soft_cap)
+
+
+def float64_delta_score_variance(case, *, sm_scale=None, soft_cap=None, mma_bf16=False) -> np.ndarray:
+    """Ground truth of its score variance: [B, Hq] float64."""
+    return float64_score_variance(_as_paged(case, mma_bf16), sm_scale=sm_scale, soft_cap=soft_cap)
