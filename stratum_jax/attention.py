@@ -158,7 +158,7 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     (default: PREFILL_KERNEL_CONFIG)."""
     tiles, tile, num_heads, head_dim = q.shape
     from pallas_kernels.paged_attention import PREFILL_KERNEL_CONFIG, paged_prefill_attention, prefill_block_tokens
-    if isinstance(k_pool, DeltaKV):      # the causal-block kernel reads bf16 pools only
+    if isinstance(k_pool, DeltaKV):      # the causal-block kernel reads bf16 pools only (no delta prefill kernel yet)
         return tiled_paged_attention(q, q_positions, tile_rows, tables, k_pool, v_pool, max_context=max_context,
                                      return_score_stats=return_score_stats)
     per_block = prefill_block_tokens(num_heads, k_pool.shape[0])
@@ -185,13 +185,19 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
                      max_context: int | None = None, return_score_stats: bool = False):
     """One query token per row: q [rows, num_heads, head_dim], positions [rows] int32 (-1: the row has no
     decode token this step). The row's keys are positions 0..position (its context after the write).
-    backend "kernel": the Pallas Mosaic GPU kernel; "reference": the tiled jnp path with one-token tiles.
+    backend "kernel": the Pallas Mosaic GPU kernel (the delta-KV kernel when k_pool is a DKVC DeltaKV, v_pool
+    then None); "reference": the tiled jnp path with one-token tiles.
     Returns out [rows, num_heads, head_dim] (and score_var [rows, num_heads] with return_score_stats).
     """
     rows = q.shape[0]
     lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
-    # A DKVC cache goes through the tiled path until pallas_kernels/delta_attention.py is plugged in here.
-    if backend == "kernel" and not isinstance(k_pool, DeltaKV):
+    if backend == "kernel" and isinstance(k_pool, DeltaKV):      # DKVC: the delta-KV kernel
+        from pallas_kernels.delta_attention import delta_attention
+        d = k_pool
+        return delta_attention(q, d.k_delta, d.v_delta, d.k_scale, d.v_scale, d.anchor_k, d.anchor_v, lengths,
+                               tables.page_starts, tables.page_sizes, interpret=interpret,
+                               return_score_stats=return_score_stats)
+    if backend == "kernel":
         from pallas_kernels.paged_attention import paged_attention
         return paged_attention(q, k_pool, v_pool, lengths, tables.page_starts, tables.page_sizes,
                                interpret=interpret, return_score_stats=return_score_stats)

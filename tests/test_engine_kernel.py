@@ -23,10 +23,12 @@ def _tiny_d64():
                        name="tiny-d64")
 
 
-def _run(model, attention, interpret, prompts, page_size=None, max_tokens=6, max_batch_size=8, decode_steps=4):
+def _run(model, attention, interpret, prompts, page_size=None, max_tokens=6, max_batch_size=8, decode_steps=4,
+         kv_precision="bf16"):
     engine = Engine(RuntimeConfig(model="tiny", max_context=256, kv_pool_tokens=4096, max_batch_size=max_batch_size,
                                   prefill_chunk=64, attention=attention, interpret_kernels=interpret,
-                                  page_size=page_size, decode_steps=decode_steps), model=model)
+                                  page_size=page_size, decode_steps=decode_steps, kv_precision=kv_precision),
+                    model=model)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [r.token_ids for r in engine.generate(prompts, sp)]
 
@@ -40,6 +42,15 @@ def test_engine_kernel_interpret_matches_reference(two_splits):
     model = _tiny_d64()
     prompts = [[5, 6, 7], list(range(20, 45))]
     kw = dict(page_size=8, max_tokens=3, max_batch_size=2, decode_steps=2)
+    assert _run(model, "kernel", True, prompts, **kw) == _run(model, "reference", False, prompts, **kw)
+
+
+def test_engine_delta_kernel_interpret_matches_reference():
+    """--kv-precision fp8-delta: decode rows through the delta-KV kernel (interpreter) give the tokens of the
+    tiled jnp path over the same delta cache (prefill reads deltas through the tiled path either way)."""
+    model = _tiny_d64()
+    prompts = [[5, 6, 7], list(range(20, 37))]
+    kw = dict(page_size=16, max_tokens=2, max_batch_size=2, decode_steps=1, kv_precision="fp8-delta")
     assert _run(model, "kernel", True, prompts, **kw) == _run(model, "reference", False, prompts, **kw)
 
 
