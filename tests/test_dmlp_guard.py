@@ -83,7 +83,8 @@ def test_guard_keeps_a_shifted_workload_within_half_a_point_of_lru(tmp_path):
     res = train(tr, va, H, TrainConfig(epochs=2, hidden=(64, 64), batch_size=256, learning_rate=1e-3))
     pred = Predictor(res.config, res.params, res.normalizer)
     _, rep = eval_examples(read_timeline([eval_path], "mooncake", 100.0), 0, H)
-    hit = policy_hit_rates([rep], pred, (0.05, 0.1, 0.2, 0.4), guard=True, guard_window=512)["hit_rate"]
+    hit = policy_hit_rates([rep], pred, (0.05, 0.1, 0.2, 0.4), guard=True, guard_window=512,
+                           baselines=("lru",))["hit_rate"]
     unguarded = np.array(hit["dmlp"]) - np.array(hit["lru"])
     guarded = np.array(hit["dmlp_guarded"]) - np.array(hit["lru"])
     assert unguarded.min() < -0.005, hit        # the shift makes the unguarded DMLP lose somewhere
