@@ -77,7 +77,7 @@ def test_guard_keeps_a_shifted_workload_within_half_a_point_of_lru(tmp_path):
     train_path, eval_path = str(tmp_path / "train.jsonl"), str(tmp_path / "eval.jsonl")
     write_jsonl(train_path, conversation_trace(1500, seed=3, rate_per_s=4.0, think_median_s=30.0))
     # The shift: the same kind of workload with arrivals three times as dense.
-    write_jsonl(eval_path, derive(conversation_trace(1500, seed=5, rate_per_s=4.0, think_median_s=30.0),
+    write_jsonl(eval_path, derive(conversation_trace(1000, seed=5, rate_per_s=4.0, think_median_s=30.0),
                                   ShiftSpec(rate=3.0)))
     tr, va, _ = train_val_examples(read_traces([train_path], "mooncake", 100.0), H, 0.25)
     res = train(tr, va, H, TrainConfig(epochs=2, hidden=(64, 64), batch_size=256, learning_rate=1e-3))
