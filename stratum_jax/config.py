@@ -94,6 +94,7 @@ class RuntimeConfig:
     dmlp_guard: bool = True          # shadow-LRU guard: evict in LRU order while the DMLP trails LRU
     kv_precision: str = dataclasses.field(default_factory=_kv_precision_default)   # KV pages: bf16, or
                                      # deltas from a resident anchor (fp16/fp8); the engine may fall back
+    dmlp_guard_window: int = 2048    # block accesses per guard judgement (ShadowLruGuard's window)
     enable_prefix_caching: bool = True
     seed: int = 0                    # seeds requests that bring no seed of their own
     trace_out: str | None = None     # write the block event log (JSONL, see stratum_jax/kv/event_log.py) here
@@ -215,6 +216,8 @@ class RuntimeConfig:
              f"--dmlp-confidence must lie in [{lo}, {hi}], got {self.dmlp_confidence!r}")
         need(isinstance(self.dmlp_online_track, (int, float)) and 0.0 < self.dmlp_online_track <= 1.0,
              f"--dmlp-online-track must lie in (0, 1], got {self.dmlp_online_track!r}")
+        need(isinstance(self.dmlp_guard_window, int) and self.dmlp_guard_window >= 1,
+             f"--dmlp-guard-window must be an integer >= 1 (block accesses), got {self.dmlp_guard_window!r}")
         if self.dmlp_online:
             need(self.dmlp_online_dir is not None,
                  "--dmlp-online needs --dmlp-online-dir DIR, where its checkpoints go")
@@ -308,6 +311,9 @@ class RuntimeConfig:
         g.add_argument("--dmlp-guard", action=argparse.BooleanOptionalAction, default=d.dmlp_guard,
                        help="shadow-LRU guard: evict in LRU order while the DMLP's recent hit rate trails "
                             "what LRU would have had (stratum_dmlp_guard_active); on by default")
+        g.add_argument("--dmlp-guard-window", type=int, default=d.dmlp_guard_window, metavar="ACCESSES",
+                       help="block accesses per guard judgement: a shorter window reacts sooner, a longer one "
+                            "trips less on noise")
         g.add_argument("--trace-out", default=None, metavar="PATH",
                        help="append the KV block event log (JSONL) to PATH, for DMLP training")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")

@@ -77,13 +77,14 @@ def test_guard_keeps_a_shifted_workload_within_half_a_point_of_lru(tmp_path):
     train_path, eval_path = str(tmp_path / "train.jsonl"), str(tmp_path / "eval.jsonl")
     write_jsonl(train_path, conversation_trace(1500, seed=3, rate_per_s=4.0, think_median_s=30.0))
     # The shift: the same kind of workload with arrivals three times as dense.
-    write_jsonl(eval_path, derive(conversation_trace(1500, seed=5, rate_per_s=4.0, think_median_s=30.0),
+    write_jsonl(eval_path, derive(conversation_trace(1000, seed=5, rate_per_s=4.0, think_median_s=30.0),
                                   ShiftSpec(rate=3.0)))
     tr, va, _ = train_val_examples(read_traces([train_path], "mooncake", 100.0), H, 0.25)
     res = train(tr, va, H, TrainConfig(epochs=2, hidden=(64, 64), batch_size=256, learning_rate=1e-3))
     pred = Predictor(res.config, res.params, res.normalizer)
     _, rep = eval_examples(read_timeline([eval_path], "mooncake", 100.0), 0, H)
-    hit = policy_hit_rates([rep], pred, (0.05, 0.1, 0.2, 0.4), guard=True, guard_window=512)["hit_rate"]
+    hit = policy_hit_rates([rep], pred, (0.05, 0.1, 0.2, 0.4), guard=True, guard_window=512,
+                           baselines=("lru",))["hit_rate"]
     unguarded = np.array(hit["dmlp"]) - np.array(hit["lru"])
     guarded = np.array(hit["dmlp_guarded"]) - np.array(hit["lru"])
     assert unguarded.min() < -0.005, hit        # the shift makes the unguarded DMLP lose somewhere

@@ -46,14 +46,18 @@ def guarded_policy(predictor: Predictor, guard: bool, window: int) -> DmlpPolicy
 
 def policy_hit_rates(replays: list[Replay], predictor: Predictor, capacity_fracs=DEFAULT_CAPACITY_FRACS,
                      host_frac: float = 0.0, guard: bool = True, online: list[OnlineRun] | None = None,
-                     guard_window: int = 2048, time_bins: int = 24) -> dict:
-    """Hit rates per policy and capacity. Policies: lru, lfu, belady, dmlp (the offline model, no guard,
+                     guard_window: int = 2048, time_bins: int = 24, baselines=("lru", "lfu", "belady")) -> dict:
+    """Hit rates per policy and capacity. Policies: `baselines` (lru always, lfu and belady unless left
+    out: a check that compares with LRU alone need not pay for them), dmlp (the offline model, no guard,
     as before the guard existed) and, with `guard`, dmlp_guarded (the same model behind the shadow-LRU
     guard). With `online` (one `OnlineRun` per replay): dmlp_online (the weights fine-tuned online, behind
     the guard when `guard`) and, with the guard, dmlp_online_unguarded. `over_time` holds each policy's
     hit rate per time bin of the scored part (the first replay only) and the guard's trips."""
     curves = [predict_all(predictor, r.history.raw()) for r in replays]
-    policies = list(POLICIES) + (["dmlp_guarded"] if guard else [])
+    unknown = set(baselines) - set(POLICIES)
+    if "lru" not in baselines or unknown:
+        raise ValueError(f"baselines must include lru and be among lru, lfu, belady; got {baselines}")
+    policies = [p for p in POLICIES if p in baselines or p == "dmlp"] + (["dmlp_guarded"] if guard else [])
     if online is not None:
         policies += ["dmlp_online"] + (["dmlp_online_unguarded"] if guard else [])
     totals = {p: [SimResult() for _ in capacity_fracs] for p in policies}
@@ -95,7 +99,7 @@ def policy_hit_rates(replays: list[Replay], predictor: Predictor, capacity_fracs
                 over_time["guard_trips"][name].append(pol.guard.trips if pol.guard is not None else 0)
     hit = {p: [t.hit_rate for t in totals[p]] for p in policies}
     gap = [(d - l) / (b - l) if b > l else float("nan")
-           for d, l, b in zip(hit["dmlp"], hit["lru"], hit["belady"])]
+           for d, l, b in zip(hit["dmlp"], hit["lru"], hit.get("belady", hit["lru"]))]
     return {
         "capacity_frac": list(capacity_fracs),
         "hit_rate": hit,

@@ -66,10 +66,58 @@ def reuse_before_eviction(curves: np.ndarray, horizons_ms: Sequence[float], idle
                           residency_ms: float, multiples: Sequence[float] = EVICTION_WINDOW_MULTIPLES) -> np.ndarray:
     """The eviction score [N]: P(used in the next t ms | idle for idle_ms), averaged over t = residency_ms
     x each of `multiples` (the time a block still stays, taken as exponential with mean residency_ms).
-    0 for a block idle past the longest horizon, as `reuse_within` is."""
-    f0 = curve_at(curves, horizons_ms, idle_ms)
-    gain = np.mean([curve_at(curves, horizons_ms, idle_ms + residency_ms * k) for k in multiples], axis=0) - f0
+    0 for a block idle past the longest horizon, as `reuse_within` is.
+
+    The same arithmetic as `curve_at` at idle_ms and at each window's end, in one pass over [1 + K, N]
+    times: a replay calls this once per request over every cached block, so the five separate
+    `curve_at` calls (each rebuilding the padded curves and binary-searching a 6-point grid) were most
+    of a replay's time. Bit-identical to the per-call form (tests/test_eviction_fast_path.py checks)."""
+    grid = np.concatenate([[0.0], np.asarray(horizons_ms, np.float64)])
+    n, h1 = len(curves), len(grid)
+    f = np.empty((n, h1))                                                      # [N, H + 1], F(0) = 0
+    f[:, 0] = 0.0
+    f[:, 1:] = curves
+    t = np.empty((1 + len(multiples), n))                                      # [1 + K, N]
+    t[0] = idle_ms
+    for i, k in enumerate(multiples):
+        t[i + 1] = idle_ms + residency_ms * k
+    np.clip(t, 0.0, grid[-1], out=t)
+    # The segment's left end: searchsorted(grid, t, "right") - 1 clipped to [0, H - 1]; grid[0] = 0 <= t
+    # always and t <= grid[-1], so it counts the inner grid points at or below t.
+    jm = (t >= grid[1]).view(np.uint8)         # H <= 255 horizons (a uint8 count is 4x cheaper than intp)
+    for g in grid[2:-1]:
+        jm += t >= g
+    jm = jm.astype(np.intp)
+    w = t
+    w -= np.take(grid, jm)
+    w /= np.take(np.diff(grid), jm)                                            # (t - lo) / (hi - lo)
+    jm += np.arange(n) * h1                                                    # flat index of F(lo)
+    flat = f.ravel()
+    at = np.take(flat, jm + 1, mode="wrap")                                    # (indices are in range:
+    at *= w                                                                    #  "wrap" skips the check)
+    w -= 1.0
+    w *= -1.0                                                                  # 1 - w, exactly
+    w *= np.take(flat, jm, mode="wrap")
+    at += w                                                                    # F(t) [1 + K, N]
+    f0 = at[0]
+    gain = np.mean(at[1:], axis=0) - f0
     return gain / np.maximum(1.0 - f0, 1e-9)
+
+
+def first_n(keys: tuple[np.ndarray, ...], n: int) -> np.ndarray:
+    """`np.lexsort(keys)[:n]` (the last key is the primary one) without sorting every row: only rows whose
+    primary key is at most the n-th smallest can be among the first n, so only they are sorted. A
+    replay asks for a few victims among thousands of cached blocks at every request."""
+    primary = keys[-1]
+    if n >= len(primary):
+        return np.lexsort(keys)[:n]
+    if n <= 0:
+        return np.zeros(0, np.intp)
+    kth = np.partition(primary, n - 1)[n - 1]
+    if kth != kth:                        # NaN among the first n: lexsort's own NaN order decides
+        return np.lexsort(keys)[:n]
+    sub = np.flatnonzero(primary <= kth)   # increasing, so lexsort's stable ties keep their order
+    return sub[np.lexsort(tuple(k[sub] for k in keys))][:n]
 
 
 class Residency:
@@ -230,9 +278,9 @@ class DmlpPolicy:
         residency = self.residency.update(now_ms, evicted, cached)
         seq = np.zeros(len(idle_ms)) if access_seq is None else access_seq
         if self.lru_mode:
-            return np.lexsort((seq, -idle_ms))[:n]
+            return first_n((seq, -idle_ms), n)
         score = reuse_before_eviction(curves, self.horizons_ms, idle_ms, residency)
-        return np.lexsort((seq, -idle_ms, score))[:n]
+        return first_n((seq, -idle_ms, score), n)
 
     @property
     def lru_mode(self) -> bool:

@@ -47,7 +47,7 @@ def build_cache_policy(config: RuntimeConfig, metrics_registry=None):
                                 config.dmlp_online_dir, threshold=threshold)
         tracker = OutcomeTracker(ckpt.config.horizons_ms, tuner.observe)
         on_access, on_idle = tracker.accessed, tracker.idle
-    guard = ShadowLruGuard() if config.dmlp_guard else None
+    guard = ShadowLruGuard(window=config.dmlp_guard_window) if config.dmlp_guard else None
     policy = DmlpPolicy(predictor, threshold, on_access=on_access, score_on_access=False, on_idle=on_idle,
                         track_fraction=config.dmlp_online_track, guard=guard)
     log.info("cache policy dmlp: %s (horizons %s ms, confidence %.2f, online %s, guard %s)", config.dmlp_checkpoint,
