@@ -146,6 +146,16 @@ def default_num_splits(batch: int, num_kv_heads: int) -> int:
     return int(min(16, -(-2 * _NUM_SMS_H100 // ctas)))
 
 
+def _flat_table(page_starts, splits: int, block_kv: int):
+    """page_starts [batch, max_pages] -> the flat int32 table the kernel bulk-copies a CTA's window of
+    (16-byte aligned), padded so the last window is in bounds."""
+    window = _table_window(page_starts.shape[1], splits, block_kv)
+    table = page_starts.reshape(-1)
+    if table.shape[0] % 4 or table.shape[0] < window:
+        table = jnp.pad(table, (0, (-table.shape[0]) % 4 + max(0, window - table.shape[0])))
+    return table
+
+
 def _table_window(max_pages: int, num_splits: int, block_kv: int) -> int:
     """Page-table entries one CTA copies to SMEM (static bound, multiple of 32 = 128 bytes).
 
@@ -375,12 +385,8 @@ def decode_attention_pipeline(q, kv_inputs, lengths, page_starts, page_sizes, *,
         q2 = jnp.pad(q_mma.reshape(batch * num_kv_heads, group, head_dim),
                      ((0, 0), (0, gp - group), (0, 0))).reshape(-1, head_dim)
 
-    # Page table, flattened so one contiguous bulk copy brings a CTA's window into SMEM.
     max_pages = page_starts.shape[1]
-    window = _table_window(max_pages, splits, config.block_kv)
-    table = page_starts.reshape(-1)
-    if table.shape[0] % 4 or table.shape[0] < window:
-        table = jnp.pad(table, (0, (-table.shape[0]) % 4 + max(0, window - table.shape[0])))
+    table = _flat_table(page_starts, splits, config.block_kv)
 
     kernel = _build_kernel(
         batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
@@ -508,10 +514,7 @@ def _paged_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, 
     q2 = q.astype(jnp.bfloat16).reshape(blocks, tokens, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
     q2 = jnp.pad(q2.reshape(blocks, num_kv_heads, rows, head_dim), ((0, 0), (0, 0), (0, _Q_ROWS - rows), (0, 0)))
     max_pages = page_starts.shape[1]
-    window = _table_window(max_pages, 1, config.block_kv)
-    table = page_starts.reshape(-1)
-    if table.shape[0] % 4 or table.shape[0] < window:
-        table = jnp.pad(table, (0, (-table.shape[0]) % 4 + max(0, window - table.shape[0])))
+    table = _flat_table(page_starts, 1, config.block_kv)
     kernel = _build_kernel(
         batch=blocks, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
         table_len=table.shape[0], rows_per_b=num_kv_heads * _Q_ROWS, rows_per_h=_Q_ROWS, copy_rows=_Q_ROWS,
