@@ -72,7 +72,7 @@ def run_one(model, args, attention: str, bw: float) -> dict:
                            decode_steps=args.decode_steps, tensor_parallel=args.tensor_parallel,
                            tp_embedding=args.tp_embedding, scheduler=args.scheduler,
                            coordinator=args.coordinator, num_processes=args.num_processes,
-                           process_id=args.process_id)
+                           process_id=args.process_id, async_scheduling=args.async_scheduling)
     engine = Engine(config, model=model)
     cfg = engine.model_config
     rng = np.random.default_rng(0)
@@ -129,7 +129,7 @@ def run_one(model, args, attention: str, bw: float) -> dict:
         "processes": jax.process_count(), "devices": tp,
         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "date": datetime.date.today().isoformat(),
-        "decode_steps_per_call": args.decode_steps,
+        "decode_steps_per_call": args.decode_steps, "async_scheduling": args.async_scheduling,
         "decode_tokens_per_s": sum(t.num_tokens for t in decode) / decode_s,
         "decode_step_ms_median": step_ms, "decode_steps": len(decode),
         "prefill_tokens": sum(t.prefill_tokens for t in prefill),
@@ -157,6 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="split the model over N devices")
     ap.add_argument("--tp-embedding", default="vocab-parallel", choices=TP_EMBEDDINGS)
     ap.add_argument("--scheduler", default="hab", choices=SCHEDULERS)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="dispatch each step before reading the previous one (the engine's default)")
     ap.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="multi-host (stratum_jax/distributed.py)")
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--process-id", type=int, default=0)

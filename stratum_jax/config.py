@@ -72,10 +72,13 @@ class RuntimeConfig:
     kv_pool_tokens: int = 65536      # KV capacity in token slots (rounded up to a multiple of 256)
     kv_host_tokens: int = 0          # host-memory tier for evicted prefix pages, in tokens (0 = none)
     kv_prefetch_pages: int = 64      # host-tier pages of queued requests recalled ahead, per step (0 = off)
-    prefill_chunk: int = 512         # most prompt tokens one request prefills per step (long prompts are split)
-    max_num_batched_tokens: int = 2048   # tokens per step: one decode token per row + prefill chunks
+    prefill_chunk: int = 4096        # most prompt tokens one request prefills per step (long prompts are split);
+                                     # as large as the step's budget: the scheduler decides who gets it
+    max_num_batched_tokens: int = 4096   # tokens per step: one decode token per row + prefill chunks (the
+                                     # Mooncake replay in BENCHMARKS.md: 4096 beat 2048 on TTFT at equal TPOT)
     decode_steps: int = 4            # decode steps per device call in steps with no prefill (tokens reach
                                      # the host in bursts of this)
+    async_scheduling: bool = True    # dispatch step N+1 before reading step N's results (engine.step)
     scheduler: str = "hab"           # "hab" (hunger-aware) or "fcfs" (the ablation / baseline)
     hab_threshold_ms: float = dataclasses.field(default_factory=_hab_threshold_default)
     hab_max_wait_ms: float = 2000.0  # HAB's starvation bound: a request waiting this long goes first
@@ -268,6 +271,9 @@ class RuntimeConfig:
         g.add_argument("--decode-steps", type=int, default=d.decode_steps,
                        help="decode steps per device call when no prompt is prefilling: more = less host "
                             "overhead, burstier streams (tokens reach clients N at a time)")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                       help="dispatch each engine step before reading the previous one's results, so host "
+                            "work (post-processing, scheduling, packing) overlaps the device's; on by default")
         g.add_argument("--scheduler", default=d.scheduler, choices=SCHEDULERS,
                        help="hab: hunger-aware batching (admits by compute fit when the device idles); "
                             "fcfs: first come, first served")

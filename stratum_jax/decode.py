@@ -92,6 +92,29 @@ jax.tree_util.register_dataclass(
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenFeed:
+    """Decode rows' input tokens that the previous step sampled and the host has not read yet (async
+    scheduling: the next step is dispatched before the previous one's results reach the host).
+
+    tokens [rows] int32: the previous step's `next_tokens` (each of its rows' last sampled token), on the
+    device; source_rows [rows] int32: for each row of this step, the previous step's row whose token it
+    takes, or -1 to keep the token the host packed.
+    """
+
+    tokens: jax.Array
+    source_rows: jax.Array
+
+    def apply(self, host_tokens):
+        """host_tokens [rows] int32 -> [rows] int32 with fed rows replaced on the device."""
+        fed = self.tokens[jnp.maximum(self.source_rows, 0)]
+        return jnp.where(self.source_rows >= 0, fed, host_tokens)
+
+
+jax.tree_util.register_dataclass(
+    TokenFeed, data_fields=[f.name for f in dataclasses.fields(TokenFeed)], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
 class StepResult:
     """tokens [rows] (greedy); logits [rows, vocab] float32 of each row's sampled position;
     prefill_hidden [P, hidden_size] (after the final norm); attn_score_var [rows] float32."""
@@ -183,13 +206,17 @@ def prompt_logprobs_piece(params, hidden, next_tokens, *, cfg):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "geo"), donate_argnames=("kv_cache",))
-def packed_step(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
-    """One engine step over a packed batch (decode tokens and prefill chunks together).
+def packed_step(params, kv_cache, batch: PackedBatch, feed: TokenFeed | None = None, *, cfg, geo: StepGeometry):
+    """One engine step over a packed batch (decode tokens and prefill chunks together). feed: decode
+    tokens still on the device (TokenFeed), or None.
 
     Returns (StepResult, new kv_cache). The step samples greedily; a batch with sampled rows or
     logprobs re-samples `StepResult.logits` with `sample_step` (a second, small executable), and prompt
     logprobs come from `StepResult.prefill_hidden` through `prompt_logprobs_piece`.
     """
+    if feed is not None:
+        batch = dataclasses.replace(
+            batch, token_ids=batch.token_ids.at[:geo.rows].set(feed.apply(batch.token_ids[:geo.rows])))
     hidden, attn_var, kv_cache = _forward(params, kv_cache, batch, cfg=cfg, geo=geo)
     with jax.named_scope("sampling"):
         logits = shard_vocab(llama.compute_logits(params, cfg, hidden[batch.sample_index]), geo.tp)
@@ -200,13 +227,15 @@ def packed_step(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry)
 @dataclasses.dataclass(frozen=True)
 class DecodeResult:
     """tokens, logprob: [steps, rows]; top_ids, top_logprobs: [steps, rows, MAX_TOP_LOGPROBS];
-    attn_score_var: [steps, rows] float32 (0 where the row did not run that step)."""
+    attn_score_var: [steps, rows] float32 (0 where the row did not run that step); next_tokens [rows]:
+    each row's last sampled token (at step steps_allowed - 1), what the next step feeds back."""
 
     tokens: jax.Array
     logprob: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
     attn_score_var: jax.Array
+    next_tokens: jax.Array
 
 
 jax.tree_util.register_dataclass(
@@ -215,11 +244,13 @@ jax.tree_util.register_dataclass(
 
 @functools.partial(jax.jit, static_argnames=("cfg", "geo", "variant"), donate_argnames=("kv_cache",))
 def decode_steps(params, kv_cache, last_tokens, positions, steps_allowed, tables: RowTables,
-                 sampling: SamplingArrays, *, cfg, geo: StepGeometry, variant: SamplerVariant):
+                 sampling: SamplingArrays, feed: TokenFeed | None = None, *, cfg, geo: StepGeometry,
+                 variant: SamplerVariant):
     """Up to geo.decode_steps decode steps for every row, in one device call.
 
     last_tokens, positions: [rows] int32, each row's newest token and its position (its K/V is not yet in
-    the cache). steps_allowed: [rows] int32, how many steps each row may take (0: padding row); once a row
+    the cache); feed: rows whose newest token is still on the device (TokenFeed), or None.
+    steps_allowed: [rows] int32, how many steps each row may take (0: padding row); once a row
     has used them its writes are dropped and it sees no context, so it never writes past its pages.
     tables.page_starts / page_sizes: the rows' block tables (pages for positions + steps_allowed - 1 must
     exist; context_lens is ignored). The loop always runs geo.decode_steps times: a static trip count
@@ -233,7 +264,7 @@ def decode_steps(params, kv_cache, last_tokens, positions, steps_allowed, tables
     batch_rows = jnp.arange(rows)
 
     def body(i, carry):
-        kv, tokens, out = carry
+        kv, tokens, last, out = carry
         active = i < steps_allowed
         pos = positions + i
         page = jnp.minimum(pos // tables.page_sizes, tables.page_starts.shape[1] - 1)
@@ -250,12 +281,14 @@ def decode_steps(params, kv_cache, last_tokens, positions, steps_allowed, tables
         new, logprob, top_ids, top_lp = sample_logits(logits, step_sampling, variant=variant)
         out = DecodeResult(out.tokens.at[i].set(new), out.logprob.at[i].set(logprob),
                            out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lp),
-                           out.attn_score_var.at[i].set(jnp.where(active, attn_var, 0.0)))
-        return kv, new, out
+                           out.attn_score_var.at[i].set(jnp.where(active, attn_var, 0.0)), out.next_tokens)
+        return kv, new, jnp.where(active, new, last), out
 
     steps = geo.decode_steps
+    if feed is not None:
+        last_tokens = feed.apply(last_tokens)
     out = DecodeResult(jnp.zeros((steps, rows), jnp.int32), jnp.zeros((steps, rows), jnp.float32),
                        jnp.zeros((steps, rows, k), jnp.int32), jnp.zeros((steps, rows, k), jnp.float32),
-                       jnp.zeros((steps, rows), jnp.float32))
-    kv_cache, _, out = lax.fori_loop(0, steps, body, (kv_cache, last_tokens, out))
-    return replicate(out, geo.tp), kv_cache
+                       jnp.zeros((steps, rows), jnp.float32), jnp.zeros((rows,), jnp.int32))
+    kv_cache, _, last, out = lax.fori_loop(0, steps, body, (kv_cache, last_tokens, last_tokens, out))
+    return replicate(dataclasses.replace(out, next_tokens=last), geo.tp), kv_cache

@@ -21,7 +21,7 @@ from stratum_jax.compile_watch import CompileWatch
 from stratum_jax.config import RuntimeConfig
 from stratum_jax.dmlp.features import FEATURE_NAMES
 from stratum_jax.dmlp.runtime import build_cache_policy, warm_predictor
-from stratum_jax.gpu_idle import GpuIdleMeter
+from stratum_jax.gpu_idle import DeviceTimeline, GpuIdleMeter
 from stratum_jax.kv.block_meta import Clock, EngineClock, RequestFeatures, features_of
 from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.kv.prefix_hash import prompt_chain_hashes
@@ -29,7 +29,7 @@ from stratum_jax.kv.transfer import KvTransfers
 from stratum_jax.kv.precision import kv_bytes_per_slot, start_kv_cache
 from stratum_jax.model.loader import LoadedModel, load_model
 from stratum_jax.model.tokenizer import IncrementalDetokenizer
-from stratum_jax.model_runner import ModelRunner, RunResult, kv_layout_of
+from stratum_jax.model_runner import InFlightStep, ModelRunner, RunResult, kv_layout_of
 from stratum_jax.outputs import OutputProcessor, token_logprobs
 from stratum_jax.engine_stats import EngineStats, StepTiming
 from stratum_jax.request import (FinishReason, GenerationResult, InvalidRequestError, QueueFullError, RequestState,
@@ -83,6 +83,7 @@ class Engine:
         self._measure_attention_stats = config.cache_policy == "dmlp" or config.trace_out is not None
         # Device idle time between steps: the DMLP's gpu_idle_frac, the stratum_gpu_idle_* metrics, HAB.
         self.gpu_idle = GpuIdleMeter()
+        self.timeline = DeviceTimeline(self.gpu_idle)   # busy intervals of steps dispatched without waiting
         self.scheduler = build_scheduler(config, self.pool)   # page size: --page-size, else the policy
         # Bytes per token slot over all layers: the pools' (deltas and per-granule scales with DKVC), not
         # the resident anchor's.
@@ -97,8 +98,8 @@ class Engine:
         self._steps = 0
         self._recent_decode_ms: collections.deque[float] = collections.deque(maxlen=64)   # per token step
         self._recent_prefill_tps: collections.deque[float] = collections.deque(maxlen=64)
-        self.last_step: StepTiming | None = None      # what the latest step ran, for benchmarks/metrics
-        self._last_step_end_ms: float | None = None
+        self.last_step: StepTiming | None = None      # the latest step read back, for benchmarks/metrics
+        self._inflight: InFlightStep | None = None     # dispatched, results not read yet (async scheduling)
         self._recent_queue_ms: collections.deque[float] = collections.deque(maxlen=64)
         self._mean_queue_ms: float | None = None
         self._trace = None
@@ -141,15 +142,26 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        """Requests in flight, or a dispatched step still to be read (its rows may all have finished)."""
+        return bool(self._requests) or self._inflight is not None
 
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Schedules and dispatches the next step, then reads and post-processes the step before it.
+
+        With async scheduling (the default) step N+1 is on the device before the host reads step N's
+        results, so the host's post-processing and the next scheduling overlap the device's work instead
+        of leaving it idle between steps: decode rows whose newest token is still on the device take it
+        there (decode.TokenFeed). A sequence that finishes in step N (EOS, a stop string) has one more
+        token computed in N+1, which is dropped. Without it (--no-async-scheduling) each step is read
+        right after its dispatch. Outputs and tokens are the same either way.
+        """
         outputs: dict[str, StepOutput] = {}
         self.pool.new_step()          # last step's block accesses reach the cache policy in one batch
         with jax.profiler.TraceAnnotation("scheduler"):
             for seq in [s for s in self._requests.values() if s.cancel_requested]:
                 self._finish(seq, FinishReason.CANCELLED, outputs)
+            self.timeline.watch(self._inflight, self.clock())
             batch = self.scheduler.schedule(self._step_costs())
         if self.pool.host is not None:
             with jax.profiler.TraceAnnotation("kv_transfers"):
@@ -157,53 +169,96 @@ class Engine:
                 # Before the step: offloads read pages scheduling just evicted, recalls fill pages it
                 # just allocated (kv/transfer.py).
                 self.kv_cache = self.transfers.run(self.kv_cache, self.pool.take_transfers())
+        launched = None
         if batch is not None:
-            with jax.profiler.TraceAnnotation(batch.kind):
-                dispatch_ms = self.clock()
-                run, self.kv_cache = self.runner.run(batch, self.kv_cache)
-                self._last_step_end_ms = self.clock()
-                self.gpu_idle.step(dispatch_ms, self._last_step_end_ms)
-                self._record(batch, run)
-            with jax.profiler.TraceAnnotation("postprocess"):
-                self._postprocess(batch, run, outputs)
-            self._steps += 1
-            for seq in batch.seqs:
-                if seq.admit_time is not None and not seq.queue_wait_recorded:
-                    self._recent_queue_ms.append((seq.admit_time - seq.arrival_time) * 1e3)
-                    self._mean_queue_ms = statistics.fmean(self._recent_queue_ms)
-                    seq.queue_wait_recorded = True
-            if self._trace is not None:
-                self._write_block_events()
+            with jax.profiler.TraceAnnotation(f"dispatch {batch.kind}"):
+                self.timeline.watch(self._inflight, self.clock())
+                launched, self.kv_cache = self.runner.dispatch(batch, self.kv_cache, previous=self._inflight)
+                self._account_dispatch(launched)
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            self._complete(previous, outputs)
+        if launched is not None and not self.config.async_scheduling:
+            self._inflight = None
+            self._complete(launched, outputs)
         return list(outputs.values())
+
+    def _account_dispatch(self, step: InFlightStep) -> None:
+        """What a dispatched step will have done once it runs, applied now so the next step can be
+        scheduled before its results are read: chunks are computed, decode rows have their tokens
+        computed, and every row that samples has one more token pending."""
+        batch = step.batch
+        for seq, n in zip(batch.decode, batch.decode_steps):
+            seq.num_computed += n
+            seq.num_pending += n
+        for seq, n in zip(batch.prefill, batch.chunk_lens):
+            seq.num_computed += n
+            if seq.num_computed < seq.num_tokens:
+                seq.state = RequestState.PREFILLING
+            else:                             # the chunk reaches the end: it samples the first token
+                seq.state = RequestState.DECODING
+                seq.num_pending += 1
+        self.timeline.dispatched(step, self._ms(step.dispatch_s))
+
+    def _complete(self, step: InFlightStep, outputs: dict[str, StepOutput]) -> None:
+        """Reads a dispatched step's results and post-processes them."""
+        was_done = step.is_ready()
+        with jax.profiler.TraceAnnotation("wait"):
+            run = self.runner.collect(step, self.kv_cache)
+        start_ms, end_ms = self.timeline.read(step, self._ms(run.done_s), was_done)
+        self._record(step.batch, (end_ms - start_ms) / 1e3)
+        with jax.profiler.TraceAnnotation("postprocess"):
+            self._postprocess(step, run, outputs)
+        self._steps += 1
+        for seq in step.batch.seqs:
+            if seq.admit_time is not None and not seq.queue_wait_recorded:
+                self._recent_queue_ms.append((seq.admit_time - seq.arrival_time) * 1e3)
+                self._mean_queue_ms = statistics.fmean(self._recent_queue_ms)
+                seq.queue_wait_recorded = True
+        if self._trace is not None:
+            self._write_block_events()
+
+    def _ms(self, perf_s: float) -> float:
+        """A time.perf_counter() reading on the engine clock (ms)."""
+        return self.clock() - (time.perf_counter() - perf_s) * 1e3
 
     def _step_costs(self) -> StepCosts:
         """What the scheduler may weigh: the device idle gap since the last step's results, and the
         measured per-token costs."""
         now_ms = self.clock()
-        idle = 0.0 if self._last_step_end_ms is None else max(0.0, now_ms - self._last_step_end_ms)
+        idle_since = self.timeline.idle_since_ms(self._inflight)
+        idle = 0.0 if idle_since is None else max(0.0, now_ms - idle_since)
         prefill_tps = statistics.median(self._recent_prefill_tps) if self._recent_prefill_tps else None
         return StepCosts(now_s=time.monotonic(), idle_gap_ms=idle,
                          prefill_ms_per_token=1e3 / prefill_tps if prefill_tps else None,
                          decode_ms_per_step=(statistics.median(self._recent_decode_ms)
                                              if self._recent_decode_ms else None))
 
-    def _record(self, batch: ScheduledBatch, run: RunResult) -> None:
-        elapsed = run.done_s - run.dispatch_s
+    def _record(self, batch: ScheduledBatch, device_s: float) -> None:
         prefill_tokens = sum(batch.chunk_lens)
-        self.last_step = StepTiming(batch.kind, elapsed, len(batch.seqs), batch.num_tokens, prefill_tokens)
+        self.last_step = StepTiming(batch.kind, device_s, len(batch.seqs), batch.num_tokens, prefill_tokens)
+        if device_s <= 0:
+            return
         # Medians over recent steps: an outlier step must not skew the estimate.
         if batch.kind == "decode":
-            self._recent_decode_ms.append(elapsed * 1e3 / max(1, max(batch.decode_steps)))
+            self._recent_decode_ms.append(device_s * 1e3 / max(1, max(batch.decode_steps)))
         else:
-            self._recent_prefill_tps.append(prefill_tokens / elapsed)
+            self._recent_prefill_tps.append(prefill_tokens / device_s)
 
-    def _postprocess(self, batch: ScheduledBatch, run: RunResult, outputs: dict[str, StepOutput]) -> None:
-        res = run.result
+    def _live(self, seq: Sequence, epoch: int) -> bool:
+        """Whether a step's row for seq still counts: not finished, cancelled or preempted since dispatch."""
+        return seq.epoch == epoch and seq.request_id in self._requests and self._requests[seq.request_id] is seq
+
+    def _postprocess(self, step: InFlightStep, run: RunResult, outputs: dict[str, StepOutput]) -> None:
+        batch, res = step.batch, run.result
         stats = self._measure_attention_stats
+        epochs = step.epochs
         if run.shape.kind == "decode":
             for r, (seq, n) in enumerate(zip(batch.decode, batch.decode_steps)):
+                if not self._live(seq, epochs[r]):
+                    continue
                 for i in range(n):
-                    seq.num_computed += 1
+                    seq.num_pending -= 1
                     if stats:
                         seq.recent_attn_var.append(float(res.attn_score_var[i, r]))
                     lps = token_logprobs(seq.params.logprobs, int(res.tokens[i, r]), res.logprob[i, r],
@@ -214,28 +269,31 @@ class Engine:
                     self._register_full_pages(seq)
             return
         for r, seq in enumerate(batch.decode):
-            seq.num_computed += 1
+            if not self._live(seq, epochs[r]):
+                continue
+            seq.num_pending -= 1
             if stats:
                 seq.recent_attn_var.append(float(res.attn_score_var[r]))
             if not self._append_token(seq, int(res.tokens[r]), self._row_logprobs(seq, res, r), outputs):
                 self._register_full_pages(seq)
         for i, (seq, n) in enumerate(zip(batch.prefill, batch.chunk_lens)):
             r = len(batch.decode) + i
-            if seq.wants_prompt_logprobs:
+            if not self._live(seq, epochs[r]):
+                continue
+            start = step.chunk_starts[i]
+            if res.prompt_logprob is not None and step.device.wants_prompt_logprobs[i]:
                 off = run.offsets[r]
-                self.outputs.collect_prompt_logprobs(seq, n, res.prompt_logprob[off:off + n],
+                self.outputs.collect_prompt_logprobs(seq, start, n, res.prompt_logprob[off:off + n],
                                                      res.prompt_top_ids[off:off + n],
                                                      res.prompt_top_logprobs[off:off + n])
-            seq.num_computed += n
             if stats:
                 # One value for the chunk's last <= 5 prompt tokens replaces what an earlier chunk gave.
                 seq.recent_attn_var.clear()
                 seq.recent_attn_var.append(float(res.attn_score_var[r]))
             self._register_full_pages(seq)
-            if seq.num_computed < seq.num_tokens:
-                seq.state = RequestState.PREFILLING
+            if start + n < seq.num_known_tokens:
                 continue                     # a middle prefill chunk: nothing sampled
-            seq.state = RequestState.DECODING
+            seq.num_pending -= 1
             self._append_token(seq, int(res.tokens[r]), self._row_logprobs(seq, res, r), outputs)
 
     @staticmethod
@@ -245,8 +303,11 @@ class Engine:
 
     @staticmethod
     def _register_full_pages(seq: Sequence) -> None:
-        if seq.blocks is not None and seq.blocks.has_unregistered_full_pages(seq.num_computed):
-            seq.blocks.register_full_pages(seq.all_token_ids, seq.num_computed, seq.request_id)
+        """Offers seq's full pages to the prefix cache: pages whose tokens the host knows and whose K/V
+        every dispatched step writes (a step still in flight writes them before any later step reads)."""
+        computed = min(seq.num_computed, seq.num_known_tokens)
+        if seq.blocks is not None and seq.blocks.has_unregistered_full_pages(computed):
+            seq.blocks.register_full_pages(seq.all_token_ids, computed, seq.request_id)
 
     def _append_token(self, seq: Sequence, token: int, lps, outputs: dict[str, StepOutput]) -> bool:
         """Adds a sampled token; returns True if the request finished."""

@@ -22,8 +22,8 @@ from tqdm import tqdm
 from stratum_jax.attention import RowTables
 from stratum_jax.config import RuntimeConfig
 from stratum_jax.decode import (ATTN_VAR_LAST_TOKENS, PROMPT_LOGPROB_PIECE, DecodeResult, PackedBatch,
-                                SamplerVariant, StepGeometry, decode_steps, packed_step, prompt_logprobs_piece,
-                                sample_step)
+                                SamplerVariant, StepGeometry, StepResult, TokenFeed, decode_steps, packed_step,
+                                prompt_logprobs_piece, sample_step)
 from stratum_jax.sampling import MAX_TOP_LOGPROBS
 from stratum_jax.sampling import SamplingArrays
 from stratum_jax.scheduler.base import ScheduledBatch
@@ -68,6 +68,39 @@ class RunResult:
     done_s: float            # results on the host
 
 
+@dataclasses.dataclass
+class _PackedOnDevice:
+    """A packed step's outputs, still on the device: the step's, the sampler's (tokens, logprob, top_ids,
+    top_logprobs) when the batch needed it, and the host's prompt_next [P] when a chunk wants prompt
+    logprobs (wants_prompt_logprobs[i]: prefill row i does)."""
+
+    step: StepResult
+    sampled: tuple | None
+    prompt_next: np.ndarray | None
+    wants_prompt_logprobs: list[bool]
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched step whose results the host has not read. epochs[r]: batch.seqs[r].epoch at dispatch
+    (a preempted sequence's results are stale); chunk_starts[i]: where prefill row i's chunk began;
+    device: DecodeResult or _PackedOnDevice; next_tokens [rows] on the device: each row's last sampled
+    token (what the next step's TokenFeed reads); dispatch_s: time.perf_counter() when its inputs were
+    packed and the executable called."""
+
+    batch: ScheduledBatch
+    shape: StepShape
+    epochs: list[int]
+    chunk_starts: list[int]
+    device: object
+    next_tokens: jax.Array
+    dispatch_s: float
+
+    def is_ready(self) -> bool:
+        """True once the device has finished the step (its last output is computed)."""
+        return self.next_tokens.is_ready()
+
+
 def kv_layout_of(kv_cache) -> tuple:
     """(class name, then (shape, dtype) of every leaf) of one layer's cache: () for the bf16 pools, whose
     shapes the rest of the key already fixes (so their key is as before)."""
@@ -92,16 +125,18 @@ class ModelRunner:
                                 attn_stats=attn_stats, tp=None if model is None else model.tp)
         self.buckets = prefill_buckets(config)
         self.shapes = all_step_shapes(config)
+        self._zero_tokens = None
 
     # -- compilation --------------------------------------------------------------------------------
     def _lower(self, shape: StepShape, kv_cache):
         cfg, geo, params = self.model.config, self.geo, self.model.params
+        feed = TokenFeed(self._no_tokens(), np.full(geo.rows, -1, np.int32))
         if shape.kind == "decode":
             args = self._decode_inputs(None)
-            return decode_steps.lower(params, kv_cache, *args, cfg=cfg, geo=geo, variant=shape.variant)
+            return decode_steps.lower(params, kv_cache, *args, feed, cfg=cfg, geo=geo, variant=shape.variant)
         if shape.kind == "packed":
             batch, _ = self._packed_inputs(None, shape.prefill_tokens)
-            return packed_step.lower(params, kv_cache, batch, cfg=cfg, geo=geo)
+            return packed_step.lower(params, kv_cache, batch, feed, cfg=cfg, geo=geo)
         if shape.kind == "sample":
             logits = jax.ShapeDtypeStruct((geo.rows, cfg.vocab_size), np.float32,
                                           sharding=geo.tp.replicated if geo.tp else None)   # as packed_step's
@@ -153,40 +188,90 @@ class ModelRunner:
         return seconds
 
     # -- one step -----------------------------------------------------------------------------------
-    def run(self, batch: ScheduledBatch, kv_cache):
-        """Runs the batch; returns (RunResult, new kv_cache)."""
+    def dispatch(self, batch: ScheduledBatch, kv_cache, previous: InFlightStep | None = None):
+        """Packs the batch and launches its step on the device without waiting for it; returns
+        (InFlightStep, new kv_cache). previous: the step still in flight, whose sampled tokens this one's
+        decode rows may take on the device (Sequence.num_pending > 0; async scheduling)."""
         params = self.model.params
         variant = SamplerVariant(sampled=any(s.params.temperature > 0 for s in batch.seqs),
                                  logprobs=any(s.params.logprobs > 0 for s in batch.seqs))
-        offsets: list[int | None] = [None] * len(batch.decode)
-        t0 = time.perf_counter()
+        feed = self._feed(batch, previous)
+        epochs = [s.epoch for s in batch.seqs]
+        starts = [s.num_computed for s in batch.prefill]
         if not batch.prefill:
             shape = StepShape("decode", variant=variant)
             exe = self._executable(shape, kv_cache)
-            result, kv_cache = exe(params, kv_cache, *self._decode_inputs(batch))
-            result = jax.device_get(result)
-            return RunResult(shape, result, offsets, t0, time.perf_counter()), kv_cache
+            inputs = self._decode_inputs(batch)
+            t0 = time.perf_counter()          # the device can start the step from here
+            result, kv_cache = exe(params, kv_cache, *inputs, feed)
+            return InFlightStep(batch, shape, epochs, starts, result, result.next_tokens, t0), kv_cache
         prefill_tokens = sum(self._slots(n) for n in batch.chunk_lens)
         shape = StepShape("packed", bucket_for(prefill_tokens, self.buckets))
         packed, sampling = self._packed_inputs(batch, shape.prefill_tokens)
-        step, kv_cache = self._executable(shape, kv_cache)(params, kv_cache, packed)
-        rows = self.geo.rows
-        empty = np.zeros((rows, 0), np.float32)
+        exe = self._executable(shape, kv_cache)
+        t0 = time.perf_counter()
+        step, kv_cache = exe(params, kv_cache, packed, feed)
         if variant.sampled or variant.logprobs:
             sampler = self._executable(StepShape("sample", variant=variant), kv_cache)
-            tokens, logprob, top_ids, top_lp = jax.device_get(sampler(step.logits, sampling))
+            sampled = sampler(step.logits, sampling)
         else:
-            tokens, logprob, top_ids, top_lp = step.tokens, np.zeros(rows, np.float32), empty.astype(np.int32), empty
-        out = PackedOutput(*jax.device_get((tokens, logprob, top_ids, top_lp, step.attn_score_var)))
+            sampled = None
+        wants = [s.wants_prompt_logprobs for s in batch.prefill]
+        device = _PackedOnDevice(step, sampled, packed.prompt_next[self.geo.rows:] if any(wants) else None, wants)
+        next_tokens = sampled[0] if sampled is not None else step.tokens
+        return InFlightStep(batch, shape, epochs, starts, device, next_tokens, t0), kv_cache
+
+    def collect(self, step: InFlightStep, kv_cache) -> RunResult:
+        """Waits for an in-flight step and brings its results to the host (prompt logprobs, if a chunk
+        asked for them, run here: they need the step's hidden states). kv_cache: the current cache, for
+        the prompt-logprob executable's key only."""
+        if step.shape.kind == "decode":
+            result = jax.device_get(step.device)
+            return RunResult(step.shape, result, [None] * len(step.batch.decode), step.dispatch_s,
+                             time.perf_counter())
+        batch, dev, rows = step.batch, step.device, self.geo.rows
+        offsets: list[int | None] = [None] * len(batch.decode)
+        if dev.sampled is not None:
+            tokens, logprob, top_ids, top_lp = dev.sampled
+        else:
+            empty = np.zeros((rows, 0), np.float32)
+            tokens, logprob, top_ids, top_lp = dev.step.tokens, np.zeros(rows, np.float32), empty.astype(np.int32), empty
+        out = PackedOutput(*jax.device_get((tokens, logprob, top_ids, top_lp, dev.step.attn_score_var)))
         off, hidden = 0, None
-        for seq, n in zip(batch.prefill, batch.chunk_lens):
+        for n, wants in zip(batch.chunk_lens, dev.wants_prompt_logprobs):
             offsets.append(off)
-            if seq.wants_prompt_logprobs:
+            if wants:
                 if hidden is None:       # on the host: slicing it on the device would compile per slice
-                    hidden = np.asarray(jax.device_get(step.prefill_hidden))
-                self._prompt_logprobs(out, hidden, packed.prompt_next[rows:], off, n, kv_cache)
+                    hidden = np.asarray(jax.device_get(dev.step.prefill_hidden))
+                self._prompt_logprobs(out, hidden, dev.prompt_next, off, n, kv_cache)
             off += self._slots(n)
-        return RunResult(shape, out, offsets, t0, time.perf_counter()), kv_cache
+        return RunResult(step.shape, out, offsets, step.dispatch_s, time.perf_counter())
+
+    def run(self, batch: ScheduledBatch, kv_cache):
+        """Runs the batch and waits for it: (RunResult, new kv_cache)."""
+        step, kv_cache = self.dispatch(batch, kv_cache)
+        return self.collect(step, kv_cache), kv_cache
+
+    def _feed(self, batch: ScheduledBatch, previous: InFlightStep | None) -> TokenFeed:
+        """The TokenFeed of a batch: decode rows with a pending token take it from `previous`'s row."""
+        rows = self.geo.rows
+        source = np.full(rows, -1, np.int32)
+        if previous is not None:
+            row_of = {id(s): r for r, (s, e) in enumerate(zip(previous.batch.seqs, previous.epochs)) if s.epoch == e}
+            for r, seq in enumerate(batch.decode):
+                if seq.num_pending:
+                    source[r] = row_of[id(seq)]   # a pending token comes from the one step in flight
+            tokens = previous.next_tokens
+        else:
+            tokens = self._no_tokens()
+        return TokenFeed(tokens, source)
+
+    def _no_tokens(self):
+        """A [rows] int32 device array laid out as steps' next_tokens are (for steps with nothing to feed)."""
+        if self._zero_tokens is None:
+            zeros = np.zeros(self.geo.rows, np.int32)
+            self._zero_tokens = jax.device_put(zeros, self.geo.tp.replicated if self.geo.tp else None)
+        return self._zero_tokens
 
     def _prompt_logprobs(self, out: PackedOutput, hidden: np.ndarray, prompt_next: np.ndarray, off: int, n: int,
                          kv_cache):
@@ -235,7 +320,7 @@ class ModelRunner:
             p = seq.params
             temp[r], top_p[r], top_k[r] = p.temperature, p.top_p, p.top_k
             seed_hi[r], seed_lo[r] = seq.seed >> 32, seq.seed & 0xFFFFFFFF
-            tok_idx[r] = len(seq.output_ids)
+            tok_idx[r] = seq.num_output_tokens        # its next token's index (seeds per token)
         return starts, sizes, SamplingArrays(temp, top_p, top_k, seed_hi, seed_lo, tok_idx)
 
     def _decode_inputs(self, batch: ScheduledBatch | None):

@@ -58,7 +58,7 @@ class OutputProcessor:
         else:
             seq.pending_text += seq.detokenizer.push(token)
             reason = self._check_stop_strings(seq)
-        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_context):
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_known_tokens >= self.max_context):
             reason = FinishReason.LENGTH
         if reason is None:
             # Hold back text that might be the start of a stop string.
@@ -85,15 +85,15 @@ class OutputProcessor:
         return out
 
     @staticmethod
-    def collect_prompt_logprobs(seq: Sequence, n: int, logprob: np.ndarray, top_ids: np.ndarray,
+    def collect_prompt_logprobs(seq: Sequence, start: int, n: int, logprob: np.ndarray, top_ids: np.ndarray,
                                 top_logprobs: np.ndarray) -> None:
         """Prompt position p gets the logprob of token p given tokens < p; position 0 gets [].
-        logprob [n] / top_* [n, K]: this chunk's positions num_computed .. num_computed + n - 1."""
+        logprob [n] / top_* [n, K]: the chunk's positions start .. start + n - 1."""
         if seq.prompt_logprobs is None:
             seq.prompt_logprobs = [[]]
         k = seq.params.prompt_logprobs
         for c in range(n):
-            nxt = seq.num_computed + c + 1
+            nxt = start + c + 1
             if nxt >= len(seq.prompt_ids):
                 break
             seq.prompt_logprobs.append(

@@ -19,9 +19,16 @@ class Sequence:
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     admit_order: int = 0                        # larger = admitted later (preempted first)
     state: RequestState = RequestState.QUEUED
-    output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_ids: list[int] = dataclasses.field(default_factory=list)   # sampled tokens the host has read
     blocks: BlockTable | None = None
-    num_computed: int = 0                       # tokens whose K/V are in the cache
+    # Tokens whose K/V are in the cache once every dispatched step has run: the engine advances it when it
+    # dispatches a step, not when the results come back (async scheduling, engine.py).
+    num_computed: int = 0
+    # Tokens sampled by a dispatched step whose results the host has not read yet (they follow
+    # output_ids; their ids are only on the device, and the next step feeds them back there).
+    num_pending: int = 0
+    # Bumped when the sequence is preempted: results of steps dispatched before that are stale.
+    epoch: int = 0
     cached_prompt_tokens: int = 0               # prompt tokens served by the prefix cache
     cancel_requested: bool = False
     finish_reason: FinishReason | None = None
@@ -56,6 +63,9 @@ class Sequence:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without building the whole list (the decode hot path)."""
+        if end > self.num_known_tokens:
+            raise ValueError(f"tokens [{start}, {end}) of {self.request_id} reach past the {self.num_known_tokens} "
+                             "the host has read (the rest are pending on the device)")
         n_prompt = len(self.prompt_ids)
         if start >= n_prompt:
             return self.output_ids[start - n_prompt:end - n_prompt]
@@ -65,7 +75,18 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and sampled tokens, counting those still pending on the device (the scheduler's view)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and sampled tokens the host has read (len(all_token_ids))."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Sampled tokens, counting those still pending on the device."""
+        return len(self.output_ids) + self.num_pending
 
     @property
     def is_prefilling(self) -> bool:

@@ -57,7 +57,9 @@ def test_sequence_keeps_the_last_five_token_variances(tiny, tmp_path):
     assert len(values) == 5                            # a bounded window: the last 5 tokens only
     assert all(math.isfinite(v) and v > 0 for v in values)
     assert seq.attn_var5 == pytest.approx(float(np.mean(values)))
-    # After prefill the window holds the prompt's value; decode then appends one per token.
+    # After prefill the window holds the prompt's value; decode then appends one per token. (With async
+    # scheduling the first step() returns before the prefill's results are read: skip the empty ones.)
+    seen = [s for s in seen if s]
     assert len(seen[0]) == 1 and len(seen[1]) == 5
 
 

@@ -1,5 +1,6 @@
 """HAB admits on idle: a stub clock drives the device idle gaps the scheduler sees; above the threshold it
-picks by CPM fit, below it admits in arrival order, and it respects the starvation bound."""
+picks by CPM fit, below it gives the budget to the shortest remaining prompt, and it respects the
+starvation bound."""
 import pytest
 
 from stratum_jax.config import RuntimeConfig
@@ -50,19 +51,39 @@ def _queue(sched):
         sched.add(_seq(name, n, arrival_s=100.0 + i * 0.001))
 
 
-def test_below_threshold_hab_admits_in_arrival_order():
+def test_below_threshold_hab_admits_the_shortest_prompt_first():
     sched = _scheduler()
     _queue(sched)
     batch = sched.schedule(_costs(now_s=100.5, idle_ms=3.0))        # 3 ms idle < 8 ms
-    assert _admitted(batch) == ["big"] and sched.triggers == 0
+    assert _admitted(batch) == ["small"] and sched.triggers == 0
     assert isinstance(sched, HabScheduler)
+    fcfs = _scheduler("fcfs")
+    _queue(fcfs)
+    assert _admitted(fcfs.schedule(_costs(now_s=100.5, idle_ms=3.0))) == ["big"]
+
+
+@pytest.mark.parametrize("kind, want", [("hab", ["short", "long"]), ("fcfs", ["long"])])
+def test_a_short_prompt_overtakes_a_long_one_mid_prefill(kind, want):
+    """A 100-token prompt arrives while a 1000-token one is prefilling: HAB gives it the budget first and
+    the long prompt the rest; FCFS keeps the budget on the long prompt."""
+    config = RuntimeConfig(model="tiny", max_context=2048, kv_pool_tokens=8192, max_batch_size=2, prefill_chunk=512,
+                           max_num_batched_tokens=2 + 512, scheduler=kind, hab_threshold_ms=8.0,
+                           hab_max_wait_ms=5000.0)
+    sched = build_scheduler(config, PagePool(config.kv_pool_slots, enable_prefix_caching=False))
+    sched.add(_seq("long", 1000, arrival_s=100.0))
+    (long,) = sched.schedule(_costs(100.0, 0.0)).prefill
+    long.num_computed += 512                    # what the engine accounts when it dispatches the chunk
+    sched.add(_seq("short", 100, arrival_s=100.1))
+    batch = sched.schedule(_costs(100.2, 0.0))
+    assert _admitted(batch) == want
+    assert sum(batch.chunk_lens) <= 512
 
 
 def test_idle_above_threshold_admits_by_cpm_fit():
     sched = _scheduler()
     _queue(sched)
     # Idle accumulates across calls while requests wait: 5 ms, then 4 more ms = 9 ms >= 8 ms.
-    assert sched._admission_order(_costs(100.5, 5.0)) and sched.triggers == 0
+    assert sched._prefill_order(_costs(100.5, 5.0)) and sched.triggers == 0
     batch = sched.schedule(_costs(now_s=100.5, idle_ms=4.0))
     # c_idle = 9 ms; c_req = tokens x 0.05 ms + max_tokens x 2 ms / 1 row: fit (8 + 2 = 10 ms) fits best.
     assert _admitted(batch) == ["fit"]
@@ -86,7 +107,7 @@ def test_idle_with_an_empty_queue_is_not_owed():
     sched = _scheduler()
     sched.schedule(_costs(100.0, 100.0))                   # nothing queued: the idle time is forgotten
     _queue(sched)
-    assert _admitted(sched.schedule(_costs(100.5, 1.0))) == ["big"] and sched.triggers == 0
+    assert _admitted(sched.schedule(_costs(100.5, 1.0))) == ["small"] and sched.triggers == 0
 
 
 @pytest.mark.parametrize("value, want", [("4", 4.0), ("low-latency", 2.0)])

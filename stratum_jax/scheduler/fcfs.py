@@ -79,9 +79,12 @@ class FcfsScheduler:
         """Tokens of seq's prompt this step: a non-final chunk is a whole number of tiles."""
         return min(seq.num_tokens - seq.num_computed, self.config.prefill_chunk, budget)
 
-    def _admission_order(self, costs: StepCosts) -> Iterable[Sequence]:
-        """Queued sequences in the order to try admitting them (FCFS: arrival order)."""
-        return list(self.waiting)
+    def _prefill_order(self, costs: StepCosts) -> list[Sequence]:
+        """Sequences that may prefill this step, in the order they get the step's prompt-token budget:
+        running ones with prompt left (FCFS: in admission order) and queued ones (FCFS: in arrival order,
+        after every running one)."""
+        running = sorted((s for s in self.running if s.is_prefilling), key=lambda s: s.admit_order)
+        return running + list(self.waiting)
 
     def _keep_trying_after_refusal(self, seq: Sequence) -> bool:
         """FCFS stops at the first request that does not fit, so nothing overtakes it."""
@@ -90,31 +93,31 @@ class FcfsScheduler:
     def _schedule_prefill(self, costs: StepCosts) -> list[tuple[Sequence, int]]:
         budget = self.budget
         picked: list[tuple[Sequence, int]] = []
-        for seq in sorted((s for s in self.running if s.is_prefilling), key=lambda s: s.admit_order):
+        running = {id(s) for s in self.running}
+        for seq in self._prefill_order(costs):
             if budget < self.tile:
                 break
-            if seq not in self.running:
-                continue                     # preempted while making room for an earlier one
-            n = self._chunk(seq, budget)
-            if self._grow(seq, seq.num_computed + n):
-                picked.append((seq, n))
-                budget -= self._slots(n)
-        if budget < self.tile or not self.waiting:
-            return picked
-        for seq in self._admission_order(costs):
-            if budget < self.tile or len(self.running) >= self.config.max_batch_size:
-                break
-            if not self._admit(seq, budget):
-                if self._keep_trying_after_refusal(seq):
+            if id(seq) in running:
+                if seq not in self.running:
+                    continue                 # preempted while making room for an earlier one
+            elif self.waiting and seq in self.waiting:
+                if len(self.running) >= self.config.max_batch_size:
                     continue
-                break
-            self.waiting.remove(seq)
-            self.running.append(seq)
-            if not seq.is_prefilling:
-                continue            # the prefix cache covered all but the last token: ready to decode
+                if not self._admit(seq, budget):
+                    if self._keep_trying_after_refusal(seq):
+                        continue
+                    break
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                if not seq.is_prefilling:
+                    continue            # the prefix cache covered all but the last token: ready to decode
+            else:
+                continue                     # preempted back to the queue by this step: not again now
             n = self._chunk(seq, budget)
             if not self._grow(seq, seq.num_computed + n):
-                break               # it was preempted back to the queue: the pool is full
+                if id(seq) in running:
+                    continue
+                break                   # it was preempted back to the queue: the pool is full
             picked.append((seq, n))
             budget -= self._slots(n)
         return picked
@@ -187,7 +190,9 @@ class FcfsScheduler:
         for seq in sorted((s for s in self.running if not s.is_prefilling), key=lambda s: s.admit_order):
             if seq not in self.running:
                 continue                     # preempted while making room for an earlier one
-            n = min(most, seq.params.max_tokens - len(seq.output_ids))
+            n = min(most, seq.params.max_tokens - seq.num_output_tokens)
+            if n <= 0:
+                continue                     # its last token is pending: it finishes when that is read
             if self._grow(seq, seq.num_tokens + n - 1):
                 picked.append((seq, n))
         return picked
@@ -210,6 +215,8 @@ class FcfsScheduler:
         seq.blocks.release()
         seq.blocks = None
         seq.num_computed = 0
+        seq.num_pending = 0                  # an in-flight step's tokens for it are dropped (epoch)
+        seq.epoch += 1
         seq.state = RequestState.QUEUED
         seq.preemptions += 1
         if not seq.prompt_logprobs_sent:

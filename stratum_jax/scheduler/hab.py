@@ -1,5 +1,6 @@
-"""HAB, hunger-aware batching (DESIGN.md): FCFS continuous batching, except that when the device has been
-starved for work it admits the queued requests whose compute best fills the idle time.
+"""HAB, hunger-aware batching (DESIGN.md): continuous batching that gives each step's prompt budget to the
+shortest remaining prompts, and, when the device has been starved for work, admits the queued requests
+whose compute best fills the idle time.
 
 What HAB does that FCFS does not:
   - It keeps a hunger account: the device idle time (the gap between one step's results and the next
@@ -15,9 +16,15 @@ What HAB does that FCFS does not:
     which is largest (0.5) when the request's compute equals the idle time: the request that best fills
     the idle cycle. It picks greedily, taking each pick's c_req off c_idle, then falls back to arrival
     order for the rest of the step's budget; a request that does not fit does not stop later ones.
-  - Starvation bound: a request that has waited --hab-max-wait-ms or longer goes first, in arrival
-    order, and one that does not fit stops further admissions (memory frees up for it first).
-Below the threshold HAB admits exactly as FCFS does.
+  - Shortest remaining prompt first: outside a trigger, the step's prompt-token budget goes to the
+    sequences with the fewest prompt tokens left to prefill, running or queued (a short prompt that
+    arrives while a long one prefills goes ahead of it), where FCFS gives it to running prompts in
+    admission order and then to the queue in arrival order. With bursty arrivals (the Mooncake trace
+    brings ~10 prompts of 2K-30K tokens at once) this is what brings the median time to first token down:
+    the short prompts finish first, the long ones lose little.
+  - Starvation bound: a request that has waited --hab-max-wait-ms or longer (queued or still
+    prefilling) goes first, in arrival order, and a queued one that does not fit stops further
+    admissions (memory frees up for it first).
 """
 from __future__ import annotations
 
@@ -58,24 +65,38 @@ class HabScheduler(FcfsScheduler):
         decode = seq.params.max_tokens * (costs.decode_ms_per_step or 0.0) / self.config.max_batch_size
         return prefill + decode
 
-    def _admission_order(self, costs: StepCosts) -> Iterable[Sequence]:
+    def _prefill_order(self, costs: StepCosts) -> list[Sequence]:
+        """Starving sequences (queued or running) in arrival order; then, on a hunger trigger, the CPM
+        picks; then everything else shortest remaining prompt first."""
+        running = [s for s in self.running if s.is_prefilling]
         queue = list(self.waiting)
-        starving = [s for s in queue if costs.now_s - s.arrival_time >= self.max_wait_s]
+        starving = sorted((s for s in running + queue if costs.now_s - s.arrival_time >= self.max_wait_s),
+                          key=lambda s: s.arrival_time)
         self._starving = {id(s) for s in starving}
-        rest = [s for s in queue if id(s) not in self._starving]
+        picked = self._cpm_picks([s for s in queue if id(s) not in self._starving], costs)
+        first = self._starving | {id(s) for s in picked}
+        rest = sorted((s for s in running + queue if id(s) not in first),
+                      key=lambda s: (s.num_tokens - s.num_computed, s.arrival_time))
+        return starving + picked + rest
+
+    def _cpm_picks(self, queue: list[Sequence], costs: StepCosts) -> list[Sequence]:
+        """Adds this call's idle gap to the hunger account; at the threshold (a trigger) returns the queued
+        requests that best fill the idle time, by CPM fit, greedily; else none."""
+        if not queue:
+            return []                 # idle time while nothing waits is not owed to anyone
         self.hungry_ms += costs.idle_gap_ms
-        if self.hungry_ms < self.threshold_ms or costs.prefill_ms_per_token is None or not rest:
-            return starving + rest
+        if self.hungry_ms < self.threshold_ms or costs.prefill_ms_per_token is None:
+            return []
         self.triggers += 1
         idle, self.hungry_ms = self.hungry_ms, 0.0
-        need = {id(s): self.request_cost_ms(s, costs) for s in rest}
-        picked = []
+        need = {id(s): self.request_cost_ms(s, costs) for s in queue}
+        rest, picked = list(queue), []
         while rest and idle > 0:
             best = max(rest, key=lambda s: fill_score(need[id(s)], idle))   # ties: the earliest arrival
             picked.append(best)
             rest.remove(best)
             idle -= need[id(best)]
-        return starving + picked + rest
+        return picked
 
     def _keep_trying_after_refusal(self, seq: Sequence) -> bool:
         return id(seq) not in self._starving
