@@ -58,6 +58,9 @@ COLLECTIVE_VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "sync-all-reduce": (["--xla_gpu_disable_async_collectives=ALLREDUCE"], {}),
     # NCCL's low-latency protocol for every message (NCCL normally picks it by size; forced here).
     "nccl-ll": ([], {"NCCL_PROTO": "LL"}),
+    # The first two together: one-shot kernels inside the command buffers.
+    "one-shot+cmdbuf": (["--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE",
+                         "--xla_gpu_enable_command_buffer=+COLLECTIVES"], {}),
 }
 
 

@@ -2,20 +2,21 @@
 # Issue 16, the 8B batch-1 target: ONE call on the nvidia-h200-x2 kind, from the repo root, ~5 min of
 # device time (BUDGET seconds of runs; each run ~30-40 s for llama-8b, under its own timeout):
 #   b1  tp=1, and tp=2 with the replicated embedding/LM head under each --collective-variant of
-#       benchmarks/e2e_decode.py (default, one-shot, cmdbuf-collectives, sync-all-reduce, nccl-ll); the
-#       default one also profiled and split per decode step (benchmarks/tp_profile_split.py)
+#       benchmarks/e2e_decode.py (default, one-shot, cmdbuf-collectives, sync-all-reduce, nccl-ll,
+#       one-shot+cmdbuf); default and one-shot also profiled and split per decode step
+#       (benchmarks/tp_profile_split.py)
 #   b64 tp=2 replicated vs vocab-parallel (the figure --tp-embedding auto's rule needs)
 # Runs in priority order and skips what would overrun BUDGET. Prints a table; JSON under $OUT:
-# e2e_<run>.json per run, split_b1_tp2_replicated.json, tp_session_summary.json (all rows), log_<run>.txt.
+# e2e_<run>.json per run, split_<run>.json, tp_session_summary.json (all rows), log_<run>.txt.
 # CPU dry run (tiny shapes, two host devices; checks every command line, not figures):
-#   OUT=/tmp/tpdry MODEL=tiny PROMPT=16 NEW=48 BIG=4 COPY_GB=0.01 ATTN=reference \
+#   OUT=/tmp/tpdry MODEL=tiny PROMPT=16 NEW=48 BIG=4 COPY_GB=0.01 ATTN=reference SPLIT_DEVICE=/host:CPU \
 #     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu bash benchmarks/gpu_tp_session.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PY:-python3}
 MODEL=${MODEL:-llama-8b}; PROMPT=${PROMPT:-512}; NEW=${NEW:-128}; BIG=${BIG:-64}; ATTN=${ATTN:-kernel}
-COPY_GB=${COPY_GB:-4}; STEP_TIMEOUT=${STEP_TIMEOUT:-90}; BUDGET=${BUDGET:-320}
+COPY_GB=${COPY_GB:-4}; STEP_TIMEOUT=${STEP_TIMEOUT:-90}; BUDGET=${BUDGET:-320}; SPLIT_DEVICE=${SPLIT_DEVICE:-GPU}
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 
@@ -29,40 +30,54 @@ run() {  # run NAME ARGS...: one e2e_decode.py run into $OUT/e2e_NAME.json, unle
   echo "$name: rc $rc at ${SECONDS}s"
   [ "$rc" = 0 ] || tail -4 "$OUT/log_$name.txt"
 }
-TP2=(--tensor-parallel 2)
+split() {  # split NAME: the profile of run NAME split per decode step into $OUT/split_NAME.json
+  if [ -f "$OUT/prof_$1/decode_window.json" ]; then
+    timeout 60 $PY benchmarks/tp_profile_split.py "$OUT/prof_$1" --out "$OUT/split_$1.json" --device "$SPLIT_DEVICE"
+  fi
+  rm -rf "$OUT/prof_$1"
+}
+B1=(--batch 1 --tensor-parallel 2 --tp-embedding replicated)
+PROFILE=(--profile-calls 5 --profile-dir)
 run b1_tp1 --batch 1
-run b1_tp2_replicated --batch 1 "${TP2[@]}" --tp-embedding replicated --profile-dir "$OUT/prof_b1" --profile-calls 5
-if [ -f "$OUT/prof_b1/decode_window.json" ]; then
-  timeout 60 $PY benchmarks/tp_profile_split.py "$OUT/prof_b1" --out "$OUT/split_b1_tp2_replicated.json"
-fi
-rm -rf "$OUT/prof_b1"
-run b1_tp2_replicated_one-shot --batch 1 "${TP2[@]}" --tp-embedding replicated --collective-variant one-shot
-run b1_tp2_replicated_cmdbuf-collectives --batch 1 "${TP2[@]}" --tp-embedding replicated \
-  --collective-variant cmdbuf-collectives
-run b${BIG}_tp2_replicated --batch "$BIG" "${TP2[@]}" --tp-embedding replicated
-run b${BIG}_tp2_vocab-parallel --batch "$BIG" "${TP2[@]}" --tp-embedding vocab-parallel
-run b1_tp2_replicated_sync-all-reduce --batch 1 "${TP2[@]}" --tp-embedding replicated \
-  --collective-variant sync-all-reduce
-run b1_tp2_replicated_nccl-ll --batch 1 "${TP2[@]}" --tp-embedding replicated --collective-variant nccl-ll
+run b1_tp2_replicated "${B1[@]}" "${PROFILE[@]}" "$OUT/prof_b1_tp2_replicated"
+split b1_tp2_replicated
+run b1_tp2_replicated_one-shot "${B1[@]}" --collective-variant one-shot "${PROFILE[@]}" "$OUT/prof_b1_tp2_replicated_one-shot"
+split b1_tp2_replicated_one-shot
+run b1_tp2_replicated_cmdbuf-collectives "${B1[@]}" --collective-variant cmdbuf-collectives
+run b${BIG}_tp2_replicated --batch "$BIG" --tensor-parallel 2 --tp-embedding replicated
+run b${BIG}_tp2_vocab-parallel --batch "$BIG" --tensor-parallel 2 --tp-embedding vocab-parallel
+run b1_tp2_replicated_sync-all-reduce "${B1[@]}" --collective-variant sync-all-reduce
+run b1_tp2_replicated_nccl-ll "${B1[@]}" --collective-variant nccl-ll
+run b1_tp2_replicated_one-shot+cmdbuf "${B1[@]}" --collective-variant one-shot+cmdbuf
 
-timeout 60 $PY - "$OUT" <<'PY'
+timeout 60 $PY - "$OUT" "$MODEL" <<'PY'
 import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
+out, model = pathlib.Path(sys.argv[1]), sys.argv[2]
 rows = []
 for f in sorted(out.glob("e2e_*.json")):
     r = json.loads(f.read_text())[0]
     rows.append({"run": f.stem[4:], **{k: r[k] for k in ("model", "batch", "tensor_parallel", "tp_embedding",
                  "collective_variant", "decode_step_ms_median", "decode_tokens_per_s", "fraction_of_roofline",
                  "device", "jax", "date")}})
-base = {r["batch"]: r["decode_step_ms_median"] for r in rows if r["tensor_parallel"] == 1}
-print(f"{'run':40} {'step ms':>8} {'tok/s':>8} {'of roof':>7} {'vs tp1':>6}")
+# tp=1 at the same batch: from this session, else the earlier two-H200 run in benchmarks/results (marked *).
+base = {r["batch"]: (r["decode_step_ms_median"], "") for r in rows if r["tensor_parallel"] == 1}
+for batch in {r["batch"] for r in rows} - set(base):
+    earlier = pathlib.Path(f"benchmarks/results/e2e_{model}_b{batch}_tp1_h200x2.json")
+    if earlier.exists():
+        base[batch] = (json.loads(earlier.read_text())[0]["decode_step_ms_median"], "*")
+print(f"{'run':40} {'step ms':>8} {'tok/s':>8} {'of roof':>7} {'vs tp1':>7}")
 for r in rows:
-    ratio = r["decode_step_ms_median"] / base[r["batch"]] if r["batch"] in base else float("nan")
-    r["vs_tp1_same_batch"] = ratio
+    ms, mark = base.get(r["batch"], (float("nan"), ""))
+    r["vs_tp1_same_batch"], r["tp1_from_earlier_run"] = r["decode_step_ms_median"] / ms, mark == "*"
     print(f"{r['run']:40} {r['decode_step_ms_median']:8.2f} {r['decode_tokens_per_s']:8.0f} "
-          f"{r['fraction_of_roofline'] or 0:7.1%} {ratio:6.2f}")
-split = out / "split_b1_tp2_replicated.json"
-summary = {"runs": rows, "split_b1_tp2_replicated": json.loads(split.read_text()) if split.exists() else None}
-(out / "tp_session_summary.json").write_text(json.dumps(summary, indent=2))
+          f"{r['fraction_of_roofline'] or 0:7.1%} {r['vs_tp1_same_batch']:6.2f}{mark or ' '}")
+splits = {f.stem[6:]: json.loads(f.read_text()) for f in sorted(out.glob("split_*.json"))}
+for name, s in splits.items():
+    first = min(s["per_step"])                  # /device:GPU:0
+    gpu = s["per_step"][first]
+    print(f"split {name}: compute {gpu['compute_ms_per_step']:.3f} + communication "
+          f"{gpu['communication_ms_per_step']:.3f} ms, busy {gpu['busy_ms_per_step']:.3f} of "
+          f"{s['wall_ms_per_step_median']:.3f} ms wall per step ({first}, {s['steps']} steps)")
+(out / "tp_session_summary.json").write_text(json.dumps({"runs": rows, "splits": splits}, indent=2))
 PY
 ls -la "$OUT"

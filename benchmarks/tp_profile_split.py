@@ -20,7 +20,9 @@ intervals: compute and communication may overlap on different streams), beside t
 from __future__ import annotations
 
 import argparse
+import datetime
 import gzip
+import importlib.metadata
 import json
 import pathlib
 import re
@@ -54,10 +56,11 @@ def annotation_windows(events: list[dict], name: str) -> list[tuple[float, float
                   if e.get("ph") == "X" and e.get("name") == name)
 
 
-def split(events: list[dict], windows: list[tuple[float, float]] | None = None) -> dict[str, dict[str, float]]:
-    """Trace events (Chrome trace format) -> {gpu process name: {"compute_us", "communication_us",
-    "busy_us"}} over the complete ("X") kernel events of each GPU process; with `windows` [(start_us,
-    end_us)] only the part of each event inside them counts."""
+def split(events: list[dict], windows: list[tuple[float, float]] | None = None,
+          device: str = "GPU") -> dict[str, dict[str, float]]:
+    """Trace events (Chrome trace format) -> {device process name: {"compute_us", "communication_us",
+    "busy_us"}} over the complete ("X") kernel events of each process whose name holds `device`; with
+    `windows` [(start_us, end_us)] only the part of each event inside them counts."""
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
@@ -65,7 +68,7 @@ def split(events: list[dict], windows: list[tuple[float, float]] | None = None) 
     out: dict[str, dict] = {}
     for e in events:
         name = names.get(e.get("pid"), "")
-        if e.get("ph") != "X" or "GPU" not in name or DERIVED_LINES.match(threads.get((e["pid"], e.get("tid")), "")):
+        if e.get("ph") != "X" or device not in name or DERIVED_LINES.match(threads.get((e["pid"], e.get("tid")), "")):
             continue
         start = float(e["ts"])
         parts = [(start, start + float(e.get("dur", 0.0)))]
@@ -79,7 +82,7 @@ def split(events: list[dict], windows: list[tuple[float, float]] | None = None) 
                 "busy_us": _union_us(v["intervals"])} for k, v in out.items() if v["intervals"]}
 
 
-def per_step(events: list[dict], window: dict) -> dict:
+def per_step(events: list[dict], window: dict, device: str = "GPU") -> dict:
     """The split of the decode calls that `window` (WINDOW_FILE's contents: {"annotation", "calls": [{"kind",
     "steps", "seconds"}]}) describes, per decode step. ValueError when the trace and the window disagree."""
     calls = window["calls"]
@@ -91,9 +94,9 @@ def per_step(events: list[dict], window: dict) -> dict:
         raise ValueError(f"{len(spans)} {window['annotation']!r} annotations in the trace but {len(calls)} calls "
                          f"in {WINDOW_FILE}: the trace and the window file are from different runs")
     steps = sum(c["steps"] for c in calls)
-    result = split(events, spans)
+    result = split(events, spans, device)
     if not result:
-        raise ValueError("no GPU kernel events inside the decode calls' annotations")
+        raise ValueError(f"no {device} kernel events inside the decode calls' annotations")
     wall_ms = statistics.median(c["seconds"] / c["steps"] for c in calls) * 1e3
     return {"steps": steps, "calls": len(calls), "wall_ms_per_step_median": wall_ms,
             "per_step": {gpu: {k.replace("_us", "_ms_per_step"): v / 1e3 / steps for k, v in row.items()}
@@ -104,6 +107,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("profile_dir")
     ap.add_argument("--out", default=None, help="also write the split as JSON here")
+    ap.add_argument("--device", default="GPU", help="split the trace processes whose name holds this (a CPU "
+                    "dry run of a session script: '/host:CPU', where every host event counts; no real split)")
     args = ap.parse_args(argv)
     root = pathlib.Path(args.profile_dir)
     traces = sorted(root.rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
@@ -117,7 +122,7 @@ def main(argv=None) -> int:
     data = json.load(gzip.open(traces[-1]))
     try:
         result = per_step(data["traceEvents"] if isinstance(data, dict) else data,
-                          json.loads((root / WINDOW_FILE).read_text()))
+                          json.loads((root / WINDOW_FILE).read_text()), args.device)
     except ValueError as e:
         print(f"error: {traces[-1]}: {e}", file=sys.stderr)
         return 2
@@ -126,7 +131,9 @@ def main(argv=None) -> int:
               f"{row['communication_ms_per_step']:.3f} ms, busy {row['busy_ms_per_step']:.3f} ms per step "
               f"(wall {result['wall_ms_per_step_median']:.3f} ms per step, {result['steps']} steps)")
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps({"trace": str(traces[-1]), **result}, indent=2))
+        pathlib.Path(args.out).write_text(json.dumps({
+            "trace": str(traces[-1]), "jax": importlib.metadata.version("jax"),
+            "date": datetime.date.today().isoformat(), **result}, indent=2))
     return 0
 
 

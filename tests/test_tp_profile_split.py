@@ -81,6 +81,20 @@ def test_a_window_that_does_not_fit_the_trace_is_refused(tps, window, message):
         tps.per_step(_decode_trace(prefill_us=10), window)
 
 
+def test_command_line_reads_the_trace_and_window_file_and_writes_the_split(tps, tmp_path, capsys):
+    run = tmp_path / "plugins" / "profile" / "run1"
+    run.mkdir(parents=True)
+    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": _decode_trace(prefill_us=5_000)}, f)
+    assert tps.main([str(tmp_path)]) == 2                      # no window file: refused, saying why
+    assert "no decode_window.json" in capsys.readouterr().err
+    (tmp_path / tps.WINDOW_FILE).write_text(json.dumps(WINDOW))
+    assert tps.main([str(tmp_path), "--out", str(tmp_path / "split.json")]) == 0
+    written = json.loads((tmp_path / "split.json").read_text())
+    assert written["steps"] == 8
+    assert written["per_step"]["/device:GPU:0"]["busy_ms_per_step"] == pytest.approx(0.030)
+
+
 def test_e2e_decode_profile_annotates_each_traced_full_batch_decode_call(tps, tmp_path, monkeypatch):
     """A real (CPU) profile from e2e_decode.py: the trace holds one annotation per call of its window file,
     and every traced call is a decode call of the whole batch."""
