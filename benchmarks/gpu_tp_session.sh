@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issue 16, the 8B batch-1 target: ONE call on the nvidia-h200-x2 kind, from the repo root, ~5 min of
 # device time (BUDGET seconds of runs; each run ~30-40 s for llama-8b, under its own timeout):
-#   b1  tp=1, and tp=2 with the replicated embedding/LM head under each --collective-variant of
-#       benchmarks/e2e_decode.py (default, one-shot, cmdbuf-collectives, sync-all-reduce, nccl-ll,
-#       one-shot+cmdbuf); default and one-shot also profiled and split per decode step
-#       (benchmarks/tp_profile_split.py)
+#   b1  tp=1; tp=2 with the replicated embedding/LM head, default and one-shot all-reduce, both profiled
+#       and split per decode step (benchmarks/tp_profile_split.py)
 #   b64 tp=2 replicated vs vocab-parallel (the figure --tp-embedding auto's rule needs)
+#   b1  tp=2 replicated under the other --collective-variant values of benchmarks/e2e_decode.py
+#       (cmdbuf-collectives, one-shot+cmdbuf, sync-all-reduce, nccl-ll), in that order
 # Runs in priority order and skips what would overrun BUDGET. Prints a table; JSON under $OUT:
 # e2e_<run>.json per run, split_<run>.json, tp_session_summary.json (all rows), log_<run>.txt.
 # CPU dry run (tiny shapes, two host devices; checks every command line, not figures):
@@ -23,7 +23,7 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 run() {  # run NAME ARGS...: one e2e_decode.py run into $OUT/e2e_NAME.json, unless it would overrun BUDGET
   local name=$1; shift
   if (( SECONDS + 35 > BUDGET )); then echo "skip $name: budget"; return; fi
-  timeout "$STEP_TIMEOUT" $PY benchmarks/e2e_decode.py --model "$MODEL" --prompt-len "$PROMPT" \
+  timeout -k 10 "$STEP_TIMEOUT" $PY benchmarks/e2e_decode.py --model "$MODEL" --prompt-len "$PROMPT" \
     --new-tokens "$NEW" --attention "$ATTN" --decode-steps 8 --copy-gb "$COPY_GB" --out "$OUT/e2e_$name.json" \
     "$@" >"$OUT/log_$name.txt" 2>&1
   local rc=$?
@@ -32,7 +32,7 @@ run() {  # run NAME ARGS...: one e2e_decode.py run into $OUT/e2e_NAME.json, unle
 }
 split() {  # split NAME: the profile of run NAME split per decode step into $OUT/split_NAME.json
   if [ -f "$OUT/prof_$1/decode_window.json" ]; then
-    timeout 60 $PY benchmarks/tp_profile_split.py "$OUT/prof_$1" --out "$OUT/split_$1.json" --device "$SPLIT_DEVICE"
+    timeout -k 5 60 $PY benchmarks/tp_profile_split.py "$OUT/prof_$1" --out "$OUT/split_$1.json" --device "$SPLIT_DEVICE"
   fi
   rm -rf "$OUT/prof_$1"
 }
@@ -43,12 +43,12 @@ run b1_tp2_replicated "${B1[@]}" "${PROFILE[@]}" "$OUT/prof_b1_tp2_replicated"
 split b1_tp2_replicated
 run b1_tp2_replicated_one-shot "${B1[@]}" --collective-variant one-shot "${PROFILE[@]}" "$OUT/prof_b1_tp2_replicated_one-shot"
 split b1_tp2_replicated_one-shot
-run b1_tp2_replicated_cmdbuf-collectives "${B1[@]}" --collective-variant cmdbuf-collectives
 run b${BIG}_tp2_replicated --batch "$BIG" --tensor-parallel 2 --tp-embedding replicated
 run b${BIG}_tp2_vocab-parallel --batch "$BIG" --tensor-parallel 2 --tp-embedding vocab-parallel
-run b1_tp2_replicated_sync-all-reduce "${B1[@]}" --collective-variant sync-all-reduce
-run b1_tp2_replicated_nccl-ll "${B1[@]}" --collective-variant nccl-ll
+run b1_tp2_replicated_cmdbuf-collectives "${B1[@]}" --collective-variant cmdbuf-collectives
 run b1_tp2_replicated_one-shot+cmdbuf "${B1[@]}" --collective-variant one-shot+cmdbuf
+run b1_tp2_replicated_sync-all-reduce "${B1[@]}" --collective-variant sync-all-reduce
+run b1_tp2_replicated_nccl-ll "${B1[@]}" --collective-variant nccl-ll   # NCCL picks LL for small messages anyway
 
 timeout 60 $PY - "$OUT" "$MODEL" <<'PY'
 import json, pathlib, sys
