@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 16, the 8B batch-1 target: ONE call on the nvidia-h200-x2 kind, from the repo root, ~5 min of
-# device time (BUDGET seconds of runs; each run ~30-40 s for llama-8b, under its own timeout):
+# device time (runs start only while under BUDGET=300 s, each ~30-40 s for llama-8b and at most 90 s):
 #   b1  tp=1; tp=2 with the replicated embedding/LM head, default and one-shot all-reduce, both profiled
 #       and split per decode step (benchmarks/tp_profile_split.py)
 #   b64 tp=2 replicated vs vocab-parallel (the figure --tp-embedding auto's rule needs)
@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PY:-python3}
 MODEL=${MODEL:-llama-8b}; PROMPT=${PROMPT:-512}; NEW=${NEW:-128}; BIG=${BIG:-64}; ATTN=${ATTN:-kernel}
-COPY_GB=${COPY_GB:-4}; STEP_TIMEOUT=${STEP_TIMEOUT:-90}; BUDGET=${BUDGET:-320}; SPLIT_DEVICE=${SPLIT_DEVICE:-GPU}
+COPY_GB=${COPY_GB:-4}; STEP_TIMEOUT=${STEP_TIMEOUT:-90}; BUDGET=${BUDGET:-300}; SPLIT_DEVICE=${SPLIT_DEVICE:-GPU}
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 

@@ -42,11 +42,13 @@ from stratum_jax.model.llama import init_params, param_shapes
 AXIS = "tp"
 # `--tp-embedding auto`: the most LM-head bytes replication may add to each device's per-step read.
 # Measured on two H200s (llama-8b, batch 1, tp=2; BENCHMARKS.md "Tensor parallelism on two H200s"): the
-# replicated head read 0.53 GB more per device and its step still took 4.50 ms against 6.41 ms
-# vocab-parallel, whose embedding all-reduce and logits gather cost ~2 ms per step. 2 GiB is ~0.5 ms at
-# the 4.1 TB/s copy bandwidth measured there, a quarter of that cost. The gathered logits grow with the
-# batch while the extra read does not, so batch size does not enter the rule; batch 64 replicated was not
-# measured yet (benchmarks/gpu_tp_session.sh runs it) and is what would confirm or break that.
+# replicated head read 0.53 GB (~0.13 ms) more per device and its step still took 4.50 ms against 6.41 ms
+# vocab-parallel: so vocab-parallel's embedding all-reduce, logits gather and sharded sampling cost ~2 ms
+# per step (inferred from the two step times, not profiled apart). 2 GiB is ~0.5 ms at the 4.1 TB/s copy
+# bandwidth measured there, a quarter of that. The gathered logits grow with the batch while the extra
+# read does not, so batch size does not enter the rule; batch 64 replicated was not measured yet
+# (benchmarks/gpu_tp_session.sh runs it) and is what would confirm or break that. Memory: replication
+# also copies the embedding, at most 2 x 2 GiB more per device (~3% of an H200).
 AUTO_REPLICATED_MAX_EXTRA_BYTES = 2 << 30
 
 
