@@ -8,8 +8,11 @@ Prefill and decode are timed apart (the engine reports each step's kind and wall
 the bytes a decode step must read, weights plus the KV of every running sequence, over a device-to-device
 copy bandwidth measured in the same run; with --tensor-parallel N it is the bytes one device holds and
 reads (its weight shards, replicated ones whole, and its KV heads) over one device's bandwidth, the N
-devices reading in parallel. --profile-dir DIR also traces a few decode calls after the timed pass
-(benchmarks/tp_profile_split.py splits such a trace into compute and communication). Prints a short
+devices reading in parallel. --profile-dir DIR also traces a few full-batch decode calls after the timed
+pass, each inside a TraceAnnotation, and writes which calls those were beside the trace
+(benchmarks/tp_profile_split.py splits their device time into compute and communication per decode step).
+--collective-variant NAME sets the XLA flags / NCCL environment of one of COLLECTIVE_VARIANTS (the
+small-message all-reduce options to compare at batch 1) before jax starts its backend. Prints a short
 table; writes JSON under benchmarks/results/.
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -26,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tqdm
+from jax._src import xla_bridge   # backends_are_initialized: no public equivalent in jax 0.11.2
 
 from stratum_jax.config import SCHEDULERS, TP_EMBEDDINGS, RuntimeConfig
 from stratum_jax.distributed import init_distributed
@@ -33,6 +38,72 @@ from stratum_jax.engine import Engine
 from stratum_jax.model.loader import load_model
 from stratum_jax.request import SamplingParams
 from stratum_jax.tensor_parallel import make_tensor_parallel
+from tp_profile_split import WINDOW_FILE  # noqa: E402  (benchmarks/, this script's directory)
+
+WINDOW_ANNOTATION = "e2e_decode_call"   # the TraceAnnotation around each profiled decode call
+
+# Options for tensor-parallel decode at small batches, where each layer's two all-reduces move one
+# [rows, hidden] activation and cost latency, not bandwidth. Each is (XLA flags, environment); all exist
+# in jaxlib 0.11.2's XLA (`strings libjax_common.so`). The two all-reduces of a layer depend on one
+# another, so the combiner thresholds have nothing to combine and are not among them.
+COLLECTIVE_VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "default": ([], {}),
+    # XLA's own one-shot all-reduce kernel within one host (each GPU reads its peers' buffers over
+    # NVLink and reduces) instead of an NCCL call.
+    "one-shot": (["--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE"], {}),
+    # Collectives recorded into the CUDA graphs XLA already builds for fusions and custom calls, so a
+    # layer's kernels launch as one graph rather than being split at each all-reduce.
+    "cmdbuf-collectives": (["--xla_gpu_enable_command_buffer=+COLLECTIVES"], {}),
+    # All-reduces run synchronously on the compute stream: no cross-stream events around a tiny message.
+    "sync-all-reduce": (["--xla_gpu_disable_async_collectives=ALLREDUCE"], {}),
+    # NCCL's low-latency protocol for every message (NCCL normally picks it by size; forced here).
+    "nccl-ll": ([], {"NCCL_PROTO": "LL"}),
+    # The first two together: one-shot kernels inside the command buffers.
+    "one-shot+cmdbuf": (["--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE",
+                         "--xla_gpu_enable_command_buffer=+COLLECTIVES"], {}),
+}
+
+
+def apply_collective_variant(name: str, environ=os.environ) -> dict:
+    """Sets variant `name`'s XLA flags (appended to XLA_FLAGS) and NCCL variables in `environ`; must run
+    before jax initialises its backend. Returns what it set, for the results JSON."""
+    if name not in COLLECTIVE_VARIANTS:
+        raise ValueError(f"--collective-variant must be one of {sorted(COLLECTIVE_VARIANTS)}, got {name!r}")
+    flags, env = COLLECTIVE_VARIANTS[name]
+    # XLA reads XLA_FLAGS and NCCL its variables once, when jax first starts the backend: set later, the
+    # variant would silently not apply and the comparison would be void.
+    if (flags or env) and xla_bridge.backends_are_initialized():
+        raise RuntimeError(f"--collective-variant {name}: jax's backend is already initialised; set it first")
+    if flags:
+        environ["XLA_FLAGS"] = " ".join([environ.get("XLA_FLAGS", ""), *flags]).strip()
+    environ.update(env)
+    return {"collective_variant": name, "xla_flags": environ.get("XLA_FLAGS", ""), "env": dict(env)}
+
+
+def profile_decode_calls(engine, prompts, sp, args) -> None:
+    """Traces --profile-calls full-batch decode calls into --profile-dir, each in a WINDOW_ANNOTATION
+    TraceAnnotation, and writes WINDOW_FILE there: the annotation's name and each traced call's kind,
+    decode steps and wall seconds (what tp_profile_split.py needs to count per decode step)."""
+    for p in prompts:
+        engine.add_request([3] + p[1:], sp)
+    # Past every prefill and mixed step of these requests (at least one step: last_step may still be the
+    # timed pass's final decode call), so the traced calls are decode calls of the whole batch.
+    engine.step()
+    while engine.has_unfinished() and not (engine.last_step.kind == "decode" and engine.last_step.num_seqs == args.batch):
+        engine.step()
+    calls = []
+    with jax.profiler.trace(args.profile_dir, create_perfetto_trace=True):
+        for _ in range(args.profile_calls):
+            if not engine.has_unfinished():
+                break
+            with jax.profiler.TraceAnnotation(WINDOW_ANNOTATION):
+                engine.step()
+            t = engine.last_step
+            calls.append({"kind": t.kind, "steps": t.num_tokens // max(t.num_seqs, 1), "seconds": t.seconds})
+    pathlib.Path(args.profile_dir, WINDOW_FILE).write_text(
+        json.dumps({"annotation": WINDOW_ANNOTATION, "calls": calls}, indent=2))
+    while engine.has_unfinished():
+        engine.step()
 
 
 def measure_copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 10, inner: int = 5) -> float:
@@ -94,18 +165,8 @@ def run_one(model, args, attention: str, bw: float) -> dict:
             if engine.last_step is not None:
                 timings.append(engine.last_step)
     wall = time.perf_counter() - t_all
-    if args.profile_dir:
-        # A few full-batch decode calls under the profiler, after the timed pass (compiled, warm).
-        for p in prompts:
-            engine.add_request([3] + p[1:], sp)
-        while engine.has_unfinished() and (engine.last_step is None or engine.last_step.kind != "decode"):
-            engine.step()
-        with jax.profiler.trace(args.profile_dir, create_perfetto_trace=True):
-            for _ in range(args.profile_calls):
-                if engine.has_unfinished():
-                    engine.step()
-        while engine.has_unfinished():
-            engine.step()
+    if args.profile_dir:      # after the timed pass: compiled and warm
+        profile_decode_calls(engine, prompts, sp, args)
     decode = [t for t in timings if t.kind == "decode"]
     prefill = [t for t in timings if t.kind in ("prefill", "mixed")]
     full_decode = [t for t in decode if t.num_seqs == args.batch]
@@ -125,7 +186,9 @@ def run_one(model, args, attention: str, bw: float) -> dict:
     return {
         "model": args.model, "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "attention": attention, "page_size": args.page_size or "adaptive",
-        "tensor_parallel": tp, "tp_embedding": args.tp_embedding if tp > 1 else None,
+        "tensor_parallel": tp,
+        "tp_embedding": None if model.tp is None else ("vocab-parallel" if model.tp.splits_vocab() else "replicated"),
+        "tp_embedding_flag": args.tp_embedding if tp > 1 else None, **args.variant,
         "processes": jax.process_count(), "devices": tp,
         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "date": datetime.date.today().isoformat(),
@@ -155,7 +218,9 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-gb", type=float, default=4.0)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/e2e_decode_<model>.json)")
     ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="split the model over N devices")
-    ap.add_argument("--tp-embedding", default="vocab-parallel", choices=TP_EMBEDDINGS)
+    ap.add_argument("--tp-embedding", default="auto", choices=TP_EMBEDDINGS)
+    ap.add_argument("--collective-variant", default="default", choices=sorted(COLLECTIVE_VARIANTS),
+                    help="XLA flags / NCCL environment for the all-reduces (COLLECTIVE_VARIANTS)")
     ap.add_argument("--scheduler", default="hab", choices=SCHEDULERS)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="dispatch each step before reading the previous one (the engine's default)")
@@ -165,6 +230,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-dir", default=None, help="trace --profile-calls decode calls here (perfetto)")
     ap.add_argument("--profile-calls", type=int, default=5)
     args = ap.parse_args(argv)
+    args.variant = apply_collective_variant(args.collective_variant)     # before jax starts its backend
 
     flags = RuntimeConfig(model=args.model, tensor_parallel=args.tensor_parallel, tp_embedding=args.tp_embedding,
                           scheduler=args.scheduler, coordinator=args.coordinator,

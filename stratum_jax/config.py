@@ -7,7 +7,7 @@ import os
 
 PAGE_SIZE_CLASSES = (8, 16, 32, 64, 128, 256)   # tokens per page: 8 * 2^k
 ATTENTION_BACKENDS = ("auto", "reference", "kernel")
-TP_EMBEDDINGS = ("vocab-parallel", "replicated")   # --tp-embedding (stratum_jax/tensor_parallel.py)
+TP_EMBEDDINGS = ("auto", "vocab-parallel", "replicated")   # --tp-embedding (stratum_jax/tensor_parallel.py)
 CACHE_POLICIES = ("lru", "dmlp")
 SCHEDULERS = ("hab", "fcfs")
 # Where the entry points (serve, generate) keep jax's persistent compilation cache unless told otherwise.
@@ -102,7 +102,8 @@ class RuntimeConfig:
     seed: int = 0                    # seeds requests that bring no seed of their own
     trace_out: str | None = None     # write the block event log (JSONL, see stratum_jax/kv/event_log.py) here
     tensor_parallel: int = 1         # devices the model is split over (stratum_jax/tensor_parallel.py)
-    tp_embedding: str = "vocab-parallel"   # with tensor_parallel > 1: embedding + LM head split or replicated
+    tp_embedding: str = "auto"       # with tensor_parallel > 1: embedding + LM head split, replicated, or
+                                     # chosen per model (tensor_parallel.choose_embedding)
     coordinator: str | None = None   # jax.distributed: HOST:PORT of process 0 (stratum_jax/distributed.py)
     num_processes: int = 1           # jax.distributed: processes (hosts) in the job
     process_id: int = 0              # jax.distributed: this process's rank in [0, num_processes)
@@ -331,7 +332,8 @@ class RuntimeConfig:
                             "all devices of all processes with --num-processes)")
         g.add_argument("--tp-embedding", default=d.tp_embedding, choices=TP_EMBEDDINGS,
                        help="with --tensor-parallel: split the embedding and LM head over the vocabulary, "
-                            "or replicate them on every device")
+                            "replicate them on every device, or auto: replicated unless that adds over 2 GiB "
+                            "of LM head per device (faster at batch 1 on two H200s)")
         g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                        help="multi-host: address of process 0 (jax.distributed.initialize)")
         g.add_argument("--num-processes", type=int, default=d.num_processes, metavar="P",

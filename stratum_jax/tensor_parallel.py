@@ -12,6 +12,10 @@ step from them, and the attention, which indexes pages, runs per shard under `sh
     k_pool, v_pool          [kv_heads, slots, head_dim]   P("tp", None, None): each device holds its heads
     embed_tokens, lm_head   [vocab, hidden]               P("tp", None) (vocab-parallel) or P()
 
+`--tp-embedding auto` (the default) picks one of the two per model (`choose_embedding`): replicated unless
+copying the LM head to every device adds more than AUTO_REPLICATED_MAX_EXTRA_BYTES to what each device
+reads per step.
+
 Fewer KV heads than devices (num_kv_heads < N): every KV head is repeated N / num_kv_heads times, so the
 model on the mesh has N KV heads, one per device, and device d's q heads read the copy on device d. With
 HF's grouping (q head h reads kv head h // (num_heads / num_kv_heads)) the repeated model computes exactly
@@ -26,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -35,6 +40,27 @@ from stratum_jax.model.config import ModelConfig
 from stratum_jax.model.llama import init_params, param_shapes
 
 AXIS = "tp"
+# `--tp-embedding auto`: the most LM-head bytes replication may add to each device's per-step read.
+# Measured on two H200s (llama-8b, batch 1, tp=2; BENCHMARKS.md "Tensor parallelism on two H200s"): the
+# replicated head read 0.53 GB (~0.13 ms) more per device and its step still took 4.50 ms against 6.41 ms
+# vocab-parallel: so vocab-parallel's embedding all-reduce, logits gather and sharded sampling cost ~2 ms
+# per step (inferred from the two step times, not profiled apart). 2 GiB is ~0.5 ms at the 4.1 TB/s copy
+# bandwidth measured there, a quarter of that. The gathered logits grow with the batch while the extra
+# read does not, so batch size does not enter the rule; batch 64 replicated was not measured yet
+# (benchmarks/gpu_tp_session.sh runs it) and is what would confirm or break that. Memory: replication
+# also copies the embedding, at most 2 x 2 GiB more per device (~3% of an H200).
+AUTO_REPLICATED_MAX_EXTRA_BYTES = 2 << 30
+
+
+def choose_embedding(cfg: ModelConfig, size: int) -> str:
+    """`--tp-embedding auto` for `cfg` over `size` devices: "replicated" when the LM head copied to every
+    device adds at most AUTO_REPLICATED_MAX_EXTRA_BYTES per device ((size - 1) / size of the [vocab,
+    hidden] head; the embedding lookup reads only its rows) or when size does not divide the vocabulary,
+    else "vocab-parallel"."""
+    if size <= 1 or cfg.vocab_size % size:
+        return "replicated"
+    head = cfg.vocab_size * cfg.hidden_size * jnp.dtype(cfg.dtype).itemsize
+    return "replicated" if head * (size - 1) // size <= AUTO_REPLICATED_MAX_EXTRA_BYTES else "vocab-parallel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +68,12 @@ class TensorParallel:
     """The mesh of one engine (hashable: it is part of the step's static geometry).
 
     mesh: a 1-D jax Mesh with axis "tp" over N devices (all processes' devices with jax.distributed).
-    vocab_parallel: embedding and LM head split over the vocabulary (True) or replicated (False).
+    vocab_parallel: embedding and LM head split over the vocabulary (True) or replicated (False); None
+        (`--tp-embedding auto`) until `for_model` chooses for a model, which load_model does.
     """
 
     mesh: Mesh
-    vocab_parallel: bool = True
+    vocab_parallel: bool | None = True
 
     @property
     def size(self) -> int:
@@ -64,6 +91,19 @@ class TensorParallel:
         """Of each k_pool / v_pool [kv_heads, slots, head_dim]: split over kv heads."""
         return self.sharding(AXIS, None, None)
 
+    def for_model(self, cfg: ModelConfig) -> TensorParallel:
+        """This mesh with `--tp-embedding auto` decided for cfg (choose_embedding); unchanged otherwise."""
+        if self.vocab_parallel is not None:
+            return self
+        return dataclasses.replace(self, vocab_parallel=choose_embedding(cfg, self.size) == "vocab-parallel")
+
+    def splits_vocab(self) -> bool:
+        """Whether the embedding and LM head are split over the vocabulary (ValueError while undecided)."""
+        if self.vocab_parallel is None:
+            raise ValueError("--tp-embedding auto is decided per model: lay the model out with "
+                             "tp.for_model(cfg) (load_model does) before using the mesh")
+        return self.vocab_parallel
+
     def check_model(self, cfg: ModelConfig) -> None:
         """Raises ValueError saying what to change when cfg cannot be split N ways."""
         n = self.size
@@ -77,7 +117,7 @@ class TensorParallel:
                              f"a multiple of {cfg.num_kv_heads}")
         if cfg.intermediate_size % n:
             raise ValueError(f"{flag} must divide the model's intermediate_size {cfg.intermediate_size}")
-        if self.vocab_parallel and cfg.vocab_size % n:
+        if self.splits_vocab() and cfg.vocab_size % n:
             raise ValueError(f"{flag} must divide the vocabulary ({cfg.vocab_size}) for a vocab-parallel "
                              "embedding: add --tp-embedding replicated")
 
@@ -97,7 +137,7 @@ class TensorParallel:
 
     def param_shardings(self, cfg: ModelConfig, params_like) -> dict:
         """A tree of NamedShardings for a parameter tree shaped like `params_like` (param_shapes of cfg)."""
-        vocab = (AXIS, None) if self.vocab_parallel else (None, None)
+        vocab = (AXIS, None) if self.splits_vocab() else (None, None)
 
         def spec(path, leaf):
             names = [k.key for k in path]
@@ -123,7 +163,7 @@ def shard_vocab(logits: jax.Array, tp: TensorParallel | None) -> jax.Array:
     """logits [N, vocab]: kept split over the vocabulary as a vocab-parallel LM head computes them.
     Without this, a replicated consumer (`replicate`) makes jit gather the whole LM head weight onto
     every device (a [vocab, hidden] all-gather per step) rather than the far smaller logits."""
-    if tp is None or not tp.vocab_parallel:
+    if tp is None or not tp.splits_vocab():
         return logits
     return jax.lax.with_sharding_constraint(logits, tp.sharding(None, AXIS))
 
@@ -131,7 +171,8 @@ def shard_vocab(logits: jax.Array, tp: TensorParallel | None) -> jax.Array:
 def make_tensor_parallel(size: int, *, embedding: str = "vocab-parallel",
                          devices: list | None = None) -> TensorParallel | None:
     """The mesh over the first `size` of `devices` (default jax.devices(): every process's devices), or
-    None for size 1 (the single-device path, with no mesh at all). ValueError when there are too few."""
+    None for size 1 (the single-device path, with no mesh at all). ValueError when there are too few.
+    embedding "auto" leaves the choice to `for_model` (load_model calls it)."""
     if embedding not in TP_EMBEDDINGS:
         raise ValueError(f"--tp-embedding must be one of {TP_EMBEDDINGS}, got {embedding!r}")
     if not isinstance(size, int) or size < 1:
@@ -148,7 +189,8 @@ def make_tensor_parallel(size: int, *, embedding: str = "vocab-parallel",
     if jax.process_count() > 1 and size != len(devices):
         raise ValueError(f"--tensor-parallel {size}: with {jax.process_count()} processes the mesh must span "
                          f"all {len(devices)} devices of all processes: give --tensor-parallel {len(devices)}")
-    return TensorParallel(Mesh(np.array(devices[:size]), (AXIS,)), vocab_parallel=embedding == "vocab-parallel")
+    vocab_parallel = None if embedding == "auto" else embedding == "vocab-parallel"
+    return TensorParallel(Mesh(np.array(devices[:size]), (AXIS,)), vocab_parallel=vocab_parallel)
 
 
 def _is_kv_proj(path) -> bool:

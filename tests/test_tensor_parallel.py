@@ -76,7 +76,7 @@ def test_greedy_tokens_and_logprobs_match_one_device(results):
     assert cases["devices"] == 4
     one = cases["runs"]["tiny_tp1"]
     assert all(len(r["token_ids"]) == 6 for r in one)
-    for name in ("tiny_tp2", "tiny_tp4_replicated"):
+    for name in ("tiny_tp2", "tiny_tp4_auto"):
         run = cases["runs"][name]
         assert _tokens(run) == _tokens(one), name
         for a, b in zip(run, one):
@@ -93,18 +93,18 @@ def test_parameters_and_kv_pools_live_split_over_devices(results):
     assert two["down_proj"]["per_device"] == [[128, 192]] * 2
     assert two["embed_tokens"]["per_device"] == [[256, 128]] * 2            # vocab-parallel
     assert two["k_pool"]["per_device"] == [[1, 4096, 32]] * 2               # each device: its own head
-    four = layout["tiny_tp4_replicated"]
+    four = layout["tiny_tp4_auto"]
     # 2 KV heads over 4 devices: each head repeated twice, one copy per device.
     assert four["k_proj"]["global"] == [128, 128] and four["k_proj"]["per_device"] == [[32, 128]] * 4
     assert four["k_pool"]["global"] == [4, 4096, 32] and four["k_pool"]["per_device"] == [[1, 4096, 32]] * 4
-    assert four["embed_tokens"]["per_device"] == [[512, 128]] * 4           # --tp-embedding replicated
+    assert four["embed_tokens"]["per_device"] == [[512, 128]] * 4           # auto: replicated
 
 
 def test_one_all_reduce_after_each_row_parallel_layer(results):
     """Per step: one all-reduce of the [tokens, hidden] activations after o_proj and after down_proj of
     each layer, plus one for the vocab-parallel embedding; nothing gathers a weight (every other
     collective is at most a [rows, vocab] block of logits or their statistics)."""
-    for name, embedding_reduces in (("tiny_tp2", 1), ("tiny_tp4_replicated", 0)):
+    for name, embedding_reduces in (("tiny_tp2", 1), ("tiny_tp4_auto", 0)):
         steps = results[0]["collectives"][name]
         assert set(steps) == {"decode", "packed"}
         for kind, ops in steps.items():

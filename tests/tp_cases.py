@@ -142,8 +142,10 @@ def main() -> None:
     if PART == "engines":
         result.update(runs={}, layout={}, collectives={})
         tiny = ["--model", "tiny"]
-        cases = {"tiny_tp1": tiny, "tiny_tp2": tiny + ["--tensor-parallel", "2"],
-                 "tiny_tp4_replicated": tiny + ["--tensor-parallel", "4", "--tp-embedding", "replicated"]}
+        # tp=4 with --tp-embedding auto: tiny's 128 KB LM head is replicated (tensor_parallel.choose_embedding).
+        cases = {"tiny_tp1": tiny,
+                 "tiny_tp2": tiny + ["--tensor-parallel", "2", "--tp-embedding", "vocab-parallel"],
+                 "tiny_tp4_auto": tiny + ["--tensor-parallel", "4", "--tp-embedding", "auto"]}
         for name, extra in cases.items():
             outputs, engine = run_cli_config(extra)
             result["runs"][name] = outputs

@@ -64,6 +64,7 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0,
         cfg = PRESETS[name_or_dir]
         if dtype is not None:
             cfg = _replace(cfg, f"preset {name_or_dir!r}", dtype=dtype)
+        tp = tp if tp is None else tp.for_model(cfg)      # --tp-embedding auto decided for this model
         start = time.perf_counter()
         if tp is None:
             params = init_params(cfg, seed)
@@ -87,6 +88,7 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0,
     except ValueError as e:
         raise CheckpointError(f"{cfg_file}: {e}") from e
     cfg = _generation_eos(path, cfg)
+    tp = tp if tp is None else tp.for_model(cfg)          # --tp-embedding auto decided for this model
     start = time.perf_counter()
     tokenizer = _load_tokenizer(path, cfg)
     loaded = time.perf_counter()
