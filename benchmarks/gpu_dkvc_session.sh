@@ -71,6 +71,13 @@ if has a; then
   SEL=(-k "config0"); [ "${RUN_ALL_GPU_TESTS:-0}" = 1 ] && SEL=()
   TAIL=20 step a_gpu_tests ${A_TIMEOUT:-90} $PY -m pytest -q -m gpu --durations=8 "${SEL[@]}" \
     tests/test_delta_attention.py --junitxml="$OUT/a_gpu_tests.xml"
+  # The register-resident mean anchor is the kernel's one untested-on-GPU part: if its cases failed and the
+  # 256-row anchor-ring ones passed, later steps run the mean anchor through the ring
+  # (pallas_kernels/delta_attention.py, module docstring).
+  if [ "${DRY:-0}" != 1 ] && $PY benchmarks/gpu_dkvc_resident_check.py "$OUT/a_gpu_tests.xml"; then
+    export STRATUM_DKVC_RESIDENT_ANCHOR=0
+    echo "resident mean anchor failed on the GPU, the anchor ring passed: STRATUM_DKVC_RESIDENT_ANCHOR=0 from here on"
+  fi
 fi
 
 # d. Quality at the size (256 held-aside prompts x 512 positions), KL + greedy agreement.

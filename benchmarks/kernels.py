@@ -53,7 +53,7 @@ from pallas_kernels.testing import float64_attention, random_paged_case   # noqa
 from pallas_kernels.paged_attention import (   # noqa: E402
     PAGE_SIZES, TuningConfig, paged_attention)
 from pallas_kernels.delta_attention import (   # noqa: E402
-    DELTA_DTYPES, delta_attention, delta_smem_bytes, rebuild_reference)
+    DELTA_DTYPES, default_resident_anchor, delta_attention, delta_smem_bytes, rebuild_reference)
 
 MIXED = "mixed"
 
@@ -418,7 +418,8 @@ def delta_configs(head_dim, dtype, anchor_len, table_width, quick):
     cands = [TuningConfig(), TuningConfig(num_stages=3), TuningConfig(block_kv=128)]
     if quick:
         cands = cands[:1]
-    return [c for c in cands if delta_smem_bytes(c, head_dim, dtype, resident_anchor=anchor_len == 1,
+    return [c for c in cands if delta_smem_bytes(c, head_dim, dtype, resident_anchor=anchor_len == 1 and
+                                                 default_resident_anchor(),
                                                  max_pages=table_width) <= 227 * 1024]
 
 
@@ -436,7 +437,7 @@ def run_delta(a):
     dev = jax.devices()[0]
     meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, platform=dev.platform,
                 jax=jax.__version__, batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D, reps=a.reps, inner=a.inner,
-                rounds=a.rounds, dry_run=a.dry_run, mode="delta")
+                rounds=a.rounds, dry_run=a.dry_run, mode="delta", resident_mean_anchor=default_resident_anchor())
     print(json.dumps(meta), flush=True)
     out_path = pathlib.Path(a.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
