@@ -194,3 +194,21 @@ def test_kernel_compiled_on_gpu(dtype, anchor_len, config):
     out, var = delta_attention(**case, config=config, return_score_stats=True)
     check(out, case)
     np.testing.assert_allclose(np.asarray(var), float64_delta_score_variance(case, mma_bf16=True), rtol=2e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,anchor_len,head_dim", [(FP8, 1, 128)])
+def test_kernel_lowers_to_mosaic_gpu_on_cpu(dtype, anchor_len, head_dim):
+    """The compiled (not interpreted) kernel's lowering to Mosaic GPU runs on a CPU: layouts (fp8 rows
+    loaded from swizzled SMEM in the WGMMA layout, the resident anchor's registers), the TMA copies of
+    scale pieces and the barriers are all emitted here, so a kernel change that breaks them fails in CI
+    rather than at the first GPU compile (ptxas's register allocation is the one step only a GPU runs).
+    fp8 with the register-resident mean anchor at D=128 is the combination nothing else compiles."""
+    shape = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+    S = 1024
+    args = (shape(2, 8, head_dim), shape(2, S, head_dim, dt=dtype), shape(2, S, head_dim, dt=dtype),
+            shape(2, S // 8, dt=jnp.float32), shape(2, S // 8, dt=jnp.float32),
+            shape(2, anchor_len, head_dim), shape(2, anchor_len, head_dim),
+            shape(2, dt=jnp.int32), shape(2, 8, dt=jnp.int32), shape(2, dt=jnp.int32))
+    fn = jax.jit(lambda *a: delta_attention(*a, config=TuningConfig(), resident_anchor=anchor_len == 1))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

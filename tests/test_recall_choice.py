@@ -68,18 +68,24 @@ def test_pool_recalls_or_cuts_the_prefix_by_the_choice(prefill_tps, recalled):
     assert (choice.recalled, choice.recomputed) == ((1, 0) if recalled else (0, 1))
 
 
-def test_pages_live_in_pinned_host_memory_and_the_copy_is_measured():
+@pytest.mark.parametrize("memory_kind", ["pinned_host", None])
+def test_pages_live_in_pinned_host_memory_and_the_copy_is_measured(memory_kind):
     """On this backend (CPU: jax 0.11 has pinned_host there too) pages are pinned_host jax arrays, and a
-    recall batch reports its bytes, tokens and seconds to the choice."""
+    recall batch reports its bytes, tokens and seconds to the choice. None: the numpy fallback of a
+    device without host memory kinds, byte for byte as well."""
     assert host_memory_kind(jax.devices()[0])[0] == "pinned_host"
     pool = PagePool(256, host_tokens=1024)
     cache = _cache(256)
     transfers = KvTransfers(sync=True)
+    transfers.memory_kind = memory_kind
     transfers.recall_choice = choice = RecallChoice(lambda: None)
     tokens, ha, hb, want, hogs = _prefix_half_on_host(pool, cache)
     cache = transfers.run(cache, pool.take_transfers())
     data = pool.host.get(hb).data
-    assert isinstance(data, jax.Array) and data.sharding.memory_kind == "pinned_host"
+    if memory_kind is None:
+        assert isinstance(data, np.ndarray)
+    else:
+        assert isinstance(data, jax.Array) and data.sharding.memory_kind == "pinned_host"
     pool.release(hogs[0])
     pages = pool.acquire_prefix(pool.match_prefix(tokens, PS, 2), 2)
     cache = transfers.run(cache, pool.take_transfers())

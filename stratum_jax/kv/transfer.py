@@ -145,14 +145,16 @@ class _Offload:
     """One gather of offloaded pages, cut into pages on the device and copied to host memory in one
     asynchronous batched transfer while the engine runs its step; `finish` waits for it."""
 
-    def __init__(self, gathered: jax.Array, pages: list, stats: TransferStats, host):
-        self.pages, self.stats, self.pinned = pages, stats, host is not None
+    def __init__(self, gathered: jax.Array, pages: list, stats: TransferStats, memory_kind: str | None):
+        self.pages, self.stats, self.pinned = pages, stats, memory_kind is not None
         pieces, at = [], 0
         for hp in pages:
             pieces.append(_page_of(gathered, at, hp.page_size))
             at += hp.page_size
-        if host is not None:
-            self.host = jax.device_put(pieces, host)
+        if memory_kind is not None:
+            # Each piece keeps its sharding (one device, or a tensor-parallel cache's mesh): only the
+            # memory kind changes, so each device's shard goes to that device's host memory.
+            self.host = jax.device_put(pieces, [x.sharding.with_memory_kind(memory_kind) for x in pieces])
         else:                                     # no host memory kind: numpy, waited for at `finish`
             for piece in pieces:
                 piece.copy_to_host_async()
@@ -172,8 +174,8 @@ class _Offload:
             jax.block_until_ready(self.host)
         else:
             data = jax.device_get(self.host)
-            for hp, d in zip(self.pages, data):
-                if not hp.dropped:
+            for hp, piece, d in zip(self.pages, self.host, data):
+                if hp.data is piece:              # still in the tier, not recalled (nor dropped) meanwhile
                     hp.data = d
         self.stats.device_get_s += time.perf_counter() - t
         self.stats.offloaded_bytes += self.nbytes
@@ -193,9 +195,6 @@ class KvTransfers:
         self._in_flight: list[_Offload] = []
         self.device = device if device is not None else jax.devices()[0]
         self.memory_kind, self.memory_reason = host_memory_kind(self.device)
-        self._host = (jax.sharding.SingleDeviceSharding(self.device, memory_kind=self.memory_kind)
-                      if self.memory_kind is not None else None)
-        self._on_device = jax.sharding.SingleDeviceSharding(self.device)
         (log.info if self.memory_kind == "pinned_host" else log.warning)("KV host tier memory: %s (%s)",
                                                                          self.memory_kind, self.memory_reason)
 
@@ -214,7 +213,7 @@ class KvTransfers:
             slots = np.concatenate([np.arange(hp.src_slot, hp.src_slot + hp.page_size) for hp in pending.offloads])
             padded = np.zeros(_bucket(len(slots)), np.int32)
             padded[:len(slots)] = slots
-            job = _Offload(_gather(cache, jnp.asarray(padded)), list(pending.offloads), stats, self._host)
+            job = _Offload(_gather(cache, jnp.asarray(padded)), list(pending.offloads), stats, self.memory_kind)
             stats.offloaded_pages += len(pending.offloads)
             if self.sync:
                 job.finish()
@@ -233,8 +232,12 @@ class KvTransfers:
             n = sum(d.shape[0] for d in datas)
             padded_slots = np.full(_bucket(n), num_slots, np.int32)       # out of range: dropped
             t1 = time.perf_counter()
-            pages = jax.device_put(datas, self._on_device)                # one batched host -> device copy
-            staging = jnp.zeros((len(padded_slots),) + tuple(datas[0].shape[1:]), datas[0].dtype, device=self._on_device)
+            if isinstance(datas[0], jax.Array):   # one batched host -> device copy, shardings kept
+                pages = jax.device_put(datas, [d.sharding.with_memory_kind("device") for d in datas])
+                where = pages[0].sharding
+            else:                                 # numpy pages (no host memory kind)
+                pages, where = jax.device_put(datas), None
+            staging = jnp.zeros((len(padded_slots),) + tuple(datas[0].shape[1:]), datas[0].dtype, device=where)
             at = 0
             for s, d in zip(starts, pages):
                 padded_slots[at:at + d.shape[0]] = np.arange(s, s + d.shape[0])
