@@ -17,8 +17,9 @@
 # STEPS="a d e b c" picks steps (STEPS="b c" redoes two); FP16_E2E=1 adds fp16-delta to step c (~+50 s);
 # ANCHORS=1,256 adds the position-aligned anchor to step b (~+40 s); RUN_ALL_GPU_TESTS=1 runs every
 # parametrisation in step a (12 instead of 4, ~+80 s).
-# DRY=1 runs every command at tiny sizes on the CPU (JAX_PLATFORMS=cpu; ~6 min on a 2-core box), to catch an
-# argparse error or a typo before the GPU call:  DRY=1 PY=.venv/bin/python bash benchmarks/gpu_dkvc_session.sh
+# DRY=1 runs every command at tiny sizes on the CPU (JAX_PLATFORMS=cpu; ~18 min on the shared 2-core dev box,
+# b and c running the kernels in the interpreter), to catch an argparse error or a typo before the GPU call:
+#   DRY=1 PY=.venv/bin/python bash benchmarks/gpu_dkvc_session.sh   (all five steps passed so, 2026-12-01)
 # Carry .whl (grpcio wheels) as benchmarks/gpu_session.sh does. Everything lands in $OUT: JSON (each file has
 # device, jax version and date), one log per step, steps.jsonl (rc and seconds per step).
 set -uo pipefail
@@ -50,8 +51,16 @@ fi
 STEPS=${STEPS:-"a d e b c"}
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt"
-$PY -c "import jax, datetime; print('jax', jax.__version__, jax.devices(), datetime.datetime.utcnow().isoformat())" \
-  | tee -a "$OUT/device.txt"
+# session.json: device, jax version and date for the step logs and steps.jsonl (the JSON results carry their own).
+$PY - "$OUT/session.json" "$STEPS" <<'PYEOF' | tee -a "$OUT/device.txt"
+import datetime, json, sys
+import jax
+d = jax.devices()[0]
+info = {"device": d.device_kind, "platform": d.platform, "jax": jax.__version__, "steps": sys.argv[2],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+open(sys.argv[1], "w").write(json.dumps(info) + "\n")
+print(info)
+PYEOF
 
 step() {  # step NAME CAP CMD...: runs CMD under `timeout CAP`, logs to $OUT/NAME.log, prints its tail and time
   local name=$1 cap=$2; shift 2
@@ -69,7 +78,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 #    (config0; the split-K and p_via_smem variants with RUN_ALL_GPU_TESTS=1), vs float64.
 if has a; then
   SEL=(-k "config0"); [ "${RUN_ALL_GPU_TESTS:-0}" = 1 ] && SEL=()
-  TAIL=20 step a_gpu_tests ${A_TIMEOUT:-80} $PY -m pytest -q -m gpu --durations=8 "${SEL[@]}" \
+  TAIL=20 step a_gpu_tests ${A_TIMEOUT:-80} $PY -m pytest -q -m gpu --durations=8 ${SEL[@]+"${SEL[@]}"} \
     tests/test_delta_attention.py --junitxml="$OUT/a_gpu_tests.xml"
   # The register-resident mean anchor is the kernel's one untested-on-GPU part: if its cases failed and the
   # 256-row anchor-ring ones passed, later steps run the mean anchor through the ring
