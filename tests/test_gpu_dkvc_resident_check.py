@@ -1,12 +1,17 @@
 """benchmarks/gpu_dkvc_resident_check.py: the GPU session switches the mean anchor to the anchor ring only
 when the register-resident cases failed and the ring cases passed."""
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from gpu_dkvc_resident_check import resident_failed_ring_passed  # noqa: E402
+# Loaded from its file: putting benchmarks/ on sys.path would shadow the `serving` package with
+# benchmarks/serving.py for every test after this one.
+_spec = importlib.util.spec_from_file_location(
+    "gpu_dkvc_resident_check", Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_dkvc_resident_check.py")
+_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
+resident_failed_ring_passed = _module.resident_failed_ring_passed
 
 
 def _xml(tmp_path, outcomes):
