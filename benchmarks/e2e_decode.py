@@ -3,16 +3,22 @@
     python benchmarks/e2e_decode.py --model llama-1b --batch 64 --prompt-len 512 --new-tokens 256
     python benchmarks/e2e_decode.py --model llama-70b --batch 32 --prompt-len 512 --new-tokens 128 \
         --tensor-parallel 2 --attention kernel
+    python benchmarks/e2e_decode.py --model llama-8b --batch 64 --prompt-len 3840 --new-tokens 256 \
+        --attention kernel --kv-precision bf16 fp8-delta      # DKVC (issue #12): one run per precision
 
 Prefill and decode are timed apart (the engine reports each step's kind and wall time). The roofline is
 the bytes a decode step must read, weights plus the KV of every running sequence, over a device-to-device
 copy bandwidth measured in the same run; with --tensor-parallel N it is the bytes one device holds and
 reads (its weight shards, replicated ones whole, and its KV heads) over one device's bandwidth, the N
-devices reading in parallel. --profile-dir DIR also traces a few full-batch decode calls after the timed
-pass, each inside a TraceAnnotation, and writes which calls those were beside the trace
-(benchmarks/tp_profile_split.py splits their device time into compute and communication per decode step).
---collective-variant NAME sets the XLA flags / NCCL environment of one of COLLECTIVE_VARIANTS (the
-small-message all-reduce options to compare at batch 1) before jax starts its backend. Prints a short
+devices reading in parallel. With a delta --kv-precision (DKVC) the KV bytes per token are the deltas and
+scales the cache really holds (stratum_jax/kv/precision.py `kv_bytes_per_slot`), and the JSON records the
+precision the engine really ran (after any fallback) and its attention backend: with --attention kernel a
+DKVC cache decodes through pallas_kernels/delta_attention.py. --profile-dir DIR also traces a few
+full-batch decode calls after the timed pass, each inside a TraceAnnotation, and writes which calls those
+were beside the trace (benchmarks/tp_profile_split.py splits their device time into compute and
+communication per decode step). --collective-variant NAME sets the XLA flags / NCCL environment of one of
+COLLECTIVE_VARIANTS (the small-message all-reduce options to compare at batch 1) before jax starts its
+backend. Prints a short
 table; writes JSON under benchmarks/results/.
 """
 from __future__ import annotations
@@ -32,9 +38,10 @@ import numpy as np
 import tqdm
 from jax._src import xla_bridge   # backends_are_initialized: no public equivalent in jax 0.11.2
 
-from stratum_jax.config import SCHEDULERS, TP_EMBEDDINGS, RuntimeConfig
+from stratum_jax.config import KV_PRECISIONS, SCHEDULERS, TP_EMBEDDINGS, RuntimeConfig
 from stratum_jax.distributed import init_distributed
 from stratum_jax.engine import Engine
+from stratum_jax.kv.precision import kv_bytes_per_slot
 from stratum_jax.model.loader import load_model
 from stratum_jax.request import SamplingParams
 from stratum_jax.tensor_parallel import make_tensor_parallel
@@ -131,7 +138,7 @@ def device_param_bytes(params) -> int:
     return sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
 
 
-def run_one(model, args, attention: str, bw: float) -> dict:
+def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16") -> dict:
     ctx = args.prompt_len + args.new_tokens
     # Prefill steps of up to --prefill-tokens prompt tokens; decode timing counts only the calls with no
     # prefill at the full batch size, as a static-batch generate runs (a serving load mixes them instead).
@@ -143,8 +150,11 @@ def run_one(model, args, attention: str, bw: float) -> dict:
                            decode_steps=args.decode_steps, tensor_parallel=args.tensor_parallel,
                            tp_embedding=args.tp_embedding, scheduler=args.scheduler,
                            coordinator=args.coordinator, num_processes=args.num_processes,
-                           process_id=args.process_id, async_scheduling=args.async_scheduling)
+                           process_id=args.process_id, kv_precision=kv_precision,
+                           interpret_kernels=args.interpret_kernels, async_scheduling=args.async_scheduling)
     engine = Engine(config, model=model)
+    if engine.kv_precision != kv_precision:
+        print(f"--kv-precision {kv_precision} fell back to {engine.kv_precision} (see the log)", flush=True)
     cfg = engine.model_config
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size - 1, args.prompt_len).tolist() for _ in range(args.batch)]
@@ -157,7 +167,7 @@ def run_one(model, args, attention: str, bw: float) -> dict:
         engine.add_request([2] + p[1:], sp)
     timings = []
     t_all = time.perf_counter()
-    with tqdm.tqdm(total=args.batch * args.new_tokens, desc=f"{attention} decode", unit="tok",
+    with tqdm.tqdm(total=args.batch * args.new_tokens, desc=f"{attention} {engine.kv_precision} decode", unit="tok",
                    disable=not sys.stderr.isatty()) as bar:
         while engine.has_unfinished():
             outs = engine.step()
@@ -179,14 +189,16 @@ def run_one(model, args, attention: str, bw: float) -> dict:
     tp = args.tensor_parallel
     w_device = device_param_bytes(model.params)
     # KV heads on one device: the mesh's config has >= tp heads, split evenly (tensor_parallel.py).
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    # Bytes per token the cache really holds: bf16 K/V, or a DKVC cache's deltas and scale pieces.
+    kv_per_token = kv_bytes_per_slot(engine.kv_cache)
     kv_per_token_device = kv_per_token // tp
     mean_ctx = args.prompt_len + args.new_tokens / 2
     roofline_ms = (w_device + args.batch * mean_ctx * kv_per_token_device) / bw * 1e3
     return {
         "model": args.model, "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "attention": attention, "page_size": args.page_size or "adaptive",
-        "tensor_parallel": tp,
+        "attention": attention, "attention_backend": engine.attention_backend,
+        "kv_precision_requested": kv_precision, "kv_precision": engine.kv_precision,
+        "page_size": args.page_size or "adaptive", "tensor_parallel": tp,
         "tp_embedding": None if model.tp is None else ("vocab-parallel" if model.tp.splits_vocab() else "replicated"),
         "tp_embedding_flag": args.tp_embedding if tp > 1 else None, **args.variant,
         "processes": jax.process_count(), "devices": tp,
@@ -212,6 +224,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--attention", nargs="+", default=["reference"], choices=["reference", "kernel"])
+    ap.add_argument("--kv-precision", nargs="+", default=["bf16"], choices=KV_PRECISIONS,
+                    help="one run per precision (and per --attention); DKVC: fp16-delta, fp8-delta")
+    ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"], help="default: the preset's")
+    ap.add_argument("--interpret-kernels", action="store_true",
+                    help="--attention kernel in the Pallas interpreter (CPU dry runs of this script; slow)")
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps per device call")
     ap.add_argument("--prefill-tokens", type=int, default=8192, help="prompt tokens per prefill step")
@@ -237,20 +254,39 @@ def main(argv=None) -> int:
                           num_processes=args.num_processes, process_id=args.process_id)   # validates them
     init_distributed(flags)
     tp = make_tensor_parallel(args.tensor_parallel, embedding=args.tp_embedding)
-    model = load_model(args.model, seed=0, tp=tp)
+    model = load_model(args.model, seed=0, tp=tp, dtype=args.dtype)
     bw = measure_copy_bandwidth(int(args.copy_gb * (1 << 30)))
-    runs = [run_one(model, args, attention, bw) for attention in args.attention]
     suffix = f"_tp{args.tensor_parallel}" if args.tensor_parallel > 1 else ""
     out = pathlib.Path(args.out or f"benchmarks/results/e2e_decode_{args.model}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:               # every process ran the same steps; one writes them
-        out.write_text(json.dumps(runs, indent=2))
-    print(f"{'model':10} {'tp':>3} {'batch':>5} {'attn':>9} {'tok/s':>10} {'step ms':>8} {'roof ms':>8} {'of roof':>7} "
+    runs, failed = [], []
+    for attention in args.attention:
+        for prec in args.kv_precision:
+            try:
+                runs.append(run_one(model, args, attention, bw, prec))
+            except Exception as e:  # noqa: BLE001 - one failing precision (a kernel's first GPU compile) keeps the others
+                if len(args.attention) * len(args.kv_precision) == 1:
+                    raise
+                failed.append({"attention": attention, "kv_precision": prec, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+                print(f"{attention} {prec} FAILED: {failed[-1]['error'][:500]}", flush=True)
+            if jax.process_index() == 0:       # every process ran the same steps; one writes them (each run)
+                out.write_text(json.dumps(runs + failed, indent=2))
+    print(f"{'model':10} {'tp':>3} {'batch':>5} {'attn':>9} {'kv':>10} {'tok/s':>10} {'step ms':>8} {'roof ms':>8} {'of roof':>7} "
           f"{'prefill tok/s':>13}")
     for r in runs:
-        print(f"{r['model']:10} {r['tensor_parallel']:3d} {r['batch']:5d} {r['attention']:>9} {r['decode_tokens_per_s']:10.0f} "
+        print(f"{r['model']:10} {r['tensor_parallel']:3d} {r['batch']:5d} {r['attention']:>9} {r['kv_precision']:>10} {r['decode_tokens_per_s']:10.0f} "
               f"{r['decode_step_ms_median']:8.2f} {r['roofline_step_ms']:8.2f} {r['fraction_of_roofline'] or 0:7.1%} "
               f"{r['prefill_tokens'] / max(r['prefill_seconds'], 1e-9):13.0f}")
+    base = {r["attention"]: r["decode_tokens_per_s"] for r in runs if r["kv_precision"] == "bf16"}
+    for r in runs:
+        if r["kv_precision"] != "bf16" and r["attention"] in base:
+            r["x_bf16_decode_tokens_per_s"] = r["decode_tokens_per_s"] / base[r["attention"]]
+            print(f"{r['attention']} {r['kv_precision']}: {r['x_bf16_decode_tokens_per_s']:.2f}x bf16 decode tok/s "
+                  "(#12 asks >= 1.25x for fp8-delta, llama-8b b64 4K)")
+    if jax.process_index() == 0:
+        out.write_text(json.dumps(runs + failed, indent=2))
+    if not runs:
+        return 1
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s on {runs[0]['device']}; wrote {out}")
     return 0
 

@@ -11,6 +11,18 @@ user message. Turns go round-robin (all first turns, then all second turns, ...)
 requests running, so by the time a chat comes back its KV has usually been pushed out of the HBM pool
 by the others: without a host tier its whole history is prefilled again.
 
+`--recall-vs-recompute` measures instead what #12 asks of the tier: one `--context`-token prompt evicted
+to the host tier and recalled, against recomputing it, and the raw pinned-host <-> device copy bandwidth:
+
+    PYTHONPATH=$PWD python3 benchmarks/host_tier.py --recall-vs-recompute --model llama-8b --context 32768 \
+        --out benchmarks/results/host_tier_recall_llama-8b_32k.json
+
+(#12: recall >= 10x faster than recompute; host -> device copies >= 40 GB/s.) The HBM pool holds one
+such prompt, so each prompt evicts the one before it to the host tier. Order: P0 (compiles), P1 and P2
+(recomputed: the recompute times), P1 and P2 again (recalled from the tier: the recall times, the first
+of which may include compiling the copies' shapes). A time is the request's wall time to its first
+token (the tail of the prompt past its last full page is always prefilled).
+
 Measured per condition: prompt tokens computed vs served from cache (HBM or host), host hits, prefetched
 pages, bytes copied each way, wall time, output tokens/s, and time to first token (p50/p90) of the
 turns after the first. Writes JSON (--out) and a PNG beside it.
@@ -99,6 +111,78 @@ def run_condition(model, args, name: str, host_tokens: int, prefetch_pages: int)
     }
 
 
+def pinned_copy_bandwidth(nbytes: int, repeats: int = 5) -> dict:
+    """GB/s of direct copies between a pinned_host array and the device (jax.device_put with a sharding
+    of that memory kind, kv/transfer.py's path), each way: the median of `repeats` timed copies."""
+    import jax
+    import numpy as np
+
+    from stratum_jax.kv.transfer import host_memory_kind
+    dev = jax.devices()[0]
+    kind, why = host_memory_kind(dev)
+    host = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind) if kind else None
+    on_dev = jax.sharding.SingleDeviceSharding(dev)
+    x_dev = jax.device_put(np.ones(nbytes // 2, np.uint16), on_dev)
+    x_host = jax.device_put(x_dev, host) if host is not None else np.asarray(x_dev)
+    out = {"memory_kind": kind, "why": why, "bytes": nbytes}
+    for name, src, dst in (("host_to_device", x_host, on_dev), ("device_to_host", x_dev, host)):
+        times = []
+        for _ in range(repeats + 1):                # the first one warms up
+            t = time.perf_counter()
+            y = jax.device_put(src, dst) if dst is not None else np.asarray(src)
+            jax.block_until_ready(y)
+            times.append(time.perf_counter() - t)
+            del y
+        out[f"{name}_gbps"] = nbytes / statistics.median(times[1:]) / 1e9
+    return out
+
+
+def recall_vs_recompute(model, args) -> dict:
+    """One --context-token prompt recalled from the host tier vs recomputed (module docstring)."""
+    from stratum_jax.config import RuntimeConfig
+    from stratum_jax.engine import Engine
+    from stratum_jax.request import SamplingParams
+
+    ctx, page = args.context, args.page_size
+    max_context = ctx + page
+    pool = -(-(ctx + 4 * page) // 256) * 256           # one prompt (and a little), never two
+    config = RuntimeConfig(model=args.model, dtype=args.dtype, max_batch_size=1, max_context=max_context,
+                           kv_pool_tokens=pool, prefill_chunk=args.prefill_chunk, max_tokens_cap=1,
+                           kv_host_tokens=4 * ctx, kv_prefetch_pages=0, page_size=page, attention=args.attention,
+                           kv_precision=args.kv_precision)
+    engine = Engine(config, model=model)
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(ctx)] for _ in range(3)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    runs = []
+    for label, i in (("compile", 0), ("recompute", 1), ("recompute", 2), ("recall", 1), ("recall", 2)):
+        s0, u0 = engine.stats(), engine.transfers.stats.upload_s
+        t = time.perf_counter()
+        [res] = engine.generate([prompts[i]], params)
+        wall = time.perf_counter() - t
+        st = engine.stats()
+        runs.append({"run": label, "prompt": i, "seconds": wall, "cached_prompt_tokens": res.cached_prompt_tokens,
+                     "host_hit_pages": st.kv_host_hits - s0.kv_host_hits,
+                     "recall_upload_s": engine.transfers.stats.upload_s - u0})
+        print(f"  {label:<9} P{i}: {wall * 1e3:9.1f} ms  cached {res.cached_prompt_tokens:>6} tokens  host pages "
+              f"{runs[-1]['host_hit_pages']:>4}  upload {runs[-1]['recall_upload_s'] * 1e3:7.1f} ms", flush=True)
+    recompute = min(r["seconds"] for r in runs if r["run"] == "recompute")
+    recalls = [r for r in runs if r["run"] == "recall"]
+    recall = min(r["seconds"] for r in recalls)
+    ts = engine.transfers.stats
+    return {
+        "context": ctx, "page_size": page, "kv_pool_tokens": pool, "kv_precision": engine.kv_precision,
+        "host_memory": engine.transfers.memory_kind, "runs": runs,
+        "recompute_s": recompute, "recall_s": recall, "recompute_over_recall": recompute / recall,
+        "all_recalled": all(r["cached_prompt_tokens"] >= ctx - page for r in recalls),
+        "tier_upload_gbps": ts.recalled_bytes / ts.upload_s / 1e9 if ts.upload_s else None,
+        "tier_recalled_gb": ts.recalled_bytes / 1e9,
+        "recall_choices": {"recalled": engine.pool.recall_choice.recalled,
+                           "recomputed": engine.pool.recall_choice.recomputed},
+    }
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -146,6 +230,11 @@ def main(argv=None) -> int:
                     help="run every condition this many times and report the last (the first ones compile)")
     ap.add_argument("--out", default=None, help="write JSON here (and a PNG beside it)")
     ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw the PNG of a result file")
+    ap.add_argument("--recall-vs-recompute", action="store_true", help="the #12 measurement (module docstring)")
+    ap.add_argument("--context", type=int, default=1024, help="with --recall-vs-recompute: prompt tokens")
+    ap.add_argument("--page-size", type=int, default=256, help="with --recall-vs-recompute")
+    ap.add_argument("--copy-mb", type=int, default=1024, help="with --recall-vs-recompute: pinned copy probe size")
+    ap.add_argument("--kv-precision", default="bf16", choices=["bf16", "fp16-delta", "fp8-delta"], help="with --recall-vs-recompute (fp8-delta: half the bytes)")
     args = ap.parse_args(argv)
     if args.replot:
         with open(args.replot) as f:
@@ -168,6 +257,22 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     result = {"model": args.model, "device": dev.device_kind if dev.platform != "cpu" else f"cpu ({os.cpu_count()} cores)",
               "jax": jax.__version__, "date": datetime.date.today().isoformat(), "args": vars(args), "conditions": []}
+    if args.recall_vs_recompute:
+        result.pop("conditions")
+        result["pinned_copy"] = pinned_copy_bandwidth(args.copy_mb << 20)
+        c = result["pinned_copy"]
+        print(f"pinned copies ({c['memory_kind']}): host->device {c['host_to_device_gbps']:.1f} GB/s, device->host "
+              f"{c['device_to_host_gbps']:.1f} GB/s (#12 asks >= 40 GB/s host->device)", flush=True)
+        result["recall_vs_recompute"] = r = recall_vs_recompute(model, args)
+        print(f"{args.model} {r['context']} tokens ({r['kv_precision']}, pages of {r['page_size']}): recompute "
+              f"{r['recompute_s'] * 1e3:.1f} ms, recall {r['recall_s'] * 1e3:.1f} ms -> {r['recompute_over_recall']:.1f}x "
+              f"(#12 asks >= 10x); all recalled: {r['all_recalled']}; tier upload "
+              f"{r['tier_upload_gbps'] or 0:.1f} GB/s", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+            print(f"wrote {args.out}")
+        return 0
     result["earlier_rounds"] = []
     for rnd in range(args.rounds):
         last = rnd == args.rounds - 1

@@ -32,6 +32,15 @@ split-K, online softmax, score statistics) with another `KVFormat` (`DeltaPages`
       into a bf16 staging tile. `attend` is the paged kernel's, unchanged.
 fp8 -> fp32 goes through fp16 (Mosaic GPU converts e4m3 pairwise to f16x2; both steps are exact).
 
+The register-resident mean anchor is the one part with no counterpart in the GPU-tested paged kernel
+(a [64, D] bf16 chunk per K and V held across the loop: 64 more registers per thread beside the
+accumulator and the fp32 rebuild). Every config lowers to Mosaic GPU on a CPU (checked for fp8/fp16 x
+mean/256-row anchors, D=64/128), but register allocation and spills are only decided by ptxas on a GPU.
+So the resident path can be switched off (`resident_anchor=False`, or STRATUM_DKVC_RESIDENT_ANCHOR=0 for
+every call, the engine's included): a mean anchor is then broadcast to one 256-row position-aligned
+block and takes the anchor-ring path, the same TMA + SMEM-ring machinery as the bf16 paged kernel's K/V
+(+32 KB SMEM at T=64, D=128: one CTA per SM instead of two).
+
 SMEM per CTA (`delta_smem_bytes`; 227 KB at most) at D=128, 2 stages, B=64 (no split), 4K-16K contexts:
 with T=64, fp8 deltas and a mean anchor 99-105 KB, the paged kernel's footprint (two CTAs per SM);
 fp16 deltas or a position-aligned anchor add 32 KB each (one CTA per SM). With T=128 only fp8 deltas
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +72,17 @@ ANCHOR_BLOCK = 256     # a position-aligned anchor is a multiple of this many ro
 _CHUNK = 64            # rows rebuilt at a time (WGMMA's M; bounds the registers a rebuild needs)
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
 _SMEM_LIMIT = 227 * 1024
+RESIDENT_ANCHOR_ENV = "STRATUM_DKVC_RESIDENT_ANCHOR"
+
+
+def default_resident_anchor() -> bool:
+    """Whether a mean anchor is kept in registers (module docstring): $STRATUM_DKVC_RESIDENT_ANCHOR, 1 (the
+    default) or 0 (the anchor-ring path)."""
+    value = os.environ.get(RESIDENT_ANCHOR_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"${RESIDENT_ANCHOR_ENV} must be 0 (mean anchor through the anchor ring) or 1 (kept in "
+                         f"registers), got {value!r}")
+    return value == "1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +278,8 @@ def delta_attention_reference(q, k_delta, v_delta, k_scale, v_scale, anchor_k, a
 def delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes, *,
                     sm_scale: float | None = None, soft_cap: float | None = None,
                     config: TuningConfig | None = None, interpret: bool = False,
-                    return_score_stats: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                    return_score_stats: bool = False,
+                    resident_anchor: bool | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention over a delta-KV pool (Mosaic GPU kernel): one query per sequence, keys at
     positions 0..lengths[b]-1 rebuilt as anchor + scale * delta (module docstring).
 
@@ -269,6 +291,8 @@ def delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, l
       lengths, page_starts, page_sizes, sm_scale, soft_cap, config, interpret, return_score_stats: as in
         `paged_attention` (pages of 8..256 tokens, mixed per batch; length 0 gives zeros; slots, deltas
         and scales outside the live tokens are never used, even if NaN).
+      resident_anchor: a mean anchor (anchor_len 1) in registers (True) or through the anchor ring as a
+        256-row block (False); None: `default_resident_anchor()`. Must be None or False for anchor_len > 1.
 
     Returns:
       [batch, num_q_heads, head_dim] in q.dtype; with return_score_stats also score_var [batch,
@@ -278,7 +302,15 @@ def delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, l
     config, scale, cap = kernel_static_args("delta_attention", q, k_delta.shape[0], sm_scale, soft_cap, config)
     if config.block_kv not in (64, 128):
         raise ValueError(f"delta_attention: block_kv must be 64 or 128, got {config.block_kv}")
-    smem = delta_smem_bytes(config, q.shape[2], k_delta.dtype, resident_anchor=anchor_k.shape[1] == 1,
+    mean = anchor_k.shape[1] == 1
+    if resident_anchor and not mean:
+        raise ValueError(f"delta_attention: resident_anchor=True needs a mean anchor (anchor_len 1), got "
+                         f"anchor_len {anchor_k.shape[1]}")
+    resident = mean and (default_resident_anchor() if resident_anchor is None else resident_anchor)
+    if mean and not resident:      # the mean as one position-aligned block: the anchor-ring path
+        block = (anchor_k.shape[0], ANCHOR_BLOCK, anchor_k.shape[2])
+        anchor_k, anchor_v = jnp.broadcast_to(anchor_k, block), jnp.broadcast_to(anchor_v, block)
+    smem = delta_smem_bytes(config, q.shape[2], k_delta.dtype, resident_anchor=resident,
                             max_pages=page_starts.shape[1],
                             out_itemsize=q.dtype.itemsize if config.num_splits == 1 else 4)
     if smem > _SMEM_LIMIT:

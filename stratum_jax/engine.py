@@ -25,6 +25,7 @@ from stratum_jax.gpu_idle import DeviceTimeline, GpuIdleMeter
 from stratum_jax.kv.block_meta import Clock, EngineClock, RequestFeatures, features_of
 from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.kv.prefix_hash import prompt_chain_hashes
+from stratum_jax.kv.recall_choice import RecallChoice
 from stratum_jax.kv.transfer import KvTransfers
 from stratum_jax.kv.precision import kv_bytes_per_slot, start_kv_cache
 from stratum_jax.model.loader import LoadedModel, load_model
@@ -74,8 +75,10 @@ class Engine:
         self.clock: Clock = clock if clock is not None else EngineClock()
         self.pool = PagePool(self.num_slots, enable_prefix_caching=config.enable_prefix_caching,
                              policy=self.cache_policy, clock=self.clock, host_tokens=config.kv_host_tokens)
-        # Host-tier copies (kv/transfer.py), into the tier's recycled page buffers.
-        self.transfers = KvTransfers(buffers=self.pool.host.buffers if self.pool.host is not None else None)
+        # Host-tier copies (kv/transfer.py, pinned host memory), and the choice between recalling a prefix's
+        # host pages and recomputing them, by the measured copy and prefill rates (kv/recall_choice.py).
+        self.transfers = KvTransfers()
+        self.pool.recall_choice = self.transfers.recall_choice = RecallChoice(self._prefill_tokens_per_s)
         self.pool.request_features = self._request_features
         # Attention-score variance (attn_var5) is measured only when something reads it: the DMLP's
         # features or the block event log (its cost is in BENCHMARKS.md); the page-size rule uses it
@@ -228,11 +231,15 @@ class Engine:
         now_ms = self.clock()
         idle_since = self.timeline.idle_since_ms(self._inflight)
         idle = 0.0 if idle_since is None else max(0.0, now_ms - idle_since)
-        prefill_tps = statistics.median(self._recent_prefill_tps) if self._recent_prefill_tps else None
+        prefill_tps = self._prefill_tokens_per_s()
         return StepCosts(now_s=time.monotonic(), idle_gap_ms=idle,
                          prefill_ms_per_token=1e3 / prefill_tps if prefill_tps else None,
                          decode_ms_per_step=(statistics.median(self._recent_decode_ms)
                                              if self._recent_decode_ms else None))
+
+    def _prefill_tokens_per_s(self) -> float | None:
+        """Median prompt tokens per second of recent prefill and mixed steps (None before the first)."""
+        return statistics.median(self._recent_prefill_tps) if self._recent_prefill_tps else None
 
     def _record(self, batch: ScheduledBatch, device_s: float) -> None:
         prefill_tokens = sum(batch.chunk_lens)
@@ -450,8 +457,7 @@ class Engine:
             prefix_cache_hits=self.pool.prefix_hits, prefix_cache_queries=self.pool.prefix_queries,
             preemptions=self.scheduler.preemptions, steps=self._steps,
             decode_step_ms=statistics.median(self._recent_decode_ms) if self._recent_decode_ms else 0.0,
-            prefill_tokens_per_s=(statistics.median(self._recent_prefill_tps)
-                                  if self._recent_prefill_tps else 0.0),
+            prefill_tokens_per_s=self._prefill_tokens_per_s() or 0.0,
             gpu_idle_frac=self.gpu_idle.idle_fraction(self.clock()), gpu_idle_gap_ms=self.gpu_idle.last_gap_ms,
             kv_host_tokens_total=self.pool.host.capacity_tokens if self.pool.host is not None else 0,
             kv_host_tokens_used=self.pool.host.tokens if self.pool.host is not None else 0,

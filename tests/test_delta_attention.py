@@ -15,7 +15,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.delta_attention import delta_attention, delta_attention_reference, delta_smem_bytes
+from pallas_kernels.delta_attention import (
+    RESIDENT_ANCHOR_ENV, default_resident_anchor, delta_attention, delta_attention_reference, delta_smem_bytes)
 from pallas_kernels.paged_attention import TuningConfig, default_num_splits
 from pallas_kernels.testing import float64_delta_attention, float64_delta_score_variance, random_delta_case
 
@@ -90,6 +91,36 @@ def test_kernel_fp16_position_anchor_block128_split_stats():
                                rtol=2e-4, atol=1e-5)
 
 
+def test_kernel_mean_anchor_through_the_anchor_ring(monkeypatch):
+    """The fallback for the register-resident mean anchor (module docstring): resident_anchor=False, or
+    $STRATUM_DKVC_RESIDENT_ANCHOR=0 for every call, runs the mean through the anchor ring as a 256-row
+    block; same truth. Lengths past 256 wrap the block (a wrong broadcast would show there)."""
+    case = random_delta_case(4, lengths=[300, 17, 64], page_sizes=[32, 8, 64], num_q_heads=2, num_kv_heads=1,
+                             head_dim=64, delta_dtype=FP8, anchor_len=1)
+    cfg = TuningConfig(block_kv=64, num_splits=1)
+    monkeypatch.setenv(RESIDENT_ANCHOR_ENV, "0")
+    assert not default_resident_anchor()
+    check(delta_attention(**case, interpret=True, config=cfg), case)
+    # It is the ring that ran: at D=128, T=128, 3 stages, fp8 the resident tiles fit SMEM (~194 KB) and the
+    # ring (~322 KB) does not.
+    big = random_delta_case(5, lengths=[3], page_sizes=[8], num_q_heads=1, num_kv_heads=1, head_dim=128,
+                            delta_dtype=FP8, anchor_len=1)
+    with pytest.raises(ValueError, match="KB of shared memory per CTA"):
+        delta_attention(**big, config=TuningConfig(block_kv=128, num_stages=3, num_splits=1))
+    jax.eval_shape(lambda c: delta_attention(**c, config=TuningConfig(block_kv=128, num_stages=3, num_splits=1),
+                                             resident_anchor=True), big)
+    monkeypatch.setenv(RESIDENT_ANCHOR_ENV, "yes")
+    with pytest.raises(ValueError, match="STRATUM_DKVC_RESIDENT_ANCHOR must be 0"):
+        delta_attention(**case, interpret=True, config=cfg)
+    with pytest.raises(ValueError, match="resident_anchor=True needs a mean anchor"):
+        delta_attention(**{**case, "anchor_k": jnp.zeros((1, 256, 64), jnp.bfloat16),
+                           "anchor_v": jnp.zeros((1, 256, 64), jnp.bfloat16)}, resident_anchor=True)
+    # At D=128, T=64, fp8 the ring costs 32 KB of SMEM more than the resident tile pair (module docstring).
+    kw = dict(max_pages=64, out_itemsize=2)
+    assert (delta_smem_bytes(TuningConfig(), 128, FP8, resident_anchor=False, **kw)
+            - delta_smem_bytes(TuningConfig(), 128, FP8, resident_anchor=True, **kw)) == 32 * 1024
+
+
 def test_kernel_fp8_mean_anchor_d128_block128():
     """fp8 deltas with head_dim 128 (128-byte rows: the other swizzle), a mean anchor with block_kv 128
     (the anchor chunk in registers serves both 64-row halves of a tile), GQA 4, the soft cap."""
@@ -154,7 +185,8 @@ def test_kernel_compiled_on_gpu(dtype, anchor_len, config):
     case = random_delta_case(9, lengths=[1, 15, 33, 65, 127, 300, 0, 1000], page_sizes=[8, 16, 32, 64, 128, 256, 8, 32],
                              num_q_heads=32, num_kv_heads=8, head_dim=128, delta_dtype=dtype, anchor_len=anchor_len)
     splits = config.num_splits or default_num_splits(8, 8)
-    if delta_smem_bytes(dataclasses.replace(config, num_splits=splits), 128, dtype, resident_anchor=anchor_len == 1,
+    resident = anchor_len == 1 and default_resident_anchor()     # $STRATUM_DKVC_RESIDENT_ANCHOR=0: the ring
+    if delta_smem_bytes(dataclasses.replace(config, num_splits=splits), 128, dtype, resident_anchor=resident,
                         max_pages=case["page_starts"].shape[1], out_itemsize=2 if splits == 1 else 4) > 227 * 1024:
         with pytest.raises(ValueError, match="KB of shared memory per CTA"):
             delta_attention(**case, config=config)
@@ -162,3 +194,21 @@ def test_kernel_compiled_on_gpu(dtype, anchor_len, config):
     out, var = delta_attention(**case, config=config, return_score_stats=True)
     check(out, case)
     np.testing.assert_allclose(np.asarray(var), float64_delta_score_variance(case, mma_bf16=True), rtol=2e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,anchor_len,head_dim", [(FP8, 1, 128)])
+def test_kernel_lowers_to_mosaic_gpu_on_cpu(dtype, anchor_len, head_dim):
+    """The compiled (not interpreted) kernel's lowering to Mosaic GPU runs on a CPU: layouts (fp8 rows
+    loaded from swizzled SMEM in the WGMMA layout, the resident anchor's registers), the TMA copies of
+    scale pieces and the barriers are all emitted here, so a kernel change that breaks them fails in CI
+    rather than at the first GPU compile (ptxas's register allocation is the one step only a GPU runs).
+    fp8 with the register-resident mean anchor at D=128 is the combination nothing else compiles."""
+    shape = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+    S = 1024
+    args = (shape(2, 8, head_dim), shape(2, S, head_dim, dt=dtype), shape(2, S, head_dim, dt=dtype),
+            shape(2, S // 8, dt=jnp.float32), shape(2, S // 8, dt=jnp.float32),
+            shape(2, anchor_len, head_dim), shape(2, anchor_len, head_dim),
+            shape(2, dt=jnp.int32), shape(2, 8, dt=jnp.int32), shape(2, dt=jnp.int32))
+    fn = jax.jit(lambda *a: delta_attention(*a, config=TuningConfig(), resident_anchor=anchor_len == 1))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

@@ -20,13 +20,18 @@ class HostTierMoves:
     def _recall_prefix(self, pages: list[Page | HostPage]) -> list[Page]:
         """Recalls the host-tier pages of a matched prefix whose HBM pages are held. Returns the prefix
         as HBM pages, each held once, cut before the first page that found no room (the held pages past
-        the cut are let go, the host pages go back to the tier)."""
+        the cut are let go, the host pages go back to the tier). With a `recall_choice`, a prefix whose
+        recall would take longer than recomputing it (measured rates, kv/recall_choice.py) is cut at its
+        first host page the same way."""
+        first = next(i for i, p in enumerate(pages) if isinstance(p, HostPage))
+        recompute = self.recall_choice is not None and not self.recall_choice.should_recall(
+            sum(p.page_size for p in pages if isinstance(p, HostPage)), sum(p.page_size for p in pages[first:]))
         taken = [self.host.take(p.content_hash) if isinstance(p, HostPage) else None for p in pages]
         out: list[Page] = []
         for i, (page, hp) in enumerate(zip(pages, taken)):
             if hp is not None:
-                page = self._recall(hp, ref_count=1)
-                if page is None:           # no room: the prefix ends here
+                page = None if recompute else self._recall(hp, ref_count=1)
+                if page is None:           # no room (or recomputing is cheaper): the prefix ends here
                     for rest, rest_hp in zip(pages[i:], taken[i:]):
                         if rest_hp is not None:
                             self.host.give_back(rest_hp)

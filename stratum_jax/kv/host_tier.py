@@ -9,14 +9,11 @@ Page contents are immutable (a page's chain hash names its tokens and its whole 
 KV can be moved and shared by reference. The copies themselves are batched by the engine once per step
 (`kv/transfer.py`): the pool only records what must move, in `PendingTransfers`.
 
-Data of one page: numpy [page_size, layers, 2 (k, v), kv_heads, head_dim] in the model's dtype
-(slot-major: one contiguous block per page, see kv/transfer.py).
-
-Page buffers are recycled (`PageBuffers`): a page's host memory goes back to a free list when it leaves
-the tier, and the next offload of that size copies into it, so a full tier does not allocate (and
-first-touch) memory per page. On a 2-core CPU this made no measurable difference against the allocator's
-own reuse (benchmarks/host_copy_profile.py); it is not measured on a GPU server. A buffer therefore has
-exactly one owner: a page that is the same as another (`same_as`) gets a copy, not a shared array.
+Data of one page: a jax array in host memory (jax's `pinned_host` memory kind on a GPU, kv/transfer.py)
+[page_size, layers, 2 (k, v), kv_heads, head_dim] in the model's dtype (slot-major: one contiguous block
+per page, see kv/transfer.py), or uint8 rows for a DKVC cache. Arrays are immutable, so a page that is
+the same as another (`same_as`) shares its array, and a page leaving the tier just lets go of it (jax's
+host allocator reuses the memory).
 
 Why the host tier is LRU whatever the HBM policy: its job is to hold what HBM could not, and a block
 reaches it only after the HBM policy judged it the least likely to be reused soon; past that, recency
@@ -27,31 +24,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-import numpy as np
+import jax
 
 from stratum_jax.kv.block_meta import BlockMeta
-
-
-class PageBuffers:
-    """Free lists of page-sized host buffers, by (shape, dtype)."""
-
-    def __init__(self):
-        self._free: dict[tuple, list[np.ndarray]] = collections.defaultdict(list)
-
-    def get(self, shape: tuple, dtype) -> np.ndarray:
-        free = self._free.get((shape, np.dtype(dtype)))
-        return free.pop() if free else np.empty(shape, dtype)
-
-    def give(self, buf: np.ndarray | None) -> None:
-        if buf is not None:
-            self._free[(buf.shape, buf.dtype)].append(buf)
-
-
-def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """dst[...] = src as raw bits: numpy copies extension dtypes such as ml_dtypes' bfloat16 element by
-    element, and the same bytes as unsigned integers in one memcpy."""
-    bits = np.dtype(f"u{src.dtype.itemsize}")
-    np.copyto(dst.view(bits), src.view(bits))
 
 
 @dataclasses.dataclass(eq=False)
@@ -64,21 +39,16 @@ class HostPage:
     parent_hash: bytes | None
     page_size: int
     meta: BlockMeta
-    data: np.ndarray | None = None
+    data: jax.Array | None = None     # in host memory (kv/transfer.py)
     src_slot: int | None = None
     same_as: "HostPage | None" = None
-    in_flight: object | None = None     # the device->host copy under way for it (kv/transfer.py)
     dropped: bool = False               # left the tier: its data is no longer wanted
 
-    def resolved(self, buffers: PageBuffers | None = None) -> np.ndarray:
-        """The page's KV [page_size, layers, 2, kv_heads, head_dim]; its copy must have been started."""
+    def resolved(self) -> jax.Array:
+        """The page's KV [page_size, ...] in host memory; its copy must have been started."""
         if self.data is None and self.same_as is not None:
-            src = self.same_as.resolved(buffers)
-            self.data = buffers.get(src.shape, src.dtype) if buffers is not None else np.empty_like(src)
-            copy_into(self.data, src)            # its own copy: a buffer has one owner
+            self.data = self.same_as.resolved()  # immutable: shared, not copied
             self.same_as = None
-        if self.data is None and self.in_flight is not None:
-            self.in_flight.finish()
         if self.data is None:
             raise RuntimeError(f"host page {self.content_hash.hex()} has no data yet: the engine must run "
                                "the step's device->host copies first")
@@ -91,8 +61,8 @@ class PendingTransfers:
     cache as it was when scheduling began) then `recalls` (host -> device, into freshly allocated pages)."""
 
     offloads: list[HostPage] = dataclasses.field(default_factory=list)
-    # Pages evicted again right after their recall in this pass (`same_as` a recall source): they get
-    # their copy before the recall sources' buffers are recycled.
+    # Pages evicted again right after their recall in this pass (`same_as` a recall source): they take
+    # the source's data before the recall lets go of it.
     aliases: list[HostPage] = dataclasses.field(default_factory=list)
     # start slot of the new HBM page -> its source. A recalled page evicted again before the copy ran
     # loses its entry, so the slots of the entries left never overlap.
@@ -112,7 +82,6 @@ class HostTier:
             raise ValueError(f"host tier capacity must be > 0 tokens, got {capacity_tokens}")
         self.capacity_tokens = capacity_tokens
         self.on_drop = on_drop
-        self.buffers = PageBuffers()
         self._pages: collections.OrderedDict[bytes, HostPage] = collections.OrderedDict()
         self.tokens = 0
         self.stored = 0        # pages moved in from HBM
@@ -148,10 +117,9 @@ class HostTier:
             self._drop(dropped)
 
     def _drop(self, page: HostPage) -> None:
-        """A page leaves every tier: its buffer is recycled (a page in the tier is nobody's `same_as`
+        """A page leaves every tier: its host memory is let go (a page in the tier is nobody's `same_as`
         source: those are pages taken for a recall)."""
         page.dropped = True
-        self.buffers.give(page.data)
         page.data = None
         self.dropped += 1
         if self.on_drop is not None:

@@ -40,6 +40,7 @@ from stratum_jax.kv.buddy import BASE_PAGE_TOKENS, BuddyAllocator, order_for_pag
 from stratum_jax.kv.host_moves import HostTierMoves
 from stratum_jax.kv.host_tier import HostPage, HostTier, PendingTransfers
 from stratum_jax.kv.prefix_hash import chain_hash, iter_chain_hashes
+from stratum_jax.kv.recall_choice import RecallChoice
 
 VICTIM_BATCH = 16     # victims asked of a non-LRU policy at a time
 VICTIM_TTL_MS = 10.0  # how long such a ranking is used (in order, skipping pages re-used since)
@@ -92,6 +93,9 @@ class PagePool(HostTierMoves):
         # The host tier (None: evicted pages are dropped) and the copies booked for the next step.
         self.host = HostTier(host_tokens, on_drop=self._host_dropped) if host_tokens and enable_prefix_caching else None
         self._transfers = PendingTransfers()
+        # Recall or recompute a prefix's host pages, by measured cost (kv/recall_choice.py); the engine
+        # sets it (it owns the prefill measurements). None: always recall.
+        self.recall_choice: RecallChoice | None = None
         self.host_hits = 0            # prefix pages recalled from the host tier for a request
         self.prefetched = 0           # pages recalled ahead of their request's admission
         self.prefix_hits = 0          # full pages reused from the cache (HBM or host tier)

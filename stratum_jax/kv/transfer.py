@@ -1,28 +1,36 @@
 """KV copies between HBM and the host tier, run once per engine step before its device work.
 
-The page pool books the moves while it schedules (kv/host_tier.py `PendingTransfers`); `run_transfers`
-does them in two batched device calls: one gather of every offloaded page's slots (device -> host,
-reading the cache as scheduling found it), then one scatter of every recalled page's data into its new
-slots (host -> device, donating the cache). Recalls may reuse slots that offloads just vacated, hence
-that order.
+The page pool books the moves while it schedules (kv/host_tier.py `PendingTransfers`); `KvTransfers.run`
+does them before the step: one gather of every offloaded page's slots (device -> host, reading the cache
+as scheduling found it), then one scatter of every recalled page's data into its new slots (host ->
+device, donating the cache). Recalls may reuse slots that offloads just vacated, hence that order.
 
-Shapes: cache = per layer (k_pool, v_pool), each [kv_heads, num_slots, head_dim]; on the host the
-data is slot-major, [n_slots, layers, 2, kv_heads, head_dim], so each page is one contiguous block and
-splitting a gather into pages, or joining pages for a scatter, is a plain memcpy per page (the slot axis
-in the middle made that a strided copy of head_dim-sized pieces, which dominated the copy time on the
+Host memory is jax's `pinned_host` memory kind (page-locked, so the GPU's copy engines move it by DMA at
+PCIe speed) and the copies are direct device <-> pinned transfers, `jax.device_put` with a sharding of that
+memory kind, with no numpy copy of a page on either side:
+  offload: the gathered slots [n, ...] are cut into pages on the device (one dynamic slice each), and the
+      pages go to pinned host memory in one batched, asynchronous `device_put` (`finish` waits for it, the
+      next step at the latest, so the copy overlaps the step's work);
+  recall: the pages' pinned arrays go to the device in one batched `device_put`, are laid into a padded
+      staging array there (one in-place update each), and one scatter writes that into the cache.
+A device without `pinned_host` memory (`host_memory_kind`) uses `unpinned_host`, else plain numpy copies
+(`jax.device_get`), logged once at start-up with the reason. The CPU backend has `pinned_host` (jax 0.11),
+so CI runs the pinned path.
+
+Shapes: cache = per layer (k_pool, v_pool), each [kv_heads, num_slots, head_dim]; in host memory a page
+is slot-major, [page_size, layers, 2, kv_heads, head_dim], one contiguous block (the slot axis in the
+middle made the host side a strided copy of head_dim-sized pieces, which dominated the copy time on the
 H200). Slot counts are padded to a quarter-octave bucket (>= 64, < 25% waste), so few shapes compile;
 padded gather slots read slot 0 and are discarded, padded scatter slots point past the pool and are
 dropped. A DKVC cache (stratum_jax/kv/delta_cache.py) moves its deltas and scales as rows of bytes
 (`_gather_deltas`): half a bf16 page's bytes for fp8, plus 1/(4 * head_dim) for the scales.
-
-Not done yet (issue #12): the host side is numpy buffers filled by `np.asarray` of the gathered array;
-moving it onto jax's `pinned_host` memory kind (direct device <-> pinned copies) is left.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import functools
+import logging
 import time
 
 import jax
@@ -30,7 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from stratum_jax.kv.delta_cache import GRANULE, DeltaKV, num_slots_of
-from stratum_jax.kv.host_tier import PageBuffers, PendingTransfers, copy_into
+from stratum_jax.kv.host_tier import PendingTransfers
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -40,7 +50,7 @@ class TransferStats:
     recalled_pages: int = 0
     recalled_bytes: int = 0
     seconds: float = 0.0       # wall time spent in run_transfers (host side, copies included)
-    device_get_s: float = 0.0  # of which: waiting for the gathered pages to reach host memory
+    device_get_s: float = 0.0  # of which: waiting for the offloaded pages to reach host memory
     upload_s: float = 0.0      # of which: handing the recalled pages to the device (host -> device copy)
     recall_batches: int = 0    # runs that recalled pages
     recall_seconds: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=64))
@@ -107,52 +117,91 @@ def _scatter_deltas(cache, slots, data):
             for i, c in enumerate(cache)]
 
 
-class _Offload:
-    """One gather of offloaded pages, copying to host memory in the background (`copy_to_host_async`)
-    while the engine runs its step; `finish` waits for it and copies each page into its own buffer."""
+def host_memory_kind(device) -> tuple[str | None, str]:
+    """The host memory kind the tier keeps pages in on `device` -> (kind or None for numpy, why)."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" in kinds:
+        return "pinned_host", "direct device <-> pinned_host transfers"
+    if "unpinned_host" in kinds:
+        return "unpinned_host", (f"{device.platform} device {device.device_kind} has no pinned_host memory "
+                                 "(jax reports " + ", ".join(sorted(kinds)) + "): pages in unpinned host memory")
+    return None, (f"{device.platform} device {device.device_kind} has no host memory kinds (jax reports "
+                  + ", ".join(sorted(kinds)) + "): pages copied through numpy")
 
-    def __init__(self, gathered: jax.Array, pages: list, stats: TransferStats, buffers: PageBuffers | None):
-        self.gathered, self.pages, self.stats, self.buffers = gathered, pages, stats, buffers
-        gathered.copy_to_host_async()
+
+@functools.partial(jax.jit, static_argnums=2)
+def _page_of(gathered, at, size: int):
+    """Rows at..at+size-1 of the gathered slots (a page), on the device."""
+    return jax.lax.dynamic_slice_in_dim(gathered, at, size)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _place(staging, page, at):
+    """staging[at:at + len(page)] = page, in place (the staging array is donated)."""
+    return jax.lax.dynamic_update_slice_in_dim(staging, page, at, 0)
+
+
+class _Offload:
+    """One gather of offloaded pages, cut into pages on the device and copied to host memory in one
+    asynchronous batched transfer while the engine runs its step; `finish` waits for it."""
+
+    def __init__(self, gathered: jax.Array, pages: list, stats: TransferStats, memory_kind: str | None):
+        self.pages, self.stats, self.pinned = pages, stats, memory_kind is not None
+        pieces, at = [], 0
         for hp in pages:
-            hp.in_flight = self
+            pieces.append(_page_of(gathered, at, hp.page_size))
+            at += hp.page_size
+        if memory_kind is not None:
+            # Each piece keeps its sharding (one device, or a tensor-parallel cache's mesh): only the
+            # memory kind changes, so each device's shard goes to that device's host memory.
+            self.host = jax.device_put(pieces, [x.sharding.with_memory_kind(memory_kind) for x in pieces])
+        else:                                     # no host memory kind: numpy, waited for at `finish`
+            for piece in pieces:
+                piece.copy_to_host_async()
+            self.host = pieces
+        for hp, data in zip(pages, self.host):
+            hp.src_slot = None
+            if not hp.dropped:                    # a page may leave the tier before its copy lands
+                hp.data = data
+        self.nbytes = sum(x.nbytes for x in self.host)
+        self.done = False
 
     def finish(self) -> None:
-        if self.gathered is None:
+        if self.done:
             return
         t = time.perf_counter()
-        host = np.asarray(self.gathered)
+        if self.pinned:
+            jax.block_until_ready(self.host)
+        else:
+            data = jax.device_get(self.host)
+            for hp, piece, d in zip(self.pages, self.host, data):
+                if hp.data is piece:              # still in the tier, not recalled (nor dropped) meanwhile
+                    hp.data = d
         self.stats.device_get_s += time.perf_counter() - t
-        at = 0
-        for hp in self.pages:
-            piece = host[at:at + hp.page_size]
-            at += hp.page_size
-            hp.src_slot = hp.in_flight = None
-            if hp.dropped:
-                continue                          # left the tier before its copy landed
-            buf = self.buffers.get(piece.shape, piece.dtype) if self.buffers is not None else np.empty_like(piece)
-            copy_into(buf, piece)
-            hp.data = buf
-        self.stats.offloaded_bytes += host[:at].nbytes
-        self.gathered = None
+        self.stats.offloaded_bytes += self.nbytes
+        self.done = True
 
 
 class KvTransfers:
     """Runs the booked copies, once per engine step (`run`). Offloads finish asynchronously: their host
-    copy overlaps the step and is collected at the next `run` (or at once, when a page is recalled
-    before that). `sync=True` finishes everything inside `run` (tests). `buffers`: the host tier's
-    recycled page buffers (None: fresh arrays)."""
+    copy overlaps the step and is waited for at the next `run` (a recall of a page whose copy is still
+    under way is ordered after it by jax). `sync=True` finishes everything inside `run` (tests).
+    `recall_choice` (kv/recall_choice.py), when set, is told each recall batch's measured copy."""
 
-    def __init__(self, sync: bool = False, buffers: PageBuffers | None = None):
+    def __init__(self, sync: bool = False, device=None):
         self.sync = sync
-        self.buffers = buffers
         self.stats = TransferStats()
+        self.recall_choice = None
         self._in_flight: list[_Offload] = []
+        self.device = device if device is not None else jax.devices()[0]
+        self.memory_kind, self.memory_reason = host_memory_kind(self.device)
+        (log.info if self.memory_kind == "pinned_host" else log.warning)("KV host tier memory: %s (%s)",
+                                                                         self.memory_kind, self.memory_reason)
 
     def run(self, cache, pending: PendingTransfers):
         """Returns the cache (a new one when something was recalled)."""
         t0 = time.perf_counter()
-        stats, buffers = self.stats, self.buffers
+        stats = self.stats
         for job in self._in_flight:              # last step's offloads: done by now, as a rule
             job.finish()
         self._in_flight = []
@@ -164,49 +213,55 @@ class KvTransfers:
             slots = np.concatenate([np.arange(hp.src_slot, hp.src_slot + hp.page_size) for hp in pending.offloads])
             padded = np.zeros(_bucket(len(slots)), np.int32)
             padded[:len(slots)] = slots
-            job = _Offload(_gather(cache, jnp.asarray(padded)), list(pending.offloads), stats, buffers)
+            job = _Offload(_gather(cache, jnp.asarray(padded)), list(pending.offloads), stats, self.memory_kind)
             stats.offloaded_pages += len(pending.offloads)
             if self.sync:
                 job.finish()
             else:
                 self._in_flight.append(job)
-        # Pages evicted again right after their recall: their own copy first, then the sources' buffers
-        # may be recycled below.
+        # Pages evicted again right after their recall: they take their source's data before the recall
+        # below lets go of it.
         spent = []
         for hp in pending.aliases:
             if not hp.dropped and hp.data is None:
                 spent.append(hp.same_as)
-                hp.resolved(buffers)
+                hp.resolved()
         if pending.recalls:
             starts = list(pending.recalls)
-            datas = [pending.recalls[s].resolved(buffers) for s in starts]   # may wait for this step's offload
-            n = sum(len(d) for d in datas)
+            datas = [pending.recalls[s].resolved() for s in starts]
+            n = sum(d.shape[0] for d in datas)
             padded_slots = np.full(_bucket(n), num_slots, np.int32)       # out of range: dropped
-            padded = np.zeros((len(padded_slots),) + datas[0].shape[1:], datas[0].dtype)   # tail stays 0
-            at = 0
-            for s, d in zip(starts, datas):
-                padded_slots[at:at + len(d)] = np.arange(s, s + len(d))
-                copy_into(padded[at:at + len(d)], d)
-                at += len(d)
             t1 = time.perf_counter()
-            on_device = jax.device_put(padded)
-            on_device.block_until_ready()
-            stats.upload_s += time.perf_counter() - t1
+            if isinstance(datas[0], jax.Array):   # one batched host -> device copy, shardings kept
+                pages = jax.device_put(datas, [d.sharding.with_memory_kind("device") for d in datas])
+                where = pages[0].sharding
+            else:                                 # numpy pages (no host memory kind)
+                pages, where = jax.device_put(datas), None
+            staging = jnp.zeros((len(padded_slots),) + tuple(datas[0].shape[1:]), datas[0].dtype, device=where)
+            at = 0
+            for s, d in zip(starts, pages):
+                padded_slots[at:at + d.shape[0]] = np.arange(s, s + d.shape[0])
+                staging = _place(staging, d, np.int32(at))
+                at += d.shape[0]
+            staging.block_until_ready()
+            upload = time.perf_counter() - t1
+            stats.upload_s += upload
             stats.recall_batches += 1
-            stats.recall_seconds.append(time.perf_counter() - t1)
-            cache = _scatter(cache, jnp.asarray(padded_slots), on_device)
+            stats.recall_seconds.append(upload)
+            nbytes = sum(d.nbytes for d in datas)
+            if self.recall_choice is not None:
+                self.recall_choice.observe_copy(nbytes, n, upload)
+            cache = _scatter(cache, jnp.asarray(padded_slots), staging)
             stats.recalled_pages += len(starts)
-            stats.recalled_bytes += padded[:n].nbytes
+            stats.recalled_bytes += nbytes
             spent += [pending.recalls[s] for s in starts]
-        if buffers is not None:                  # recalled pages left the tier: their memory is reused
-            for hp in spent:
-                if hp is not None and hp.data is not None:
-                    buffers.give(hp.data)
-                    hp.data = None
+        for hp in spent:                         # recalled pages left the tier: their host memory is let go
+            if hp is not None:
+                hp.data = None
         stats.seconds += time.perf_counter() - t0
         return cache
 
 
-def run_transfers(cache, pending: PendingTransfers, buffers: PageBuffers | None = None):
+def run_transfers(cache, pending: PendingTransfers):
     """Does the booked copies and waits for all of them; returns the cache."""
-    return KvTransfers(sync=True, buffers=buffers).run(cache, pending)
+    return KvTransfers(sync=True).run(cache, pending)
