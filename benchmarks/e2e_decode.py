@@ -98,6 +98,9 @@ def profile_decode_calls(engine, prompts, sp, args) -> None:
     engine.step()
     while engine.has_unfinished() and not (engine.last_step.kind == "decode" and engine.last_step.num_seqs == args.batch):
         engine.step()
+    # With async scheduling a step is read in the next call: drain it, and read each traced step inside
+    # its own annotation, so a window holds exactly one step's dispatch, device work and read.
+    engine.drain()
     calls = []
     with jax.profiler.trace(args.profile_dir, create_perfetto_trace=True):
         for _ in range(args.profile_calls):
@@ -105,6 +108,7 @@ def profile_decode_calls(engine, prompts, sp, args) -> None:
                 break
             with jax.profiler.TraceAnnotation(WINDOW_ANNOTATION):
                 engine.step()
+                engine.drain()
             t = engine.last_step
             calls.append({"kind": t.kind, "steps": t.num_tokens // max(t.num_seqs, 1), "seconds": t.seconds})
     pathlib.Path(args.profile_dir, WINDOW_FILE).write_text(

@@ -68,6 +68,7 @@ from pallas_kernels.paged_attention import (
 # The precision names of the engine flag (--kv-precision) -> delta dtype.
 DELTA_DTYPES = {"fp16-delta": jnp.dtype(jnp.float16), "fp8-delta": jnp.dtype(jnp.float8_e4m3fn)}
 GRANULE = 8            # slots per scale
+SCALE_AREA = 32        # granules per page piece in SMEM: 128 bytes, the TMA destination alignment
 ANCHOR_BLOCK = 256     # a position-aligned anchor is a multiple of this many rows
 _CHUNK = 64            # rows rebuilt at a time (WGMMA's M; bounds the registers a rebuild needs)
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
@@ -106,8 +107,10 @@ class DeltaPages:
         ring = plgpu.SMEM((stages, block_kv, head_dim), dt,
                           transforms=(plgpu.TilingTransform((8, swizzle // dt.itemsize)),
                                       plgpu.SwizzleTransform(swizzle)))
-        # Scale entries per slot: T / 8 granules, or 4 per page for 8/16-token pages (T / 2 at most).
-        scales = plgpu.SMEM((stages, block_kv // 2), jnp.float32)
+        # Scale entries per slot: one 128-byte area (32 granules) per page piece of the tile (T / 8 pieces
+        # at most, for 8-token pages): a TMA copy into SMEM must land on a 128-byte boundary (a 16-byte
+        # one is not enough: CUDA_ERROR_MISALIGNED_ADDRESS on the H200).
+        scales = plgpu.SMEM((stages, (block_kv // GRANULE) * SCALE_AREA), jnp.float32)
         out = [ring, ring, scales, scales]
         if self.resident_anchor:   # staging tiles (the anchor chunk lands in them first), a barrier
             tile = plgpu.SMEM((block_kv, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
@@ -142,10 +145,11 @@ class DeltaPages:
         plgpu.copy_gmem_to_smem(vd.at[ctx.h, pl.ds(src, n)], v_ring.at[dst], v_bar)
         granule = lax.shift_right_logical(src, 3)
         if n >= 32:     # P / 8 granules from a multiple of 4 (src is a multiple of 32)
-            g_src, count, g_dst = granule, n // GRANULE, row // GRANULE
+            g_src, count = granule, n // GRANULE
         else:           # the 16-byte group of 4 granules holding this page's 1 or 2
-            g_src, count, g_dst = granule - lax.rem(granule, 4), 4, 4 * (row // n)
+            g_src, count = granule - lax.rem(granule, 4), 4
         g_src = pl.multiple_of(g_src, 4)
+        g_dst = SCALE_AREA * (row // n)      # the piece's own 128-byte area
         plgpu.copy_gmem_to_smem(ks.at[ctx.h, pl.ds(g_src, count)], k_sc.at[slot, pl.ds(g_dst, count)], k_bar)
         plgpu.copy_gmem_to_smem(vs.at[ctx.h, pl.ds(g_src, count)], v_sc.at[slot, pl.ds(g_dst, count)], v_bar)
 
@@ -161,13 +165,15 @@ class DeltaPages:
     def _scale_index(self, ctx: TileContext, tile, j):
         """Index in a slot's scale buffer of the tile's granule j (rows 8j..8j+7), as fetch_page put it."""
         log2_p = ctx.log2_p
-        page_in_tile = lax.shift_right_logical(jnp.int32(GRANULE * j), log2_p)
+        log2_n = jnp.minimum(log2_p, ctx.block_kv.bit_length() - 1)     # rows per piece: min(P, T)
+        piece = lax.shift_right_logical(jnp.int32(GRANULE * j), log2_n)
+        within = jnp.int32(j) & (lax.shift_left(jnp.int32(1), log2_n - 3) - 1)   # granule within the piece
         first_page = lax.shift_right_logical(tile * ctx.block_kv, log2_p)
         # The same clamp as the fetch (copies past the last page re-read it).
-        entry = ctx.page_entry(jnp.minimum(first_page + page_in_tile, ctx.n_pages - 1))
-        within = jnp.int32(j) & (lax.shift_left(jnp.int32(1), log2_p - 3) - 1)   # granule within the page
-        small = 4 * page_in_tile + (lax.shift_right_logical(entry, 3) & 3) + within
-        return jnp.where(log2_p <= 4, small, jnp.int32(j))
+        entry = ctx.page_entry(jnp.minimum(first_page + piece, ctx.n_pages - 1))
+        # 8/16-token pages: their granules sit at their place in the aligned group of 4 that was copied.
+        offset = jnp.where(log2_p <= 4, lax.shift_right_logical(entry, 3) & 3, 0)
+        return SCALE_AREA * piece + offset + within
 
     def materialize(self, ctx: TileContext, state, slot, tile, n_valid):
         T, D = ctx.block_kv, ctx.head_dim
@@ -218,7 +224,7 @@ def delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, *, reside
     per SM): the paged kernel's q/out/table share plus the delta ring, scales and bf16 tiles."""
     T, S = config.block_kv, config.num_stages
     rest = config.smem_bytes(head_dim, max_pages, out_itemsize) - 2 * S * T * head_dim * 2   # minus the bf16 ring
-    ring = 2 * S * T * head_dim * jnp.dtype(delta_dtype).itemsize + 2 * S * (T // 2) * 4
+    ring = 2 * S * T * head_dim * jnp.dtype(delta_dtype).itemsize + 2 * S * (T // GRANULE) * SCALE_AREA * 4
     tiles = 2 * T * head_dim * 2 if resident_anchor else 2 * S * T * head_dim * 2
     return rest + ring + tiles
 

@@ -186,6 +186,15 @@ class Engine:
             self._complete(launched, outputs)
         return list(outputs.values())
 
+    def drain(self) -> list[StepOutput]:
+        """Reads and post-processes the step in flight, if any, without dispatching another (a profiler
+        window that should hold one whole step; a driver that wants every result before it stops)."""
+        outputs: dict[str, StepOutput] = {}
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._complete(step, outputs)
+        return list(outputs.values())
+
     def _account_dispatch(self, step: InFlightStep) -> None:
         """What a dispatched step will have done once it runs, applied now so the next step can be
         scheduled before its results are read: chunks are computed, decode rows have their tokens
@@ -416,6 +425,7 @@ class Engine:
                 res.cached_prompt_tokens = out.cached_prompt_tokens
                 if out.finished:
                     res.finish_reason = out.finish_reason
+        self.drain()             # a step dispatched after the last request ended: nothing of it is kept
         return [results[i] for i in ids]
 
     def warmup(self, progress: bool = True) -> float:
