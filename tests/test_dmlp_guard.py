@@ -1,4 +1,4 @@
-"""The shadow-LRU guard: when it trips and returns, its metrics, and the CI check of issue #15: a DMLP
+"""The shadow-LRU guard: when it trips (two trailing windows) and returns (only after a weight swap), its metrics, and the CI check of issue #15: a DMLP
 trained on one synthetic workload and replayed on a shifted one stays within half a point of LRU at
 every capacity with the guard, and does not without it."""
 import numpy as np
@@ -26,26 +26,63 @@ def wrong_cache(guard, n):
         guard.forget([k])
 
 
-def test_trips_when_lru_would_hit_and_probes_after_a_model_change_or_a_longer_wait():
-    w = 40
-    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, backoff=1, max_backoff=4)
+def par_cache(guard, n):
+    """n accesses of one block the real cache keeps: real and ghost hit alike."""
+    for _ in range(n):
+        guard.accessed(["x"])
+
+
+def tripped(w):
+    """A guard (window w, confirm 2, backoff 1 up to 4) that has just tripped on two trailing windows."""
+    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2, backoff=1, max_backoff=4)
     g.accessed(["p", "q"])
     wrong_cache(g, w - 2)
-    assert g.active and g.trips == 1 and g.lru_hit_rate > g.dmlp_hit_rate == 0.0
-    # No model change: it waits 4 windows in LRU mode, then probes.
-    wrong_cache(g, 3 * w)
-    assert g.active and g.probes == 0
+    assert not g.active and g.lru_hit_rate > g.dmlp_hit_rate == 0.0   # one trailing window is not enough
     wrong_cache(g, w)
-    assert not g.active and g.probes == 1
-    # The probe trails again: back to LRU, and the next wait is twice as long.
-    wrong_cache(g, w)
-    assert g.active and g.trips == 2 and g.backoff == 2
-    # A model change shortens the wait to `backoff` windows.
+    assert g.active and g.trips == 1
+    return g
+
+
+def test_one_trailing_window_between_windows_at_par_does_not_trip():
+    w = 40
+    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2)
+    for _ in range(5):
+        wrong_cache(g, w)
+        par_cache(g, w)
+    assert g.trips == 0 and not g.active
+    wrong_cache(g, 2 * w)
+    assert g.trips == 1 and g.active
+
+
+def test_an_unchanged_model_is_never_probed_so_its_loss_does_not_grow_with_the_run():
+    w = 40
+    g = tripped(w)
+    wrong_cache(g, 200 * w)      # 4 x max_backoff windows were the old rule's wait without a swap
+    assert g.active and g.probes == 0 and g.trips == 1
+
+
+def test_a_weight_swap_is_probed_for_one_window_and_a_failed_probe_doubles_the_wait():
+    w = 40
+    g = tripped(w)
     g.model_changed()
+    wrong_cache(g, w)                                  # backoff 1: probes after one window in LRU mode
+    assert not g.active and g.probes == 1
+    wrong_cache(g, w)                                  # a probe is judged on its one window
+    assert g.active and g.trips == 2 and g.backoff == 2
+    g.model_changed()                                  # a swap right after the second trip:
     wrong_cache(g, w)
-    assert g.active
+    assert g.active                                    # backoff 2, so it waits a second window
     wrong_cache(g, w)
     assert not g.active and g.probes == 2
+    wrong_cache(g, w)                                  # trails again: backoff 4
+    assert g.active and g.trips == 3 and g.backoff == 4
+    wrong_cache(g, 10 * w)                             # no swap since: no probe, however long
+    assert g.active and g.probes == 2
+    g.model_changed()                                  # the trip was long enough ago: probe next window
+    wrong_cache(g, w)
+    assert not g.active and g.probes == 3
+    par_cache(g, w)                                    # the probe holds: the DMLP is back, the wait reset
+    assert not g.active and g.backoff == 1 and g.trips == 3
 
 
 def test_a_cache_as_good_as_lru_never_trips():
@@ -67,7 +104,8 @@ def test_exports_its_three_gauges():
     assert registry.get_sample_value("stratum_dmlp_guard_lru_hit_rate") == 0.75
 
 
-@pytest.mark.parametrize("kwargs", [dict(window=0), dict(margin=1.0), dict(z=-1), dict(backoff=4, max_backoff=2)])
+@pytest.mark.parametrize("kwargs", [dict(window=0), dict(margin=1.0), dict(z=-1), dict(confirm=0),
+                                    dict(backoff=4, max_backoff=2)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         ShadowLruGuard(**kwargs)

@@ -6,18 +6,27 @@ i.e. not yet out of every tier). Over each window of `window` accesses (the wind
 length) the guard counts two hit rates: the real cache's (the key was resident before this access) and
 the ghost's (the key was in the ghost).
 
-When to trip. At the end of a window in DMLP mode the guard switches the policy to LRU order when the
-ghost's hits exceed the real ones by more than `margin` x window, and by more than `z` standard errors
-of a paired sign test (the accesses that only one of the two hit are the ones that differ; under "no
-difference" their split is a fair coin, so the excess has standard deviation sqrt(discordant)). The
-second condition keeps noise from tripping it: a DMLP that is ahead on average still trails in some
-windows, and a trip costs whatever the DMLP was ahead by.
+When to trip. A window *trails* when the ghost's hits exceed the real ones by more than `margin` x
+window. At the end of a window in DMLP mode the guard switches the policy to LRU order when the last
+`confirm` windows all trail and, pooled, by more than `z` standard errors of a paired sign test (the
+accesses that only one of the two hit are the ones that differ; under "no difference" their split is a
+fair coin, so the excess has standard deviation sqrt(discordant)). Both conditions keep noise and
+short bad stretches from tripping it: a DMLP that is ahead on average still trails in some windows
+(on the trained Mooncake part a one-window rule at z = 3 tripped 10-12 times and gave back 0.8-1.7
+points of lead), and a trip costs whatever the DMLP was ahead by. A probe (below) is judged on its one
+window alone, so that a model already found worse costs one window per probe, not `confirm`.
 
 When to return. In LRU mode the real cache *is* LRU, so it cannot show how the DMLP would do. The guard
-probes (gives the DMLP a window again) after `backoff` windows once the model changed (an online weight
-swap: the thing that can make it better), or after 4 x `backoff` windows without a change (the
-workload may have moved back towards what the model knows, and a trip by bad luck is undone). A probe
-that trails again doubles `backoff` (up to `max_backoff`); one that holds resets it.
+probes (gives the DMLP a window again) only once the model changed (an online weight swap, the thing
+that can make it better) and `backoff` windows have passed since the trip. An unchanged model is never
+probed again: each probe of it would cost a window at its known loss, so the loss would grow with the
+run's length (it did: 0.53 points below LRU at 3,000 requests of the wrong-checkpoint load, 0.88 at
+6,000, with a probe every 4 x backoff windows). With the rule here, a model that is never updated loses
+only the windows before its trip, whatever the run's length; an online one loses at most one window per
+weight swap that reached LRU mode, and a probe that trails again doubles `backoff` (up to `max_backoff`),
+so a learner that keeps swapping a model that stays bad costs at most one window in `max_backoff`. A
+probe that holds resets `backoff`. The price: a trip on a workload the model is good at is only undone
+by a swap, which is why the trip rule is strict.
 
 Why switch and not blend. While the guard is on, the real cache is an LRU cache, so the guarded
 policy's loss to LRU is bounded by how long the DMLP runs while it trails: the detecting window and the
@@ -38,19 +47,23 @@ from typing import Hashable, Iterable, Sequence
 class ShadowLruGuard:
     """window: accesses per judgement. margin: how far (absolute hit rate, 0.005 = half a point) the
     DMLP may trail the ghost LRU in a window. z: the trail must also exceed z standard errors.
-    backoff / max_backoff: windows in LRU mode before a probe after the first trip / at most."""
+    confirm: consecutive trailing windows (pooled for the z test) that trip it from DMLP mode.
+    backoff / max_backoff: windows in LRU mode, after a weight swap, before a probe after the first
+    trip / at most."""
 
-    def __init__(self, window: int = 2048, margin: float = 0.005, z: float = 3.0, backoff: int = 1,
-                 max_backoff: int = 16):
+    def __init__(self, window: int = 2048, margin: float = 0.005, z: float = 3.0, confirm: int = 2,
+                 backoff: int = 1, max_backoff: int = 16):
         if window < 1:
             raise ValueError(f"guard window must be >= 1 access, got {window}")
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"guard margin must lie in [0, 1), got {margin}")
         if not z >= 0:
             raise ValueError(f"guard z must be >= 0, got {z}")
+        if confirm < 1:
+            raise ValueError(f"guard confirm must be >= 1 window, got {confirm}")
         if not 1 <= backoff <= max_backoff:
             raise ValueError(f"guard backoff must satisfy 1 <= backoff <= max_backoff, got {backoff}, {max_backoff}")
-        self.window, self.margin, self.z = window, margin, z
+        self.window, self.margin, self.z, self.confirm = window, margin, z, confirm
         self._backoff0, self.max_backoff = backoff, max_backoff
         self.backoff = backoff
         self.active = False              # True: the policy evicts in LRU order
@@ -63,6 +76,7 @@ class ShadowLruGuard:
         self._model_changed = False
         self._lru_windows = 0             # full windows since the last trip
         self._probing = False
+        self._trailing: collections.deque = collections.deque(maxlen=confirm)   # (excess, discordant)
 
     # ---- what the cache reports ----
 
@@ -102,26 +116,41 @@ class ShadowLruGuard:
         """The end of a window: publish its rates, then trip, probe or stay."""
         w = self._n
         self.dmlp_hit_rate, self.lru_hit_rate = self._real_hits / w, self._lru_hits / w
-        excess = self._lru_hits - self._real_hits
-        trails = excess > self.margin * w and excess > self.z * math.sqrt(self._discordant)
+        excess, discordant = self._lru_hits - self._real_hits, self._discordant
         self._n = self._real_hits = self._lru_hits = self._discordant = 0
         if self.active:
             self._lru_windows += 1
-            if self._lru_windows >= self.backoff * (1 if self._model_changed else 4):
+            if self._model_changed and self._lru_windows >= self.backoff:
                 self.active, self._probing = False, True
                 self.probes += 1
-        elif trails:
-            if self._probing:             # the probe did not hold: wait longer next time
-                self.backoff = min(2 * self.backoff, self.max_backoff)
-            self.active, self._probing = True, False
-            self.trips += 1
-            self._lru_windows = 0
-            self._model_changed = False
-        elif self._probing:               # a full window at par: the DMLP is trusted again
-            self._probing = False
-            self.backoff = self._backoff0
+                self._trailing.clear()
+            return
+        if excess <= self.margin * w:
+            self._trailing.clear()
+            if self._probing:             # a full window at par: the DMLP is trusted again
+                self._probing = False
+                self.backoff = self._backoff0
+            return
+        self._trailing.append((excess, discordant))
+        need = 1 if self._probing else self.confirm
+        pooled_excess = sum(e for e, _ in self._trailing)
+        pooled_discordant = sum(d for _, d in self._trailing)
+        if len(self._trailing) < need or pooled_excess <= self.z * math.sqrt(pooled_discordant):
+            return
+        if self._probing:                 # the probe did not hold: wait longer next time
+            self.backoff = min(2 * self.backoff, self.max_backoff)
+        self.active, self._probing = True, False
+        self.trips += 1
+        self._lru_windows = 0
+        self._model_changed = False
+        self._trailing.clear()
 
     # ---- what it reports ----
+
+    def settings(self) -> dict:
+        """The trip and probe rule, for reports."""
+        return {"window": self.window, "margin": self.margin, "z": self.z, "confirm": self.confirm,
+                "backoff": self._backoff0, "max_backoff": self.max_backoff, "probes": "only after a weight swap"}
 
     def export(self, registry) -> None:
         """Registers stratum_dmlp_guard_active and the two hit rates of the last full window in a
