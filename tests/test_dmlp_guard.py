@@ -32,6 +32,17 @@ def par_cache(guard, n):
         guard.accessed(["x"])
 
 
+def ahead_cache(guard, n):
+    """n accesses: a cycle of 4 blocks the real cache keeps, each followed by a one-off block it drops at
+    once; a ghost LRU of the same size is flushed by the one-offs and misses the cycle."""
+    for i in range(n):
+        if i % 2 == 0:
+            guard.accessed(["wxyz"[(i // 2) % 4]])
+        else:
+            guard.accessed([("once", i)])
+            guard.forget([("once", i)])
+
+
 def tripped(w):
     """A guard (window w, confirm 2, backoff 1 up to 4) that has just tripped on two trailing windows."""
     g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2, backoff=1, max_backoff=4)
@@ -54,11 +65,29 @@ def test_one_trailing_window_between_windows_at_par_does_not_trip():
     assert g.trips == 1 and g.active
 
 
-def test_an_unchanged_model_is_never_probed_so_its_loss_does_not_grow_with_the_run():
+def test_an_unchanged_model_that_never_led_is_never_probed_so_its_loss_does_not_grow_with_the_run():
     w = 40
     g = tripped(w)
-    wrong_cache(g, 200 * w)      # 4 x max_backoff windows were the old rule's wait without a swap
+    assert g.credit < 0
+    par_cache(g, 200 * w)        # 4 x backoff windows were the old rule's wait without a swap
     assert g.active and g.probes == 0 and g.trips == 1
+
+
+def test_an_unchanged_model_is_probed_only_while_the_lead_it_earned_pays_for_a_probe():
+    w = 40
+    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2, backoff=1, max_backoff=4)
+    ahead_cache(g, 8 * w)
+    assert g.trips == 0 and g.credit >= 8 * w // 2 - 4          # about half of each window, ghost misses
+    wrong_cache(g, 2 * w)
+    assert g.active and g.trips == 1 and g.credit >= g._probe_cost > 0
+    par_cache(g, 3 * w)                                         # in LRU mode, real = ghost
+    assert g.active and g.probes == 0                           # an unchanged model waits 4 x backoff
+    par_cache(g, w)
+    assert not g.active and g.probes == 1                       # and its credit pays for the probe
+    wrong_cache(g, w)
+    assert g.active and g.trips == 2 and g.credit < g._probe_cost   # the probe spent the rest
+    par_cache(g, 100 * w)
+    assert g.active and g.probes == 1
 
 
 def test_a_weight_swap_is_probed_for_one_window_and_a_failed_probe_doubles_the_wait():

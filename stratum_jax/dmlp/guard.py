@@ -16,17 +16,23 @@ short bad stretches from tripping it: a DMLP that is ahead on average still trai
 points of lead), and a trip costs whatever the DMLP was ahead by. A probe (below) is judged on its one
 window alone, so that a model already found worse costs one window per probe, not `confirm`.
 
-When to return. In LRU mode the real cache *is* LRU, so it cannot show how the DMLP would do. The guard
-probes (gives the DMLP a window again) only once the model changed (an online weight swap, the thing
-that can make it better) and `backoff` windows have passed since the trip. An unchanged model is never
-probed again: each probe of it would cost a window at its known loss, so the loss would grow with the
-run's length (it did: 0.53 points below LRU at 3,000 requests of the wrong-checkpoint load, 0.88 at
-6,000, with a probe every 4 x backoff windows). With the rule here, a model that is never updated loses
-only the windows before its trip, whatever the run's length; an online one loses at most one window per
-weight swap that reached LRU mode, and a probe that trails again doubles `backoff` (up to `max_backoff`),
-so a learner that keeps swapping a model that stays bad costs at most one window in `max_backoff`. A
-probe that holds resets `backoff`. The price: a trip on a workload the model is good at is only undone
-by a swap, which is why the trip rule is strict.
+When to return. In LRU mode the real cache *is* LRU, so it cannot show how the DMLP would do; only a
+probe (a window of the DMLP again) can. A probe of a model already found worse costs about a window at
+its known loss, so a rule that probes on a timer loses more the longer the run (it did: 0.53 points below
+LRU at 3,000 requests of the wrong-checkpoint load, 0.88 at 6,000, with a probe every 4 x backoff
+windows). Probes here are paid for:
+- after a weight swap (an online round changed the model, the thing that can make it better), once
+  `backoff` windows have passed since the trip: each costs at most a window, one per swap that reached
+  LRU mode, and a probe that trails again doubles `backoff` (up to `max_backoff`);
+- an unchanged model, after 4 x `backoff` windows, only from its credit: the guard keeps `credit`, the
+  real cache's hits minus the ghost LRU's over every window so far (what the guarded cache is ahead of
+  LRU by, in hits), and probes an unchanged model only while the credit covers the loss of one window at
+  the rate measured when it last tripped. So a model that never earned a lead (the wrong checkpoint) is
+  never probed again, and its loss is the windows before its trip, whatever the run's length; one that
+  earned a lead and then trailed (a workload that moves between what the model knows and what it does
+  not) may spend that lead on probes, but never more than it earned plus one probe: the guarded cache's
+  cumulative hits stay within the detection windows and one probe (with its aftermath) of LRU's.
+A probe that holds a full window resets `backoff`.
 
 Why switch and not blend. While the guard is on, the real cache is an LRU cache, so the guarded
 policy's loss to LRU is bounded by how long the DMLP runs while it trails: the detecting window and the
@@ -48,8 +54,8 @@ class ShadowLruGuard:
     """window: accesses per judgement. margin: how far (absolute hit rate, 0.005 = half a point) the
     DMLP may trail the ghost LRU in a window. z: the trail must also exceed z standard errors.
     confirm: consecutive trailing windows (pooled for the z test) that trip it from DMLP mode.
-    backoff / max_backoff: windows in LRU mode, after a weight swap, before a probe after the first
-    trip / at most."""
+    backoff / max_backoff: windows in LRU mode before a probe (after a weight swap; 4x that for an
+    unchanged model, which also needs the credit) after the first trip / at most."""
 
     def __init__(self, window: int = 2048, margin: float = 0.005, z: float = 3.0, confirm: int = 2,
                  backoff: int = 1, max_backoff: int = 16):
@@ -75,6 +81,8 @@ class ShadowLruGuard:
         self.dmlp_hit_rate = self.lru_hit_rate = math.nan                     # the last full window
         self._model_changed = False
         self._lru_windows = 0             # full windows since the last trip
+        self.credit = 0                   # real hits - ghost LRU hits, over every full window so far
+        self._probe_cost = 0.0            # hits a window of the DMLP lost when it last tripped
         self._probing = False
         self._trailing: collections.deque = collections.deque(maxlen=confirm)   # (excess, discordant)
 
@@ -118,9 +126,12 @@ class ShadowLruGuard:
         self.dmlp_hit_rate, self.lru_hit_rate = self._real_hits / w, self._lru_hits / w
         excess, discordant = self._lru_hits - self._real_hits, self._discordant
         self._n = self._real_hits = self._lru_hits = self._discordant = 0
+        self.credit -= excess
         if self.active:
             self._lru_windows += 1
-            if self._model_changed and self._lru_windows >= self.backoff:
+            swapped = self._model_changed and self._lru_windows >= self.backoff
+            funded = self.credit >= self._probe_cost and self._lru_windows >= 4 * self.backoff
+            if swapped or funded:
                 self.active, self._probing = False, True
                 self.probes += 1
                 self._trailing.clear()
@@ -139,6 +150,7 @@ class ShadowLruGuard:
             return
         if self._probing:                 # the probe did not hold: wait longer next time
             self.backoff = min(2 * self.backoff, self.max_backoff)
+        self._probe_cost = pooled_excess / len(self._trailing)
         self.active, self._probing = True, False
         self.trips += 1
         self._lru_windows = 0
@@ -150,7 +162,7 @@ class ShadowLruGuard:
     def settings(self) -> dict:
         """The trip and probe rule, for reports."""
         return {"window": self.window, "margin": self.margin, "z": self.z, "confirm": self.confirm,
-                "backoff": self._backoff0, "max_backoff": self.max_backoff, "probes": "only after a weight swap"}
+                "backoff": self._backoff0, "max_backoff": self.max_backoff, "probes": "after a weight swap, or an unchanged model from its credit"}
 
     def export(self, registry) -> None:
         """Registers stratum_dmlp_guard_active and the two hit rates of the last full window in a
