@@ -25,8 +25,9 @@ windows). Probes here are paid for:
   `backoff` windows have passed since the trip: each costs at most a window, one per swap that reached
   LRU mode, and a probe that trails again doubles `backoff` (up to `max_backoff`);
 - an unchanged model, after 4 x `backoff` windows, only from its credit: the guard keeps `credit`, the
-  real cache's hits minus the ghost LRU's over every window so far (what the guarded cache is ahead of
-  LRU by, in hits), and probes an unchanged model only while the credit covers the loss of one window at
+  real cache's hits minus the ghost LRU's over the windows the DMLP chose the victims in (what it earned
+  over LRU; an LRU-mode window counts only when the real cache trails there, the aftermath of the
+  DMLP's evictions), and probes an unchanged model only while the credit covers the loss of one window at
   the rate measured when it last tripped. So a model that never earned a lead (the wrong checkpoint) is
   never probed again, and its loss is the windows before its trip, whatever the run's length; one that
   earned a lead and then trailed (a workload that moves between what the model knows and what it does
@@ -81,7 +82,7 @@ class ShadowLruGuard:
         self.dmlp_hit_rate = self.lru_hit_rate = math.nan                     # the last full window
         self._model_changed = False
         self._lru_windows = 0             # full windows since the last trip
-        self.credit = 0                   # real hits - ghost LRU hits, over every full window so far
+        self.credit = 0                   # real hits - ghost LRU hits the DMLP earned (see _judge)
         self._probe_cost = 0.0            # hits a window of the DMLP lost when it last tripped
         self._probing = False
         self._trailing: collections.deque = collections.deque(maxlen=confirm)   # (excess, discordant)
@@ -126,7 +127,10 @@ class ShadowLruGuard:
         self.dmlp_hit_rate, self.lru_hit_rate = self._real_hits / w, self._lru_hits / w
         excess, discordant = self._lru_hits - self._real_hits, self._discordant
         self._n = self._real_hits = self._lru_hits = self._discordant = 0
-        self.credit -= excess
+        # In LRU mode a real cache ahead of the ghost is not the DMLP's doing (the engine's LRU keeps
+        # pages that running requests hold, the ghost does not): it funds no probe. Behind the ghost it
+        # is the aftermath of the DMLP's evictions (a probe's lost pages), and is charged.
+        self.credit -= max(excess, 0) if self.active else excess
         if self.active:
             self._lru_windows += 1
             swapped = self._model_changed and self._lru_windows >= self.backoff
