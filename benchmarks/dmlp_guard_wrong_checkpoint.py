@@ -52,8 +52,7 @@ def main() -> int:
     out = {"what": "prefix-cache hit rate of training/wrong_checkpoint.py's load (prompts(n), hit_rate: 512-slot "
                    "PagePool, 16-token pages, 4 requests held at once) under --cache-policy lru, the deliberately "
                    f"wrong checkpoint without the guard, and with it (--dmlp-guard-window {a.window})",
-           "guard": {"window": a.window, "margin": g.margin, "z": g.z, "confirm": g.confirm,
-                     "probes": "only after a weight swap"},
+           "guard": g.settings(),
            "command": "python benchmarks/dmlp_guard_wrong_checkpoint.py " + " ".join(sys.argv[1:]),
            "runs": runs, "device": f"cpu ({os.cpu_count()} cores)", "jax": jax.__version__,
            "date": datetime.date.today().isoformat(), "platform": platform.platform()}

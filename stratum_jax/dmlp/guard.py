@@ -28,11 +28,15 @@ windows). Probes here are paid for:
   real cache's hits minus the ghost LRU's over the windows the DMLP chose the victims in (what it earned
   over LRU; an LRU-mode window counts only when the real cache trails there, the aftermath of the
   DMLP's evictions), and probes an unchanged model only while the credit covers the loss of one window at
-  the rate measured when it last tripped. So a model that never earned a lead (the wrong checkpoint) is
-  never probed again, and its loss is the windows before its trip, whatever the run's length; one that
+  the rate measured when it last tripped, apart from `free_probes` (default 1) per run, so that a trip
+  before the model could earn anything (a cold cache: it happened in the warm-up of the trained
+  Mooncake part, and cost the whole 4-point lead at capacity 0.1) is not final. So a model that never
+  earned a lead (the wrong checkpoint) gets one more window, then never again, and its loss is the
+  windows before its trip plus one probe, whatever the run's length; one that
   earned a lead and then trailed (a workload that moves between what the model knows and what it does
-  not) may spend that lead on probes, but never more than it earned plus one probe: the guarded cache's
-  cumulative hits stay within the detection windows and one probe (with its aftermath) of LRU's.
+  not) may spend that lead on probes, but never more than it earned plus the free probe and one more: the
+  guarded cache's cumulative hits stay within the detection windows and two probes (with their
+  aftermath) of LRU's.
 A probe that holds a full window resets `backoff`.
 
 Why switch and not blend. While the guard is on, the real cache is an LRU cache, so the guarded
@@ -55,23 +59,27 @@ class ShadowLruGuard:
     """window: accesses per judgement. margin: how far (absolute hit rate, 0.005 = half a point) the
     DMLP may trail the ghost LRU in a window. z: the trail must also exceed z standard errors.
     confirm: consecutive trailing windows (pooled for the z test) that trip it from DMLP mode.
+    free_probes: probes of an unchanged model allowed without credit, per run (a trip before the
+    model could earn a lead, e.g. on a cold cache, is not final).
     backoff / max_backoff: windows in LRU mode before a probe (after a weight swap; 4x that for an
     unchanged model, which also needs the credit) after the first trip / at most."""
 
     def __init__(self, window: int = 2048, margin: float = 0.005, z: float = 3.0, confirm: int = 2,
-                 backoff: int = 1, max_backoff: int = 16):
+                 backoff: int = 1, max_backoff: int = 16, free_probes: int = 1):
         if window < 1:
             raise ValueError(f"guard window must be >= 1 access, got {window}")
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"guard margin must lie in [0, 1), got {margin}")
         if not z >= 0:
             raise ValueError(f"guard z must be >= 0, got {z}")
+        if free_probes < 0:
+            raise ValueError(f"guard free_probes must be >= 0, got {free_probes}")
         if confirm < 1:
             raise ValueError(f"guard confirm must be >= 1 window, got {confirm}")
         if not 1 <= backoff <= max_backoff:
             raise ValueError(f"guard backoff must satisfy 1 <= backoff <= max_backoff, got {backoff}, {max_backoff}")
         self.window, self.margin, self.z, self.confirm = window, margin, z, confirm
-        self._backoff0, self.max_backoff = backoff, max_backoff
+        self._backoff0, self.max_backoff, self._free0 = backoff, max_backoff, free_probes
         self.backoff = backoff
         self.active = False              # True: the policy evicts in LRU order
         self.trips = 0                   # switches to LRU
@@ -84,6 +92,7 @@ class ShadowLruGuard:
         self._lru_windows = 0             # full windows since the last trip
         self.credit = 0                   # real hits - ghost LRU hits the DMLP earned (see _judge)
         self._probe_cost = 0.0            # hits a window of the DMLP lost when it last tripped
+        self.free_probes = free_probes    # unchanged-model probes left that need no credit
         self._probing = False
         self._trailing: collections.deque = collections.deque(maxlen=confirm)   # (excess, discordant)
 
@@ -134,7 +143,10 @@ class ShadowLruGuard:
         if self.active:
             self._lru_windows += 1
             swapped = self._model_changed and self._lru_windows >= self.backoff
-            funded = self.credit >= self._probe_cost and self._lru_windows >= 4 * self.backoff
+            waited = self._lru_windows >= 4 * self.backoff
+            funded = waited and (self.credit >= self._probe_cost or self.free_probes > 0)
+            if funded and not swapped and self.credit < self._probe_cost:
+                self.free_probes -= 1
             if swapped or funded:
                 self.active, self._probing = False, True
                 self.probes += 1
@@ -166,7 +178,7 @@ class ShadowLruGuard:
     def settings(self) -> dict:
         """The trip and probe rule, for reports."""
         return {"window": self.window, "margin": self.margin, "z": self.z, "confirm": self.confirm,
-                "backoff": self._backoff0, "max_backoff": self.max_backoff, "probes": "after a weight swap, or an unchanged model from its credit"}
+                "backoff": self._backoff0, "max_backoff": self.max_backoff, "free_probes": self._free0, "probes": "after a weight swap, or an unchanged model from its credit"}
 
     def export(self, registry) -> None:
         """Registers stratum_dmlp_guard_active and the two hit rates of the last full window in a
