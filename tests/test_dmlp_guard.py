@@ -43,9 +43,9 @@ def ahead_cache(guard, n):
             guard.forget([("once", i)])
 
 
-def tripped(w):
+def tripped(w, free_probes=0):
     """A guard (window w, confirm 2, backoff 1 up to 4) that has just tripped on two trailing windows."""
-    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2, backoff=1, max_backoff=4)
+    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2, backoff=1, max_backoff=4, free_probes=free_probes)
     g.accessed(["p", "q"])
     wrong_cache(g, w - 2)
     assert not g.active and g.lru_hit_rate > g.dmlp_hit_rate == 0.0   # one trailing window is not enough
@@ -65,17 +65,23 @@ def test_one_trailing_window_between_windows_at_par_does_not_trip():
     assert g.trips == 1 and g.active
 
 
-def test_an_unchanged_model_that_never_led_is_never_probed_so_its_loss_does_not_grow_with_the_run():
+def test_an_unchanged_model_that_never_led_gets_its_free_probe_and_then_no_more_so_its_loss_stays_bounded():
     w = 40
-    g = tripped(w)
+    g = tripped(w, free_probes=1)
     assert g.credit < 0
-    par_cache(g, 200 * w)        # 4 x backoff windows were the old rule's wait without a swap
-    assert g.active and g.probes == 0 and g.trips == 1
+    par_cache(g, 3 * w)                                # in LRU mode, real = ghost
+    assert g.active and g.probes == 0                  # an unchanged model waits 4 x backoff windows
+    par_cache(g, w)
+    assert not g.active and g.probes == 1 and g.free_probes == 0
+    wrong_cache(g, w)                                  # still wrong: back to LRU after the one window
+    assert g.active and g.trips == 2
+    par_cache(g, 200 * w)                              # session 5's rule probed every 4 x backoff windows
+    assert g.active and g.probes == 1 and g.trips == 2
 
 
 def test_an_unchanged_model_is_probed_only_while_the_lead_it_earned_pays_for_a_probe():
     w = 40
-    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2, backoff=1, max_backoff=4)
+    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2, backoff=1, max_backoff=4, free_probes=0)
     ahead_cache(g, 8 * w)
     assert g.trips == 0 and g.credit >= 8 * w // 2 - 4          # about half of each window, ghost misses
     wrong_cache(g, 2 * w)
@@ -133,7 +139,7 @@ def test_exports_its_three_gauges():
     assert registry.get_sample_value("stratum_dmlp_guard_lru_hit_rate") == 0.75
 
 
-@pytest.mark.parametrize("kwargs", [dict(window=0), dict(margin=1.0), dict(z=-1), dict(confirm=0),
+@pytest.mark.parametrize("kwargs", [dict(window=0), dict(margin=1.0), dict(z=-1), dict(confirm=0), dict(free_probes=-1),
                                     dict(backoff=4, max_backoff=2)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):

@@ -4,9 +4,11 @@
 hit rate within half a point of LRU.
 
 The checkpoint, the load and the engine-side replay are training/wrong_checkpoint.py's (shared with
-benchmarks/dmlp_guard_wrong_checkpoint.py). The guard probes only after a weight swap, and this model
-never changes, so after its trip the cache is LRU for the rest of the run: the loss is the windows before
-the trip, whatever the run's length. With the earlier rule (a probe every 4 x backoff windows without a
+benchmarks/dmlp_guard_wrong_checkpoint.py). The guard probes an unchanged model only from the lead it
+earned over LRU, apart from one free probe per run; this model never changes and never leads, so after
+its free probe the cache is LRU for the rest of the run: the loss is the windows before the trip and
+one probe, whatever the run's length (-0.41 points at 3,000 requests, -0.24 at 6,000;
+benchmarks/results/dmlp_guard_wrong_checkpoint_cpu.json). With the earlier rule (a probe every 4 x backoff windows without a
 swap) this load ended 0.53 points below LRU at 3,000 requests and 0.88 at 6,000.
 """
 import pytest
@@ -23,8 +25,8 @@ def test_guard_engages_on_a_wrong_checkpoint_and_keeps_the_hit_rate_within_half_
     guarded, policy = hit_rate(RuntimeConfig(cache_policy="dmlp", dmlp_checkpoint=ckpt, dmlp_guard_window=512), load)
     rates = dict(lru=lru, wrong=wrong, guarded=guarded, trips=policy.guard.trips, probes=policy.guard.probes)
     assert wrong < lru - 0.015, rates                    # the checkpoint really is wrong
-    assert policy.guard.trips == 1, rates                # the guard engaged (it is on by default), once:
-    assert policy.guard.probes == 0, rates               # an unchanged model is not probed again
+    assert policy.guard.trips >= 1, rates                # the guard engaged (it is on by default)
+    assert policy.guard.probes <= 1, rates               # an unchanged model that never led: its free probe only
     assert guarded >= lru - 0.005, rates                 # within half a point of LRU
 
 
