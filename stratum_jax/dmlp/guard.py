@@ -29,8 +29,7 @@ windows). Probes here are paid for:
   over LRU; an LRU-mode window counts only when the real cache trails there, the aftermath of the
   DMLP's evictions), and probes an unchanged model only while the credit covers the loss of one window at
   the rate measured when it last tripped, apart from `free_probes` (default 1) per run, so that a trip
-  before the model could earn anything (a cold cache: it happened in the warm-up of the trained
-  Mooncake part, and cost the whole 4-point lead at capacity 0.1) is not final. So a model that never
+  before the model could earn anything (on a cold cache, say) is not final by itself. So a model that never
   earned a lead (the wrong checkpoint) gets one more window, then never again, and its loss is the
   windows before its trip plus one probe, whatever the run's length; one that
   earned a lead and then trailed (a workload that moves between what the model knows and what it does
