@@ -1,4 +1,4 @@
-"""The shadow-LRU guard: when it trips and returns, its metrics, and the CI check of issue #15: a DMLP
+"""The shadow-LRU guard: when it trips (two trailing windows) and returns (only after a weight swap), its metrics, and the CI check of issue #15: a DMLP
 trained on one synthetic workload and replayed on a shifted one stays within half a point of LRU at
 every capacity with the guard, and does not without it."""
 import numpy as np
@@ -26,26 +26,98 @@ def wrong_cache(guard, n):
         guard.forget([k])
 
 
-def test_trips_when_lru_would_hit_and_probes_after_a_model_change_or_a_longer_wait():
-    w = 40
-    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, backoff=1, max_backoff=4)
+def par_cache(guard, n):
+    """n accesses of one block the real cache keeps: real and ghost hit alike."""
+    for _ in range(n):
+        guard.accessed(["x"])
+
+
+def ahead_cache(guard, n):
+    """n accesses: a cycle of 4 blocks the real cache keeps, each followed by a one-off block it drops at
+    once; a ghost LRU of the same size is flushed by the one-offs and misses the cycle."""
+    for i in range(n):
+        if i % 2 == 0:
+            guard.accessed(["wxyz"[(i // 2) % 4]])
+        else:
+            guard.accessed([("once", i)])
+            guard.forget([("once", i)])
+
+
+def tripped(w, free_probes=0):
+    """A guard (window w, confirm 2, backoff 1 up to 4) that has just tripped on two trailing windows."""
+    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2, backoff=1, max_backoff=4, free_probes=free_probes)
     g.accessed(["p", "q"])
     wrong_cache(g, w - 2)
-    assert g.active and g.trips == 1 and g.lru_hit_rate > g.dmlp_hit_rate == 0.0
-    # No model change: it waits 4 windows in LRU mode, then probes.
-    wrong_cache(g, 3 * w)
-    assert g.active and g.probes == 0
+    assert not g.active and g.lru_hit_rate > g.dmlp_hit_rate == 0.0   # one trailing window is not enough
     wrong_cache(g, w)
-    assert not g.active and g.probes == 1
-    # The probe trails again: back to LRU, and the next wait is twice as long.
+    assert g.active and g.trips == 1
+    return g
+
+
+def test_one_trailing_window_between_windows_at_par_does_not_trip():
+    w = 40
+    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2)
+    for _ in range(5):
+        wrong_cache(g, w)
+        par_cache(g, w)
+    assert g.trips == 0 and not g.active
+    wrong_cache(g, 2 * w)
+    assert g.trips == 1 and g.active
+
+
+def test_an_unchanged_model_that_never_led_gets_its_free_probe_and_then_no_more_so_its_loss_stays_bounded():
+    w = 40
+    g = tripped(w, free_probes=1)
+    assert g.credit < 0
+    par_cache(g, 3 * w)                                # in LRU mode, real = ghost
+    assert g.active and g.probes == 0                  # an unchanged model waits 4 x backoff windows
+    par_cache(g, w)
+    assert not g.active and g.probes == 1 and g.free_probes == 0
+    wrong_cache(g, w)                                  # still wrong: back to LRU after the one window
+    assert g.active and g.trips == 2
+    par_cache(g, 200 * w)                              # session 5's rule probed every 4 x backoff windows
+    assert g.active and g.probes == 1 and g.trips == 2
+
+
+def test_an_unchanged_model_is_probed_only_while_the_lead_it_earned_pays_for_a_probe():
+    w = 40
+    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2, backoff=1, max_backoff=4, free_probes=0)
+    ahead_cache(g, 8 * w)
+    assert g.trips == 0 and g.credit >= 8 * w // 2 - 4          # about half of each window, ghost misses
+    wrong_cache(g, 2 * w)
+    assert g.active and g.trips == 1 and g.credit >= g._probe_cost > 0
+    par_cache(g, 3 * w)                                         # in LRU mode, real = ghost
+    assert g.active and g.probes == 0                           # an unchanged model waits 4 x backoff
+    par_cache(g, w)
+    assert not g.active and g.probes == 1                       # and its credit pays for the probe
     wrong_cache(g, w)
-    assert g.active and g.trips == 2 and g.backoff == 2
-    # A model change shortens the wait to `backoff` windows.
+    assert g.active and g.trips == 2 and g.credit < g._probe_cost   # the probe spent the rest
+    par_cache(g, 100 * w)
+    assert g.active and g.probes == 1
+
+
+def test_a_weight_swap_is_probed_for_one_window_and_a_failed_probe_doubles_the_wait():
+    w = 40
+    g = tripped(w)
     g.model_changed()
+    wrong_cache(g, w)                                  # backoff 1: probes after one window in LRU mode
+    assert not g.active and g.probes == 1
+    wrong_cache(g, w)                                  # a probe is judged on its one window
+    assert g.active and g.trips == 2 and g.backoff == 2
+    g.model_changed()                                  # a swap right after the second trip:
     wrong_cache(g, w)
-    assert g.active
+    assert g.active                                    # backoff 2, so it waits a second window
     wrong_cache(g, w)
     assert not g.active and g.probes == 2
+    wrong_cache(g, w)                                  # trails again: backoff 4
+    assert g.active and g.trips == 3 and g.backoff == 4
+    wrong_cache(g, 10 * w)                             # no swap since: no probe, however long
+    assert g.active and g.probes == 2
+    g.model_changed()                                  # the trip was long enough ago: probe next window
+    wrong_cache(g, w)
+    assert not g.active and g.probes == 3
+    par_cache(g, w)                                    # the probe holds: the DMLP is back, the wait reset
+    assert not g.active and g.backoff == 1 and g.trips == 3
 
 
 def test_a_cache_as_good_as_lru_never_trips():
@@ -67,7 +139,8 @@ def test_exports_its_three_gauges():
     assert registry.get_sample_value("stratum_dmlp_guard_lru_hit_rate") == 0.75
 
 
-@pytest.mark.parametrize("kwargs", [dict(window=0), dict(margin=1.0), dict(z=-1), dict(backoff=4, max_backoff=2)])
+@pytest.mark.parametrize("kwargs", [dict(window=0), dict(margin=1.0), dict(z=-1), dict(confirm=0), dict(free_probes=-1),
+                                    dict(backoff=4, max_backoff=2)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         ShadowLruGuard(**kwargs)

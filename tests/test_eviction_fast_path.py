@@ -63,7 +63,7 @@ def _replay(stream, curves, capacity, guarded, checked):
     """Hits, host hits, the hit events and the guard's trips of one replay. `checked` collects each
     victim call's arguments against the stream's own arrays (the per-slot copies must equal them)."""
     # A guard that trips at any trailing window, so that a small replay also takes the LRU-order path.
-    guard = ShadowLruGuard(window=64, margin=0.0, z=0.0) if guarded else None
+    guard = ShadowLruGuard(window=64, margin=0.0, z=0.0, confirm=1) if guarded else None
     pol = DmlpPolicy(_Model(), guard=guard)
 
     def order(c, idle, n, now, cached, seq):

@@ -67,7 +67,8 @@ def policy_hit_rates(replays: list[Replay], predictor: Predictor, capacity_fracs
     bin_of = np.clip(np.searchsorted(edges, r0.stream.t_ms[r0.score_from:], side="right") - 1, 0, time_bins - 1)
     per_bin = np.bincount(bin_of, minlength=time_bins)
     over_time = {"t_ms": ((edges[:-1] + edges[1:]) / 2).tolist(), "hit_rate": {p: [] for p in policies},
-                 "guard_trips": {p: [] for p in policies if "guarded" in p or p == "dmlp_online"}}
+                 "guard_trips": {p: [] for p in policies if "guarded" in p or p == "dmlp_online"},
+                 "guard_probes": {p: [] for p in policies if "guarded" in p or p == "dmlp_online"}}
     runs = [(i, p, ci) for ci in range(len(capacity_fracs)) for i in range(len(replays)) for p in policies]
     for i, name, ci in tqdm(runs, desc="policies", unit="replay", leave=False):
         r = replays[i]
@@ -97,6 +98,7 @@ def policy_hit_rates(replays: list[Replay], predictor: Predictor, capacity_fracs
             over_time["hit_rate"][name].append(rate.tolist())
             if name in over_time["guard_trips"]:
                 over_time["guard_trips"][name].append(pol.guard.trips if pol.guard is not None else 0)
+                over_time["guard_probes"][name].append(pol.guard.probes if pol.guard is not None else 0)
     hit = {p: [t.hit_rate for t in totals[p]] for p in policies}
     gap = [(d - l) / (b - l) if b > l else float("nan")
            for d, l, b in zip(hit["dmlp"], hit["lru"], hit.get("belady", hit["lru"]))]
@@ -108,6 +110,6 @@ def policy_hit_rates(replays: list[Replay], predictor: Predictor, capacity_fracs
         "unique_blocks": int(sum(unique)),
         "scored_accesses": int(totals["lru"][0].accesses),
         "host_frac": host_frac,
-        "guard": {"on": guard, "window": guard_window} if guard else {"on": False},
+        "guard": {"on": True, **ShadowLruGuard(window=guard_window).settings()} if guard else {"on": False},
         "over_time": over_time,
     }
