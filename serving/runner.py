@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from typing import Protocol
 
 import jax
 
@@ -104,13 +105,33 @@ class _CancelAll:
     pass
 
 
+class ServingEngine(Protocol):
+    """What the runner drives (stratum_jax.engine.Engine; tests use small fakes). Not thread-safe: the
+    runner calls it from its one engine thread."""
+
+    last_step: object | None          # the latest step read back (StepTiming), or None
+    idle_tick_s: float | None         # how often to `tick` while idle; None: never
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str: ...
+
+    def cancel(self, request_id: str) -> bool: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[StepOutput]: ...
+
+    def tick(self) -> None: ...
+
+    def stats(self): ...
+
+
 class EngineRunner:
     """Owns the engine thread. `submit`, `cancel` and `profile` may be called from any thread."""
 
-    def __init__(self, engine, metrics=None, name: str = "stratum-engine", prefill_rate=None) -> None:
+    def __init__(self, engine: ServingEngine, metrics=None, name: str = "stratum-engine", prefill_rate=None) -> None:
         self.engine = engine
         self.prefill_rate = prefill_rate   # a serving.cost.PrefillRate fed after every step, or None
-        self._idle_tick_s = getattr(engine, "idle_tick_s", None)   # None unless the cache policy wants ticks
+        self._idle_tick_s = engine.idle_tick_s   # None unless the cache policy wants ticks
         self.metrics = metrics
         self._cond = threading.Condition()
         self._inbox: list[object] = []
@@ -264,7 +285,7 @@ class EngineRunner:
         end = time.monotonic()
         self._step_failures = 0
         if self.prefill_rate is not None:
-            self.prefill_rate.observe(getattr(self.engine, "last_step", None))
+            self.prefill_rate.observe(self.engine.last_step)
         deliveries = []
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -174,7 +174,7 @@ class StratumServer:
         """With --cache-policy dmlp: exports stratum_dmlp_* and starts online fine-tuning (after warm-up,
         so its worker process does not compete with the compiles)."""
         from stratum_jax.dmlp.runtime import export_dmlp_metrics
-        policy, tuner = getattr(engine, "cache_policy", None), getattr(engine, "dmlp_tuner", None)
+        policy, tuner = engine.cache_policy, engine.dmlp_tuner
         export_dmlp_metrics(policy, tuner, self.metrics.registry)
         if tuner is not None:
             log.info("starting online DMLP fine-tuning (checkpoints in %s)", tuner.checkpoint_dir)

@@ -186,7 +186,7 @@ class StratumServicer(pb_grpc.StratumServicer):
 
 def _dmlp_status(engine) -> pb.DmlpStatus | None:
     from stratum_jax.dmlp.runtime import dmlp_status
-    status = dmlp_status(getattr(engine, "cache_policy", None), getattr(engine, "dmlp_tuner", None))
+    status = dmlp_status(engine.cache_policy, engine.dmlp_tuner)
     return None if status is None else pb.DmlpStatus(**status)
 
 

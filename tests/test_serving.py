@@ -448,6 +448,9 @@ def test_reflection_lists_the_service(served):
 
 
 def test_metrics_endpoint_scrapes_and_parses(served):
+    # Requests of its own, so the counts below do not depend on which tests ran before it.
+    for i in range(3):
+        assert call(served.stub, user(f"metrics {i}", max_tokens=2)).code == grpc.StatusCode.OK
     text = urllib.request.urlopen(served.bg.metrics_url, timeout=10).read().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name, (kind, _) in METRICS.items():
@@ -455,8 +458,8 @@ def test_metrics_endpoint_scrapes_and_parses(served):
         assert base in families, f"{name} missing from the exposition"
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in families.values() for s in f.samples}
-    assert samples[("stratum_requests_total", (("status", "ok"),))] >= 64
-    assert samples[("stratum_ttft_seconds_count", ())] >= 64
+    assert samples[("stratum_requests_total", (("status", "ok"),))] >= 3
+    assert samples[("stratum_ttft_seconds_count", ())] >= 3
     assert samples[("stratum_kv_pages_free", (("tier", "device"),))] > 0
     assert samples[("stratum_output_tokens_total", ())] > 0
     assert samples[("stratum_prefix_cache_queries_total", ())] > 0

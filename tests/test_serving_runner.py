@@ -41,6 +41,9 @@ class FakeEngine:
     next command reaches the engine thread (this fake steps in microseconds), which made tests flaky.
     """
 
+    last_step = None
+    idle_tick_s = None
+
     def __init__(self, max_queue: int = 4, emit_limit: int | None = None) -> None:
         self.max_queue = max_queue
         self.emit_limit = emit_limit
@@ -65,6 +68,9 @@ class FakeEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def tick(self) -> None:
+        pass
 
     def step(self) -> list[StepOutput]:
         if self.fail_steps:

@@ -132,6 +132,12 @@ class HostTier:
         self.recalled += 1
         return page
 
+    def discard(self, content_hash: bytes) -> None:
+        """Forgets a page that HBM holds again (recomputed, not recalled): one copy per hash across tiers."""
+        page = self._pages.pop(content_hash)
+        self.tokens -= page.page_size
+        page.data = None
+
     def give_back(self, page: HostPage) -> None:
         """Returns a page taken for a recall that could not get HBM room (as the newest: a request just
         asked for it)."""

@@ -261,6 +261,10 @@ class PagePool(HostTierMoves):
         page.content_hash = h
         page.parent_hash = parent_hash
         if self.enable_prefix_caching and h not in self._by_hash:
+            if self.host is not None and h in self.host:
+                # Recomputed rather than recalled (recall_choice, or no HBM room at the time): the new HBM
+                # page supersedes the host copy, so a hash lives in one tier only.
+                self.host.discard(h)
             self._by_hash[h] = page
             now = self.clock()
             page.meta = BlockMeta(block_id=h, depth=depth, created_ms=now)
