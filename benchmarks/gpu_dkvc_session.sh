@@ -23,14 +23,7 @@
 # Carry .whl (grpcio wheels) as benchmarks/gpu_session.sh does. Everything lands in $OUT: JSON (each file has
 # device, jax version and date), one log per step, steps.jsonl (rc and seconds per step).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+source benchmarks/gpu_env.sh
 PY=${PY:-python3}
 if [ "${DRY:-0}" = 1 ]; then   # tiny sizes on the CPU: the same commands and flags, cheap
   export JAX_PLATFORMS=cpu

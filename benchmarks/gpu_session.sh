@@ -3,14 +3,7 @@
 # benchmark, and a short serving replay (HAB and FCFS) that also times start-up cold and with a warm
 # compilation cache. Carry .whl (grpcio-health-checking / -reflection wheels). Results land in $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then

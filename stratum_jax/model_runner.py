@@ -247,11 +247,6 @@ class ModelRunner:
             off += self._slots(n)
         return RunResult(step.shape, out, offsets, step.dispatch_s, time.perf_counter())
 
-    def run(self, batch: ScheduledBatch, kv_cache):
-        """Runs the batch and waits for it: (RunResult, new kv_cache)."""
-        step, kv_cache = self.dispatch(batch, kv_cache)
-        return self.collect(step, kv_cache), kv_cache
-
     def _feed(self, batch: ScheduledBatch, previous: InFlightStep | None) -> TokenFeed:
         """The TokenFeed of a batch: decode rows with a pending token take it from `previous`'s row."""
         rows = self.geo.rows
