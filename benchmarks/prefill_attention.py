@@ -82,8 +82,10 @@ def main(argv=None):
     ap.add_argument("--max-context", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--inner", type=int, default=5)
-    ap.add_argument("--kernel-configs", default="64:2",
-                    help="block_kv:num_stages,... TuningConfigs of the kernel to time (the first is checked)")
+    ap.add_argument("--kernel-configs", default="ws/128:2,single/128:2",
+                    help="[variant/]block_kv:num_stages,... kernels to time (the first is checked against the "
+                         "tiled path); variant ws (warp-specialised, the engine's default) or single (the "
+                         "decode kernel's pipeline; the default variant)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--interpret", action="store_true", help="run the kernel in the Mosaic GPU interpreter")
     ap.add_argument("--out", required=True)
@@ -102,18 +104,21 @@ def main(argv=None):
                                                        max_context=args.max_context)
             configs = {}
             for spec in args.kernel_configs.split(","):
-                bkv, stages = (int(x) for x in spec.split(":"))
-                configs[spec] = TuningConfig(block_kv=bkv, num_stages=stages, num_splits=1)
+                variant, rest = spec.split("/") if "/" in spec else ("single", spec)
+                bkv, stages = (int(x) for x in rest.split(":"))
+                configs[spec] = (variant, TuningConfig(block_kv=bkv, num_stages=stages, num_splits=1))
             fns = {b: jax.jit(functools.partial(prefill_attention, backend=b, interpret=args.interpret,
                                                 max_context=args.max_context))
                    for b in ("reference",)}
             fns.update({c: jax.jit(functools.partial(prefill_attention, backend="kernel", interpret=args.interpret,
-                                                     max_context=args.max_context, kernel_config=tc))
-                        for c, tc in configs.items()})
-            out_k = fns[next(iter(configs))](q, pos, tile_rows, tables, k, v)
-            out_r = fns["reference"](q, pos, tile_rows, tables, k, v)
+                                                     max_context=args.max_context, kernel_config=tc,
+                                                     kernel_variant=variant))
+                        for c, (variant, tc) in configs.items()})
+            out_r = np.asarray(fns["reference"](q, pos, tile_rows, tables, k, v), np.float32)
             valid = np.asarray(pos) >= 0
-            diff = float(np.max(np.abs(np.asarray(out_k, np.float32) - np.asarray(out_r, np.float32))[valid]))
+            diff_by_config = {c: float(np.max(np.abs(np.asarray(fns[c](q, pos, tile_rows, tables, k, v), np.float32)
+                                                     - out_r)[valid])) for c in configs}
+            diff = max(diff_by_config.values())
             by_config = {c: timed(lambda c=c: fns[c](q, pos, tile_rows, tables, k, v), reps=args.reps,
                                   inner=args.inner) * 1e3 for c in configs}
             best = min(by_config, key=by_config.get)
@@ -122,7 +127,7 @@ def main(argv=None):
             pairs = args.chunks * sum(ctx - args.chunk + i + 1 for i in range(args.chunk))
             flops = 4.0 * heads * head_dim * pairs
             row = dict(model=model, context=ctx, chunk=args.chunk, chunks=args.chunks, kernel_ms=t_k * 1e3,
-                       kernel_ms_by_config=by_config, best_config=best,
+                       kernel_ms_by_config=by_config, best_config=best, max_abs_diff_by_config=diff_by_config,
                        tiled_ms=t_r * 1e3, speedup=t_r / t_k, kernel_tflops=flops / t_k / 1e12,
                        prompt_tok_per_s_one_layer=args.chunks * args.chunk / t_k, max_abs_diff=diff)
             rows.append(row)

@@ -149,19 +149,25 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
 
 def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_pool, *, backend: str,
                       interpret: bool = False, max_context: int | None = None, return_score_stats: bool = False,
-                      kernel_config=None):
+                      kernel_config=None, kernel_variant: str = "ws"):
     """The prefill tiles' attention: `tiled_paged_attention`'s contract (q [tiles, tile, num_heads,
     head_dim], a tile's valid queries a prefix of consecutive positions). backend "kernel": the Pallas
     kernel's causal-block variant (`paged_prefill_attention`: blocks of 64 // group tokens, each
     streaming its row's pages once for the whole GQA group), where the model's group is a power of 2;
-    otherwise, and for "reference", the tiled jnp path. kernel_config: the kernel's TuningConfig
-    (default: PREFILL_KERNEL_CONFIG)."""
+    otherwise, and for "reference", the tiled jnp path. kernel_variant "ws" (the default) runs the
+    warp-specialised kernel (`ws_prefill_attention`: 128-row CTAs, two compute warpgroups in ping-pong)
+    where it applies (no score statistics), "single" the decode kernel's pipeline. kernel_config: the
+    kernel's TuningConfig (default: `default_ws_config(head_dim)` / PREFILL_KERNEL_CONFIG)."""
     tiles, tile, num_heads, head_dim = q.shape
     from pallas_kernels.paged_attention import PREFILL_KERNEL_CONFIG, paged_prefill_attention, prefill_block_tokens
+    from pallas_kernels.prefill_attention import ws_prefill_attention, ws_prefill_block_tokens
+    if kernel_variant not in ("ws", "single"):
+        raise ValueError(f"prefill_attention: kernel_variant must be 'ws' or 'single', got {kernel_variant!r}")
     if isinstance(k_pool, DeltaKV):      # the causal-block kernel reads bf16 pools only (no delta prefill kernel yet)
         return tiled_paged_attention(q, q_positions, tile_rows, tables, k_pool, v_pool, max_context=max_context,
                                      return_score_stats=return_score_stats)
-    per_block = prefill_block_tokens(num_heads, k_pool.shape[0])
+    use_ws = kernel_variant == "ws" and not return_score_stats
+    per_block = (ws_prefill_block_tokens if use_ws else prefill_block_tokens)(num_heads, k_pool.shape[0])
     if backend != "kernel" or per_block is None or tile % per_block:
         return tiled_paged_attention(q, q_positions, tile_rows, tables, k_pool, v_pool, max_context=max_context,
                                      return_score_stats=return_score_stats)
@@ -171,6 +177,12 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     safe_rows = jnp.maximum(rows, 0)
     valid = (rows >= 0) & (starts >= 0)
     lengths = jnp.where(valid, jnp.minimum(starts + per_block, tables.context_lens[safe_rows]), 0)
+    if use_ws:
+        out = ws_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), k_pool, v_pool,
+                                   jnp.maximum(starts, 0), lengths.astype(jnp.int32), tables.page_starts[safe_rows],
+                                   tables.page_sizes[safe_rows], interpret=interpret,
+                                   config=kernel_config)
+        return out.reshape(q.shape)
     res = paged_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), k_pool, v_pool,
                                   jnp.maximum(starts, 0), lengths.astype(jnp.int32), tables.page_starts[safe_rows],
                                   tables.page_sizes[safe_rows], interpret=interpret,

@@ -58,6 +58,12 @@ class StepGeometry:
     decode_steps: int           # most decode steps per decode_steps call
     backend: str = "reference"  # decode attention: "kernel" (Pallas) or "reference"
     interpret: bool = False     # run the Pallas kernel in the interpreter (CPU tests)
+    # Prefill attention kernel: "ws" (warp-specialised, three warpgroups per CTA) or "single" (the decode
+    # kernel's pipeline). The interpreter runs a multi-warpgroup CTA as threads that each execute an XLA
+    # CPU computation; with the engine's overlapped steps they can starve XLA's CPU execution threads
+    # and deadlock (seen on a 2-core machine), so interpreted engines use "single" (the ws kernel has its
+    # own interpreter tests, one call at a time).
+    prefill_kernel: str = "ws"
     attn_stats: bool = False    # compute attn_score_var
     tp: TensorParallel | None = None   # the mesh the params and pools are laid out on (None: one device)
 
@@ -148,7 +154,7 @@ def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
                                             batch.positions[rows:].reshape(tiles, tile), batch.tile_rows,
                                             batch.tables, k_pool, v_pool, backend=geo.backend,
                                             interpret=geo.interpret, max_context=geo.max_context,
-                                            return_score_stats=geo.attn_stats)
+                                            return_score_stats=geo.attn_stats, kernel_variant=geo.prefill_kernel)
             pre, pre_var = res if geo.attn_stats else (res, None)
             outs.append(pre.reshape(prefill, *q.shape[1:]))
             variances.append(None if pre_var is None else pre_var.reshape(prefill, -1))

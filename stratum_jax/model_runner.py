@@ -122,6 +122,7 @@ class ModelRunner:
         self.geo = StepGeometry(rows=config.max_batch_size, table_width=-(-config.max_context // 8),
                                 prefill_tile=prefill_tile(config), decode_steps=config.decode_steps,
                                 backend=backend, interpret=config.interpret_kernels and backend == "kernel",
+                                prefill_kernel="single" if config.interpret_kernels else "ws",
                                 attn_stats=attn_stats, tp=None if model is None else model.tp)
         self.buckets = prefill_buckets(config)
         self.shapes = all_step_shapes(config)
