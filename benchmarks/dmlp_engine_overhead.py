@@ -90,7 +90,7 @@ class Stream:
             if o.finished:
                 self.running.discard(o.request_id)
         kind = e.last_step.kind if e.last_step is not None else None
-        per_token = e._recent_decode_ms[-1] if kind == "decode" and e._recent_decode_ms else None
+        per_token = e.recorder.recent_decode_ms[-1] if kind == "decode" and e.recorder.recent_decode_ms else None
         return wall, kind, per_token
 
 

@@ -2,19 +2,17 @@
 
 `Engine` is the narrow interface every driver uses (the CLI, the gRPC servicer, the benchmarks):
 `add_request`, `cancel`, `step`, `stats`, `warmup`, plus `generate` for offline use. It is not
-thread-safe; a server runs it on one thread. A step is three calls: the scheduler picks the work
-(scheduler/), the model runner runs it on the device (model_runner.py), and the outputs are
-post-processed (outputs.py). Exactly one output per accepted request ever has `finished=True`.
+thread-safe; a server runs it on one thread. A step is: schedule (scheduler/ picks the work), dispatch
+(model_runner.py launches it on the device), collect (a step's results reach the host) and postprocess
+(postprocess.py, outputs.py). The rest lives beside it: the requests in flight (request_table.py), the
+in-flight step of async scheduling (inflight.py), the stats (engine_stats.py) and host-tier prefetch
+(prefetch.py). Exactly one output per accepted request ever has `finished=True`.
 """
 from __future__ import annotations
 
-import collections
-import itertools
-import statistics
 import time
 
 import jax
-import numpy as np
 
 from stratum_jax.attention import resolve_backend
 from stratum_jax.compile_watch import CompileWatch
@@ -24,20 +22,20 @@ from stratum_jax.dmlp.runtime import build_cache_policy, warm_predictor
 from stratum_jax.gpu_idle import DeviceTimeline, GpuIdleMeter
 from stratum_jax.kv.block_meta import Clock, EngineClock, RequestFeatures, features_of
 from stratum_jax.kv.page_pool import PagePool
-from stratum_jax.kv.prefix_hash import prompt_chain_hashes
 from stratum_jax.kv.recall_choice import RecallChoice
 from stratum_jax.kv.transfer import KvTransfers
 from stratum_jax.kv.precision import kv_bytes_per_slot, start_kv_cache
 from stratum_jax.model.loader import LoadedModel, load_model
-from stratum_jax.model.tokenizer import IncrementalDetokenizer
 from stratum_jax.model_runner import InFlightStep, ModelRunner, RunResult, kv_layout_of
-from stratum_jax.outputs import OutputProcessor, token_logprobs
-from stratum_jax.engine_stats import EngineStats, StepTiming
-from stratum_jax.request import (FinishReason, GenerationResult, InvalidRequestError, QueueFullError, RequestState,
-                                 SamplingParams, StepOutput)
+from stratum_jax.outputs import OutputProcessor
+from stratum_jax.engine_stats import EngineStats, StepRecorder, StepTiming, kv_tokens_written
+from stratum_jax.inflight import InFlight
+from stratum_jax.postprocess import Postprocessor
+from stratum_jax.prefetch import prefetch_queued
+from stratum_jax.request import FinishReason, GenerationResult, SamplingParams, StepOutput
+from stratum_jax.request_table import RequestTable
 from stratum_jax.scheduler import build_scheduler
 from stratum_jax.scheduler.base import ScheduledBatch, StepCosts
-from stratum_jax.sequence import Sequence
 from stratum_jax.tensor_parallel import make_tensor_parallel
 
 
@@ -78,7 +76,8 @@ class Engine:
         # Host-tier copies (kv/transfer.py, pinned host memory), and the choice between recalling a prefix's
         # host pages and recomputing them, by the measured copy and prefill rates (kv/recall_choice.py).
         self.transfers = KvTransfers()
-        self.pool.recall_choice = self.transfers.recall_choice = RecallChoice(self._prefill_tokens_per_s)
+        self.recorder = StepRecorder()        # step count, recent step costs and queue waits (engine_stats.py)
+        self.pool.recall_choice = self.transfers.recall_choice = RecallChoice(self.recorder.prefill_tokens_per_s)
         self.pool.request_features = self._request_features
         # Attention-score variance (attn_var5) is measured only when something reads it: the DMLP's
         # features or the block event log (its cost is in BENCHMARKS.md); the page-size rule uses it
@@ -95,16 +94,10 @@ class Engine:
                                   attn_stats=self._measure_attention_stats, kv_layout=kv_layout_of(self.kv_cache))
         self.outputs = OutputProcessor(frozenset(self.tokenizer.eos_token_ids)
                                        | frozenset(self.model_config.eos_token_ids), config.max_context)
-        self._requests: dict[str, Sequence] = {}
-        self._ids = itertools.count()
-        self._seed_rng = np.random.default_rng(config.seed)
-        self._steps = 0
-        self._recent_decode_ms: collections.deque[float] = collections.deque(maxlen=64)   # per token step
-        self._recent_prefill_tps: collections.deque[float] = collections.deque(maxlen=64)
-        self.last_step: StepTiming | None = None      # the latest step read back, for benchmarks/metrics
-        self._inflight: InFlightStep | None = None     # dispatched, results not read yet (async scheduling)
-        self._recent_queue_ms: collections.deque[float] = collections.deque(maxlen=64)
-        self._mean_queue_ms: float | None = None
+        self.requests = RequestTable(config, self.model_config.vocab_size, self.tokenizer, self.scheduler,
+                                     self.outputs)
+        self.postprocessor = Postprocessor(self.outputs, self.requests, self._measure_attention_stats)
+        self.inflight = InFlight(config.async_scheduling)   # the step dispatched and not read yet
         self._trace = None
         if config.trace_out:
             from stratum_jax.kv.event_log import StratumEventLogWriter
@@ -113,40 +106,21 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        params.validate(max_tokens_cap=self.config.max_tokens_cap)
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab})")
-        if len(prompt_ids) + params.max_tokens > self.config.max_context:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"limit of {self.config.max_context} tokens: shorten the prompt or lower max_tokens")
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-        if len(self.scheduler.waiting) >= self.config.max_queue:
-            raise QueueFullError(f"the queue is full ({self.config.max_queue} waiting requests); retry later")
-        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
-        seq = Sequence(request_id=request_id, prompt_ids=prompt_ids, params=params, seed=seed,
-                       detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids))
-        self._requests[request_id] = seq
-        self.scheduler.add(seq)
-        return request_id
+        """Queues a request; returns its id. Raises InvalidRequestError (saying what to fix) or QueueFullError."""
+        return self.requests.add(prompt_ids, params, request_id)
 
     def cancel(self, request_id: str) -> bool:
         """Marks a request cancelled; the next step frees its pages and emits its final output."""
-        seq = self._requests.get(request_id)
-        if seq is None:
-            return False
-        seq.cancel_requested = True
-        return True
+        return self.requests.cancel(request_id)
+
+    @property
+    def last_step(self) -> StepTiming | None:
+        """The latest step read back (benchmarks, metrics, the cost model's prefill rate)."""
+        return self.recorder.last_step
 
     def has_unfinished(self) -> bool:
         """Requests in flight, or a dispatched step still to be read (its rows may all have finished)."""
-        return bool(self._requests) or self._inflight is not None
+        return bool(self.requests) or self.inflight.step is not None
 
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -160,73 +134,62 @@ class Engine:
         right after its dispatch. Outputs and tokens are the same either way.
         """
         outputs: dict[str, StepOutput] = {}
-        self.pool.new_step()          # last step's block accesses reach the cache policy in one batch
-        with jax.profiler.TraceAnnotation("scheduler"):
-            for seq in [s for s in self._requests.values() if s.cancel_requested]:
-                self._finish(seq, FinishReason.CANCELLED, outputs)
-            self.timeline.watch(self._inflight, self.clock())
-            batch = self.scheduler.schedule(self._step_costs())
-        if self.pool.host is not None:
-            with jax.profiler.TraceAnnotation("kv_transfers"):
-                self._prefetch()
-                # Before the step: offloads read pages scheduling just evicted, recalls fill pages it
-                # just allocated (kv/transfer.py).
-                self.kv_cache = self.transfers.run(self.kv_cache, self.pool.take_transfers())
-        launched = None
-        if batch is not None:
-            with jax.profiler.TraceAnnotation(f"dispatch {batch.kind}"):
-                self.timeline.watch(self._inflight, self.clock())
-                launched, self.kv_cache = self.runner.dispatch(batch, self.kv_cache, previous=self._inflight)
-                self._account_dispatch(launched)
-        previous, self._inflight = self._inflight, launched
-        if previous is not None:
-            self._complete(previous, outputs)
-        if launched is not None and not self.config.async_scheduling:
-            self._inflight = None
-            self._complete(launched, outputs)
+        batch = self._schedule(outputs)
+        launched = self._dispatch(batch) if batch is not None else None
+        for step in self.inflight.advance(launched):     # the step before it; without async, this one too
+            self._postprocess(step, self._collect(step), outputs)
         return list(outputs.values())
 
     def drain(self) -> list[StepOutput]:
         """Reads and post-processes the step in flight, if any, without dispatching another (a profiler
         window that should hold one whole step; a driver that wants every result before it stops)."""
         outputs: dict[str, StepOutput] = {}
-        if self._inflight is not None:
-            step, self._inflight = self._inflight, None
-            self._complete(step, outputs)
+        step = self.inflight.drain()
+        if step is not None:
+            self._postprocess(step, self._collect(step), outputs)
         return list(outputs.values())
 
-    def _account_dispatch(self, step: InFlightStep) -> None:
-        """What a dispatched step will have done once it runs, applied now so the next step can be
-        scheduled before its results are read: chunks are computed, decode rows have their tokens
-        computed, and every row that samples has one more token pending."""
-        batch = step.batch
-        for seq, n in zip(batch.decode, batch.decode_steps):
-            seq.num_computed += n
-            seq.num_pending += n
-        for seq, n in zip(batch.prefill, batch.chunk_lens):
-            seq.num_computed += n
-            if seq.num_computed < seq.num_tokens:
-                seq.state = RequestState.PREFILLING
-            else:                             # the chunk reaches the end: it samples the first token
-                seq.state = RequestState.DECODING
-                seq.num_pending += 1
-        self.timeline.dispatched(step, self._ms(step.dispatch_s))
+    def _schedule(self, outputs: dict[str, StepOutput]) -> ScheduledBatch | None:
+        """Ends cancelled requests (their final outputs into `outputs`), picks the next step's work, and
+        with a host tier runs the KV copies it needs."""
+        self.pool.new_step()          # last step's block accesses reach the cache policy in one batch
+        with jax.profiler.TraceAnnotation("scheduler"):
+            for seq in self.requests.cancelled():
+                self.requests.finish(seq, FinishReason.CANCELLED, outputs)
+            self.timeline.watch(self.inflight.step, self.clock())
+            batch = self.scheduler.schedule(self._step_costs())
+        if self.pool.host is not None:
+            with jax.profiler.TraceAnnotation("kv_transfers"):
+                # Looks at as many queued requests as one batch holds.
+                prefetch_queued(self.pool, self.scheduler.waiting, self.config.max_batch_size,
+                                self.config.kv_prefetch_pages)
+                # Before the step: offloads read pages scheduling just evicted, recalls fill pages it
+                # just allocated (kv/transfer.py).
+                self.kv_cache = self.transfers.run(self.kv_cache, self.pool.take_transfers())
+        return batch
 
-    def _complete(self, step: InFlightStep, outputs: dict[str, StepOutput]) -> None:
-        """Reads a dispatched step's results and post-processes them."""
+    def _dispatch(self, batch: ScheduledBatch) -> InFlightStep:
+        """Launches the batch's step on the device without waiting for it."""
+        with jax.profiler.TraceAnnotation(f"dispatch {batch.kind}"):
+            self.timeline.watch(self.inflight.step, self.clock())
+            launched, self.kv_cache = self.runner.dispatch(batch, self.kv_cache, previous=self.inflight.step)
+            self.timeline.dispatched(launched, self._ms(launched.dispatch_s))
+        return launched
+
+    def _collect(self, step: InFlightStep) -> RunResult:
+        """Waits for a dispatched step's results and records when the device ran it."""
         was_done = step.is_ready()
         with jax.profiler.TraceAnnotation("wait"):
             run = self.runner.collect(step, self.kv_cache)
         start_ms, end_ms = self.timeline.read(step, self._ms(run.done_s), was_done)
-        self._record(step.batch, (end_ms - start_ms) / 1e3)
+        self.recorder.record_timing(step.batch, (end_ms - start_ms) / 1e3)
+        return run
+
+    def _postprocess(self, step: InFlightStep, run: RunResult, outputs: dict[str, StepOutput]) -> None:
+        """A step's results into `outputs` (postprocess.py), then the stats and the block event log."""
         with jax.profiler.TraceAnnotation("postprocess"):
-            self._postprocess(step, run, outputs)
-        self._steps += 1
-        for seq in step.batch.seqs:
-            if seq.admit_time is not None and not seq.queue_wait_recorded:
-                self._recent_queue_ms.append((seq.admit_time - seq.arrival_time) * 1e3)
-                self._mean_queue_ms = statistics.fmean(self._recent_queue_ms)
-                seq.queue_wait_recorded = True
+            self.postprocessor(step, run, outputs)
+        self.recorder.record_postprocessed(step.batch)
         if self._trace is not None:
             self._write_block_events()
 
@@ -238,126 +201,12 @@ class Engine:
         """What the scheduler may weigh: the device idle gap since the last step's results, and the
         measured per-token costs."""
         now_ms = self.clock()
-        idle_since = self.timeline.idle_since_ms(self._inflight)
+        idle_since = self.timeline.idle_since_ms(self.inflight.step)
         idle = 0.0 if idle_since is None else max(0.0, now_ms - idle_since)
-        prefill_tps = self._prefill_tokens_per_s()
+        prefill_tps = self.recorder.prefill_tokens_per_s()
         return StepCosts(now_s=time.monotonic(), idle_gap_ms=idle,
                          prefill_ms_per_token=1e3 / prefill_tps if prefill_tps else None,
-                         decode_ms_per_step=(statistics.median(self._recent_decode_ms)
-                                             if self._recent_decode_ms else None))
-
-    def _prefill_tokens_per_s(self) -> float | None:
-        """Median prompt tokens per second of recent prefill and mixed steps (None before the first)."""
-        return statistics.median(self._recent_prefill_tps) if self._recent_prefill_tps else None
-
-    def _record(self, batch: ScheduledBatch, device_s: float) -> None:
-        prefill_tokens = sum(batch.chunk_lens)
-        self.last_step = StepTiming(batch.kind, device_s, len(batch.seqs), batch.num_tokens, prefill_tokens)
-        if device_s <= 0:
-            return
-        # Medians over recent steps: an outlier step must not skew the estimate.
-        if batch.kind == "decode":
-            self._recent_decode_ms.append(device_s * 1e3 / max(1, max(batch.decode_steps)))
-        else:
-            self._recent_prefill_tps.append(prefill_tokens / device_s)
-
-    def _live(self, seq: Sequence, epoch: int) -> bool:
-        """Whether a step's row for seq still counts: not finished, cancelled or preempted since dispatch."""
-        return seq.epoch == epoch and seq.request_id in self._requests and self._requests[seq.request_id] is seq
-
-    def _postprocess(self, step: InFlightStep, run: RunResult, outputs: dict[str, StepOutput]) -> None:
-        batch, res = step.batch, run.result
-        stats = self._measure_attention_stats
-        epochs = step.epochs
-        if run.shape.kind == "decode":
-            for r, (seq, n) in enumerate(zip(batch.decode, batch.decode_steps)):
-                if not self._live(seq, epochs[r]):
-                    continue
-                for i in range(n):
-                    seq.num_pending -= 1
-                    if stats:
-                        seq.recent_attn_var.append(float(res.attn_score_var[i, r]))
-                    lps = token_logprobs(seq.params.logprobs, int(res.tokens[i, r]), res.logprob[i, r],
-                                         res.top_ids[i, r], res.top_logprobs[i, r])
-                    if self._append_token(seq, int(res.tokens[i, r]), lps, outputs):
-                        break                    # the rest of this row's steps are discarded
-                else:
-                    self._register_full_pages(seq)
-            return
-        for r, seq in enumerate(batch.decode):
-            if not self._live(seq, epochs[r]):
-                continue
-            seq.num_pending -= 1
-            if stats:
-                seq.recent_attn_var.append(float(res.attn_score_var[r]))
-            if not self._append_token(seq, int(res.tokens[r]), self._row_logprobs(seq, res, r), outputs):
-                self._register_full_pages(seq)
-        for i, (seq, n) in enumerate(zip(batch.prefill, batch.chunk_lens)):
-            r = len(batch.decode) + i
-            if not self._live(seq, epochs[r]):
-                continue
-            start = step.chunk_starts[i]
-            if res.prompt_logprob is not None and step.device.wants_prompt_logprobs[i]:
-                off = run.offsets[r]
-                self.outputs.collect_prompt_logprobs(seq, start, n, res.prompt_logprob[off:off + n],
-                                                     res.prompt_top_ids[off:off + n],
-                                                     res.prompt_top_logprobs[off:off + n])
-            if stats:
-                # One value for the chunk's last <= 5 prompt tokens replaces what an earlier chunk gave.
-                seq.recent_attn_var.clear()
-                seq.recent_attn_var.append(float(res.attn_score_var[r]))
-            self._register_full_pages(seq)
-            if start + n < seq.num_known_tokens:
-                continue                     # a middle prefill chunk: nothing sampled
-            seq.num_pending -= 1
-            self._append_token(seq, int(res.tokens[r]), self._row_logprobs(seq, res, r), outputs)
-
-    @staticmethod
-    def _row_logprobs(seq: Sequence, res, r: int):
-        return token_logprobs(seq.params.logprobs, int(res.tokens[r]), res.logprob[r], res.top_ids[r],
-                              res.top_logprobs[r])
-
-    @staticmethod
-    def _register_full_pages(seq: Sequence) -> None:
-        """Offers seq's full pages to the prefix cache: pages whose tokens the host knows and whose K/V
-        every dispatched step writes (a step still in flight writes them before any later step reads)."""
-        computed = min(seq.num_computed, seq.num_known_tokens)
-        if seq.blocks is not None and seq.blocks.has_unregistered_full_pages(computed):
-            seq.blocks.register_full_pages(seq.all_token_ids, computed, seq.request_id)
-
-    def _append_token(self, seq: Sequence, token: int, lps, outputs: dict[str, StepOutput]) -> bool:
-        """Adds a sampled token; returns True if the request finished."""
-        reason = self.outputs.append_token(seq, token, lps, outputs)
-        if reason is not None:
-            self._finish(seq, reason, outputs)
-        return reason is not None
-
-    def _finish(self, seq: Sequence, reason: FinishReason, outputs: dict[str, StepOutput]) -> None:
-        self.outputs.finish(seq, reason, outputs)
-        if seq.attn_var5 is not None:
-            self.scheduler.variance_scale.observe(seq.attn_var5)
-        seq.state = RequestState.CANCELLED if reason == FinishReason.CANCELLED else RequestState.FINISHED
-        self.scheduler.remove(seq)
-        del self._requests[seq.request_id]
-
-    def _prefetch(self) -> None:
-        """Recalls host-tier pages of queued requests into free HBM, in the cache policy's order, so their
-        prefix is resident when they are admitted. Looks at as many queued requests as one batch holds."""
-        budget = self.config.kv_prefetch_pages
-        if budget <= 0 or not self.pool.host_pages or not self.scheduler.waiting:
-            return
-        candidates, keep = [], []
-        for seq in itertools.islice(self.scheduler.waiting, self.config.max_batch_size):
-            if seq.wants_prompt_logprobs:
-                continue                   # admitted without the prefix cache
-            tokens = seq.all_token_ids
-            if seq.queued_chain_hashes is None or seq.queued_chain_hashes[0] != len(tokens):
-                seq.queued_chain_hashes = (len(tokens), prompt_chain_hashes(tokens))
-            host, hbm = self.pool.host_candidates(seq.queued_chain_hashes[1])
-            candidates += host
-            keep += hbm
-        if candidates:
-            self.pool.prefetch(candidates, budget, keep=keep)
+                         decode_ms_per_step=self.recorder.decode_ms_per_step())
 
     @property
     def idle_tick_s(self) -> float | None:
@@ -392,13 +241,13 @@ class Engine:
 
     def _request_features(self, request_id: str) -> RequestFeatures | None:
         """Request-level features of a block access (the pool asks once per access batch)."""
-        seq = self._requests.get(request_id)
+        seq = self.requests.get(request_id)
         if seq is None:
             return None
         p = seq.params
         return RequestFeatures(
             gen_frac=len(seq.output_ids) / p.max_tokens, input_tokens=len(seq.prompt_ids), max_tokens=p.max_tokens,
-            queue_wait_ms=self._mean_queue_ms,
+            queue_wait_ms=self.recorder.mean_queue_ms,
             prompt_pages=len(seq.prompt_ids) // seq.blocks.page_size if seq.blocks is not None else None,
             kv_hbm_frac=self.pool.hbm_fraction,   # cached pages in HBM / in HBM and the host tier
             attn_var5=seq.attn_var5,       # from the steps' score statistics; None before the first step
@@ -410,7 +259,7 @@ class Engine:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         results = {i: GenerationResult(i, [], "", FinishReason.LENGTH, None, None, 0, 0) for i in ids}
-        while any(r for r in ids if r in self._requests):
+        while any(r for r in ids if r in self.requests):
             for out in self.step():
                 res = results.get(out.request_id)
                 if res is None:
@@ -440,34 +289,17 @@ class Engine:
         (EngineStats.jit_compilations_after_serving) and logged as a WARNING."""
         self.compiles.mark_serving()
 
-    def _kv_tokens_written(self) -> int:
-        """Slots of running sequences' pages that hold a token, shared (prefix) pages counted once. Vectorised:
-        the server reads stats after every step, and 64 sequences at 32K context own thousands of pages."""
-        starts, counts = [], []
-        for seq in self.scheduler.running:
-            page_starts, ps = seq.blocks.page_starts(), seq.blocks.page_size
-            starts.append(page_starts)
-            counts.append(np.clip(seq.num_computed - np.arange(len(page_starts)) * ps, 0, ps))
-        if not starts:
-            return 0
-        starts, counts = np.concatenate(starts), np.concatenate(counts)
-        order = np.lexsort((-counts, starts))            # by page, the most written copy first
-        starts, counts = starts[order], counts[order]
-        first = np.ones(len(starts), bool)
-        first[1:] = starts[1:] != starts[:-1]
-        return int(counts[first].sum())
-
     def stats(self) -> EngineStats:
         free = self.pool.free_slots
         return EngineStats(
             queued=len(self.scheduler.waiting), running=len(self.scheduler.running),
             kv_pages_total=self.num_slots // 8, kv_pages_free=free // 8,
             kv_tokens_total=self.num_slots, kv_tokens_used=self.num_slots - free,
-            kv_tokens_written=self._kv_tokens_written(),
+            kv_tokens_written=kv_tokens_written(self.scheduler.running),
             prefix_cache_hits=self.pool.prefix_hits, prefix_cache_queries=self.pool.prefix_queries,
-            preemptions=self.scheduler.preemptions, steps=self._steps,
-            decode_step_ms=statistics.median(self._recent_decode_ms) if self._recent_decode_ms else 0.0,
-            prefill_tokens_per_s=self._prefill_tokens_per_s() or 0.0,
+            preemptions=self.scheduler.preemptions, steps=self.recorder.steps,
+            decode_step_ms=self.recorder.decode_ms_per_step() or 0.0,
+            prefill_tokens_per_s=self.recorder.prefill_tokens_per_s() or 0.0,
             gpu_idle_frac=self.gpu_idle.idle_fraction(self.clock()), gpu_idle_gap_ms=self.gpu_idle.last_gap_ms,
             kv_host_tokens_total=self.pool.host.capacity_tokens if self.pool.host is not None else 0,
             kv_host_tokens_used=self.pool.host.tokens if self.pool.host is not None else 0,

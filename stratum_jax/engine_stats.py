@@ -1,8 +1,18 @@
-"""What the engine reports about itself: `EngineStats` snapshots (metrics, the cost model, benchmarks) and
-`StepTiming`, what its latest step ran."""
+"""The engine's stats accounting: what it reports about itself (`EngineStats` snapshots for the metrics, the
+cost model and benchmarks; `StepTiming`, what its latest step ran) and the running measurements they come
+from (`StepRecorder`: step count, recent step costs and queue waits; `kv_tokens_written`)."""
 from __future__ import annotations
 
+import collections
 import dataclasses
+import statistics
+from typing import TYPE_CHECKING, Iterable
+
+import numpy as np
+
+if TYPE_CHECKING:      # only for annotations: this module stays importable without jax (metrics, tests)
+    from stratum_jax.scheduler.base import ScheduledBatch
+    from stratum_jax.sequence import Sequence
 
 
 @dataclasses.dataclass
@@ -44,3 +54,65 @@ class StepTiming:
     num_seqs: int
     num_tokens: int      # tokens processed (prompt tokens + decode tokens)
     prefill_tokens: int = 0
+
+
+class StepRecorder:
+    """The engine's running measurements, read back step by step: the step count, the latest step's
+    `StepTiming`, recent step costs (medians for the scheduler, the cost model and EngineStats) and recent
+    queue waits (the DMLP's queue_wait_ms feature). Engine thread only."""
+
+    def __init__(self, window: int = 64):
+        self.steps = 0
+        self.last_step: StepTiming | None = None       # the latest step read back, for benchmarks/metrics
+        self.recent_decode_ms: collections.deque[float] = collections.deque(maxlen=window)   # per token step
+        self.recent_prefill_tps: collections.deque[float] = collections.deque(maxlen=window)
+        self._recent_queue_ms: collections.deque[float] = collections.deque(maxlen=window)
+        self.mean_queue_ms: float | None = None        # mean admission wait of recent requests
+
+    def record_timing(self, batch: ScheduledBatch, device_s: float) -> None:
+        """A step read back: `batch` ran on the device for `device_s` seconds (0 or less: not timed)."""
+        prefill_tokens = sum(batch.chunk_lens)
+        self.last_step = StepTiming(batch.kind, device_s, len(batch.seqs), batch.num_tokens, prefill_tokens)
+        if device_s <= 0:
+            return
+        # Medians over recent steps: an outlier step must not skew the estimate.
+        if batch.kind == "decode":
+            self.recent_decode_ms.append(device_s * 1e3 / max(1, max(batch.decode_steps)))
+        else:
+            self.recent_prefill_tps.append(prefill_tokens / device_s)
+
+    def record_postprocessed(self, batch: ScheduledBatch) -> None:
+        """A step's results were post-processed: one more step, and the queue wait of each sequence whose
+        first step it was (after the postprocessing, so its block accesses saw the waits before it)."""
+        self.steps += 1
+        for seq in batch.seqs:
+            if seq.admit_time is not None and not seq.queue_wait_recorded:
+                self._recent_queue_ms.append((seq.admit_time - seq.arrival_time) * 1e3)
+                self.mean_queue_ms = statistics.fmean(self._recent_queue_ms)
+                seq.queue_wait_recorded = True
+
+    def decode_ms_per_step(self) -> float | None:
+        """Median device ms per decode step (one token per row) of recent decode steps (None before the first)."""
+        return statistics.median(self.recent_decode_ms) if self.recent_decode_ms else None
+
+    def prefill_tokens_per_s(self) -> float | None:
+        """Median prompt tokens per second of recent prefill and mixed steps (None before the first)."""
+        return statistics.median(self.recent_prefill_tps) if self.recent_prefill_tps else None
+
+
+def kv_tokens_written(running: Iterable[Sequence]) -> int:
+    """Slots of the running sequences' pages that hold a token, shared (prefix) pages counted once. Vectorised:
+    the server reads stats after every step, and 64 sequences at 32K context own thousands of pages."""
+    starts, counts = [], []
+    for seq in running:
+        page_starts, ps = seq.blocks.page_starts(), seq.blocks.page_size
+        starts.append(page_starts)
+        counts.append(np.clip(seq.num_computed - np.arange(len(page_starts)) * ps, 0, ps))
+    if not starts:
+        return 0
+    starts, counts = np.concatenate(starts), np.concatenate(counts)
+    order = np.lexsort((-counts, starts))            # by page, the most written copy first
+    starts, counts = starts[order], counts[order]
+    first = np.ones(len(starts), bool)
+    first[1:] = starts[1:] != starts[:-1]
+    return int(counts[first].sum())

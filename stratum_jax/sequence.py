@@ -22,7 +22,7 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)   # sampled tokens the host has read
     blocks: BlockTable | None = None
     # Tokens whose K/V are in the cache once every dispatched step has run: the engine advances it when it
-    # dispatches a step, not when the results come back (async scheduling, engine.py).
+    # dispatches a step, not when the results come back (async scheduling, inflight.py).
     num_computed: int = 0
     # Tokens sampled by a dispatched step whose results the host has not read yet (they follow
     # output_ids; their ids are only on the device, and the next step feeds them back there).

@@ -119,7 +119,7 @@ def test_async_feeds_decode_tokens_on_device(tiny, monkeypatch):
         engine.add_request(list(range(50, 60)), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
-            inflight_after_step.append(engine._inflight is not None)
+            inflight_after_step.append(engine.inflight.step is not None)
         if async_scheduling:
             assert max(fed_rows) == 2 and any(inflight_after_step[:-1])
         else:

@@ -36,7 +36,7 @@ class RecordingLru(LruPolicy):
 def test_not_measured_when_nothing_reads_it(tiny):
     engine = Engine(RuntimeConfig(model="tiny", max_context=128, kv_pool_tokens=1024), model=tiny)
     rid = engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=6, **GREEDY))
-    seq = engine._requests[rid]
+    seq = engine.requests[rid]
     while engine.has_unfinished():
         engine.step()
     assert seq.attn_var5 is None
@@ -46,12 +46,12 @@ def test_sequence_keeps_the_last_five_token_variances(tiny, tmp_path):
     engine = Engine(RuntimeConfig(model="tiny", max_context=128, kv_pool_tokens=1024, decode_steps=4,
                                   trace_out=str(tmp_path / "e.jsonl")), model=tiny)
     rid = engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=12, **GREEDY))
-    seq = engine._requests[rid]
+    seq = engine.requests[rid]
     assert seq.attn_var5 is None                       # nothing measured before the first step
     seen = []
     while engine.has_unfinished():
         engine.step()
-        if rid in engine._requests:
+        if rid in engine.requests:
             seen.append(list(seq.recent_attn_var))
     values = seq.recent_attn_var
     assert len(values) == 5                            # a bounded window: the last 5 tokens only

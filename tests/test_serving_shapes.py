@@ -100,10 +100,10 @@ def test_prefill_chunks_ride_along_with_decode(tiny):
         engine.step()
     engine.add_request(list(range(3, 160)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     kinds = []
-    while any(r in engine._requests for r in running):
+    while any(r in engine.requests for r in running):
         outs = {o.request_id: o for o in engine.step()}
         kinds.append(engine.last_step.kind)
         for rid in running:
-            if rid in engine._requests or rid in outs:
+            if rid in engine.requests or rid in outs:
                 assert outs[rid].new_token_ids, f"{rid} stalled in a {kinds[-1]} step"
     assert kinds.count("mixed") >= 3          # 157 prompt tokens at <= 32 per step, beside the decodes
