@@ -19,7 +19,8 @@ back-to-back calls closed by block_until_ready (the inputs are far larger than L
 Writes the full JSON (`--out`) and a PNG (bandwidth vs page size per context) next to it.
 
 `--delta` times instead the delta-KV kernel (pallas_kernels/delta_attention.py) with fp16 and fp8
-deltas (mean and/or 256-row position-aligned anchor, a few configs that fit SMEM, best kept) beside
+deltas (a mean anchor, i.e. the folded path unless $STRATUM_DKVC_FOLD_MEAN_ANCHOR=0, and/or a 256-row
+position-aligned anchor, the rebuild path; a few configs that fit SMEM, best kept) beside
 the bf16 paged kernel's default config on the same page layout, and a read-only ceiling measured in
 the same run (a large bf16 sum). Each delta output is checked against XLA dense attention over the
 K/V rebuilt in fp32. Reported: time, the delta/paged time ratio (#12 asks fp8 <= 0.6x and fp16 <=
@@ -53,7 +54,7 @@ from pallas_kernels.testing import float64_attention, random_paged_case   # noqa
 from pallas_kernels.paged_attention import (   # noqa: E402
     PAGE_SIZES, TuningConfig, paged_attention)
 from pallas_kernels.delta_attention import (   # noqa: E402
-    DELTA_DTYPES, default_resident_anchor, delta_attention, delta_smem_bytes, rebuild_reference)
+    DELTA_DTYPES, default_fold_mean_anchor, delta_attention, delta_smem_bytes, rebuild_reference)
 
 MIXED = "mixed"
 
@@ -418,8 +419,7 @@ def delta_configs(head_dim, dtype, anchor_len, table_width, quick):
     cands = [TuningConfig(), TuningConfig(num_stages=3), TuningConfig(block_kv=128)]
     if quick:
         cands = cands[:1]
-    return [c for c in cands if delta_smem_bytes(c, head_dim, dtype, resident_anchor=anchor_len == 1 and
-                                                 default_resident_anchor(),
+    return [c for c in cands if delta_smem_bytes(c, head_dim, dtype, fold=anchor_len == 1 and default_fold_mean_anchor(),
                                                  max_pages=table_width) <= 227 * 1024]
 
 
@@ -437,7 +437,8 @@ def run_delta(a):
     dev = jax.devices()[0]
     meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, platform=dev.platform,
                 jax=jax.__version__, batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D, reps=a.reps, inner=a.inner,
-                rounds=a.rounds, dry_run=a.dry_run, mode="delta", resident_mean_anchor=default_resident_anchor())
+                rounds=a.rounds, dry_run=a.dry_run, mode="delta",
+                fold_mean_anchor=default_fold_mean_anchor())
     print(json.dumps(meta), flush=True)
     out_path = pathlib.Path(a.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)

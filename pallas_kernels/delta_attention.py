@@ -105,8 +105,9 @@ _SMEM_LIMIT = 227 * 1024
 # Value scales are clamped to this before their log2 (a zero scale would give a -inf softmax max).
 _MIN_VALUE_SCALE = 2.0 ** -100
 # The largest bf16 that is a finite f16 (65504, f16's max, rounds up to 65536 in bf16): q is clipped to it
-# before the folded path's f16 MMA. bf16 -> f16 is otherwise exact down to 2^-14 (f16 has 3 more mantissa
-# bits); smaller |q| components lose relative precision (f16 subnormals) but add < 2^-14 * |k| each.
+# before the folded path's f16 MMA, so no score turns inf/NaN. Within the range bf16 -> f16 is exact for
+# |q| >= 2^-14 (f16 has 3 more mantissa bits) and fp32 -> f16 keeps 11 bits (bf16: 8); smaller components
+# become f16 subnormals, off by at most 2^-25 each: negligible in q . k.
 _F16_SAFE_MAX = 65280.0
 FOLD_MEAN_ANCHOR_ENV = "STRATUM_DKVC_FOLD_MEAN_ANCHOR"
 

@@ -42,10 +42,12 @@ The q tile has 64 rows (WGMMA's M); rows beyond the group's q heads are don't-ca
 *KV formats: the delta-KV kernel shares this pipeline.* What is copied per page and per tile, and how
 the bf16 K/V tiles are made, is a static `KVFormat` (`_build_kernel(kv_format=...)`): `Bf16Pages`
 here (one TMA copy per page, V rows past the end zeroed in place), `DeltaPages` in
-delta_attention.py (fp16/fp8 delta pages plus their scale granules, anchor rows, K/V rebuilt as
-anchor + scale * delta in registers into bf16 tiles). Everything else (grid, page-table window,
-ring, split-K, softmax, score statistics) is one code path; with `Bf16Pages` the traced kernel is
-the same as before the split (its lowered text was compared).
+delta_attention.py (fp16/fp8 delta pages plus their scale granules; K/V rebuilt as anchor + scale *
+delta into bf16 tiles, or, with a mean anchor, f16 deltas fed to the MMAs as they are, with per-key
+scales as `TileColumns`, f16 q/P (`mma_dtype`) and the anchor added in `finish`). Everything else
+(grid, page-table window, ring, split-K, softmax, score statistics) is one code path; with
+`Bf16Pages` the traced kernel is the same as before the split (its lowered text was compared; its
+jaxpr again after the TileColumns/finish/mma_dtype hooks, 2026-12-01).
 
 *Split-K (flash-decoding).* With few (sequence, kv head) pairs, the tiles of each sequence are split
 over `num_splits` CTAs; each writes a normalised partial output and its log2-sum-exp, and a small
