@@ -419,8 +419,8 @@ def delta_configs(head_dim, dtype, anchor_len, table_width, quick):
     cands = [TuningConfig(), TuningConfig(num_stages=3), TuningConfig(block_kv=128)]
     if quick:
         cands = cands[:1]
-    return [c for c in cands if delta_smem_bytes(c, head_dim, dtype, fold=anchor_len == 1 and default_fold_mean_anchor(),
-                                                 max_pages=table_width) <= 227 * 1024]
+    fold = anchor_len == 1 and default_fold_mean_anchor()
+    return [c for c in cands if delta_smem_bytes(c, head_dim, dtype, fold=fold, max_pages=table_width) <= 227 * 1024]
 
 
 def run_delta(a):
