@@ -423,6 +423,24 @@ def delta_configs(head_dim, dtype, anchor_len, table_width, quick):
     return [c for c in cands if delta_smem_bytes(c, head_dim, dtype, fold=fold, max_pages=table_width) <= 227 * 1024]
 
 
+DELTA_BARS = {"fp8-delta": 0.6, "fp16-delta": 1.1}     # #12: delta kernel time / bf16 paged kernel time
+
+
+def delta_targets(shapes):
+    """#12's speed bars per (precision, anchor_len, context >= 4K): the worst delta/paged time ratio over
+    the page layouts of that context (a layout whose every config failed counts as infinitely slow)."""
+    worst = {}
+    for rec in shapes:
+        if rec["context"] < 4096:
+            continue
+        for d in rec["delta"]:
+            key = (d["precision"], d["anchor_len"], rec["context"])
+            x = d["best"]["x_paged"] if d["best"] else math.inf
+            worst[key] = max(worst.get(key, 0.0), x)
+    return [dict(precision=p, anchor_len=A, context=c, worst_x_paged=x, bar=DELTA_BARS[p], met=x <= DELTA_BARS[p])
+            for (p, A, c), x in sorted(worst.items())]
+
+
 def run_delta(a):
     """fp16/fp8-delta kernel vs the bf16 paged kernel (default configs) at each context and page size."""
     interpret = a.dry_run
@@ -539,6 +557,10 @@ def run_delta(a):
             cells.append(f"{b['ms']:7.3f} {b['x_paged']:4.2f}" if b else f"{'FAILED':>12}")
         print(f"{rec['context']:>6} {rec['page']:>6} | {rec['paged']['ms']:8.3f} {rec['paged']['pct_read']:5.1f}% | "
               + " | ".join(f"{c:>16}" for c in cells))
+    result["targets"] = delta_targets(result["shapes"])
+    for t in result["targets"]:
+        print(f"target {t['precision']} A={t['anchor_len']} ctx={t['context']}: worst {t['worst_x_paged']:.2f}x of "
+              f"paged (bar <= {t['bar']}): {'met' if t['met'] else 'MISSED'}")
     save()
     print(f"wrote {out_path}")
     return 0
