@@ -4,11 +4,12 @@
 # EXPECTED GPU TIME: ~6.5 min, at most ~8.3 min (each step has its own `timeout`; the caps add up to 485 s,
 # plus ~15 s of set-up; the device call's own limit is 10 min).
 #   step  what                                                             expect   cap (env to change)
-#   a     GPU-marked delta-kernel tests: the first compile on a GPU          ~50 s    80 s (A_TIMEOUT)
+#   a     GPU-marked delta-kernel tests: the folded path's first GPU compile ~50 s    80 s (A_TIMEOUT)
 #   d     dkvc_quality.py --prompts 256 --positions 512 (pydoc-2m)           ~60 s    90 s (D_TIMEOUT)
 #   e     host_tier.py --recall-vs-recompute llama-8b 32K + pinned copy bw   ~45 s    55 s (E_TIMEOUT)
 #   b     kernels.py --delta, B=64, ctx 1K/4K/16K x pages 16/64/256/mixed     ~100 s  115 s (B_TIMEOUT)
-#         + the read-only ceiling (bf16 sum) in the same run
+#         + the read-only ceiling (bf16 sum) in the same run; fp16/fp8-delta with a mean anchor (the folded
+#         path) vs the bf16 paged kernel. The kernel speed alone: STEPS="a b" (~2.5 min, caps 195 s + set-up)
 #   c     e2e_decode.py llama-8b b64 at 4K (3968 + 128): bf16 vs fp8-delta   ~130 s  145 s (C_TIMEOUT)
 # These are estimates, not measurements (the delta kernel has never run on a GPU): its Mosaic GPU lowering
 # took 21-38 s of host time per config on the shared 2-core dev CPU (load ~7), so ~10 s on the GPU host is
@@ -73,12 +74,12 @@ if has a; then
   SEL=(-k "config0"); [ "${RUN_ALL_GPU_TESTS:-0}" = 1 ] && SEL=()
   TAIL=20 step a_gpu_tests ${A_TIMEOUT:-80} $PY -m pytest -q -m gpu --durations=8 ${SEL[@]+"${SEL[@]}"} \
     tests/test_delta_attention.py --junitxml="$OUT/a_gpu_tests.xml"
-  # The register-resident mean anchor is the kernel's one untested-on-GPU part: if its cases failed and the
-  # 256-row anchor-ring ones passed, later steps run the mean anchor through the ring
-  # (pallas_kernels/delta_attention.py, module docstring).
-  if $PY benchmarks/gpu_dkvc_resident_check.py "$OUT/a_gpu_tests.xml"; then
-    export STRATUM_DKVC_RESIDENT_ANCHOR=0
-    echo "resident mean anchor failed on the GPU, the anchor ring passed: STRATUM_DKVC_RESIDENT_ANCHOR=0 from here on"
+  # The folded mean-anchor path (f16 MMAs on the deltas, per-key column scales) has never run on a GPU: if
+  # its cases failed and the 256-row anchor (rebuild path) ones passed, later steps run the mean anchor
+  # through the rebuild path (pallas_kernels/delta_attention.py, module docstring).
+  if $PY benchmarks/gpu_dkvc_fold_check.py "$OUT/a_gpu_tests.xml"; then
+    export STRATUM_DKVC_FOLD_MEAN_ANCHOR=0
+    echo "folded mean-anchor path failed on the GPU, the rebuild path passed: STRATUM_DKVC_FOLD_MEAN_ANCHOR=0 from here on"
   fi
 fi
 

@@ -19,7 +19,8 @@ back-to-back calls closed by block_until_ready (the inputs are far larger than L
 Writes the full JSON (`--out`) and a PNG (bandwidth vs page size per context) next to it.
 
 `--delta` times instead the delta-KV kernel (pallas_kernels/delta_attention.py) with fp16 and fp8
-deltas (mean and/or 256-row position-aligned anchor, a few configs that fit SMEM, best kept) beside
+deltas (a mean anchor, i.e. the folded path unless $STRATUM_DKVC_FOLD_MEAN_ANCHOR=0, and/or a 256-row
+position-aligned anchor, the rebuild path; a few configs that fit SMEM, best kept) beside
 the bf16 paged kernel's default config on the same page layout, and a read-only ceiling measured in
 the same run (a large bf16 sum). Each delta output is checked against XLA dense attention over the
 K/V rebuilt in fp32. Reported: time, the delta/paged time ratio (#12 asks fp8 <= 0.6x and fp16 <=
@@ -53,7 +54,7 @@ from pallas_kernels.testing import float64_attention, random_paged_case   # noqa
 from pallas_kernels.paged_attention import (   # noqa: E402
     PAGE_SIZES, TuningConfig, paged_attention)
 from pallas_kernels.delta_attention import (   # noqa: E402
-    DELTA_DTYPES, default_resident_anchor, delta_attention, delta_smem_bytes, rebuild_reference)
+    DELTA_DTYPES, default_fold_mean_anchor, delta_attention, delta_smem_bytes, rebuild_reference)
 
 MIXED = "mixed"
 
@@ -418,9 +419,26 @@ def delta_configs(head_dim, dtype, anchor_len, table_width, quick):
     cands = [TuningConfig(), TuningConfig(num_stages=3), TuningConfig(block_kv=128)]
     if quick:
         cands = cands[:1]
-    return [c for c in cands if delta_smem_bytes(c, head_dim, dtype, resident_anchor=anchor_len == 1 and
-                                                 default_resident_anchor(),
-                                                 max_pages=table_width) <= 227 * 1024]
+    fold = anchor_len == 1 and default_fold_mean_anchor()
+    return [c for c in cands if delta_smem_bytes(c, head_dim, dtype, fold=fold, max_pages=table_width) <= 227 * 1024]
+
+
+DELTA_BARS = {"fp8-delta": 0.6, "fp16-delta": 1.1}     # #12: delta kernel time / bf16 paged kernel time
+
+
+def delta_targets(shapes):
+    """#12's speed bars per (precision, anchor_len, context >= 4K): the worst delta/paged time ratio over
+    the page layouts of that context (a layout whose every config failed counts as infinitely slow)."""
+    worst = {}
+    for rec in shapes:
+        if rec["context"] < 4096:
+            continue
+        for d in rec["delta"]:
+            key = (d["precision"], d["anchor_len"], rec["context"])
+            x = d["best"]["x_paged"] if d["best"] else math.inf
+            worst[key] = max(worst.get(key, 0.0), x)
+    return [dict(precision=p, anchor_len=A, context=c, worst_x_paged=x, bar=DELTA_BARS[p], met=x <= DELTA_BARS[p])
+            for (p, A, c), x in sorted(worst.items())]
 
 
 def run_delta(a):
@@ -437,7 +455,8 @@ def run_delta(a):
     dev = jax.devices()[0]
     meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, platform=dev.platform,
                 jax=jax.__version__, batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D, reps=a.reps, inner=a.inner,
-                rounds=a.rounds, dry_run=a.dry_run, mode="delta", resident_mean_anchor=default_resident_anchor())
+                rounds=a.rounds, dry_run=a.dry_run, mode="delta",
+                fold_mean_anchor=default_fold_mean_anchor())
     print(json.dumps(meta), flush=True)
     out_path = pathlib.Path(a.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -538,6 +557,10 @@ def run_delta(a):
             cells.append(f"{b['ms']:7.3f} {b['x_paged']:4.2f}" if b else f"{'FAILED':>12}")
         print(f"{rec['context']:>6} {rec['page']:>6} | {rec['paged']['ms']:8.3f} {rec['paged']['pct_read']:5.1f}% | "
               + " | ".join(f"{c:>16}" for c in cells))
+    result["targets"] = delta_targets(result["shapes"])
+    for t in result["targets"]:
+        print(f"target {t['precision']} A={t['anchor_len']} ctx={t['context']}: worst {t['worst_x_paged']:.2f}x of "
+              f"paged (bar <= {t['bar']}): {'met' if t['met'] else 'MISSED'}")
     save()
     print(f"wrote {out_path}")
     return 0

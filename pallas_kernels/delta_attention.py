@@ -7,45 +7,73 @@ Storage (one layer; the engine writes it, this kernel reads it):
       ("fp8-delta"): the same slot pool, page tables and lengths as `paged_attention`.
   k_scale, v_scale [num_kv_heads, num_slots // 8] float32: one scale per 8-slot granule per kv head.
 The key of sequence b at absolute position t, in slot s = page_starts[b, t // P] + t % P, is
-    K = anchor_k[h, t % anchor_len] + k_scale[h, s // 8] * float(k_delta[h, s])     (same for V),
-rebuilt in fp32 and rounded to bf16 for the MMA (the paged kernel's K/V precision).
+    K = anchor_k[h, t % anchor_len] + k_scale[h, s // 8] * float(k_delta[h, s])     (same for V).
+The folded path (mean anchor) attends over these exact values (f16 deltas, fp32 scales); the rebuild
+path rounds the rebuilt K/V to bf16 for its MMAs (the paged kernel's K/V precision).
 
 Design
 ------
 The kernel is `paged_attention`'s pipeline (`_build_kernel`: grid, page-table window, SMEM ring,
-split-K, online softmax, score statistics) with another `KVFormat` (`DeltaPages` below):
-  fetch, per page piece: one TMA copy of the delta rows (1 or 2 bytes per element, so a ring slot
-      is 1/2 or 1/1 the bytes of a bf16 one) and one of the piece's scale granules. TMA moves
-      multiples of 16 bytes from 16-byte-aligned addresses, i.e. 4 granules: a page of 32+ tokens
-      brings exactly its P / 8 granules (P / 8 is then a multiple of 4 and the page start a
-      multiple of 32 slots); an 8- or 16-token page brings the aligned group of 4 granules holding
-      its 1 or 2, into its own 4-entry area of the slot's scale buffer.
-  fetch, per tile (position-aligned anchor only): one TMA copy of the tile's T anchor rows, which are
-      contiguous because T (64/128) divides 256 which divides anchor_len, into an anchor ring.
-      With a mean anchor (anchor_len 1) the wrapper broadcasts the row to one [64, D] chunk, which each
-      CTA copies once (prologue, through its staging tile) and keeps in registers for the whole loop.
-  materialize: per 64-row chunk, load the delta (WGMMA layout), the anchor rows and the per-row
-      scales (T / 8 scalar SMEM reads selected into a row vector), rebuild K and V in fp32 registers,
-      zero the V rows at or past the length (stale slots may hold NaN deltas or scales, and
-      0 * NaN = NaN inside the MMA), round to bf16 and store the tile WGMMA reads: in place of the
-      anchor tile for a position-aligned anchor (its ring slot is refilled next round anyway), else
-      into a bf16 staging tile. `attend` is the paged kernel's, unchanged.
-fp8 -> fp32 goes through fp16 (Mosaic GPU converts e4m3 pairwise to f16x2; both steps are exact).
+split-K, online softmax, score statistics) with another `KVFormat` (`DeltaPages` below). Per page
+piece it fetches one TMA copy of the delta rows (1 or 2 bytes per element) and one of the piece's
+scale granules. TMA moves multiples of 16 bytes from 16-byte-aligned addresses, i.e. 4 granules: a
+page of 32+ tokens brings exactly its P / 8 granules (P / 8 is then a multiple of 4 and the page start
+a multiple of 32 slots); an 8- or 16-token page brings the aligned group of 4 granules holding its 1
+or 2, into its own 128-byte area of the slot's scale buffer. Then one of two paths:
 
-The register-resident mean anchor is the one part with no counterpart in the GPU-tested paged kernel
-(a [64, D] bf16 chunk per K and V held across the loop: 64 more registers per thread beside the
-accumulator and the fp32 rebuild). Every config lowers to Mosaic GPU on a CPU (checked for fp8/fp16 x
-mean/256-row anchors, D=64/128), but register allocation and spills are only decided by ptxas on a GPU.
-So the resident path can be switched off (`resident_anchor=False`, or STRATUM_DKVC_RESIDENT_ANCHOR=0 for
-every call, the engine's included): a mean anchor is then broadcast to one 256-row position-aligned
-block and takes the anchor-ring path, the same TMA + SMEM-ring machinery as the bf16 paged kernel's K/V
-(+32 KB SMEM at T=64, D=128: one CTA per SM instead of two).
+*Folded (a mean anchor, anchor_len 1; the default).* The anchor needs no rebuild at all. With one
+vector a_k per kv head, the score of key j is q . (a_k + sk_j dk_j) = q . a_k + sk_j (q . dk_j), and
+q . a_k is the same for every key of a query row: it cancels in the softmax (and in the score
+variance, which is shift-invariant; not under a soft cap, which takes the rebuild path). So the MMA
+computes q @ dk^T straight from the deltas and the scores are sk (a per-key column vector of the
+tile, from the granule scales) times that. For V, with P normalised (sum_j P_j / l = 1),
+    out = sum_j P_j (a_v + sv_j dv_j) / l = a_v + (sum_j (P_j sv_j) dv_j) / l,
+so sv is folded into P's columns before P @ dv and a_v is added once, in the epilogue (to the rows
+that saw a key; length-0 rows stay 0; split-K partials each carry a_v and their merge is a convex
+combination). The per-key factors reach the pipeline as `TileColumns`; the pipeline takes the
+softmax's running max over s + log2(sv), so P * sv <= 1 with its largest entry 1 and the f16
+rounding of P never sees subnormals (scales of fp8 deltas are ~amax / 448, so P * sv alone could be
+~1e-8, below f16's smallest subnormal); l sums P without sv, in fp32 (P may exceed 1 there).
+  fp16 deltas: WGMMA takes f16 operands, so the K and V ring slots are the MMAs' B operands as
+      they arrive (no staging tile), q is rounded to f16 in the wrapper (|q| clipped to 65280, the
+      largest bf16 below f16's max) and P to f16.
+  fp8 deltas: Hopper's fp8 WGMMA needs both operands fp8 (q and P in e4m3 would lose too much) and a
+      K-major B, which P @ V's V is not; so each fp8 slot is converted to an f16 tile in SMEM with no
+      math (e4m3 pairs -> f16x2, exact) and the f16 path runs. Loading the fp8 rows as the register
+      A operand instead would need a transposed problem (keys as WGMMA's M), i.e. a different
+      softmax; the convert is one pass over half the bytes of a bf16 tile.
+  Stale slots (past the length) may hold NaN deltas and scales: the granule scales of granules with
+  no live key are replaced (score scale 0, value scale 1) before they reach any vector, K rows' NaN
+  scores are masked to -inf, and the V rows past the end are zeroed in SMEM (last tile only), since
+  P = 0 there but 0 * NaN = NaN inside the P @ V MMA.
+  The scales are read as T / 8 scalars per side (the granules of 8/16-token pages sit at runtime
+  offsets in their TMA areas, so no single vector read covers every page size) and put into the
+  column vectors with one select per granule; in the WGMMA column layout every register of a thread
+  belongs to one static granule, so those selects fold to moves (an assumption about the compiler
+  that only a GPU profile confirms).
 
-SMEM per CTA (`delta_smem_bytes`; 227 KB at most) at D=128, 2 stages, B=64 (no split), 4K-16K contexts:
-with T=64, fp8 deltas and a mean anchor 99-105 KB, the paged kernel's footprint (two CTAs per SM);
-fp16 deltas or a position-aligned anchor add 32 KB each (one CTA per SM). With T=128 only fp8 deltas
-fit (164-170 KB with a mean anchor, 228-234 KB with an anchor ring: over the limit at D=128, refused
-at the entry with a message); at D=64 every combination fits.
+*Rebuild (a position-aligned anchor, anchor_len a multiple of 256; or a mean anchor with a soft cap
+or STRATUM_DKVC_FOLD_MEAN_ANCHOR=0, broadcast to one 256-row block).* Per tile one more TMA copy
+brings the tile's T anchor rows (contiguous: T (64/128) divides 256 which divides anchor_len) into an
+anchor ring; per 64-row chunk the delta (WGMMA layout), the anchor rows and the per-row scales (T / 8
+scalar SMEM reads selected into a row vector) rebuild K and V in fp32 registers, V rows at or past the
+length are zeroed, and the bf16 result is stored in place of the anchor tile, which WGMMA reads with
+bf16 q and P. fp8 -> fp32 goes through fp16 (Mosaic GPU converts e4m3 pairwise to f16x2; both steps
+are exact). On the H200 this path took 2.0-2.5x the bf16 paged kernel's time (BENCHMARKS.md), bound by
+the rebuild, not by bytes: the reason for the folded path.
+
+Every config lowers to Mosaic GPU on a CPU (checked for fp8/fp16 x folded/rebuild, D=64/128, block_kv
+64/128, with and without score stats); register allocation and spills are only decided by ptxas on a
+GPU. STRATUM_DKVC_FOLD_MEAN_ANCHOR=0 (every call, the engine's included) or fold_mean_anchor=False
+sends a mean anchor through the rebuild path, the fallback if the folded path fails on a GPU
+(benchmarks/gpu_dkvc_session.sh switches it when only the folded cases fail).
+
+SMEM per CTA (`delta_smem_bytes`; 227 KB at most; two CTAs per SM below ~113 KB) at D=128, 2 stages,
+B=64 (no split), 4K-16K contexts, T=64: folded fp16 103-109 KB, the bf16 paged kernel's 99-105 KB plus
+4 KB of scales; folded fp8 the same (half the ring, plus two f16 tiles); the rebuild path adds the
+anchor ring (32 KB more with fp8, 64 KB with fp16: one CTA per SM). With T=128 the folded paths take
+171-177 KB and the rebuild path does not fit at D=128 (refused at the entry with a message); at D=64
+every combination fits.
 """
 
 from __future__ import annotations
@@ -62,7 +90,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.paged_attention import (
-    MMA_TRANSFORMS, TileContext, TuningConfig, check_pools_and_tables, decode_attention_pipeline,
+    MMA_TRANSFORMS, TileColumns, TileContext, TuningConfig, check_pools_and_tables, decode_attention_pipeline,
     kernel_static_args, reference_attend, reference_token_slots)
 
 # The precision names of the engine flag (--kv-precision) -> delta dtype.
@@ -72,38 +100,57 @@ SCALE_AREA = 32        # granules per page piece in SMEM: 128 bytes, the TMA des
 ANCHOR_BLOCK = 256     # a position-aligned anchor is a multiple of this many rows
 _CHUNK = 64            # rows rebuilt at a time (WGMMA's M; bounds the registers a rebuild needs)
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
+_COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)
 _SMEM_LIMIT = 227 * 1024
-RESIDENT_ANCHOR_ENV = "STRATUM_DKVC_RESIDENT_ANCHOR"
+# Value scales are clamped to this before their log2 (a zero scale would give a -inf softmax max).
+_MIN_VALUE_SCALE = 2.0 ** -100
+# The largest bf16 that is a finite f16 (65504, f16's max, rounds up to 65536 in bf16): q is clipped to it
+# before the folded path's f16 MMA, so no score turns inf/NaN. Within the range bf16 -> f16 is exact for
+# |q| >= 2^-14 (f16 has 3 more mantissa bits) and fp32 -> f16 keeps 11 bits (bf16: 8); smaller components
+# become f16 subnormals, off by at most 2^-25 each: negligible in q . k.
+_F16_SAFE_MAX = 65280.0
+FOLD_MEAN_ANCHOR_ENV = "STRATUM_DKVC_FOLD_MEAN_ANCHOR"
 
 
-def default_resident_anchor() -> bool:
-    """Whether a mean anchor is kept in registers (module docstring): $STRATUM_DKVC_RESIDENT_ANCHOR, 1 (the
-    default) or 0 (the anchor-ring path)."""
-    value = os.environ.get(RESIDENT_ANCHOR_ENV, "1")
+def default_fold_mean_anchor() -> bool:
+    """Whether a mean anchor takes the folded path (module docstring): $STRATUM_DKVC_FOLD_MEAN_ANCHOR, 1 (the
+    default) or 0 (the rebuild path, the mean broadcast to a 256-row anchor block)."""
+    value = os.environ.get(FOLD_MEAN_ANCHOR_ENV, "1")
     if value not in ("0", "1"):
-        raise ValueError(f"${RESIDENT_ANCHOR_ENV} must be 0 (mean anchor through the anchor ring) or 1 (kept in "
-                         f"registers), got {value!r}")
+        raise ValueError(f"${FOLD_MEAN_ANCHOR_ENV} must be 0 (mean anchor through the rebuild path) or 1 (folded "
+                         f"out of the loop), got {value!r}")
     return value == "1"
 
 
 @dataclasses.dataclass(frozen=True)
 class DeltaPages:
     """KV format of the delta kernel (see the module docstring). Inputs, in order: k_delta, v_delta
-    [Hkv, S, D] delta dtype; k_scale, v_scale [Hkv, S // 8] f32; anchor_k, anchor_v [Hkv, A, D] bf16
-    with A = 64 (a mean anchor broadcast to one 64-row chunk, kept in registers; `resident_anchor`)
-    or the anchor's length (a multiple of 256)."""
+    [Hkv, S, D] delta dtype; k_scale, v_scale [Hkv, S // 8] f32; anchor_k, anchor_v [Hkv, A, D] bf16.
+    fold=True: a mean anchor (A = 1) folded out of the loop (only anchor_v is read, in `finish`);
+    fold=False: the rebuild path over an anchor ring (A a multiple of 256)."""
     delta_dtype: str              # "float16" or "float8_e4m3fn" (a string: static and hashable)
-    resident_anchor: bool
+    fold: bool
     num_inputs: int = 6
     copies_per_page: int = 2      # delta rows + scale granules
 
     @property
     def copies_per_tile(self) -> int:
-        return 0 if self.resident_anchor else 1
+        return 0 if self.fold else 1
+
+    @property
+    def mma_dtype(self) -> str:
+        # Folded: the MMAs read the f16 deltas themselves, so q and P are f16 too (WGMMA needs both
+        # operands of one type). Rebuild: the rebuilt K/V tiles are bf16, as in the paged kernel.
+        return "float16" if self.fold else "bfloat16"
+
+    @property
+    def _fp8(self) -> bool:
+        return jnp.dtype(self.delta_dtype).itemsize == 1
 
     def scratch_types(self, *, stages, block_kv, head_dim):
         dt = jnp.dtype(self.delta_dtype)
         swizzle = min(128, head_dim * dt.itemsize)     # fp8 rows of D=64 are 64 bytes
+        # fp16 rows are 128-byte swizzled in (8, 64) tiles, i.e. MMA_TRANSFORMS: WGMMA reads them in place.
         ring = plgpu.SMEM((stages, block_kv, head_dim), dt,
                           transforms=(plgpu.TilingTransform((8, swizzle // dt.itemsize)),
                                       plgpu.SwizzleTransform(swizzle)))
@@ -112,30 +159,20 @@ class DeltaPages:
         # one is not enough: CUDA_ERROR_MISALIGNED_ADDRESS on the H200).
         scales = plgpu.SMEM((stages, (block_kv // GRANULE) * SCALE_AREA), jnp.float32)
         out = [ring, ring, scales, scales]
-        if self.resident_anchor:   # staging tiles (the anchor chunk lands in them first), a barrier
-            tile = plgpu.SMEM((block_kv, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
-            out += [tile, tile, plgpu.Barrier(num_arrivals=2, num_barriers=1)]
+        if self.fold:
+            if self._fp8:   # the f16 copies of the fp8 slot that WGMMA reads (module docstring)
+                tile = plgpu.SMEM((block_kv, head_dim), jnp.float16, transforms=MMA_TRANSFORMS)
+                out += [tile, tile]
         else:
             anchor_ring = plgpu.SMEM((stages, block_kv, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
             out += [anchor_ring, anchor_ring]
         return out
 
     def prologue(self, ctx: TileContext):
-        if self.resident_anchor:   # the 64-row anchor chunk -> the first rows of the staging tiles
-            _, _, _, _, ak, av = ctx.inputs
-            k_st, v_st, bar = ctx.smem[4:]
-            plgpu.copy_gmem_to_smem(ak.at[ctx.h], k_st.at[pl.ds(0, _CHUNK)], bar.at[0])
-            plgpu.copy_gmem_to_smem(av.at[ctx.h], v_st.at[pl.ds(0, _CHUNK)], bar.at[0])
+        pass
 
     def prologue_wait(self, ctx: TileContext):
-        """A mean anchor stays in registers for the whole loop: [64, D] bf16 per K and V (32 registers
-        each per thread), which saves the SMEM of two resident tiles (the fp8 kernel then fits two
-        CTAs per SM at T=64, D=128, as the paged kernel does). Returns (anchor_k, anchor_v) or None."""
-        if not self.resident_anchor:
-            return None
-        k_st, v_st, bar = ctx.smem[4:]
-        plgpu.barrier_wait(bar.at[0])
-        return k_st[pl.ds(0, _CHUNK)], v_st[pl.ds(0, _CHUNK)]
+        return None
 
     def fetch_page(self, ctx: TileContext, src, row, n, slot, k_bar, v_bar):
         kd, vd, ks, vs, _, _ = ctx.inputs
@@ -154,7 +191,7 @@ class DeltaPages:
         plgpu.copy_gmem_to_smem(vs.at[ctx.h, pl.ds(g_src, count)], v_sc.at[slot, pl.ds(g_dst, count)], v_bar)
 
     def fetch_tile(self, ctx: TileContext, t0, slot, k_bar, v_bar):
-        if self.resident_anchor:
+        if self.fold:
             return
         _, _, _, _, ak, av = ctx.inputs
         k_anc, v_anc = ctx.smem[4:6]
@@ -176,20 +213,83 @@ class DeltaPages:
         return SCALE_AREA * piece + offset + within
 
     def materialize(self, ctx: TileContext, state, slot, tile, n_valid):
+        if not self.fold:
+            return self._rebuild(ctx, slot, tile, n_valid)
         T, D = ctx.block_kv, ctx.head_dim
-        k_ring, v_ring, k_sc, v_sc = ctx.smem[:4]
-        if self.resident_anchor:
-            k_anc, v_anc = state
-            k_out, v_out, _ = ctx.smem[4:]
-            anchor = lambda value, r: value
-            # The staging tiles were the previous tile's WGMMA operands (or, at the first tile, where
-            # the anchor was loaded from): every warp must be past its reads before any thread
-            # overwrites them (commit_smem syncs the warpgroup).
+        k_ring, v_ring = ctx.smem[:2]
+        if self._fp8:
+            k_out, v_out = ctx.smem[4:6]
+            # The f16 tiles were the previous tile's WGMMA operands: every warp must be past its reads
+            # before any thread overwrites them (commit_smem syncs the warpgroup).
             plgpu.commit_smem()
+            ctx.wait_k(slot)
+            for r0 in range(0, T, _CHUNK):     # a plain convert (e4m3 pairs -> f16x2), no math
+                k_out[pl.ds(r0, _CHUNK)] = k_ring[slot, pl.ds(r0, _CHUNK)].astype(jnp.float16)
+            ctx.wait_v(slot)
+            for r0 in range(0, T, _CHUNK):
+                v_out[pl.ds(r0, _CHUNK)] = v_ring[slot, pl.ds(r0, _CHUNK)].astype(jnp.float16)
         else:
-            k_anc, v_anc = ctx.smem[4:6]
-            k_out, v_out = k_anc.at[slot], v_anc.at[slot]     # rebuilt in place
-            anchor = lambda ref, r: ref[slot, pl.ds(r, _CHUNK)]
+            ctx.wait_k(slot)
+            ctx.wait_v(slot)
+            k_out, v_out = k_ring.at[slot], v_ring.at[slot]
+
+        # Stale slots past the length may hold NaN deltas: P is 0 there, but 0 * NaN = NaN inside the
+        # P @ V MMA, so the V rows past the end are zeroed (only the last tile has any). K rows need
+        # nothing: their NaN scores are masked to -inf before the softmax.
+        @pl.when(n_valid < T)
+        def _():
+            v = v_out[...]
+            rows = plgpu.broadcasted_iota(jnp.int32, (T, D), 0, layout=plgpu.Layout.WGMMA)
+            v_out[...] = jnp.where(rows < n_valid, v, jnp.zeros_like(v))
+            if not self._fp8:
+                plgpu.commit_smem()
+        if self._fp8:
+            plgpu.commit_smem()     # make the stores visible to the async proxy (WGMMA)
+        return k_out, v_out
+
+    def columns(self, ctx: TileContext, state, slot, tile, n_valid):
+        """The folded path's per-key factors (TileColumns): the K and V granule scales of each key's
+        granule, read as T / 8 scalars per side. Granules with no live key (NaN scales are allowed
+        there) get score scale 0 and value scale 1 (finite, and P is 0 there anyway)."""
+        if not self.fold:
+            return None
+        k_sc, v_sc = ctx.smem[2:4]
+        T = ctx.block_kv
+        # In the column layout each thread holds 2 adjacent columns of every 8-column group, so the
+        # granule of each of its registers is a compile-time constant (col >> 3 of a register is its
+        # group index): the selects below reduce to one move per register once that folds.
+        granule = lax.shift_right_logical(plgpu.broadcasted_iota(jnp.int32, (T,), 0, layout=_COL_LAYOUT), 3)
+        zero = plgpu.layout_cast(jnp.zeros((T,), jnp.float32), _COL_LAYOUT)
+        ks, vs, lvs = zero, zero, zero
+        for j in range(T // GRANULE):
+            idx = self._scale_index(ctx, tile, j)
+            live = GRANULE * j < n_valid
+            sk = jnp.where(live, k_sc[slot, idx], 0.0)
+            # Clamped below: log2(0) = -inf would make the softmax max -inf for a row of zero scales.
+            sv = jnp.where(live, jnp.maximum(v_sc[slot, idx], _MIN_VALUE_SCALE), 1.0)
+            here = granule == j
+            ks = jnp.where(here, sk, ks)
+            vs = jnp.where(here, sv, vs)
+            lvs = jnp.where(here, jnp.log2(sv), lvs)
+        return TileColumns(score_scale=ks, value_scale=vs, log2_value_scale=lvs)
+
+    def finish(self, ctx: TileContext, state, o, l):
+        """Folded: out = anchor_v + (sum_j P_j sv_j dv_j) / l for the rows that saw a key (l > 0); rows
+        with no key (length 0, an empty split) stay 0."""
+        if not self.fold:
+            return o
+        av = ctx.inputs[5]
+        # A plain (element-wise) load: the optimized vector path only reads SMEM; it runs once per CTA.
+        a = plgpu.load(av.at[ctx.h, 0], layout=_COL_LAYOUT, optimized=False).astype(jnp.float32)      # [D]
+        seen = jnp.where(l > 0, 1.0, 0.0)
+        return o + lax.broadcast_in_dim(a, o.shape, [1]) * lax.broadcast_in_dim(seen, o.shape, [0])
+
+    def _rebuild(self, ctx: TileContext, slot, tile, n_valid):
+        """The rebuild path: K/V = anchor + scale * delta in fp32 registers, rounded to bf16 in place of
+        the anchor tiles (their ring slot is refilled next round anyway)."""
+        T, D = ctx.block_kv, ctx.head_dim
+        k_ring, v_ring, k_sc, v_sc, k_anc, v_anc = ctx.smem
+        k_out, v_out = k_anc.at[slot], v_anc.at[slot]
         idx = [self._scale_index(ctx, tile, j) for j in range(T // GRANULE)]
         granule_of_row = lax.shift_right_logical(
             plgpu.broadcasted_iota(jnp.int32, (_CHUNK,), 0, layout=_ROW_LAYOUT), 3)
@@ -203,7 +303,7 @@ class DeltaPages:
             if delta.dtype.itemsize == 1:
                 delta = delta.astype(jnp.float16)
             scale = lax.broadcast_in_dim(scale, (_CHUNK, D), [0])
-            x = anchor(anc, r0).astype(jnp.float32) + scale * delta.astype(jnp.float32)
+            x = anc[slot, pl.ds(r0, _CHUNK)].astype(jnp.float32) + scale * delta.astype(jnp.float32)
             if zero_past_end:
                 x = jnp.where(rows < n_valid - r0, x, 0.0)
             out[pl.ds(r0, _CHUNK)] = x.astype(jnp.bfloat16)
@@ -218,14 +318,19 @@ class DeltaPages:
         return k_out, v_out
 
 
-def delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, *, resident_anchor: bool, max_pages: int,
+def delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, *, fold: bool, max_pages: int,
                      out_itemsize: int = 4) -> int:
     """Approximate SMEM footprint of one CTA of the delta kernel (227 KB max; <= ~113 KB for two CTAs
-    per SM): the paged kernel's q/out/table share plus the delta ring, scales and bf16 tiles."""
+    per SM): the paged kernel's q/out/table share plus the delta ring, scales and the f16 tiles (folded
+    fp8) or the bf16 anchor ring (rebuild)."""
     T, S = config.block_kv, config.num_stages
     rest = config.smem_bytes(head_dim, max_pages, out_itemsize) - 2 * S * T * head_dim * 2   # minus the bf16 ring
-    ring = 2 * S * T * head_dim * jnp.dtype(delta_dtype).itemsize + 2 * S * (T // GRANULE) * SCALE_AREA * 4
-    tiles = 2 * T * head_dim * 2 if resident_anchor else 2 * S * T * head_dim * 2
+    itemsize = jnp.dtype(delta_dtype).itemsize
+    ring = 2 * S * T * head_dim * itemsize + 2 * S * (T // GRANULE) * SCALE_AREA * 4
+    if fold:
+        tiles = 2 * T * head_dim * 2 if itemsize == 1 else 0
+    else:
+        tiles = 2 * S * T * head_dim * 2
     return rest + ring + tiles
 
 
@@ -285,39 +390,45 @@ def delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, l
                     sm_scale: float | None = None, soft_cap: float | None = None,
                     config: TuningConfig | None = None, interpret: bool = False,
                     return_score_stats: bool = False,
-                    resident_anchor: bool | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                    fold_mean_anchor: bool | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention over a delta-KV pool (Mosaic GPU kernel): one query per sequence, keys at
     positions 0..lengths[b]-1 rebuilt as anchor + scale * delta (module docstring).
 
     Args:
-      q: [batch, num_q_heads, head_dim], bf16 or fp32 (rounded to bf16 for the MMA).
+      q: [batch, num_q_heads, head_dim], bf16 or fp32 (rounded to bf16 for the rebuild path's MMA, to f16
+        for the folded path's, |q| clipped to 65280).
       k_delta, v_delta: [num_kv_heads, num_slots, head_dim] float16 or float8_e4m3fn (both the same).
       k_scale, v_scale: [num_kv_heads, num_slots // 8] float32, one scale per 8-slot granule.
       anchor_k, anchor_v: [num_kv_heads, anchor_len, head_dim] bf16, anchor_len 1 or a multiple of 256.
       lengths, page_starts, page_sizes, sm_scale, soft_cap, config, interpret, return_score_stats: as in
         `paged_attention` (pages of 8..256 tokens, mixed per batch; length 0 gives zeros; slots, deltas
         and scales outside the live tokens are never used, even if NaN).
-      resident_anchor: a mean anchor (anchor_len 1) in registers (True) or through the anchor ring as a
-        256-row block (False); None: `default_resident_anchor()`. Must be None or False for anchor_len > 1.
+      fold_mean_anchor: a mean anchor (anchor_len 1) folded out of the loop (True) or through the rebuild
+        path as a 256-row block (False); None: `default_fold_mean_anchor()`, and the rebuild path when
+        soft_cap is set (the cap is not shift-invariant, so q . anchor_k can't be dropped). True needs
+        anchor_len 1 and no soft_cap.
 
     Returns:
       [batch, num_q_heads, head_dim] in q.dtype; with return_score_stats also score_var [batch,
-      num_q_heads] float32 (as in `paged_attention`, over the rebuilt bf16 keys).
+      num_q_heads] float32 (as in `paged_attention`: over the keys the MMA sees, the rebuilt bf16 keys, or
+      the exact keys on the folded path, whose dropped q . anchor_k shift leaves the variance unchanged).
     """
     _check_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes)
     config, scale, cap = kernel_static_args("delta_attention", q, k_delta.shape[0], sm_scale, soft_cap, config)
     if config.block_kv not in (64, 128):
         raise ValueError(f"delta_attention: block_kv must be 64 or 128, got {config.block_kv}")
     mean = anchor_k.shape[1] == 1
-    if resident_anchor and not mean:
-        raise ValueError(f"delta_attention: resident_anchor=True needs a mean anchor (anchor_len 1), got "
+    if fold_mean_anchor and not mean:
+        raise ValueError(f"delta_attention: fold_mean_anchor=True needs a mean anchor (anchor_len 1), got "
                          f"anchor_len {anchor_k.shape[1]}")
-    resident = mean and (default_resident_anchor() if resident_anchor is None else resident_anchor)
-    if mean and not resident:      # the mean as one position-aligned block: the anchor-ring path
+    if fold_mean_anchor and cap is not None:
+        raise ValueError("delta_attention: fold_mean_anchor=True cannot take a soft_cap (the folded path drops "
+                         "q . anchor_k, which the cap does not ignore); pass fold_mean_anchor=None or False")
+    fold = mean and cap is None and (default_fold_mean_anchor() if fold_mean_anchor is None else fold_mean_anchor)
+    if mean and not fold:      # the mean as one position-aligned block: the rebuild path
         block = (anchor_k.shape[0], ANCHOR_BLOCK, anchor_k.shape[2])
         anchor_k, anchor_v = jnp.broadcast_to(anchor_k, block), jnp.broadcast_to(anchor_v, block)
-    smem = delta_smem_bytes(config, q.shape[2], k_delta.dtype, resident_anchor=resident,
-                            max_pages=page_starts.shape[1],
+    smem = delta_smem_bytes(config, q.shape[2], k_delta.dtype, fold=fold, max_pages=page_starts.shape[1],
                             out_itemsize=q.dtype.itemsize if config.num_splits == 1 else 4)
     if smem > _SMEM_LIMIT:
         raise ValueError(f"delta_attention: {config} needs about {smem // 1024} KB of shared memory per CTA, more "
@@ -333,12 +444,11 @@ def delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, l
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "config", "p_via_smem", "score_stats"))
 def _delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes, *,
                      scale, soft_cap, config, p_via_smem, score_stats):
-    num_kv_heads, _, head_dim = k_delta.shape
-    resident = anchor_k.shape[1] == 1
-    if resident:   # a mean anchor: one [64, D] chunk per head that each CTA copies once
-        tile = (num_kv_heads, _CHUNK, head_dim)
-        anchor_k, anchor_v = jnp.broadcast_to(anchor_k, tile), jnp.broadcast_to(anchor_v, tile)
-    fmt = DeltaPages(delta_dtype=jnp.dtype(k_delta.dtype).name, resident_anchor=resident)
+    num_kv_heads = k_delta.shape[0]
+    fold = anchor_k.shape[1] == 1      # the entry broadcast a mean anchor it does not fold
+    if fold:
+        q = jnp.clip(q, -_F16_SAFE_MAX, _F16_SAFE_MAX)     # the f16 MMA operand stays finite
+    fmt = DeltaPages(delta_dtype=jnp.dtype(k_delta.dtype).name, fold=fold)
     return decode_attention_pipeline(
         q, (k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v), lengths, page_starts, page_sizes,
         kv_format=fmt, num_kv_heads=num_kv_heads, scale=scale, soft_cap=soft_cap, config=config,

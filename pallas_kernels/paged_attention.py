@@ -42,10 +42,12 @@ The q tile has 64 rows (WGMMA's M); rows beyond the group's q heads are don't-ca
 *KV formats: the delta-KV kernel shares this pipeline.* What is copied per page and per tile, and how
 the bf16 K/V tiles are made, is a static `KVFormat` (`_build_kernel(kv_format=...)`): `Bf16Pages`
 here (one TMA copy per page, V rows past the end zeroed in place), `DeltaPages` in
-delta_attention.py (fp16/fp8 delta pages plus their scale granules, anchor rows, K/V rebuilt as
-anchor + scale * delta in registers into bf16 tiles). Everything else (grid, page-table window,
-ring, split-K, softmax, score statistics) is one code path; with `Bf16Pages` the traced kernel is
-the same as before the split (its lowered text was compared).
+delta_attention.py (fp16/fp8 delta pages plus their scale granules; K/V rebuilt as anchor + scale *
+delta into bf16 tiles, or, with a mean anchor, f16 deltas fed to the MMAs as they are, with per-key
+scales as `TileColumns`, f16 q/P (`mma_dtype`) and the anchor added in `finish`). Everything else
+(grid, page-table window, ring, split-K, softmax, score statistics) is one code path; with
+`Bf16Pages` the traced kernel is the same as before the split (its lowered text was compared; its
+jaxpr again after the TileColumns/finish/mma_dtype hooks, 2026-12-01).
 
 *Split-K (flash-decoding).* With few (sequence, kv head) pairs, the tiles of each sequence are split
 over `num_splits` CTAs; each writes a normalised partial output and its log2-sum-exp, and a small
@@ -372,7 +374,7 @@ def decode_attention_pipeline(q, kv_inputs, lengths, page_starts, page_sizes, *,
     # q rows: the kernel TMA-copies an 8-row-aligned block of rows of a 2-D q that contains the
     # group's rows; when the group's rows can't sit inside such a block (group neither divides nor is
     # a multiple of 8, or batch * num_q_heads isn't a multiple of 8), pad each group to 8k rows.
-    q_mma = q.astype(jnp.bfloat16)
+    q_mma = q.astype(kv_format.mma_dtype)
     aligned = (group % 8 == 0 or 8 % group == 0) and (batch * num_q_heads) % 8 == 0
     if aligned:
         rows_per_b, rows_per_h = num_q_heads, group
@@ -634,12 +636,18 @@ class KVFormat(Protocol):
           the V rows >= n_valid finite (P = 0 there, but 0 * NaN = NaN inside the MMA), the stores
           committed to the async proxy (plgpu.commit_smem);
       prologue(ctx) / prologue_wait(ctx) -> state: once per CTA, before the first fetch / before the
-          loop (resident data); `state` (e.g. values kept in registers) goes to every materialize.
+          loop (resident data); `state` (e.g. values kept in registers) goes to every materialize;
+      columns(ctx, state, slot, tile, n_valid) -> TileColumns | None: per-key factors of the tile (after
+          materialize), for formats whose K/V rows are scale * stored row; None for plain pages;
+      finish(ctx, state, o, l) -> o: the normalised output [64, D] f32 (rows with l == 0 are zeros), e.g.
+          plus a per-head offset that the format left out of V;
+      mma_dtype: the dtype of q, the K/V tiles and P in the MMAs ("bfloat16" or "float16").
     Implementations are frozen dataclasses (they are static jit arguments)."""
 
     num_inputs: int
     copies_per_page: int
     copies_per_tile: int
+    mma_dtype: str
 
     def scratch_types(self, *, stages: int, block_kv: int, head_dim: int) -> list: ...
     def prologue(self, ctx: TileContext) -> None: ...
@@ -647,6 +655,19 @@ class KVFormat(Protocol):
     def fetch_page(self, ctx: TileContext, src, row: int, n: int, slot, k_bar, v_bar) -> None: ...
     def fetch_tile(self, ctx: TileContext, t0, slot, k_bar, v_bar) -> None: ...
     def materialize(self, ctx: TileContext, state, slot, tile, n_valid) -> tuple: ...
+    def columns(self, ctx: TileContext, state, slot, tile, n_valid) -> TileColumns | None: ...
+    def finish(self, ctx: TileContext, state, o, l) -> jax.Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TileColumns:
+    """Per-key factors of one tile: [T] f32 vectors in the WGMMA column layout, finite everywhere
+    (a format masks the factors of keys past the length). The scores become score_scale * (q . k);
+    P's columns are multiplied by value_scale before P @ V, and the softmax's running max is taken
+    over s + log2_value_scale, so the scaled P that the MMA rounds is <= 1 with its largest entry 1."""
+    score_scale: jax.Array
+    value_scale: jax.Array
+    log2_value_scale: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -656,6 +677,7 @@ class Bf16Pages:
     num_inputs: int = 2
     copies_per_page: int = 1
     copies_per_tile: int = 0
+    mma_dtype: str = "bfloat16"
 
     def scratch_types(self, *, stages, block_kv, head_dim):
         ring = plgpu.SMEM((stages, block_kv, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
@@ -688,6 +710,12 @@ class Bf16Pages:
             v_ring[slot] = jnp.where(rows < n_valid, v, jnp.zeros_like(v))
             plgpu.commit_smem()     # make the stores visible to the async proxy (WGMMA)
         return k_ring.at[slot], v_ring.at[slot]
+
+    def columns(self, ctx, state, slot, tile, n_valid):
+        return None
+
+    def finish(self, ctx, state, o, l):
+        return o
 
 
 BF16_PAGES = Bf16Pages()
@@ -839,7 +867,7 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
                 kv_format.fetch_tile(ctx, t0, slot, k_bars[-1].at[slot], v_bars[-1].at[slot])
 
         # --- attend: online softmax update with one tile ----------------------------------
-        def attend(carry, k_tile, v_tile, tile, n_valid):
+        def attend(carry, k_tile, v_tile, tile, n_valid, cols=None):
             if score_stats:
                 acc, m_i, l_i, c_i, s1_i, s2_i = carry
             else:
@@ -849,13 +877,20 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
                 plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
                 return acc_ref[...]
             s = pl.run_scoped(qk, plgpu.ACC((_Q_ROWS, T), jnp.float32))
+            if cols is not None and soft_cap is not None:
+                raise ValueError("per-key score scales (TileColumns) do not commute with the soft cap")
             if soft_cap is not None:
                 s = jnp.tanh(s * (scale / soft_cap)) * (soft_cap * _LOG2E)
+            elif cols is not None:
+                s = s * lax.broadcast_in_dim(cols.score_scale * qk_scale, s.shape, [1])
             else:
                 s = s * qk_scale
             seen = visible(tile, n_valid)
             s = jnp.where(seen, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
+            if cols is None:
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+            else:   # the max of s + log2(value scale): P * value_scale below is <= 1 (TileColumns)
+                m_new = jnp.maximum(m_i, (s + lax.broadcast_in_dim(cols.log2_value_scale, s.shape, [1])).max(axis=1))
             if score_stats:
                 # Shift: the row max of the CTA's first tile (m_i is -inf only before it). Masked
                 # keys (s = -inf, or NaN from free slots before the mask) contribute exactly 0.
@@ -872,7 +907,9 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
             l_i = l_i * alpha + p.sum(axis=1)
 
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(jnp.bfloat16)
+            if cols is not None:
+                p = p * lax.broadcast_in_dim(cols.value_scale, p.shape, [1])
+            p16 = p.astype(kv_format.mma_dtype)
             if p_smem is None:
                 # P is WGMMA's A operand straight from registers; accumulate in place.
                 def pv(acc_ref):
@@ -904,7 +941,8 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
             tile = tile_lo + i
             n_valid = length - tile * T
             k_tile, v_tile = kv_format.materialize(ctx, kv_state, slot, tile, n_valid)
-            carry = attend(carry, k_tile, v_tile, tile, n_valid)
+            cols = kv_format.columns(ctx, kv_state, slot, tile, n_valid)
+            carry = attend(carry, k_tile, v_tile, tile, n_valid, cols)
             # attend() awaited its WGMMAs, so the slot is free: refill it. Each warp awaits only its
             # own share of a WGMMA, so all four must be past it before the TMA overwrites the slot;
             # Pallas' automatic barriers do that per copy, otherwise one sync per tile here.
@@ -931,7 +969,8 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
 
         # --- epilogue: normalise, write the group's rows ----------------------------------
         l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-        o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(out_dtype)
+        o = kv_format.finish(ctx, kv_state, acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), l_i)
+        o_smem[...] = o.astype(out_dtype)
         if lse_ref is not None:
             lse_smem[...] = m_i + jnp.log2(l_i)      # -inf for an empty split
         if score_stats:
@@ -958,7 +997,7 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
         out_type += [jax.ShapeDtypeStruct((batch * splits, num_kv_heads, lse_cols), jnp.float32)] * 3
     scratch = [
         plgpu.SMEM((window,), jnp.int32),
-        plgpu.SMEM((_Q_ROWS, head_dim), jnp.bfloat16, transforms=mma_transforms),
+        plgpu.SMEM((_Q_ROWS, head_dim), jnp.dtype(kv_format.mma_dtype), transforms=mma_transforms),
         kv_format.scratch_types(stages=stages, block_kv=T, head_dim=head_dim),
         plgpu.SMEM((_Q_ROWS, head_dim), out_dtype),
         plgpu.SMEM((_Q_ROWS,), jnp.float32),
@@ -969,7 +1008,7 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
     if score_stats:
         scratch += [plgpu.SMEM((_Q_ROWS,), jnp.float32) for _ in range(3)]
     if p_via_smem:
-        scratch.append(plgpu.SMEM((_Q_ROWS, T), jnp.bfloat16, transforms=mma_transforms))
+        scratch.append(plgpu.SMEM((_Q_ROWS, T), jnp.dtype(kv_format.mma_dtype), transforms=mma_transforms))
     grid, names = (batch, num_kv_heads), ("b", "h")
     if splits > 1:
         grid, names = (batch, num_kv_heads, splits), ("b", "h", "k")

@@ -1,15 +1,16 @@
 """Exit 0 when, in a junit XML of tests/test_delta_attention.py's GPU cases, the mean-anchor cases
-(register-resident anchor, anchor_len 1) failed while the 256-row anchor-ring cases passed; else 1.
-benchmarks/gpu_dkvc_session.sh then runs the later steps with STRATUM_DKVC_RESIDENT_ANCHOR=0.
+(anchor_len 1: the folded path) failed while the 256-row anchor cases (the rebuild path) passed; else 1.
+benchmarks/gpu_dkvc_session.sh then runs the later steps with STRATUM_DKVC_FOLD_MEAN_ANCHOR=0 (a mean
+anchor through the rebuild path).
 
-    python benchmarks/gpu_dkvc_resident_check.py OUT/a_gpu_tests.xml
+    python benchmarks/gpu_dkvc_fold_check.py OUT/a_gpu_tests.xml
 """
 import re
 import sys
 import xml.etree.ElementTree as ET
 
 
-def resident_failed_ring_passed(path: str) -> bool:
+def fold_failed_rebuild_passed(path: str) -> bool:
     """Test ids look like test_kernel_compiled_on_gpu[config0-1-dtype0]: config, anchor_len, dtype."""
     outcome: dict[str, list[bool]] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
@@ -22,7 +23,7 @@ def resident_failed_ring_passed(path: str) -> bool:
 
 if __name__ == "__main__":
     try:
-        sys.exit(0 if resident_failed_ring_passed(sys.argv[1]) else 1)
+        sys.exit(0 if fold_failed_rebuild_passed(sys.argv[1]) else 1)
     except (OSError, ET.ParseError) as e:
-        print(f"no usable junit XML ({e}): the resident anchor stays on", file=sys.stderr)
+        print(f"no usable junit XML ({e}): the folded mean-anchor path stays on", file=sys.stderr)
         sys.exit(1)
