@@ -56,12 +56,13 @@ _CTA_ROWS = _WG_ROWS * _COMPUTE_WGS
 _SMEM_LIMIT = 227 * 1024
 
 
-
 def default_ws_config(head_dim: int) -> TuningConfig:
-    """The tile picked on the H200 (benchmarks/prefill_attention.py sweeps, BENCHMARKS.md): 256-token
-    tiles at head_dim 64 (more tensor-core work per softmax step: the best at 12K-32K context), 128 at
-    head_dim 128 (a 256-token score tile would not fit the registers beside the accumulator)."""
-    return TuningConfig(block_kv=256 if head_dim == 64 else 128, num_stages=2, num_splits=1)
+    """128-token tiles, 2 stages: the best or within 8% of it at every head_dim and context on the H200
+    (benchmarks/prefill_attention.py sweeps, BENCHMARKS.md). 256-token tiles (head_dim 64 only) won by
+    up to 8% at 12K-32K context but double the traced copy code (T / 8 copies per side for 8-token
+    pages), and with it the Mosaic GPU lowering time every server start pays per prefill bucket."""
+    del head_dim
+    return TuningConfig(block_kv=128, num_stages=2, num_splits=1)
 
 
 def ws_prefill_block_tokens(num_q_heads: int, num_kv_heads: int) -> int | None:
@@ -255,20 +256,23 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                     plgpu.copy_gmem_to_smem(src_ref.at[h, pl.ds(pl.multiple_of(src, 8), T)], ring.at[slot],
                                             bars[-1].at[slot])
 
-            for s in range(stages):
-                @pl.when(s < n_tiles)
-                def _():
-                    fetch(k_ref, k_ring, k_bars, s, s)
-                    fetch(v_ref, v_ring, v_bars, s, s)
-
-            def refill(i, carry):
+            # One loop issues every tile (the first `stages` into empty slots), so each fetch is traced
+            # once: the page-class branches unroll up to T / 8 copies per side, and Mosaic GPU lowering
+            # time (paid at every server start, per prefill bucket) grows with the traced code.
+            def issue(i, carry):
                 slot = lax.rem(i, stages)
-                plgpu.barrier_wait(k_free.at[slot])
-                fetch(k_ref, k_ring, k_bars, i + stages, slot)
-                plgpu.barrier_wait(v_free.at[slot])
-                fetch(v_ref, v_ring, v_bars, i + stages, slot)
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+                fetch(k_ref, k_ring, k_bars, i, slot)
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+                fetch(v_ref, v_ring, v_bars, i, slot)
                 return carry
-            lax.fori_loop(0, jnp.maximum(n_tiles - stages, 0), refill, None)
+            lax.fori_loop(0, n_tiles, issue, None)
 
             def drain(i, carry):
                 # Observe the last releases too: a barrier's phases must all be seen by the threads
