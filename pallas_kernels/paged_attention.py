@@ -456,6 +456,42 @@ def prefill_block_tokens(num_q_heads: int, num_kv_heads: int) -> int | None:
     return _Q_ROWS // group
 
 
+def check_prefill_blocks(name, q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes, *,
+                         most_tokens: int | None, q_rows: int) -> tuple[int, int, int, int]:
+    """Entry checks shared by the causal-block prefill kernels (`paged_prefill_attention`, the
+    warp-specialised `ws_prefill_attention`): q [blocks, tokens, Hq, D] whose tokens x GQA group fit a
+    `q_rows`-row q tile (most_tokens: the kernel's bound, None when the group does not fit at all),
+    int32 q_starts [blocks], head_dim 64/128, and the pools and tables as `paged_attention` checks them.
+    Returns (blocks, tokens, num_q_heads, head_dim)."""
+    if q.ndim != 4:
+        raise ValueError(f"{name}: q must be [blocks, tokens, num_q_heads, head_dim], got {q.shape}")
+    blocks, tokens, num_q_heads, head_dim = q.shape
+    _check_inputs(q[:, 0], k_pool, v_pool, lengths, page_starts, page_sizes)
+    if q_starts.shape != (blocks,) or q_starts.dtype != jnp.int32:
+        raise ValueError(f"{name}: q_starts must be int32 [blocks={blocks}], got {q_starts.dtype} {q_starts.shape}")
+    if most_tokens is None or tokens > most_tokens:
+        raise ValueError(f"{name}: {tokens} tokens x a GQA group of {num_q_heads // k_pool.shape[0]} do not fit "
+                         f"the {q_rows}-row q tile (the group must be a power of 2 and tokens <= {most_tokens})")
+    if head_dim not in (64, 128):
+        raise ValueError(f"{name}: head_dim must be 64 or 128, got {head_dim}")
+    return blocks, tokens, num_q_heads, head_dim
+
+
+def sequence_scalars(page_size, length, *, max_pages: int, block_kv: int):
+    """In-kernel scalars of one sequence: (log2_p, page, length, n_pages, n_tiles) for its page size
+    (log2 of P in 8..256; anything else rounds up, so a bad size never hangs the pipeline), its length
+    clamped to what the page table addresses (bad input cannot read past it), its pages and its tiles
+    of block_kv tokens."""
+    log2_p = jnp.int32(3)
+    for c in range(5):
+        log2_p = log2_p + jnp.where(page_size > (8 << c), 1, 0).astype(jnp.int32)
+    page = lax.shift_left(jnp.int32(1), log2_p)
+    length = jnp.clip(length, 0, max_pages * page)
+    n_pages = lax.shift_right_logical(length + page - 1, log2_p)
+    n_tiles = lax.shift_right_logical(length + (block_kv - 1), jnp.int32(block_kv.bit_length() - 1))
+    return log2_p, page, length, n_pages, n_tiles
+
+
 def paged_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes, *,
                             sm_scale: float | None = None, config: TuningConfig | None = None,
                             interpret: bool = False, return_score_stats: bool = False):
@@ -478,20 +514,10 @@ def paged_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, p
     < min(q_starts + i + 1, lengths). With return_score_stats also score_var [blocks, tokens,
     num_q_heads] float32, each row's score variance over those keys (as in `paged_attention`).
     """
-    if q.ndim != 4:
-        raise ValueError(f"paged_prefill_attention: q must be [blocks, tokens, num_q_heads, head_dim], got {q.shape}")
-    blocks, tokens, num_q_heads, head_dim = q.shape
-    _check_inputs(q[:, 0], k_pool, v_pool, lengths, page_starts, page_sizes)
-    if q_starts.shape != (blocks,) or q_starts.dtype != jnp.int32:
-        raise ValueError(f"paged_prefill_attention: q_starts must be int32 [blocks={blocks}], got "
-                         f"{q_starts.dtype} {q_starts.shape}")
-    most = prefill_block_tokens(num_q_heads, k_pool.shape[0])
-    if most is None or tokens > most:
-        raise ValueError(f"paged_prefill_attention: {tokens} tokens x a GQA group of "
-                         f"{num_q_heads // k_pool.shape[0]} do not fit the 64-row q tile (the group must be "
-                         f"a power of 2 and tokens <= {most})")
-    if head_dim not in (64, 128):
-        raise ValueError(f"paged_prefill_attention: head_dim must be 64 or 128, got {head_dim}")
+    blocks, tokens, num_q_heads, head_dim = check_prefill_blocks(
+        "paged_prefill_attention", q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes,
+        most_tokens=prefill_block_tokens(num_q_heads=q.shape[2] if q.ndim == 4 else 0,
+                                         num_kv_heads=k_pool.shape[0]), q_rows=_Q_ROWS)
     config = config or TuningConfig()
     if config.num_splits not in (None, 1):
         raise ValueError(f"paged_prefill_attention: causal blocks are not split, got num_splits={config.num_splits}")
@@ -790,15 +816,8 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
         k_split = lax.axis_index("k") if splits > 1 else 0
 
         # --- per-sequence scalars -----------------------------------------------------------
-        p_size = psizes_ref[b]
-        log2_p = 3
-        for c in range(5):   # log2(P) for P in 8..256 (anything else rounds up; never hangs)
-            log2_p = log2_p + jnp.where(p_size > (8 << c), 1, 0).astype(jnp.int32)
-        page = lax.shift_left(jnp.int32(1), log2_p)
-        # Clamp the length to what the page table can address, so bad input can't read past it.
-        length = jnp.clip(lengths_ref[b], 0, max_pages * page)
-        n_pages = lax.shift_right_logical(length + page - 1, log2_p)
-        n_tiles = lax.shift_right_logical(length + (T - 1), jnp.int32(log2_t))
+        log2_p, page, length, n_pages, n_tiles = sequence_scalars(psizes_ref[b], lengths_ref[b],
+                                                                  max_pages=max_pages, block_kv=T)
         if splits > 1:
             per_split = lax.div(n_tiles + (splits - 1), jnp.int32(splits))
             tile_lo = jnp.minimum(k_split * per_split, n_tiles)

@@ -47,7 +47,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.paged_attention import (
-    MMA_TRANSFORMS, PAGE_SIZES, TuningConfig, _check_inputs, _flat_table, _table_window)
+    MMA_TRANSFORMS, PAGE_SIZES, TuningConfig, _flat_table, _table_window, check_prefill_blocks, sequence_scalars)
 
 _LOG2E = math.log2(math.e)
 _WG_ROWS = 64                  # WGMMA M: rows of one compute warpgroup's q tile
@@ -102,20 +102,9 @@ def ws_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, page
     Returns [blocks, tokens, num_q_heads, head_dim] in q.dtype: token i attends to the keys at
     positions < min(q_starts + i + 1, lengths).
     """
-    if q.ndim != 4:
-        raise ValueError(f"ws_prefill_attention: q must be [blocks, tokens, num_q_heads, head_dim], got {q.shape}")
-    blocks, tokens, num_q_heads, head_dim = q.shape
-    _check_inputs(q[:, 0], k_pool, v_pool, lengths, page_starts, page_sizes)
-    if q_starts.shape != (blocks,) or q_starts.dtype != jnp.int32:
-        raise ValueError(f"ws_prefill_attention: q_starts must be int32 [blocks={blocks}], got "
-                         f"{q_starts.dtype} {q_starts.shape}")
-    most = ws_prefill_block_tokens(num_q_heads, k_pool.shape[0])
-    if most is None or tokens > most:
-        raise ValueError(f"ws_prefill_attention: {tokens} tokens x a GQA group of "
-                         f"{num_q_heads // k_pool.shape[0]} do not fit the 128-row q tile (the group must be "
-                         f"a power of 2 and tokens <= {most})")
-    if head_dim not in (64, 128):
-        raise ValueError(f"ws_prefill_attention: head_dim must be 64 or 128, got {head_dim}")
+    blocks, tokens, num_q_heads, head_dim = check_prefill_blocks(
+        "ws_prefill_attention", q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes,
+        most_tokens=ws_prefill_block_tokens(q.shape[2] if q.ndim == 4 else 0, k_pool.shape[0]), q_rows=_CTA_ROWS)
     config = config or default_ws_config(head_dim)
     if config.num_splits not in (None, 1):
         raise ValueError(f"ws_prefill_attention: causal blocks are not split, got num_splits={config.num_splits}")
@@ -205,15 +194,8 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
         wg = lax.axis_index("wg")
 
         # --- per-sequence scalars (every warpgroup computes them: a few scalar ops) --------
-        p_size = psizes_ref[b]
-        log2_p = jnp.int32(3)
-        for c in range(5):   # log2(P) for P in 8..256 (anything else rounds up; never hangs)
-            log2_p = log2_p + jnp.where(p_size > (8 << c), 1, 0).astype(jnp.int32)
-        page = lax.shift_left(jnp.int32(1), log2_p)
-        # Clamp the length to what the page table can address, so bad input can't read past it.
-        length = jnp.clip(lengths_ref[b], 0, max_pages * page)
-        n_pages = lax.shift_right_logical(length + page - 1, log2_p)
-        n_tiles = lax.shift_right_logical(length + (T - 1), jnp.int32(log2_t))
+        log2_p, page, length, n_pages, n_tiles = sequence_scalars(psizes_ref[b], lengths_ref[b],
+                                                                  max_pages=max_pages, block_kv=T)
         q_start = qstart_ref[b]
 
         def wait(bars, slot):
