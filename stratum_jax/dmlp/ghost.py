@@ -61,11 +61,10 @@ class GhostDmlpCache:
     def __contains__(self, key) -> bool:
         return key in self._slot
 
-    def access(self, keys: Sequence[Hashable], curves: np.ndarray | None, t_ms: Sequence[float] | float) -> list[bool]:
-        """Blocks used, in order (one request, or one engine step): returns, per key, whether the ghost
-        held it before this access. curves [N, H] at this access (None: not known, kept as zeros);
-        t_ms [N] or one time. Evicts nothing: `fit` does, once the real cache's size is known."""
-        t = np.broadcast_to(np.asarray(t_ms, np.float64), (len(keys),))
+    def access(self, keys: Sequence[Hashable], curves: np.ndarray | None, t_ms: float) -> list[bool]:
+        """Blocks used, in order (one request, or one engine step, at t_ms): returns, per key, whether the
+        ghost held it before this access. curves [N, H] at this access (None: not known, kept as zeros).
+        Evicts nothing: `fit` does, once the real cache's size is known."""
         hits = []
         for i, k in enumerate(keys):
             s = self._slot.get(k)
@@ -78,19 +77,25 @@ class GhostDmlpCache:
                 self._curve[s] = 0.0
             if curves is not None:
                 self._curve[s] = curves[i]
-            self._t[s] = t[i]
+            self._t[s] = t_ms
             self._clock += 1
             self._seq[s] = self._clock
         return hits
 
     def fit(self, capacity: int, protected: set, now_ms: float) -> None:
         """Evicts by the DMLP's ranking, never a key in `protected` (the running request's), when the
-        ghost holds more than capacity + slack/2 keys, down to capacity - slack/2 (module doc)."""
+        ghost holds more than capacity + slack/2 keys, down to capacity - slack/2 (module doc). Nothing while it
+        mirrors the real cache (whose own evictions reach it through `forget`)."""
         half = max(1, round(self.slack_frac * capacity)) // 2
-        if len(self._keys) <= capacity + half:
+        if self.mirror or len(self._keys) <= capacity + half:
             return
         n = len(self._keys) - max(capacity - half, 0)
-        cand = np.array([s for s, k in enumerate(self._keys) if k not in protected], np.intp)
+        free = np.ones(len(self._keys), bool)      # the running access's keys, found by slot
+        for k in protected:
+            s = self._slot.get(k)
+            if s is not None:
+                free[s] = False
+        cand = np.flatnonzero(free)
         if len(cand) == 0:
             return
         self.rankings += 1

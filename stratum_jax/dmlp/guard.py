@@ -60,6 +60,8 @@ import numpy as np
 
 from stratum_jax.dmlp.ghost import GhostDmlpCache
 
+_NO_HITS = [False]
+
 
 class ShadowLruGuard:
     """window: accesses per judgement. margin: how far (absolute hit rate, 0.005 = half a point) the
@@ -103,14 +105,12 @@ class ShadowLruGuard:
 
     # ---- what the cache reports ----
 
-    def accessed(self, keys: Sequence[Hashable], curves: np.ndarray | None = None,
-                 t_ms: Sequence[float] | float = 0.0) -> None:
-        """Blocks used, in order (curves [N, H]: the DMLP's reuse curves at this access, None when not
-        computed; t_ms [N] or one time, ms): each counts as a real hit if it was resident, and as a ghost
-        hit for each ghost that held it; all then hold it."""
+    def accessed(self, keys: Sequence[Hashable], curves: np.ndarray | None = None, t_ms: float = 0.0) -> None:
+        """Blocks used, in order, at t_ms (one request or engine step; curves [N, H]: the DMLP's reuse
+        curves at this access, None when not computed): each counts as a real hit if it was resident,
+        and as a ghost hit for each ghost that held it; all then hold it."""
         resident, lru, ghost = self._resident, self._lru, self.ghost
-        ghost_hit = ghost.access(keys, curves, t_ms) if ghost is not None else [False] * len(keys)
-        t = np.broadcast_to(np.asarray(t_ms, np.float64), (len(keys),))
+        ghost_hit = ghost.access(keys, curves, t_ms) if ghost is not None else _NO_HITS * len(keys)
         for i, k in enumerate(keys):
             real_hit = k in resident
             lru_hit = k in lru
@@ -128,9 +128,9 @@ class ShadowLruGuard:
             self._disc_lru += real_hit != lru_hit
             self._disc_ghost += real_hit != ghost_hit[i]
             if self._n == self.window:
-                self._judge(float(t[i]))
-        if ghost is not None and not ghost.mirror and len(keys):
-            ghost.fit(len(resident), set(keys), float(t[-1]))
+                self._judge(t_ms)
+        if ghost is not None and not ghost.mirror:
+            ghost.fit(len(resident), set(keys), t_ms)
 
     def note_curves(self, keys: Sequence[Hashable], curves: np.ndarray, t_ms: Sequence[float]) -> None:
         """Curves [N, H] the policy computed for accesses at t_ms [N] (lazily, when it ranked them)."""
@@ -174,17 +174,27 @@ class ShadowLruGuard:
         pooled_discordant = sum(d for _, d in self._run)
         if len(self._run) < self.confirm or pooled_excess <= self.z * math.sqrt(pooled_discordant):
             return
-        self._run.clear()
         if self.active:
-            self.active = False
-            self.returns += 1
-            if self.ghost is not None:
-                self.ghost.start_mirroring(self._resident)
+            self.untrip()
         else:
-            self.active = True
-            self.trips += 1
-            if self.ghost is not None:
-                self.ghost.mirror = False
+            self.trip()
+
+    def trip(self) -> None:
+        """Switches to LRU order now (what a judged trip does; also for a benchmark that measures LRU
+        mode's cost): the ghost DMLP, until now the real cache's mirror, starts evicting by itself."""
+        self._run.clear()
+        self.active = True
+        self.trips += 1
+        if self.ghost is not None:
+            self.ghost.mirror = False
+
+    def untrip(self) -> None:
+        """Returns to the DMLP now (what a judged return does): the ghost mirrors the real cache again."""
+        self._run.clear()
+        self.active = False
+        self.returns += 1
+        if self.ghost is not None:
+            self.ghost.start_mirroring(self._resident)
 
     # ---- what it reports ----
 

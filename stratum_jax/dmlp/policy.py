@@ -305,9 +305,8 @@ class DmlpPolicy:
         """True while the guard has victims go in LRU order (curves are then not needed)."""
         return self.guard is not None and self.guard.active
 
-    def guard_accessed(self, block_ids: Sequence, curves: np.ndarray | None = None,
-                       t_ms: Sequence[float] | float = 0.0) -> None:
-        """Shows accesses (in order; curves [N, H] at them when known, t_ms [N] or one time) to the guard,
+    def guard_accessed(self, block_ids: Sequence, curves: np.ndarray | None = None, t_ms: float = 0.0) -> None:
+        """Shows accesses (in order, at t_ms; curves [N, H] at them when known) to the guard,
         and tells it when the weights changed since it last looked (an online swap replaces
         `predictor.params`). The engine calls it through `observe_access`, the cache simulator directly."""
         if self.guard is None:
@@ -349,7 +348,7 @@ class DmlpPolicy:
         score = self.score_on_access or self.lru_mode
         raw = raw_from_infos(infos) if score else None
         probs = self._score(infos, raw) if score else None
-        self.guard_accessed([b.block_id for b in infos], probs, [b.last_access_ms for b in infos])
+        self.guard_accessed([b.block_id for b in infos], probs, max(b.last_access_ms for b in infos))
         if not self.score_on_access:
             probs = None
             if self.on_access is None:
