@@ -7,8 +7,9 @@ sizes. The real cache is an LRU of the same size in front of it (what the guard 
 
 Keys are Zipf-popular (so hits and misses both occur); curves are random increasing [N, 5]. The guard's
 cost is the loop's time with the guard minus the same loop without it, per access; the model's own
-scoring is not included (the replay precomputes curves; in the engine, LRU mode runs the model on the
-step's accesses, which benchmarks/dmlp_engine_overhead.py's dmlp-lru-mode condition measures).
+scoring is not included (the replay precomputes curves; in the engine, the ghost scores the features of
+the keys a ranking needs, in one model call per ranking, which benchmarks/dmlp_engine_overhead.py's
+dmlp-lru-mode condition measures).
 Writes benchmarks/results/dmlp_ghost_cost_cpu.json.
 """
 from __future__ import annotations

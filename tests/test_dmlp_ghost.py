@@ -80,3 +80,29 @@ def test_start_mirroring_takes_the_real_caches_contents():
 def test_a_bad_slack_is_refused():
     with pytest.raises(ValueError, match="slack_frac"):
         GhostDmlpCache(coldest_first, 1, slack_frac=1.0)
+
+
+def test_keys_accessed_with_features_are_scored_together_when_a_ranking_needs_them():
+    calls = []
+
+    def score(features):                     # the "model": a record's P(reuse) is the record
+        calls.append(len(features))
+        return np.array(features)[:, None]
+
+    g = GhostDmlpCache(coldest_first, 1, slack_frac=0.0, score=score)
+    g.mirror = False
+    for i, p in enumerate([0.9, 0.2, 0.7]):
+        g.access([f"k{i}"], None, float(i), features=[p])
+    assert calls == []                       # nothing scored per access
+    g.access(["new"], None, 3.0, features=[0.5])
+    g.fit(3, {"new"}, 3.0)
+    assert calls == [3] and "k1" not in g    # the three candidates in one call; the coldest went
+    g.access(["k4"], None, 4.0, features=[0.95])
+    g.fit(3, {"k4"}, 4.0)
+    assert calls == [3, 1] and "new" not in g   # only the one not scored yet
+
+
+def test_features_without_a_score_function_are_refused():
+    g = GhostDmlpCache(coldest_first, 1)
+    with pytest.raises(ValueError, match="score function"):
+        g.access(["a"], None, 0.0, features=[0.5])

@@ -18,10 +18,13 @@ ranking at every access that overflows would cost N per access. The ghost instea
 and the mean size over a cycle is the real cache's, so the ghost is neither larger nor smaller than the
 cache it stands for (its size wobbles by +- slack/2, `slack_frac` of capacity: 1/64 by default).
 
-Curves. A key accessed with no curve (the engine scores lazily, when it ranks) keeps a zero curve, which
-scores 0: it goes first, in LRU order, as an idle-past-the-horizons block does in the real policy. The
-policy hands over curves whenever it scores blocks (`note_curves`), so in the engine the ghost learns the
-curves the real ranking computed. In the replay every access comes with its curve.
+Curves. In the replay every access comes with its curve. In the engine, which scores lazily: while the
+ghost mirrors the real cache, an access comes with no curve and the policy hands over the curves the
+real ranking computes (`note_curves`); a key still without one at a trip keeps a zero curve, which
+scores 0, so it goes first, in LRU order, as an idle-past-the-horizons block does in the real policy.
+While the ghost evicts by itself, accesses come with their features (the engine's per-access BlockInfo
+snapshots, kept by reference), and the ghost scores the ones a ranking needs in one model call per
+ranking (`score`), not a feature matrix and a model call per engine step.
 
 Memory: one key, one float32 curve [H], a time and a sequence number per block of the real cache's
 resident set (plus slack/2), the same order as the real policy's own curve store.
@@ -34,18 +37,25 @@ import numpy as np
 
 # order(curves [N, H], idle_ms [N], n, now_ms, cached, access_seq [N]) -> indices [n] of the victims, first first.
 Order = Callable[..., np.ndarray]
+# score(features: a list of N per-access feature records) -> curves [N, H]: the model, for keys accessed
+# with their features but no curve (the engine's BlockInfo snapshots).
+Score = Callable[[list], np.ndarray]
 # The last access of a key that came back without one (`start_mirroring`): idle past any horizon.
 LONG_AGO_MS = -1e15
 
 
 class GhostDmlpCache:
     """order: the DMLP's victim ranking (see module doc). num_horizons: H. slack_frac: eviction batch,
-    as a share of capacity (at least 1 block)."""
+    as a share of capacity (at least 1 block). score: the model, for keys accessed with their features
+    instead of a curve: they are scored lazily, together, when a ranking needs them (one model call per
+    ranking instead of a feature matrix and a model call per access batch)."""
 
-    def __init__(self, order: Order, num_horizons: int, slack_frac: float = 1.0 / 64):
+    def __init__(self, order: Order, num_horizons: int, slack_frac: float = 1.0 / 64,
+                 score: Score | None = None):
         if not 0.0 <= slack_frac < 1.0:
             raise ValueError(f"ghost slack_frac must lie in [0, 1), got {slack_frac}")
-        self.order, self.slack_frac = order, slack_frac
+        self.order, self.slack_frac, self.score = order, slack_frac, score
+        self._feat: list = []                    # per slot: the features of a key not scored yet, else None
         self.mirror = True
         self._slot: dict[Hashable, int] = {}
         self._keys: list = []
@@ -61,10 +71,14 @@ class GhostDmlpCache:
     def __contains__(self, key) -> bool:
         return key in self._slot
 
-    def access(self, keys: Sequence[Hashable], curves: np.ndarray | None, t_ms: float) -> list[bool]:
+    def access(self, keys: Sequence[Hashable], curves: np.ndarray | None, t_ms: float,
+               features: Sequence | None = None) -> list[bool]:
         """Blocks used, in order (one request, or one engine step, at t_ms): returns, per key, whether the
-        ghost held it before this access. curves [N, H] at this access (None: not known, kept as zeros).
-        Evicts nothing: `fit` does, once the real cache's size is known."""
+        ghost held it before this access. curves [N, H] at this access; else `features` (N records),
+        scored when a ranking needs them (needs `score`); neither: not known, kept as zeros. Evicts
+        nothing: `fit` does, once the real cache's size is known."""
+        if curves is None and features is not None and self.score is None:
+            raise ValueError("a ghost without a score function needs curves, not features")
         hits = []
         for i, k in enumerate(keys):
             s = self._slot.get(k)
@@ -72,11 +86,15 @@ class GhostDmlpCache:
             if s is None:
                 s = self._slot[k] = len(self._keys)
                 self._keys.append(k)
+                self._feat.append(None)
                 if s == len(self._t):
                     self._grow()
                 self._curve[s] = 0.0
             if curves is not None:
                 self._curve[s] = curves[i]
+                self._feat[s] = None
+            else:
+                self._feat[s] = None if features is None else features[i]
             self._t[s] = t_ms
             self._clock += 1
             self._seq[s] = self._clock
@@ -99,6 +117,12 @@ class GhostDmlpCache:
         if len(cand) == 0:
             return
         self.rankings += 1
+        feat = self._feat
+        stale = [s for s in cand.tolist() if feat[s] is not None] if self.score is not None else []
+        if stale:
+            self._curve[stale] = self.score([feat[s] for s in stale])
+            for s in stale:
+                feat[s] = None
         chosen = cand[self.order(self._curve[cand].astype(np.float64), now_ms - self._t[cand], n, now_ms,
                                  len(self._keys), self._seq[cand])]
         self._remove(chosen.tolist())
@@ -114,6 +138,7 @@ class GhostDmlpCache:
             self._keys.append(k)
             if s == len(self._t):
                 self._grow()
+            self._feat.append(None)
             self._curve[s], self._t[s], self._seq[s] = 0.0, LONG_AGO_MS, 0
         self.mirror = True
 
@@ -123,7 +148,7 @@ class GhostDmlpCache:
         for k, c, t in zip(keys, curves, t_ms):
             s = self._slot.get(k)
             if s is not None and self._t[s] == t:
-                self._curve[s] = c
+                self._curve[s], self._feat[s] = c, None
 
     def forget(self, keys) -> None:
         """Blocks that left the real cache: they leave the ghost too while it mirrors it."""
@@ -139,8 +164,10 @@ class GhostDmlpCache:
             if s != last:
                 k = self._keys[s] = self._keys[last]
                 self._curve[s], self._t[s], self._seq[s] = self._curve[last], self._t[last], self._seq[last]
+                self._feat[s] = self._feat[last]
                 self._slot[k] = s
             self._keys.pop()
+            self._feat.pop()
 
     def _grow(self) -> None:
         n = 2 * len(self._t)

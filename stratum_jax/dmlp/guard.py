@@ -105,12 +105,14 @@ class ShadowLruGuard:
 
     # ---- what the cache reports ----
 
-    def accessed(self, keys: Sequence[Hashable], curves: np.ndarray | None = None, t_ms: float = 0.0) -> None:
+    def accessed(self, keys: Sequence[Hashable], curves: np.ndarray | None = None, t_ms: float = 0.0,
+                 features: Sequence | None = None) -> None:
         """Blocks used, in order, at t_ms (one request or engine step; curves [N, H]: the DMLP's reuse
-        curves at this access, None when not computed): each counts as a real hit if it was resident,
-        and as a ghost hit for each ghost that held it; all then hold it."""
+        curves at this access, None when not computed; features: else their per-access feature records,
+        for the ghost DMLP to score when it ranks): each counts as a real hit if it was resident, and as a
+        ghost hit for each ghost that held it; all then hold it."""
         resident, lru, ghost = self._resident, self._lru, self.ghost
-        ghost_hit = ghost.access(keys, curves, t_ms) if ghost is not None else _NO_HITS * len(keys)
+        ghost_hit = ghost.access(keys, curves, t_ms, features) if ghost is not None else _NO_HITS * len(keys)
         for i, k in enumerate(keys):
             real_hit = k in resident
             lru_hit = k in lru

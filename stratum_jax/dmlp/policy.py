@@ -243,7 +243,7 @@ class DmlpPolicy:
         self.guard = guard
         if guard is not None and guard.ghost is None:
             self._ghost_residency = Residency(initial_ms=self.horizons_ms[-1])
-            guard.bind(GhostDmlpCache(self._order_ghost, len(self.horizons_ms)))
+            guard.bind(GhostDmlpCache(self._order_ghost, len(self.horizons_ms), score=self._score_ghost))
         # The weights the guard last judged (a guarded policy's predictor must have `params`).
         self._guarded_params = predictor.params if guard is not None else None
 
@@ -293,6 +293,10 @@ class DmlpPolicy:
         score = reuse_before_eviction(curves, self.horizons_ms, idle_ms, residency_ms)
         return first_n((access_seq, -idle_ms, score), n)
 
+    def _score_ghost(self, infos: list) -> np.ndarray:
+        """Curves [N, H] of the ghost DMLP's keys from their BlockInfo snapshots (the live weights)."""
+        return self.predictor.predict(raw_from_infos(infos))
+
     def _order_ghost(self, curves: np.ndarray, idle_ms: np.ndarray, n: int, now_ms: float, cached: int,
                      access_seq: np.ndarray) -> np.ndarray:
         """The guard's ghost DMLP's victims (same arguments as order_victims), ranked as the real cache's
@@ -305,8 +309,10 @@ class DmlpPolicy:
         """True while the guard has victims go in LRU order (curves are then not needed)."""
         return self.guard is not None and self.guard.active
 
-    def guard_accessed(self, block_ids: Sequence, curves: np.ndarray | None = None, t_ms: float = 0.0) -> None:
-        """Shows accesses (in order, at t_ms; curves [N, H] at them when known) to the guard,
+    def guard_accessed(self, block_ids: Sequence, curves: np.ndarray | None = None, t_ms: float = 0.0,
+                       infos: Sequence[BlockInfo] | None = None) -> None:
+        """Shows accesses (in order, at t_ms; curves [N, H] at them when known, else maybe their BlockInfo
+        snapshots for the ghost DMLP to score when it ranks) to the guard,
         and tells it when the weights changed since it last looked (an online swap replaces
         `predictor.params`). The engine calls it through `observe_access`, the cache simulator directly."""
         if self.guard is None:
@@ -314,7 +320,7 @@ class DmlpPolicy:
         if self.predictor.params is not self._guarded_params:
             self._guarded_params = self.predictor.params
             self.guard.model_changed()
-        self.guard.accessed(block_ids, curves, t_ms)
+        self.guard.accessed(block_ids, curves, t_ms, infos)
 
     def model_changed(self) -> None:
         """The weights changed (a replay that swaps curves, not `predictor.params`, says so here)."""
@@ -342,13 +348,13 @@ class DmlpPolicy:
         `needed_by_running` plays no part here (it is not a model input)."""
         if not infos:
             return np.zeros((0, len(self.horizons_ms)), np.float32)
-        # In LRU mode the real ranking never runs, so the guard's ghost DMLP gets its curves here: the
-        # model runs on the step's accesses (the ghost's cost; none in DMLP mode, where the ghost
-        # learns the curves the real ranking computes).
-        score = self.score_on_access or self.lru_mode
-        raw = raw_from_infos(infos) if score else None
-        probs = self._score(infos, raw) if score else None
-        self.guard_accessed([b.block_id for b in infos], probs, max(b.last_access_ms for b in infos))
+        # In LRU mode the real ranking never runs, so the guard's ghost DMLP gets the step's features
+        # here and scores them itself when it ranks (in DMLP mode it learns the curves the real
+        # ranking computes, through _score).
+        raw = raw_from_infos(infos) if self.score_on_access else None
+        probs = self._score(infos, raw) if self.score_on_access else None
+        self.guard_accessed([b.block_id for b in infos], probs, max(b.last_access_ms for b in infos),
+                            infos if self.lru_mode and probs is None else None)
         if not self.score_on_access:
             probs = None
             if self.on_access is None:
