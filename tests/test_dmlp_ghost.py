@@ -63,6 +63,12 @@ def test_batched_evictions_keep_its_mean_size_at_the_real_caches():
     assert sizes.min() == cap - 4 and sizes.max() == cap + 4      # slack 8: +- 4
     assert abs(sizes.mean() - cap) <= 0.5
     assert g.rankings <= 4000 // 8 + 1                             # one ranking per slack insertions
+    small = GhostDmlpCache(coldest_first, 1, slack_frac=1 / 8, min_slack=6)
+    small.mirror = False
+    for i in range(40):
+        small.access([i], curve(0.5), float(i))
+        small.fit(8, set(), float(i))                              # 1/8 of 8 is 1 block; the floor is 6
+        assert len(small) <= 11 and (i < 11 or len(small) >= 5)
 
 
 def test_start_mirroring_takes_the_real_caches_contents():
@@ -80,6 +86,8 @@ def test_start_mirroring_takes_the_real_caches_contents():
 def test_a_bad_slack_is_refused():
     with pytest.raises(ValueError, match="slack_frac"):
         GhostDmlpCache(coldest_first, 1, slack_frac=1.0)
+    with pytest.raises(ValueError, match="min_slack"):
+        GhostDmlpCache(coldest_first, 1, min_slack=0)
 
 
 def test_keys_accessed_with_features_are_scored_together_when_a_ranking_needs_them():

@@ -16,7 +16,9 @@ Why a slack. A ranking costs a pass over every ghost key (`reuse_before_eviction
 ranking at every access that overflows would cost N per access. The ghost instead lets itself reach
 `capacity + slack/2` and then evicts down to `capacity - slack/2`: one ranking per `slack` insertions,
 and the mean size over a cycle is the real cache's, so the ghost is neither larger nor smaller than the
-cache it stands for (its size wobbles by +- slack/2, `slack_frac` of capacity: 1/64 by default).
+cache it stands for (its size wobbles by +- slack/2, `slack_frac` of capacity: 1/64 by default, and at
+least `min_slack`: the engine's policy asks for 8 blocks, so that on a small pool the ghost does not run
+the model at every step; on the CPU each such call waits for the engine's in-flight device step).
 
 Curves. In the replay every access comes with its curve. In the engine, which scores lazily: while the
 ghost mirrors the real cache, an access comes with no curve and the policy hands over the curves the
@@ -46,15 +48,17 @@ LONG_AGO_MS = -1e15
 
 class GhostDmlpCache:
     """order: the DMLP's victim ranking (see module doc). num_horizons: H. slack_frac: eviction batch,
-    as a share of capacity (at least 1 block). score: the model, for keys accessed with their features
+    as a share of capacity, and at least `min_slack` blocks. score: the model, for keys accessed with their features
     instead of a curve: they are scored lazily, together, when a ranking needs them (one model call per
     ranking instead of a feature matrix and a model call per access batch)."""
 
     def __init__(self, order: Order, num_horizons: int, slack_frac: float = 1.0 / 64,
-                 score: Score | None = None):
+                 score: Score | None = None, min_slack: int = 1):
         if not 0.0 <= slack_frac < 1.0:
             raise ValueError(f"ghost slack_frac must lie in [0, 1), got {slack_frac}")
-        self.order, self.slack_frac, self.score = order, slack_frac, score
+        if min_slack < 1:
+            raise ValueError(f"ghost min_slack must be >= 1 block, got {min_slack}")
+        self.order, self.slack_frac, self.score, self.min_slack = order, slack_frac, score, min_slack
         self._feat: list = []                    # per slot: the features of a key not scored yet, else None
         self.mirror = True
         self._slot: dict[Hashable, int] = {}
@@ -104,7 +108,7 @@ class GhostDmlpCache:
         """Evicts by the DMLP's ranking, never a key in `protected` (the running request's), when the
         ghost holds more than capacity + slack/2 keys, down to capacity - slack/2 (module doc). Nothing while it
         mirrors the real cache (whose own evictions reach it through `forget`)."""
-        half = max(1, round(self.slack_frac * capacity)) // 2
+        half = max(self.min_slack, round(self.slack_frac * capacity)) // 2
         if self.mirror or len(self._keys) <= capacity + half:
             return
         n = len(self._keys) - max(capacity - half, 0)
