@@ -1,5 +1,9 @@
 """Decode step time of the real engine under three cache policies: lru, dmlp, and dmlp with the online
-fine-tuner running (target: dmlp-with-online at most 2% slower than lru).
+fine-tuner running (target: dmlp-with-online at most 2% slower than lru); on request (`--conditions`)
+also dmlp-lru-mode, the DMLP policy with its guard tripped from the start: eviction in LRU order while
+the guard's ghost DMLP cache runs the model on every step's accesses and ranks its own evictions (what
+the guard costs while it holds the DMLP off; the dmlp condition's guard, on by default, may or may not
+trip on this load, and the report says whether it did).
 
     PYTHONPATH=$PWD python3 benchmarks/dmlp_engine_overhead.py                       # tiny, CPU
     PYTHONPATH=$PWD python3 benchmarks/dmlp_engine_overhead.py --model llama-1b --batch 32 \\
@@ -129,6 +133,7 @@ def main(argv=None) -> int:
     import jax
 
     from stratum_jax.config import RuntimeConfig, parse_cores
+    from stratum_jax.dmlp.policy import DmlpPolicy
     from stratum_jax.engine import Engine
     from stratum_jax.model.loader import load_model
 
@@ -147,6 +152,7 @@ def main(argv=None) -> int:
     configs = {
         "lru": RuntimeConfig(**base),
         "dmlp": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint),
+        "dmlp-lru-mode": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint),
         "dmlp-online": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint, dmlp_online=True,
                                      dmlp_online_dir=os.path.join(tmp, "online"),
                                      dmlp_online_cores=parse_cores(args.online_cores)),
@@ -157,6 +163,8 @@ def main(argv=None) -> int:
     for i, name in enumerate(names):
         engines[name] = Engine(configs[name], model=model)
         engines[name].warmup()
+        if name == "dmlp-lru-mode":
+            engines[name].cache_policy.guard.trip()
         streams[name] = Stream(engines[name], args, seed=i)
         for _ in range(args.warmup_steps):
             streams[name].step()
@@ -204,6 +212,10 @@ def main(argv=None) -> int:
                "step_vs_first_pct": 100.0 * (med / ref - 1.0), "decode_vs_first_pct": 100.0 * (tok / ref_tok - 1.0),
                "decode_steps": len(w), "evictions": e.pool.evictions,
                "prefix_hit_rate": st.prefix_cache_hits / max(1, st.prefix_cache_queries)}
+        guard = e.cache_policy.guard if isinstance(e.cache_policy, DmlpPolicy) else None
+        if guard is not None:
+            row["guard"] = {"active_at_end": guard.active, "trips": guard.trips, "returns": guard.returns,
+                            "ghost_rankings": guard.ghost.rankings}
         if name == "dmlp-online":
             row["online_updates"] = updates
             row["online_dropped"] = e.dmlp_tuner.dropped

@@ -44,7 +44,7 @@ def main() -> int:
                                                      dmlp_guard_window=a.window), load)
             g = policy.guard
             runs.append({"requests": n, "lru": lru, "unguarded": wrong, "guarded": guarded,
-                         "guard_trips": g.trips, "guard_probes": g.probes,
+                         "guard_trips": g.trips, "guard_returns": g.returns, "ghost_rankings": g.ghost.rankings,
                          "guarded_minus_lru_points": round(100 * (guarded - lru), 3),
                          "unguarded_minus_lru_points": round(100 * (wrong - lru), 3),
                          "within_0.5_points": guarded - lru >= -0.005})

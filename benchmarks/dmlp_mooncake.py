@@ -196,7 +196,9 @@ def shifted(trace: str, parts=PARTS, shifted_warmup: bool = True) -> int:
     # The held-out part is the workload the model was trained for: its offline and guarded replays show
     # the guard costs nothing there. The online replays (two more DMLP replays per capacity) are run
     # where the online target is, on the shifted workload.
-    opts = {"held_out": EvalOptions(SHIFT_CAPACITIES, 0.0, guard=True, online=False),
+    # The held-out part also replays the guard judging from the scored part only (fed by the warm-up, but
+    # no trip or return in it): whether the warm-up replay should reach the guard's decisions (#15).
+    opts = {"held_out": EvalOptions(SHIFT_CAPACITIES, 0.0, guard=True, online=False, guard_after_warmup=True),
             "shifted": EvalOptions(SHIFT_CAPACITIES, 0.0, guard=True, online=True, online_round_ms=SHIFT_ROUND_MS)}
     dev = jax.devices()[0]
     with tempfile.TemporaryDirectory() as tmp:

@@ -64,7 +64,7 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 
 # Exported only with --cache-policy dmlp (stratum_jax/dmlp/runtime.py registers them in the server's
-# registry; the guard's three with --dmlp-guard, the default, from stratum_jax/dmlp/guard.py; the last
+# registry; the guard's four with --dmlp-guard, the default, from stratum_jax/dmlp/guard.py; the last
 # three only with --dmlp-online, from stratum_jax/dmlp/online.py).
 DMLP_METRICS: dict[str, tuple[str, str]] = {
     "stratum_dmlp_confidence": ("gauge", "DMLP hot/cold threshold on P(reuse within the decision horizon)."),
@@ -73,6 +73,8 @@ DMLP_METRICS: dict[str, tuple[str, str]] = {
                                          "last full window."),
     "stratum_dmlp_guard_lru_hit_rate": ("gauge", "Hit rate a ghost LRU of the same size would have had over "
                                         "the same accesses."),
+    "stratum_dmlp_guard_ghost_dmlp_hit_rate": ("gauge", "Hit rate a ghost cache evicting by the DMLP would "
+                                               "have had over the same accesses."),
     "stratum_dmlp_accuracy": ("gauge", "DMLP accuracy of the live weights on the online holdout window."),
     "stratum_dmlp_updates_total": ("counter", "Online fine-tuning weight hot-swaps."),
     "stratum_dmlp_online_dropped_total": ("counter", "Online examples dropped because the queue was full."),

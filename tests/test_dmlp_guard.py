@@ -1,10 +1,15 @@
-"""The shadow-LRU guard: when it trips (two trailing windows) and returns (only after a weight swap), its metrics, and the CI check of issue #15: a DMLP
+"""The shadow-LRU guard: when it trips (two trailing windows) and returns (when its ghost DMLP cache leads
+the real LRU-mode cache for two windows), its metrics, and the CI check of issue #15: a DMLP
 trained on one synthetic workload and replayed on a shifted one stays within half a point of LRU at
 every capacity with the guard, and does not without it."""
+import collections
+import math
+
 import numpy as np
 import prometheus_client as prom
 import pytest
 
+from stratum_jax.dmlp.ghost import GhostDmlpCache
 from stratum_jax.dmlp.guard import ShadowLruGuard
 from stratum_jax.dmlp.model import Predictor
 from training.dataset import eval_examples, train_val_examples
@@ -32,28 +37,6 @@ def par_cache(guard, n):
         guard.accessed(["x"])
 
 
-def ahead_cache(guard, n):
-    """n accesses: a cycle of 4 blocks the real cache keeps, each followed by a one-off block it drops at
-    once; a ghost LRU of the same size is flushed by the one-offs and misses the cycle."""
-    for i in range(n):
-        if i % 2 == 0:
-            guard.accessed(["wxyz"[(i // 2) % 4]])
-        else:
-            guard.accessed([("once", i)])
-            guard.forget([("once", i)])
-
-
-def tripped(w, free_probes=0):
-    """A guard (window w, confirm 2, backoff 1 up to 4) that has just tripped on two trailing windows."""
-    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2, backoff=1, max_backoff=4, free_probes=free_probes)
-    g.accessed(["p", "q"])
-    wrong_cache(g, w - 2)
-    assert not g.active and g.lru_hit_rate > g.dmlp_hit_rate == 0.0   # one trailing window is not enough
-    wrong_cache(g, w)
-    assert g.active and g.trips == 1
-    return g
-
-
 def test_one_trailing_window_between_windows_at_par_does_not_trip():
     w = 40
     g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2)
@@ -65,59 +48,97 @@ def test_one_trailing_window_between_windows_at_par_does_not_trip():
     assert g.trips == 1 and g.active
 
 
-def test_an_unchanged_model_that_never_led_gets_its_free_probe_and_then_no_more_so_its_loss_stays_bounded():
+class MiniCache:
+    """A real cache of `capacity` keys that evicts as a guarded DMLP policy would: in LRU order while the
+    guard is active, else the key the model rates coldest (ties to the least recently used). model(key)
+    -> P(reuse), the whole curve (one horizon); the guard's ghost DMLP ranks with the same numbers."""
+
+    def __init__(self, guard, capacity, model):
+        self.guard, self.capacity, self.model = guard, capacity, model
+        self.order = collections.OrderedDict()
+        self.t = 0.0
+
+    def run(self, keys):
+        for k in keys:
+            self.t += 1.0
+            self.guard.accessed([k], np.array([[self.model(k)]]), self.t)
+            if k in self.order:
+                self.order.move_to_end(k)
+                continue
+            if len(self.order) == self.capacity:
+                cand = list(self.order)
+                victim = cand[0] if self.guard.active else min(cand, key=lambda c: self.model(c))
+                del self.order[victim]
+                self.guard.forget([victim])
+            self.order[k] = None
+
+
+def rank_by_curve(curves, idle_ms, n, now_ms, cached, access_seq):
+    """The ghost's ranking in these tests: coldest first, ties to the least recently used."""
+    return np.lexsort((access_seq, curves[:, 0]))[:n]
+
+
+def guard_with_ghost(w):
+    return ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2, ghost=GhostDmlpCache(rank_by_curve, 1))
+
+
+def lru_friendly(n):
+    """a, b, c in a cycle with a one-off key after each round: LRU of 4 keeps a, b, c."""
+    return [("once", i) if i % 4 == 3 else "abc"[i % 4] for i in range(n)]
+
+
+def scan(n, start=0):
+    """Three hot keys, each followed by three one-offs: their reuse distance (12) is past a 4-key LRU; a
+    cache that keeps them (and drops the one-offs) hits a quarter of the accesses."""
+    return [("hot", (i // 4) % 3) if i % 4 == 0 else ("scan", start + i) for i in range(n)]
+
+
+def wrong(k):
+    return 1.0 if k[0] in ("once", "scan") else 0.0       # one-offs look hot, the reused keys cold
+
+
+def right(k):
+    return 0.0 if k[0] in ("once", "scan") else 1.0
+
+
+def test_the_ghost_dmlp_keeps_a_wrong_model_out_and_brings_a_right_one_back_when_it_would_lead():
     w = 40
-    g = tripped(w, free_probes=1)
-    assert g.credit < 0
-    par_cache(g, 3 * w)                                # in LRU mode, real = ghost
-    assert g.active and g.probes == 0                  # an unchanged model waits 4 x backoff windows
-    par_cache(g, w)
-    assert not g.active and g.probes == 1 and g.free_probes == 0
-    wrong_cache(g, w)                                  # still wrong: back to LRU after the one window
-    assert g.active and g.trips == 2
-    par_cache(g, 200 * w)                              # session 5's rule probed every 4 x backoff windows
-    assert g.active and g.probes == 1 and g.trips == 2
+    g = guard_with_ghost(w)
+    model = {"f": wrong}
+    cache = MiniCache(g, 4, lambda k: model["f"](k))
+    cache.run(lru_friendly(3 * w))
+    assert g.active and g.trips == 1                       # the wrong model trails LRU: tripped
+    cache.run(lru_friendly(200 * w))                       # its ghost trails the real LRU cache too:
+    assert g.active and g.returns == 0                     # no return, and no real window spent on it
+    assert g.ghost_hit_rate < g.dmlp_hit_rate              # (the real cache is LRU now)
+    model["f"] = right                                     # an update makes the model right
+    cache.run(lru_friendly(20 * w))
+    assert g.active and g.returns == 0                     # at par with LRU: LRU is kept
+    assert g.ghost_hit_rate == g.dmlp_hit_rate
+    cache.run(scan(2 * w))                                 # traffic where the model beats LRU:
+    assert not g.active and g.returns == 1                 # its ghost leads for two windows, it returns
+    cache.run(scan(20 * w, start=10 ** 6))
+    assert not g.active and g.trips == 1                   # and the real cache now keeps the lead
+    assert g.dmlp_hit_rate >= 0.2 > g.lru_hit_rate
 
 
-def test_an_unchanged_model_is_probed_only_while_the_lead_it_earned_pays_for_a_probe():
-    w = 40
-    g = ShadowLruGuard(window=w, margin=0.005, z=3.0, confirm=2, backoff=1, max_backoff=4, free_probes=0)
-    ahead_cache(g, 8 * w)
-    assert g.trips == 0 and g.credit >= 8 * w // 2 - 4          # about half of each window, ghost misses
-    wrong_cache(g, 2 * w)
-    assert g.active and g.trips == 1 and g.credit >= g._probe_cost > 0
-    par_cache(g, 3 * w)                                         # in LRU mode, real = ghost
-    assert g.active and g.probes == 0                           # an unchanged model waits 4 x backoff
-    par_cache(g, w)
-    assert not g.active and g.probes == 1                       # and its credit pays for the probe
-    wrong_cache(g, w)
-    assert g.active and g.trips == 2 and g.credit < g._probe_cost   # the probe spent the rest
-    par_cache(g, 100 * w)
-    assert g.active and g.probes == 1
+def test_a_guard_without_a_ghost_stays_in_lru_mode_after_a_trip():
+    g = ShadowLruGuard(window=40, margin=0.005, z=3.0, confirm=2)
+    cache = MiniCache(g, 4, wrong)
+    cache.run(lru_friendly(3 * 40))
+    assert g.active
+    cache.run(scan(100 * 40))
+    assert g.active and g.returns == 0 and math.isnan(g.ghost_hit_rate)
 
 
-def test_a_weight_swap_is_probed_for_one_window_and_a_failed_probe_doubles_the_wait():
-    w = 40
-    g = tripped(w)
-    g.model_changed()
-    wrong_cache(g, w)                                  # backoff 1: probes after one window in LRU mode
-    assert not g.active and g.probes == 1
-    wrong_cache(g, w)                                  # a probe is judged on its one window
-    assert g.active and g.trips == 2 and g.backoff == 2
-    g.model_changed()                                  # a swap right after the second trip:
-    wrong_cache(g, w)
-    assert g.active                                    # backoff 2, so it waits a second window
-    wrong_cache(g, w)
-    assert not g.active and g.probes == 2
-    wrong_cache(g, w)                                  # trails again: backoff 4
-    assert g.active and g.trips == 3 and g.backoff == 4
-    wrong_cache(g, 10 * w)                             # no swap since: no probe, however long
-    assert g.active and g.probes == 2
-    g.model_changed()                                  # the trip was long enough ago: probe next window
-    wrong_cache(g, w)
-    assert not g.active and g.probes == 3
-    par_cache(g, w)                                    # the probe holds: the DMLP is back, the wait reset
-    assert not g.active and g.backoff == 1 and g.trips == 3
+def test_windows_before_judge_from_ms_neither_trip_nor_return():
+    g = ShadowLruGuard(window=40, margin=0.005, z=3.0, confirm=2, ghost=GhostDmlpCache(rank_by_curve, 1),
+                       judge_from_ms=400.0)
+    cache = MiniCache(g, 4, wrong)
+    cache.run(lru_friendly(360))                           # 9 trailing windows, all before t = 400
+    assert not g.active and g.lru_hit_rate > g.dmlp_hit_rate
+    cache.run(lru_friendly(80))                            # two more after it: tripped
+    assert g.active and g.trips == 1
 
 
 def test_a_cache_as_good_as_lru_never_trips():
@@ -128,19 +149,19 @@ def test_a_cache_as_good_as_lru_never_trips():
     assert g.trips == 0 and g.dmlp_hit_rate >= g.lru_hit_rate
 
 
-def test_exports_its_three_gauges():
+def test_exports_its_four_gauges():
     registry = prom.CollectorRegistry()
-    g = ShadowLruGuard(window=4)
+    g = ShadowLruGuard(window=4, ghost=GhostDmlpCache(rank_by_curve, 1))
     g.export(registry)
     for _ in range(4):
         g.accessed(["x"])
     assert registry.get_sample_value("stratum_dmlp_guard_active") == 0.0
     assert registry.get_sample_value("stratum_dmlp_guard_dmlp_hit_rate") == 0.75   # the first access missed
     assert registry.get_sample_value("stratum_dmlp_guard_lru_hit_rate") == 0.75
+    assert registry.get_sample_value("stratum_dmlp_guard_ghost_dmlp_hit_rate") == 0.75   # it mirrors the real cache
 
 
-@pytest.mark.parametrize("kwargs", [dict(window=0), dict(margin=1.0), dict(z=-1), dict(confirm=0), dict(free_probes=-1),
-                                    dict(backoff=4, max_backoff=2)])
+@pytest.mark.parametrize("kwargs", [dict(window=0), dict(margin=1.0), dict(z=-1), dict(confirm=0)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         ShadowLruGuard(**kwargs)

@@ -10,7 +10,7 @@ What the learner sees does not depend on the cache: an access's features and its
 access stream alone. So one pass over the stream gives the weights live at every access, whatever the
 capacity, and each access's reuse curve is predicted by the weights live at that access. The cache
 replays (`training/simulator.py::Predicted`) then use those curves, and learn of each swap through
-`version`, so a guarded policy can probe the DMLP again after an update.
+`version`, so a guarded policy hears of each update (its ghost DMLP ranks with the live curves).
 """
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ class EvalOptions:
     """capacity_fracs, host_frac: the replays' caches. guard: replay the DMLP also behind the shadow-LRU
     guard (`guard_window` accesses). online: also replay with the server's online fine-tuning on the
     simulated clock (`training/online_replay.py`), each round charged `online_round_ms`, tracking
-    `online_track` of the blocks; `online_config`: the learner's settings (the server's by default)."""
+    `online_track` of the blocks; `online_config`: the learner's settings (the server's by default).
+    guard_after_warmup: also replay the guard judging from the scored part only (`policy_hit_rates`)."""
 
     capacity_fracs: tuple[float, ...]
     host_frac: float
@@ -35,6 +36,7 @@ class EvalOptions:
     online_round_ms: float = DEFAULT_ROUND_MS
     online_track: float = 0.25
     online_config: OnlineConfig = OnlineConfig()
+    guard_after_warmup: bool = False
 
 
 def headline_horizon(horizons_ms, positive_rate) -> float:
@@ -130,7 +132,8 @@ def evaluation_report(predictor: Predictor, ckpt: DmlpCheckpoint, ex, replays, o
         "val": metrics,
         "calibration": calib,
         "policy": policy_hit_rates(replays, predictor, opts.capacity_fracs, opts.host_frac, guard=opts.guard,
-                                   online=runs, guard_window=opts.guard_window),
+                                   online=runs, guard_window=opts.guard_window,
+                                   guard_after_warmup=opts.guard_after_warmup),
         "labels_flat": [],
     }
     if runs is not None:

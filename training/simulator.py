@@ -116,7 +116,7 @@ class Belady(_HeapPolicy):
 class AccessObserver(Protocol):
     """What a replay tells a guarded policy (`DmlpPolicy`): accesses in order, evictions, weight swaps."""
 
-    def guard_accessed(self, block_ids: list) -> None: ...
+    def guard_accessed(self, block_ids: list, curves: np.ndarray | None = None, t_ms: float = 0.0) -> None: ...
     def forget(self, block_ids) -> None: ...
     def model_changed(self) -> None: ...
 
@@ -151,7 +151,7 @@ class Predicted:
         if self.version is not None and self.version[event] != self._version:
             self._version = int(self.version[event])
             self.observer.model_changed()
-        self.observer.guard_accessed([block])
+        self.observer.guard_accessed([block], self.curves[event:event + 1], float(self.t_ms[event]))
 
     def _place(self, i, block, event):
         self.block[i], self.event[i], self.slot_t[i] = block, event, self.t_ms[event]

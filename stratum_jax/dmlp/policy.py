@@ -30,6 +30,7 @@ import numpy as np
 from stratum_jax.config import PAGE_SIZE_CLASSES
 from stratum_jax.block_info import BlockInfo
 from stratum_jax.dmlp.features import raw_from_infos
+from stratum_jax.dmlp.ghost import GhostDmlpCache
 from stratum_jax.dmlp.guard import ShadowLruGuard
 from stratum_jax.page_size import DefaultPageSizeRule, PageSizeHints
 
@@ -214,7 +215,9 @@ class DmlpPolicy:
     block has every access tracked and its labels stay exact). Online fine-tuning does not need every
     access of a busy server, and the engine thread pays for each one it hands over.
     guard: a `ShadowLruGuard` (guard.py) that sees every access and eviction; while it is active,
-    victims go in LRU order and the model is not run for them. None: no guard.
+    victims go in LRU order and the model ranks only the guard's ghost DMLP cache (ghost.py), which the
+    policy gives the guard, with its own residency estimate (the ghost's evictions are not the real
+    cache's). None: no guard.
     Thread-safe: the curve store is guarded by a lock.
     """
 
@@ -238,6 +241,11 @@ class DmlpPolicy:
         self._curves: dict[object, tuple[np.ndarray, float]] = {}   # block id -> (curve [H], access ms)
         self._lock = threading.Lock()
         self.guard = guard
+        if guard is not None and guard.ghost is None:
+            self._ghost_residency = Residency(initial_ms=self.horizons_ms[-1])
+            # min_slack: one ranking (and one model call) per 8 insertions at least (ghost.py).
+            guard.bind(GhostDmlpCache(self._order_ghost, len(self.horizons_ms), score=self._score_ghost,
+                                      min_slack=8))
         # The weights the guard last judged (a guarded policy's predictor must have `params`).
         self._guarded_params = predictor.params if guard is not None else None
 
@@ -279,24 +287,42 @@ class DmlpPolicy:
         seq = np.zeros(len(idle_ms)) if access_seq is None else access_seq
         if self.lru_mode:
             return first_n((seq, -idle_ms), n)
-        score = reuse_before_eviction(curves, self.horizons_ms, idle_ms, residency)
-        return first_n((seq, -idle_ms, score), n)
+        return self._rank(curves, idle_ms, n, residency, seq)
+
+    def _rank(self, curves: np.ndarray, idle_ms: np.ndarray, n: int, residency_ms: float,
+              access_seq: np.ndarray) -> np.ndarray:
+        """The DMLP's first n victims: lowest `reuse_before_eviction`, ties to the least recently used."""
+        score = reuse_before_eviction(curves, self.horizons_ms, idle_ms, residency_ms)
+        return first_n((access_seq, -idle_ms, score), n)
+
+    def _score_ghost(self, infos: list) -> np.ndarray:
+        """Curves [N, H] of the ghost DMLP's keys from their BlockInfo snapshots (the live weights)."""
+        return self.predictor.predict(raw_from_infos(infos))
+
+    def _order_ghost(self, curves: np.ndarray, idle_ms: np.ndarray, n: int, now_ms: float, cached: int,
+                     access_seq: np.ndarray) -> np.ndarray:
+        """The guard's ghost DMLP's victims (same arguments as order_victims), ranked as the real cache's
+        would be, with the ghost's own residency (its own evictions)."""
+        residency = self._ghost_residency.update(now_ms, min(n, len(idle_ms)), cached)
+        return self._rank(curves, idle_ms, n, residency, access_seq)
 
     @property
     def lru_mode(self) -> bool:
         """True while the guard has victims go in LRU order (curves are then not needed)."""
         return self.guard is not None and self.guard.active
 
-    def guard_accessed(self, block_ids: Sequence) -> None:
-        """Shows accesses (in order) to the guard, and tells it when the weights changed since it last
-        looked (an online swap replaces `predictor.params`). The engine calls it through
-        `observe_access`, the cache simulator directly."""
+    def guard_accessed(self, block_ids: Sequence, curves: np.ndarray | None = None, t_ms: float = 0.0,
+                       infos: Sequence[BlockInfo] | None = None) -> None:
+        """Shows accesses (in order, at t_ms; curves [N, H] at them when known, else maybe their BlockInfo
+        snapshots for the ghost DMLP to score when it ranks) to the guard,
+        and tells it when the weights changed since it last looked (an online swap replaces
+        `predictor.params`). The engine calls it through `observe_access`, the cache simulator directly."""
         if self.guard is None:
             return
         if self.predictor.params is not self._guarded_params:
             self._guarded_params = self.predictor.params
             self.guard.model_changed()
-        self.guard.accessed(block_ids)
+        self.guard.accessed(block_ids, curves, t_ms, infos)
 
     def model_changed(self) -> None:
         """The weights changed (a replay that swaps curves, not `predictor.params`, says so here)."""
@@ -324,11 +350,17 @@ class DmlpPolicy:
         `needed_by_running` plays no part here (it is not a model input)."""
         if not infos:
             return np.zeros((0, len(self.horizons_ms)), np.float32)
-        self.guard_accessed([b.block_id for b in infos])
-        if not self.score_on_access and self.on_access is None:
-            return None
+        # In LRU mode the real ranking never runs, so the guard's ghost DMLP gets the step's features
+        # here and scores them itself when it ranks (in DMLP mode it learns the curves the real
+        # ranking computes, through _score).
         raw = raw_from_infos(infos) if self.score_on_access else None
         probs = self._score(infos, raw) if self.score_on_access else None
+        self.guard_accessed([b.block_id for b in infos], probs, max(b.last_access_ms for b in infos),
+                            infos if self.lru_mode and probs is None else None)
+        if not self.score_on_access:
+            probs = None
+            if self.on_access is None:
+                return None
         if self.on_access is not None:
             now = max(b.last_access_ms for b in infos)
             keep = self.tracked_indices([b.block_id for b in infos])
@@ -343,6 +375,8 @@ class DmlpPolicy:
         with self._lock:
             for b, p in zip(infos, probs):
                 self._curves[b.block_id] = (p, b.last_access_ms)
+        if self.guard is not None:
+            self.guard.note_curves([b.block_id for b in infos], probs, [b.last_access_ms for b in infos])
         return probs
 
     def forget(self, block_ids) -> None:

@@ -59,7 +59,7 @@ def build_cache_policy(config: RuntimeConfig, metrics_registry=None):
 
 def export_dmlp_metrics(policy, tuner, registry) -> None:
     """Registers stratum_dmlp_confidence (any DMLP policy), with a guard stratum_dmlp_guard_active and
-    its two windowed hit rates, and, with a tuner, stratum_dmlp_accuracy, stratum_dmlp_updates_total and
+    its three windowed hit rates (real, ghost LRU, ghost DMLP), and, with a tuner, stratum_dmlp_accuracy, stratum_dmlp_updates_total and
     stratum_dmlp_online_dropped_total. A no-op for LRU; idempotent."""
     if not isinstance(policy, DmlpPolicy):
         return
