@@ -309,4 +309,5 @@ class Engine:
             jit_compilations=self.compiles.total, jit_compilations_after_serving=self.compiles.after_serving,
             hab_triggers=self.scheduler.triggers, kv_precision=self.kv_precision,
             kv_bytes_per_token=self._kv_bytes_per_token, kv_recall_batches=self.transfers.stats.recall_batches,
-            kv_recall_seconds=tuple(self.transfers.stats.recall_seconds))
+            kv_recall_seconds=tuple(self.transfers.stats.recall_seconds),
+            kv_recall_choices=self.pool.recall_choice.recalled, kv_recompute_choices=self.pool.recall_choice.recomputed)

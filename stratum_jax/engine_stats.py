@@ -45,6 +45,8 @@ class EngineStats:
     kv_bytes_per_token: int = 0          # KV bytes a token slot holds over all layers (DKVC: deltas + scales)
     kv_recall_batches: int = 0           # steps that recalled host-tier pages
     kv_recall_seconds: tuple[float, ...] = ()   # host-to-device copy time of the latest such steps (<= 64)
+    kv_recall_choices: int = 0           # host-tier prefix hits the recall choice sent to a copy ...
+    kv_recompute_choices: int = 0        # ... and to a recompute (kv/recall_choice.py)
 
 
 @dataclasses.dataclass(frozen=True)

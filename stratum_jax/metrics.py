@@ -14,6 +14,8 @@ import threading
 
 import prometheus_client as prom
 
+from stratum_jax.engine_stats import EngineStats
+
 # name -> (type, help). The single source of the exported names; the README table is printed from it.
 METRICS: dict[str, tuple[str, str]] = {
     "stratum_ttft_seconds": ("histogram", "Time to first token: arrival of the request until its first token."),
@@ -35,6 +37,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "stratum_kv_offloaded_pages_total": ("counter", "KV pages copied from HBM to the host tier on eviction."),
     "stratum_kv_recalled_pages_total": ("counter", "KV pages copied from the host tier back to HBM (prefix hits "
                                         "and prefetches)."),
+    "stratum_kv_recall_choices_total": ("counter", "Host-tier prefix hits by what the recall choice did with them: "
+                                        "choice=recall (copied back) or recompute (prefilled again: the measured "
+                                        "copy time was above the measured recompute time)."),
     "stratum_kv_recall_seconds": ("histogram", "Host-to-device copy time of one step's recalled pages (one "
                                   "observation per step that recalled any)."),
     "stratum_kv_bytes": ("gauge", "KV bytes held, by memory tier: in use on the device, cached on the host. With "
@@ -83,6 +88,7 @@ DMLP_METRICS: dict[str, tuple[str, str]] = {
 # name -> its one label, for the metrics that have one.
 LABELS = {"stratum_kv_pages_used": "tier", "stratum_kv_pages_free": "tier", "stratum_kv_tokens_used": "tier",
           "stratum_kv_tokens_total": "tier", "stratum_kv_bytes": "tier", "stratum_kv_precision": "precision",
+          "stratum_kv_recall_choices_total": "choice",
           "stratum_requests_total": "status", "stratum_stop_reasons_total": "reason",
           "stratum_routed_requests_total": "route"}
 
@@ -176,6 +182,7 @@ class ServingMetrics:
         self.offloaded = counter("stratum_kv_offloaded_pages_total")
         self.recalled = counter("stratum_kv_recalled_pages_total")
         self.recall_seconds = histogram("stratum_kv_recall_seconds", _RECALL_BUCKETS)
+        self.recall_choices = counter("stratum_kv_recall_choices_total")
         self.kv_bytes = gauge("stratum_kv_bytes")
         self.kv_precision = gauge("stratum_kv_precision")
         self.cache_hit_rate = gauge("stratum_cache_hit_rate")
@@ -206,7 +213,14 @@ class ServingMetrics:
 
     # ---- engine side (engine thread, after each step) ----
 
-    def observe_engine(self, stats) -> None:
+    def _advance(self, name: str, counter, value) -> None:
+        """Moves a Prometheus counter to the engine's cumulative count `value` (snapshots may repeat)."""
+        delta = int(value) - self._last_engine_counts.get(name, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last_engine_counts[name] = int(value)
+
+    def observe_engine(self, stats: EngineStats) -> None:
         """Copies an `EngineStats` snapshot into the gauges and counters."""
         self.queue_length.set(stats.queued)
         self.running.set(stats.running)
@@ -214,7 +228,7 @@ class ServingMetrics:
         self.kv_pages_free.labels(KV_TIER).set(stats.kv_pages_free)
         self.kv_tokens_used.labels(KV_TIER).set(stats.kv_tokens_used)
         self.kv_tokens_total.labels(KV_TIER).set(stats.kv_tokens_total)
-        host_total = getattr(stats, "kv_host_tokens_total", 0)
+        host_total = stats.kv_host_tokens_total
         if host_total:
             used = stats.kv_host_tokens_used
             self.kv_tokens_used.labels(HOST_TIER).set(used)
@@ -223,15 +237,13 @@ class ServingMetrics:
             self.kv_pages_free.labels(HOST_TIER).set((host_total - used) // 8)
         self.decode_step.set(stats.decode_step_ms / 1e3)
         self.prefill_tps.set(stats.prefill_tokens_per_s)
-        # The KV figures, as the host-tier ones above, read with defaults: a snapshot from an older or a
-        # stand-in stats object may lack them.
-        self.kv_precision.labels(getattr(stats, "kv_precision", "bf16")).set(1)
-        bytes_per_token = getattr(stats, "kv_bytes_per_token", 0)
+        self.kv_precision.labels(stats.kv_precision).set(1)
+        bytes_per_token = stats.kv_bytes_per_token
         self.kv_bytes.labels(KV_TIER).set(stats.kv_tokens_used * bytes_per_token)
         if host_total:
             self.kv_bytes.labels(HOST_TIER).set(stats.kv_host_tokens_used * bytes_per_token)
         # The recall times of the steps since the last snapshot (the engine keeps the latest few).
-        batches, recent = getattr(stats, "kv_recall_batches", 0), getattr(stats, "kv_recall_seconds", ())
+        batches, recent = stats.kv_recall_batches, stats.kv_recall_seconds
         new = batches - self._last_engine_counts.get("kv_recall_batches", 0)
         for seconds in recent[len(recent) - min(new, len(recent)):]:
             self.recall_seconds.observe(seconds)
@@ -243,17 +255,16 @@ class ServingMetrics:
                              ("jit_compilations", self.jit_compilations),
                              ("jit_compilations_after_serving", self.jit_compilations_after_serving),
                              ("hab_triggers", self.hab_triggers)):
-            value = int(getattr(stats, name, 0))
-            delta = value - self._last_engine_counts.get(name, 0)
-            if delta > 0:
-                metric.inc(delta)
-            self._last_engine_counts[name] = value
+            self._advance(name, metric, getattr(stats, name))
+        for choice in ("recall", "recompute"):
+            self._advance(f"kv_{choice}_choices", self.recall_choices.labels(choice),
+                          getattr(stats, f"kv_{choice}_choices"))
         queries = stats.prefix_cache_queries
         self.cache_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
-        idle = getattr(stats, "gpu_idle_frac", None)
+        idle = stats.gpu_idle_frac
         if idle is not None:
             self.gpu_idle_fraction.set(idle)
-        gap = getattr(stats, "gpu_idle_gap_ms", None)
+        gap = stats.gpu_idle_gap_ms
         if gap is not None and self._last_engine_counts.get("idle_gap_step") != stats.steps:
             self.gpu_idle_ms.observe(gap)          # once per engine step that reported a new gap
             self._last_engine_counts["idle_gap_step"] = stats.steps

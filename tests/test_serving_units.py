@@ -1,7 +1,6 @@
 """The serving layer's pure parts: request translation, headers, keys, cost model, metrics, hardware info."""
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import pytest
@@ -12,6 +11,7 @@ from serving.headers import parse_headers
 from serving.options import ServerOptions
 from serving.proto.stratum.v1 import stratum_pb2 as pb
 from serving.translate import Limits, Translator, delta_event
+from stratum_jax.engine_stats import EngineStats
 from stratum_jax.metrics import METRICS, ServingMetrics, markdown_table
 from stratum_jax.request import InvalidRequestError, StepOutput, TokenLogprob
 
@@ -134,20 +134,12 @@ def test_kv_bytes_per_token():
 
 # ---- metrics ----
 
-@dataclasses.dataclass
-class Stats:
-    queued: int = 1
-    running: int = 2
-    kv_pages_total: int = 10
-    kv_pages_free: int = 7
-    kv_tokens_total: int = 80
-    kv_tokens_used: int = 24
-    prefix_cache_hits: int = 3
-    prefix_cache_queries: int = 4
-    preemptions: int = 0
-    steps: int = 5
-    decode_step_ms: float = 2.0
-    prefill_tokens_per_s: float = 100.0
+def Stats(**overrides) -> EngineStats:
+    """A small engine snapshot (the metrics read `EngineStats`, nothing looser)."""
+    base = dict(queued=1, running=2, kv_pages_total=10, kv_pages_free=7, kv_tokens_total=80, kv_tokens_used=24,
+                kv_tokens_written=20, prefix_cache_hits=3, prefix_cache_queries=4, preemptions=0, steps=5,
+                decode_step_ms=2.0, prefill_tokens_per_s=100.0)
+    return EngineStats(**{**base, **overrides})
 
 
 def test_engine_counters_advance_by_deltas():
@@ -169,8 +161,8 @@ def test_host_tier_figures_only_with_a_host_tier():
     assert value("stratum_kv_tokens_total", {"tier": "host"}) is None
     host = dict(kv_host_tokens_total=4096, kv_host_tokens_used=1024, kv_host_hits=3, kv_prefetched_pages=2,
                 kv_offloaded_pages=7)
-    m.observe_engine(types.SimpleNamespace(**{**dataclasses.asdict(Stats()), **host}))
-    m.observe_engine(types.SimpleNamespace(**{**dataclasses.asdict(Stats()), **host, "kv_host_hits": 5}))
+    m.observe_engine(Stats(**host))
+    m.observe_engine(Stats(**{**host, "kv_host_hits": 5}))
     assert value("stratum_kv_tokens_total", {"tier": "host"}) == 4096
     assert value("stratum_kv_tokens_used", {"tier": "host"}) == 1024
     assert value("stratum_kv_pages_free", {"tier": "host"}) == 384
