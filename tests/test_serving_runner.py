@@ -102,10 +102,15 @@ class FakeEngine:
         return FakeStats(running=used, kv_pages_free=100 - used, kv_tokens_used=8 * used, steps=self.steps)
 
 
+HANG_GUARD_S = 120
+
+
 async def drain(stream) -> list[StepOutput]:
     outs = []
     while True:
-        outs.append((await asyncio.wait_for(stream.next(), 5)).output)
+        # A hang guard only: generous, because a step can wait behind a profiler start (jax.profiler) that
+        # takes seconds on a loaded 2-core CI machine (a 5 s guard failed there once).
+        outs.append((await asyncio.wait_for(stream.next(), HANG_GUARD_S)).output)
         if outs[-1].finished:
             return outs
 
@@ -234,7 +239,7 @@ def test_profile_counts_engine_steps(runner, tmp_path):
     result, second = asyncio.run(go())
     assert result.steps_captured == 2
     with pytest.raises(RuntimeError, match="already being captured"):
-        second.result(timeout=5)
+        second.result(timeout=HANG_GUARD_S)
 
 
 def test_idle_engine_gets_periodic_ticks_only_when_it_asks():
