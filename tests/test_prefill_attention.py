@@ -40,13 +40,13 @@ def _check(out, pcase, valid):
     assert not out[-1].any(), "a padding block must give zeros"
 
 
-@pytest.mark.parametrize("heads,block_kv", [((8, 2, 64), 64), ((16, 2, 64), 128)])
-def test_ws_prefill_matches_float64(heads, block_kv):
-    """GQA group 4 (32 tokens per block, 16 per warpgroup) with 64-token tiles (pages of 8 and 32 are
-    several copies per tile, 256 a piece of one page) and group 8 (16 tokens) with 128-token tiles."""
-    pcase = _case(*heads, seed=31)
+def test_ws_prefill_matches_float64():
+    """GQA group 4 (32 tokens per block, 16 per warpgroup) with 64-token tiles: pages of 8 and 32 are several
+    copies per tile, 256 a piece of one page, and the long block streams several tiles through the ring
+    (unmasked ones first). Other groups and 128-token tiles run in the GPU test (the interpreter is slow)."""
+    pcase = _case(8, 2, 64, seed=31)
     valid = pcase.pop("valid")
-    out = ws_prefill_attention(**pcase, interpret=True, config=TuningConfig(block_kv=block_kv, num_splits=1))
+    out = ws_prefill_attention(**pcase, interpret=True, config=TuningConfig(block_kv=64, num_splits=1))
     assert out.shape == pcase["q"].shape and out.dtype == pcase["q"].dtype
     _check(out, pcase, valid)
 
