@@ -24,7 +24,6 @@ from stratum_jax.config import RuntimeConfig
 from stratum_jax.decode import (ATTN_VAR_LAST_TOKENS, PROMPT_LOGPROB_PIECE, DecodeResult, PackedBatch,
                                 SamplerVariant, StepGeometry, StepResult, TokenFeed, decode_steps, packed_step,
                                 prompt_logprobs_piece, sample_step)
-from stratum_jax.executable_cache import ExecutableCache
 from stratum_jax.sampling import MAX_TOP_LOGPROBS
 from stratum_jax.sampling import SamplingArrays
 from stratum_jax.scheduler.base import ScheduledBatch
@@ -127,54 +126,27 @@ class ModelRunner:
                                 attn_stats=attn_stats, tp=None if model is None else model.tp)
         self.buckets = prefill_buckets(config)
         self.shapes = all_step_shapes(config)
-        # Compiled executables on disk beside jax's persistent cache (executable_cache.py): a warm restart
-        # loads them without tracing. One-device engines only (a sharded executable's devices are its own),
-        # and not with interpreted kernels (their executables call back into this process's Python objects).
-        use_disk = config.compilation_cache_dir and (model is None or model.tp is None) and not self.geo.interpret
-        self.disk = (ExecutableCache(os.path.join(os.path.expanduser(config.compilation_cache_dir), "executables"))
-                     if use_disk else None)
         self._zero_tokens = None
 
     # -- compilation --------------------------------------------------------------------------------
-    def _call(self, shape: StepShape, kv_cache):
-        """(jitted function, arguments, static keyword arguments) of a step shape's executable."""
+    def _lower(self, shape: StepShape, kv_cache):
         cfg, geo, params = self.model.config, self.geo, self.model.params
         feed = TokenFeed(self._no_tokens(), np.full(geo.rows, -1, np.int32))
         if shape.kind == "decode":
-            return decode_steps, (params, kv_cache, *self._decode_inputs(None), feed), \
-                dict(cfg=cfg, geo=geo, variant=shape.variant)
+            args = self._decode_inputs(None)
+            return decode_steps.lower(params, kv_cache, *args, feed, cfg=cfg, geo=geo, variant=shape.variant)
         if shape.kind == "packed":
             batch, _ = self._packed_inputs(None, shape.prefill_tokens)
-            return packed_step, (params, kv_cache, batch, feed), dict(cfg=cfg, geo=geo)
+            return packed_step.lower(params, kv_cache, batch, feed, cfg=cfg, geo=geo)
         if shape.kind == "sample":
             logits = jax.ShapeDtypeStruct((geo.rows, cfg.vocab_size), np.float32,
                                           sharding=geo.tp.replicated if geo.tp else None)   # as packed_step's
-            return sample_step, (logits, self._tables_and_sampling([])[2]), dict(variant=shape.variant)
+            return sample_step.lower(logits, self._tables_and_sampling([])[2], variant=shape.variant)
         hidden = jax.ShapeDtypeStruct((PROMPT_LOGPROB_PIECE, cfg.hidden_size), np.dtype(cfg.dtype))
-        return prompt_logprobs_piece, (params, hidden, np.zeros(PROMPT_LOGPROB_PIECE, np.int32)), dict(cfg=cfg)
-
-    def _lower(self, shape: StepShape, kv_cache):
-        fn, args, kw = self._call(shape, kv_cache)
-        return fn.lower(*args, **kw)
+        return prompt_logprobs_piece.lower(params, hidden, np.zeros(PROMPT_LOGPROB_PIECE, np.int32), cfg=cfg)
 
     def _key(self, shape: StepShape) -> tuple:
         return shape, self.geo, self.model.config, self.num_slots, self.kv_layout
-
-    def _disk_key(self, shape: StepShape, kv_cache) -> str | None:
-        """The executable cache's entry name of a shape (None: no disk cache)."""
-        if self.disk is None:
-            return None
-        _, args, _ = self._call(shape, kv_cache)
-        return self.disk.key(self._key(shape), args)
-
-    def _from_disk(self, shape: StepShape, kv_cache):
-        key = self._disk_key(shape, kv_cache)
-        return None if key is None else self.disk.load(key)
-
-    def _to_disk(self, shape: StepShape, kv_cache, exe) -> None:
-        key = self._disk_key(shape, kv_cache)
-        if key is not None:
-            self.disk.store(key, exe)
 
     def missing_shapes(self) -> list[StepShape]:
         """The shapes of this config with no executable yet (empty after `compile_all`)."""
@@ -183,52 +155,35 @@ class ModelRunner:
     def _executable(self, shape: StepShape, kv_cache):
         exe = _EXECUTABLES.get(self._key(shape))
         if exe is None:
-            exe = self._from_disk(shape, kv_cache)
-            if exe is None:
-                exe = self._lower(shape, kv_cache).compile()
-                self._to_disk(shape, kv_cache, exe)
+            exe = self._lower(shape, kv_cache).compile()
             with _EXECUTABLES_LOCK:
                 exe = _EXECUTABLES.setdefault(self._key(shape), exe)
         return exe
 
     def compile_all(self, kv_cache, progress: bool = True) -> float:
-        """Compiles every step shape ahead of time; returns the seconds it took. Shapes stored by an earlier
-        start load from the executable cache (no tracing); the rest are traced and lowered one shape at a
-        time (Python) and compiled by XLA in threads, since XLA releases the GIL and a GPU host has cores
-        to spare."""
+        """Compiles every step shape ahead of time; returns the seconds it took. Tracing and lowering run
+        one shape at a time (Python); the XLA compiles run in threads, since XLA releases the GIL and a
+        GPU host has cores to spare."""
         t0 = time.perf_counter()
         todo = self.missing_shapes()
         log.info("compiling %d step shapes (rows=%d, table width=%d, prefill buckets=%s, decode steps=%d, "
                  "attention=%s)", len(todo), self.geo.rows, self.geo.table_width, list(self.buckets),
                  self.geo.decode_steps, self.geo.backend)
-        with tqdm(total=len(todo), desc="compiling step shapes", unit="shape", disable=not progress) as bar:
-            loaded = []
-            for shape in todo:
-                exe = self._from_disk(shape, kv_cache)
-                if exe is not None:
-                    with _EXECUTABLES_LOCK:
-                        _EXECUTABLES.setdefault(self._key(shape), exe)
-                    loaded.append(shape)
-                    bar.update()
-            if loaded:
-                log.info("loaded %d step shapes from the executable cache %s in %.1f s", len(loaded),
-                         self.disk.directory, time.perf_counter() - t0)
-            todo = [s for s in todo if s not in loaded]
-            workers = max(1, min(len(todo), (os.cpu_count() or 1) // 2))
-            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                def compile_one(shape, lowered):
-                    t = time.perf_counter()
-                    exe = lowered.compile()
-                    log.info("compiled %s in %.1f s", shape, time.perf_counter() - t)
-                    return shape, exe
+        workers = max(1, min(len(todo), (os.cpu_count() or 1) // 2))
+        with tqdm(total=len(todo), desc="compiling step shapes", unit="shape", disable=not progress) as bar, \
+                concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            def compile_one(shape, lowered):
+                t = time.perf_counter()
+                exe = lowered.compile()
+                log.info("compiled %s in %.1f s", shape, time.perf_counter() - t)
+                return shape, exe
 
-                futures = [pool.submit(compile_one, shape, self._lower(shape, kv_cache)) for shape in todo]
-                for future in concurrent.futures.as_completed(futures):
-                    shape, exe = future.result()
-                    with _EXECUTABLES_LOCK:
-                        _EXECUTABLES.setdefault(self._key(shape), exe)
-                    self._to_disk(shape, kv_cache, exe)
-                    bar.update()
+            futures = [pool.submit(compile_one, shape, self._lower(shape, kv_cache)) for shape in todo]
+            for future in concurrent.futures.as_completed(futures):
+                shape, exe = future.result()
+                with _EXECUTABLES_LOCK:
+                    _EXECUTABLES.setdefault(self._key(shape), exe)
+                bar.update()
         seconds = time.perf_counter() - t0
         log.info("compiled %d step shapes in %.1f s (%d threads)", len(todo), seconds, workers)
         return seconds
