@@ -25,7 +25,6 @@ gather = jax.jit(DeltaKV.gather)
 # ---- the storage rule ------------------------------------------------------------------------------
 
 def _cache(precision, anchor, floor, num_slots=64):
-    heads = anchor.shape[0]
     return init_delta_cache([(anchor, anchor)], [(floor, floor)], num_slots, precision)[0]
 
 
