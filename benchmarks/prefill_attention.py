@@ -1,4 +1,4 @@
-"""Prefill attention at long context: the Pallas causal-block kernel against the tiled jnp path.
+"""Prefill attention at long context: the Pallas causal-block kernels against the tiled jnp path.
 
     PYTHONPATH=$PWD python3 benchmarks/prefill_attention.py --out $OUT/prefill_attention.json   # GPU
     python3 benchmarks/prefill_attention.py --tiny --interpret --out /tmp/p.json                # CPU smoke run
@@ -7,10 +7,10 @@ One call of `stratum_jax.attention.prefill_attention` as the packed step makes i
 step's prefill tiles (128 tokens each) hold `--chunks` chunks of `--chunk` tokens, each the newest
 tokens of its own sequence at context `ctx` (so the chunk attends causally to ctx - chunk cached
 tokens plus itself). Pages are mixed sizes (16/64/256) at random aligned slots, the step's block tables
-are engine-shaped ([rows = 64, --max-context / 8]). For each model shape and context it checks the
-kernel against the tiled path (max |diff|, both compiled) and times both (the kernel in each
---kernel-configs TuningConfig; the best is reported) (median of --reps samples of
---inner calls, jitted). It reports ms per call, prompt tokens per second for one layer, and the
+are engine-shaped ([rows = 64, --max-context / 8]). For each model shape and context it checks every
+--kernel-configs kernel (variant ws, the warp-specialised kernel, or single, the decode kernel's
+pipeline, each with its TuningConfig) against the tiled path (max |diff|, all compiled) and times them
+all and the tiled path; the best kernel is reported (median of --reps samples of --inner calls, jitted). It reports ms per call, prompt tokens per second for one layer, and the
 attention FLOP rate (4 * q_heads * head_dim per visible (query, key) pair).
 """
 from __future__ import annotations
