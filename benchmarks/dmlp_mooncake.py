@@ -183,11 +183,12 @@ SHIFT_ROUND_MS = 2.0      # one round every 8 trace seconds (time scale 1000, cp
 PARTS = ("held_out", "shifted")
 
 
-def shifted(trace: str, parts=PARTS, shifted_warmup: bool = True) -> int:
+def shifted(trace: str, parts=PARTS, shifted_warmup: bool = True, suffix: str = "") -> int:
     """Issue #15: held-out part and a shifted workload, offline / guarded / online beside the baselines.
     parts: which to evaluate (each writes its own JSON, so two processes can run them side by side);
     shifted_warmup: replay the training part before the shifted workload as warm-up (history and cache),
-    as the held-out part is; without it the shifted workload starts from an empty cache and history."""
+    as the held-out part is; without it the shifted workload starts from an empty cache and history.
+    suffix: appended to the output file names (dmlp_shift_<part><suffix>.json), so a re-run keeps earlier ones."""
     import jax
 
     from training.report_plot import plot_over_time
@@ -225,7 +226,8 @@ def shifted(trace: str, parts=PARTS, shifted_warmup: bool = True) -> int:
                 print(f"  {p:22s} " + " ".join(f"{x:7.4f}" for x in rates))
             rep["benchmark"] = {
                 "command": f"python benchmarks/dmlp_mooncake.py --shifted --parts {name}"
-                           + ("" if warm or name == "held_out" else " --no-shifted-warmup"),
+                           + ("" if warm or name == "held_out" else " --no-shifted-warmup")
+                           + (f" --suffix {suffix}" if suffix else ""),
                 "part": name, "trace": os.path.relpath(os.path.abspath(trace), ROOT), "time_scale": TIME_SCALE,
                 "train_share_of_timeline": TRAIN_SHARE, "warmup": warm, "model": dataclasses.asdict(SHIFT_MODEL),
                 "train_seconds": train_seconds, "capacities": SHIFT_CAPACITIES,
@@ -234,12 +236,12 @@ def shifted(trace: str, parts=PARTS, shifted_warmup: bool = True) -> int:
                 "jax": jax.__version__, "date": datetime.date.today().isoformat(), "platform": platform.platform(),
                 "targets": shift_targets(rep["policy"]),
             }
-            path = os.path.join(RESULTS, f"dmlp_shift_{name}.json")
+            path = os.path.join(RESULTS, f"dmlp_shift_{name}{suffix}.json")
             write_report(rep, path)
             print(json.dumps(rep["benchmark"]["targets"], indent=1))
             print(f"wrote {path}", flush=True)
             if name == "shifted":
-                plot_over_time(rep, os.path.join(RESULTS, "dmlp_shift_over_time.png"), SHIFT_CAPACITIES,
+                plot_over_time(rep, os.path.join(RESULTS, f"dmlp_shift_over_time{suffix}.png"), SHIFT_CAPACITIES,
                                title="Shifted Mooncake workload (3x arrivals, 8 system prompts, 30% synthetic): "
                                      "hit rate over time; grey lines = online weight swaps")
     return 0
@@ -267,13 +269,16 @@ def main() -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help="with --shifted: held_out, shifted or both")
     ap.add_argument("--shifted-warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="with --shifted: replay the training part before the shifted workload (default on)")
+    ap.add_argument("--suffix", default="", help="with --shifted: appended to the output file names")
     a = ap.parse_args()
     if a.shifted:
         os.makedirs(RESULTS, exist_ok=True)
         parts = tuple(p for p in a.parts.split(",") if p)
         if not parts or set(parts) - set(PARTS):
             ap.error(f"--parts must name some of {', '.join(PARTS)}, got {a.parts!r}")
-        return shifted(a.trace, parts, a.shifted_warmup)
+        if not all(c.isalnum() or c in "_-." for c in a.suffix):
+            ap.error(f"--suffix may hold letters, digits, '_', '-' and '.' only, got {a.suffix!r}")
+        return shifted(a.trace, parts, a.shifted_warmup, a.suffix)
     os.makedirs(RESULTS, exist_ok=True)
     opts = EvalOptions(CAPACITY_FRACS, HOST_FRAC)
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,7 +37,9 @@ DEFAULT_ROUND_MS = 1.0
 class OnlineRun:
     """curves: float32 [E, H], P(reuse) of every access by the weights live then (the starting weights
     before `start`); version: int64 [E], the number of swaps live at each access; swap_ms: times of the
-    swaps; rounds: rounds run; accuracy: holdout accuracy after each round, [(t_ms, accuracy)]."""
+    swaps; rounds: rounds run; accuracy: holdout accuracy after each round, [(t_ms, accuracy)] (NaN while
+    the holdout has no decided label at the decision horizon); refusals: rounds not judged because the
+    holdout's decided labels at the decision horizon were one class (`Learner.round`)."""
 
     curves: np.ndarray
     version: np.ndarray
@@ -45,6 +47,7 @@ class OnlineRun:
     rounds: int
     accuracy: list[tuple[float, float]]
     config: dict
+    refusals: int = 0
 
 
 def online_run(rep: Replay, predictor: Predictor, config: OnlineConfig = OnlineConfig(),
@@ -94,4 +97,5 @@ def online_run(rep: Replay, predictor: Predictor, config: OnlineConfig = OnlineC
         policy.track_accesses(blocks[a:b], raw[a:b], now)
     predict_pending(E)
     return OnlineRun(curves, version, swap_ms, rounds, accuracy,
-                     {**dataclasses.asdict(config), "round_ms": round_ms, "track_fraction": track_fraction})
+                     {**dataclasses.asdict(config), "round_ms": round_ms, "track_fraction": track_fraction},
+                     refusals=tuner.refusals)

@@ -139,6 +139,7 @@ def evaluation_report(predictor: Predictor, ckpt: DmlpCheckpoint, ex, replays, o
     if runs is not None:
         report["online"] = {"config": runs[0].config, "rounds": [r.rounds for r in runs],
                             "swaps": [len(r.swap_ms) for r in runs], "swap_ms": runs[0].swap_ms,
+                            "refusals": [r.refusals for r in runs],
                             "holdout_accuracy": runs[0].accuracy[::max(1, len(runs[0].accuracy) // 200)]}
     _flag_flat_labels(report, "evaluation", metrics["positive_rate"])
     return report
