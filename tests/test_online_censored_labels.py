@@ -27,10 +27,11 @@ def access_stream(n, seed):
     return t, blocks, raw
 
 
-def tracked(t, blocks, raw, until_ms):
+def tracked(t, blocks, raw, until_ms, hold_reuse=False):
     """Drives an OutcomeTracker over the accesses up to until_ms; returns index [R], labels/known [R, H]."""
     rows = []
-    tr = OutcomeTracker(H, lambda r, lab, known: rows.append((r[:, 0].astype(int), lab, known)), batch=7)
+    tr = OutcomeTracker(H, lambda r, lab, known: rows.append((r[:, 0].astype(int), lab, known)), batch=7,
+                        hold_reuse=hold_reuse)
     for i in np.flatnonzero(t <= until_ms):
         tr.accessed([int(blocks[i])], raw[i:i + 1], float(t[i]))
     tr.idle(until_ms)
@@ -67,6 +68,19 @@ def test_each_horizon_is_decided_once_when_it_passes_or_on_reuse():
     open_ = t > now - H[-1]
     assert (decided[open_ & (gap <= H[-1]) & (t + gap <= now), -1] == 1).all()
     assert (decided[open_ & ~(t + gap <= now), -1] == 0).all() and (open_ & ~(t + gap <= now)).any()
+
+
+def test_held_reuses_are_handed_over_at_the_horizon_whatever_the_label():
+    t, blocks, raw = access_stream(3000, seed=0)
+    truth = reuse_labels(next_use_ms(t, blocks), t, H)
+    now = float(t[2000])
+    idx, labels, known = tracked(t, blocks, raw, now, hold_reuse=True)
+    decided = np.zeros((len(t), len(H)))
+    np.add.at(decided, idx, known)
+    # Handed over exactly when the horizon has passed, reused or not: the same accesses for both labels.
+    np.testing.assert_array_equal(decided.astype(bool), (t[:, None] <= now) & (now - t[:, None] > np.array(H)))
+    rows, cols = np.nonzero(known)
+    np.testing.assert_array_equal(labels[rows, cols], truth[idx[rows], cols])
 
 
 def model():

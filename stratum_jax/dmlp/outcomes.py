@@ -29,23 +29,27 @@ class OutcomeTracker:
     """horizons_ms: the model's horizons, strictly increasing. sink(raw [N, F], labels [N, H], known [N, H])
     receives decided labels (known = 1 where a row decides that horizon). max_open: open accesses kept; past
     it the oldest are dropped with their undecided horizons (bounded memory).
+    hold_reuse: hand a reuse's labels over at each horizon's own deadline (t + h) instead of at the reuse,
+    so that when a label reaches the learner does not depend on its value and no horizon's positives run
+    ahead of its negatives (at the cost of learning of a reuse up to h later).
 
     Runs on the engine thread for every tracked access, so the per-block work is a dict update, a row copy
     and H appends; labels are computed per flushed batch."""
 
     def __init__(self, horizons_ms: Sequence[float], sink: Callable[[np.ndarray, np.ndarray, np.ndarray], None],
-                 max_open: int = 200_000, batch: int = 64):
+                 max_open: int = 200_000, batch: int = 64, hold_reuse: bool = False):
         self.horizons = np.asarray(horizons_ms, np.float64)
         if self.horizons.ndim != 1 or not len(self.horizons) or not np.all(np.diff(self.horizons) > 0):
             raise ValueError(f"horizons_ms must be a non-empty strictly increasing sequence, got {list(horizons_ms)}")
         self.sink = sink
         self.max_open = max_open
         self.batch = batch
-        # block -> [access ms, raw [F], horizons decided so far]: horizons are increasing, so those that
-        # passed unused are a prefix and the count says which.
+        self.hold_reuse = hold_reuse
+        # block -> its open (latest) access, an entry [access ms, raw [F], horizons decided so far, gap to
+        # the next use (inf: none yet), block]. Horizons are increasing, so those decided are a prefix.
         self._open: dict[object, list] = {}
-        # One queue per horizon of (access ms, block), oldest first: horizon j's label of an access is
-        # decided 0 when it reaches the front of queue j more than h_j after the access.
+        # One queue of entries per horizon, oldest first: horizon j of an entry is handed over when the
+        # entry reaches the front of queue j more than h_j after its access (0, or 1 for a held reuse).
         self._due = [collections.deque() for _ in self.horizons]
         self._raw: list[np.ndarray] = []          # decided rows: features at the access [F] ...
         self._gap_ms: list[float] = []            # ... the time to the next use (inf: none within the row's horizons) ...
@@ -57,34 +61,37 @@ class OutcomeTracker:
         self.expire(now_ms)
         open_, due = self._open, self._due
         raw = np.asarray(raw, np.float32)
-        last = len(self.horizons) - 1
+        n_h = len(self.horizons)
         for i, b in enumerate(block_ids):
             prev = open_.get(b)
             if prev is not None:       # reuse: every horizon still undecided (>= the gap, after expire) is 1
-                self._emit(prev[1], now_ms - prev[0], prev[2], last)
-            open_[b] = [now_ms, raw[i].copy(), 0]     # a copy: a view would pin the whole batch
+                prev[3] = now_ms - prev[0]
+                if not self.hold_reuse:
+                    self._emit(prev[1], prev[3], prev[2], n_h - 1)
+                    prev[2] = n_h
+            entry = [now_ms, raw[i].copy(), 0, float("inf"), b]     # a copy: a view would pin the whole batch
+            open_[b] = entry
             for q in due:
-                q.append((now_ms, b))
+                q.append(entry)
         while len(open_) > self.max_open:
-            t, b = due[-1].popleft()
-            if b in open_ and open_[b][0] == t:
-                del open_[b]
+            entry = due[-1].popleft()
+            entry[2] = n_h                        # its undecided horizons are dropped
+            if open_.get(entry[4]) is entry:
+                del open_[entry[4]]
         self._flush(force=False)
 
     def expire(self, now_ms: float) -> None:
-        """Decides, as not reused, every horizon h of an open access older than h."""
+        """Hands over every horizon h of an access older than h not handed over yet: 0 if the block was not
+        used again within h, 1 for a reuse held to its deadline (`hold_reuse`)."""
         open_, last = self._open, len(self.horizons) - 1
         for j, (h, q) in enumerate(zip(self.horizons.tolist(), self._due)):
             while q and now_ms - q[0][0] > h:
-                t, b = q.popleft()
-                cur = open_.get(b)
-                # cur[2] == j: this horizon is the access's next undecided one (a second access of the
-                # block at the same ms replaced the first and carries its own entries).
-                if cur is not None and cur[0] == t and cur[2] == j:
-                    self._emit(cur[1], float("inf"), j, j)
-                    cur[2] = j + 1
-                    if j == last:
-                        del open_[b]
+                entry = q.popleft()
+                if entry[2] == j:             # else decided already (a reuse) or dropped
+                    self._emit(entry[1], entry[3], j, j)
+                    entry[2] = j + 1
+                if j == last and open_.get(entry[4]) is entry:
+                    del open_[entry[4]]
         self._flush(force=False)
 
     def _emit(self, raw: np.ndarray, gap_ms: float, first: int, last: int) -> None:
