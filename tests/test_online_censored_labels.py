@@ -132,6 +132,7 @@ def test_a_holdout_with_one_class_at_the_decision_horizon_swaps_nothing():
     lr, swaps = run_learner(raw, labels, known)
     assert swaps == [False] * 3 and lr.refusals == 3 and lr.updates == 0
     assert "all reused" in lr.refused
+    assert lr.threshold.value == ConfidenceThreshold().value     # nor calibrated on one class
     assert lr.accuracy == 1.0          # measured on the decided labels only (all reused, predicted so)...
     known[:, -1] = 1.0                 # ...and with both classes decided, the same data is judged and swaps
     lr, swaps = run_learner(raw, labels, known)

@@ -9,7 +9,8 @@ separate process (see online.py), tests call it directly.
 
 Labels come with a per-horizon `known` mask: an undecided (censored) horizon counts in neither the loss
 nor the holdout comparison, accuracy or threshold calibration. And a round that finds only one class
-among the holdout's decided labels at the decision horizon swaps nothing: such a holdout cannot tell a
+among the holdout's decided labels at the decision horizon swaps nothing and leaves the threshold as it
+is (accuracy is still reported, over the decided labels): such a holdout cannot tell a
 model that drifts towards "always reused" from a better one (issue #15's shifted run, whose span is
 shorter than the longest horizon, swapped 44 of 45 rounds on it). `refusals` counts those rounds.
 """
@@ -139,9 +140,10 @@ class Learner:
             best = p_live
         if decided.any():
             self.accuracy = float(((best[decided, k] >= 0.5) == (y_h[decided, k] > 0.5)).mean())
-            self.threshold.calibrate(best[decided, k], y_h[decided, k])
         else:
             self.accuracy = float("nan")
+        if self.refused is None:      # one class cannot place a hot/cold threshold either
+            self.threshold.calibrate(best[decided, k], y_h[decided, k])
         return swapped
 
     def checkpoint(self, directory: str) -> str:
