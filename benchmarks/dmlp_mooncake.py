@@ -40,6 +40,7 @@ sys.path.insert(0, ROOT)
 
 from stratum_jax.dmlp.features import FEATURE_NAMES                      # noqa: E402
 from stratum_jax.dmlp.model import Predictor                             # noqa: E402
+from stratum_jax.dmlp.learner import OnlineConfig                          # noqa: E402
 from stratum_jax.dmlp.policy import reuse_before_eviction                # noqa: E402
 from stratum_jax.dmlp.checkpoint import load_checkpoint                          # noqa: E402
 from training.pipeline import EvalOptions, run_eval, run_train, write_report  # noqa: E402
@@ -183,11 +184,15 @@ SHIFT_ROUND_MS = 2.0      # one round every 8 trace seconds (time scale 1000, cp
 PARTS = ("held_out", "shifted")
 
 
-def shifted(trace: str, parts=PARTS, shifted_warmup: bool = True) -> int:
+def shifted(trace: str, parts=PARTS, shifted_warmup: bool = True, suffix: str = "",
+            decision_horizon: int = -1, hold_reuse: bool = False) -> int:
     """Issue #15: held-out part and a shifted workload, offline / guarded / online beside the baselines.
     parts: which to evaluate (each writes its own JSON, so two processes can run them side by side);
     shifted_warmup: replay the training part before the shifted workload as warm-up (history and cache),
-    as the held-out part is; without it the shifted workload starts from an empty cache and history."""
+    as the held-out part is; without it the shifted workload starts from an empty cache and history.
+    suffix: appended to the output file names (dmlp_shift_<part><suffix>.json), so a re-run keeps earlier ones.
+    decision_horizon: the online learner's (`OnlineConfig.decision_horizon`, an index into the horizons).
+    hold_reuse: the online replay's labels of a reuse wait for each horizon's deadline (`OutcomeTracker`)."""
     import jax
 
     from training.report_plot import plot_over_time
@@ -199,7 +204,9 @@ def shifted(trace: str, parts=PARTS, shifted_warmup: bool = True) -> int:
     # The held-out part also replays the guard judging from the scored part only (fed by the warm-up, but
     # no trip or return in it): whether the warm-up replay should reach the guard's decisions (#15).
     opts = {"held_out": EvalOptions(SHIFT_CAPACITIES, 0.0, guard=True, online=False, guard_after_warmup=True),
-            "shifted": EvalOptions(SHIFT_CAPACITIES, 0.0, guard=True, online=True, online_round_ms=SHIFT_ROUND_MS)}
+            "shifted": EvalOptions(SHIFT_CAPACITIES, 0.0, guard=True, online=True, online_round_ms=SHIFT_ROUND_MS,
+                                   online_config=OnlineConfig(decision_horizon=decision_horizon),
+                                   online_hold_reuse=hold_reuse)}
     dev = jax.devices()[0]
     with tempfile.TemporaryDirectory() as tmp:
         split = split_by_time(trace, tmp)
@@ -225,7 +232,10 @@ def shifted(trace: str, parts=PARTS, shifted_warmup: bool = True) -> int:
                 print(f"  {p:22s} " + " ".join(f"{x:7.4f}" for x in rates))
             rep["benchmark"] = {
                 "command": f"python benchmarks/dmlp_mooncake.py --shifted --parts {name}"
-                           + ("" if warm or name == "held_out" else " --no-shifted-warmup"),
+                           + ("" if warm or name == "held_out" else " --no-shifted-warmup")
+                           + (f" --suffix {suffix}" if suffix else "")
+                           + (f" --online-decision-horizon {decision_horizon}" if decision_horizon != -1 else "")
+                           + (" --online-hold-reuse" if hold_reuse else ""),
                 "part": name, "trace": os.path.relpath(os.path.abspath(trace), ROOT), "time_scale": TIME_SCALE,
                 "train_share_of_timeline": TRAIN_SHARE, "warmup": warm, "model": dataclasses.asdict(SHIFT_MODEL),
                 "train_seconds": train_seconds, "capacities": SHIFT_CAPACITIES,
@@ -234,12 +244,12 @@ def shifted(trace: str, parts=PARTS, shifted_warmup: bool = True) -> int:
                 "jax": jax.__version__, "date": datetime.date.today().isoformat(), "platform": platform.platform(),
                 "targets": shift_targets(rep["policy"]),
             }
-            path = os.path.join(RESULTS, f"dmlp_shift_{name}.json")
+            path = os.path.join(RESULTS, f"dmlp_shift_{name}{suffix}.json")
             write_report(rep, path)
             print(json.dumps(rep["benchmark"]["targets"], indent=1))
             print(f"wrote {path}", flush=True)
             if name == "shifted":
-                plot_over_time(rep, os.path.join(RESULTS, "dmlp_shift_over_time.png"), SHIFT_CAPACITIES,
+                plot_over_time(rep, os.path.join(RESULTS, f"dmlp_shift_over_time{suffix}.png"), SHIFT_CAPACITIES,
                                title="Shifted Mooncake workload (3x arrivals, 8 system prompts, 30% synthetic): "
                                      "hit rate over time; grey lines = online weight swaps")
     return 0
@@ -267,13 +277,23 @@ def main() -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help="with --shifted: held_out, shifted or both")
     ap.add_argument("--shifted-warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="with --shifted: replay the training part before the shifted workload (default on)")
+    ap.add_argument("--suffix", default="", help="with --shifted: appended to the output file names")
+    ap.add_argument("--online-decision-horizon", type=int, default=-1,
+                    help="with --shifted: the online learner's decision horizon, an index into (10, 50, 100, "
+                         "200, 500) ms (default -1: 500 ms, the server's)")
+    ap.add_argument("--online-hold-reuse", action="store_true",
+                    help="with --shifted: the online labels of a reuse wait for each horizon's deadline")
     a = ap.parse_args()
     if a.shifted:
         os.makedirs(RESULTS, exist_ok=True)
         parts = tuple(p for p in a.parts.split(",") if p)
         if not parts or set(parts) - set(PARTS):
             ap.error(f"--parts must name some of {', '.join(PARTS)}, got {a.parts!r}")
-        return shifted(a.trace, parts, a.shifted_warmup)
+        if not all(c.isalnum() or c in "_-." for c in a.suffix):
+            ap.error(f"--suffix may hold letters, digits, '_', '-' and '.' only, got {a.suffix!r}")
+        if not -5 <= a.online_decision_horizon < 5:
+            ap.error(f"--online-decision-horizon must index the 5 horizons (-5..4), got {a.online_decision_horizon}")
+        return shifted(a.trace, parts, a.shifted_warmup, a.suffix, a.online_decision_horizon, a.online_hold_reuse)
     os.makedirs(RESULTS, exist_ok=True)
     opts = EvalOptions(CAPACITY_FRACS, HOST_FRAC)
     with tempfile.TemporaryDirectory() as tmp:

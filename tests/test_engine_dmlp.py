@@ -347,7 +347,7 @@ def test_idle_engine_still_labels_accesses_for_online_fine_tuning(tiny):
     online fine-tuning keeps learning when a server goes quiet."""
     from stratum_jax.dmlp.outcomes import OutcomeTracker
     got = []
-    tracker = OutcomeTracker(H, lambda raw, labels: got.append((raw, labels)))
+    tracker = OutcomeTracker(H, lambda raw, labels, known: got.append((raw, labels * known)))
     policy = DmlpPolicy(StubPredictor(), on_access=tracker.accessed, on_idle=tracker.idle, score_on_access=False)
     clock = FakeClock()
     engine = Engine(RuntimeConfig(model="tiny", max_context=128, kv_pool_tokens=1024, page_size=8), model=tiny,
@@ -360,7 +360,8 @@ def test_idle_engine_still_labels_accesses_for_online_fine_tuning(tiny):
     engine.tick()
     raw = np.concatenate([r for r, _ in got])
     labels = np.concatenate([lab for _, lab in got])
-    assert len(raw) == 5 and labels.shape == (5, len(H)) and not labels.any()
+    # Each of the 5 pages' horizons is decided on its own deadline: one row per (page, horizon), all 0.
+    assert len(raw) == 5 * len(H) and labels.shape == (5 * len(H), len(H)) and not labels.any()
     assert Engine(RuntimeConfig(model="tiny", max_context=128), model=tiny).idle_tick_s is None   # lru
 
 

@@ -101,15 +101,22 @@ def test_observe_never_blocks_and_counts_drops(tmp_path):
 
 
 def test_outcome_tracker_labels():
+    """Each horizon's label is handed over once, when it is decided: at the block's next use (1 for every
+    horizon not yet decided) or when that horizon has passed without one (0)."""
     got = []
-    tr = OutcomeTracker((10.0, 100.0), lambda raw, lab: got.extend(zip(raw[:, 0].tolist(), lab.tolist())),
-                        batch=1)
+    tr = OutcomeTracker((10.0, 100.0), lambda raw, lab, known: got.extend(
+        zip(raw[:, 0].tolist(), lab.tolist(), known.tolist())), batch=1)
     row = lambda v: np.full((1, len(FEATURE_NAMES)), v, np.float32)
     tr.accessed(["a"], row(1), 0.0)
-    tr.accessed(["b"], row(2), 5.0)
-    tr.accessed(["a"], row(3), 50.0)       # a came back after 50 ms: (no, yes)
-    tr.accessed(["c"], row(4), 200.0)      # b (from 5) and a (from 50) idle > 100 ms: (no, no)
-    tr.accessed(["c"], row(5), 204.0)      # c came back after 4 ms: (yes, yes)
-    tr.expire(1000.0)                      # c (from 204) expires unused
-    assert got == [(1.0, [0.0, 1.0]), (2.0, [0.0, 0.0]), (3.0, [0.0, 0.0]), (4.0, [1.0, 1.0]),
-                   (5.0, [0.0, 0.0])]
+    tr.accessed(["b"], row(2), 5.0)       # a's 10 ms horizon is still open
+    assert got == []
+    tr.accessed(["a"], row(3), 50.0)       # a's 10 ms passed unused (0), then a came back: 100 ms is 1
+    assert got == [(1.0, [0.0, 0.0], [1.0, 0.0]), (2.0, [0.0, 0.0], [1.0, 0.0]), (1.0, [0.0, 1.0], [0.0, 1.0])]
+    got.clear()
+    tr.accessed(["c"], row(4), 200.0)      # b (from 5) and a (from 50): 100 ms passed unused; a's 10 ms too
+    assert sorted(got) == [(2.0, [0.0, 0.0], [0.0, 1.0]), (3.0, [0.0, 0.0], [0.0, 1.0]),
+                           (3.0, [0.0, 0.0], [1.0, 0.0])]
+    got.clear()
+    tr.accessed(["c"], row(5), 204.0)      # c came back after 4 ms: both horizons 1, in one row
+    tr.expire(1000.0)                      # c (from 204) expires unused, one horizon at a time
+    assert got == [(4.0, [1.0, 1.0], [1.0, 1.0]), (5.0, [0.0, 0.0], [1.0, 0.0]), (5.0, [0.0, 0.0], [0.0, 1.0])]

@@ -37,7 +37,9 @@ DEFAULT_ROUND_MS = 1.0
 class OnlineRun:
     """curves: float32 [E, H], P(reuse) of every access by the weights live then (the starting weights
     before `start`); version: int64 [E], the number of swaps live at each access; swap_ms: times of the
-    swaps; rounds: rounds run; accuracy: holdout accuracy after each round, [(t_ms, accuracy)]."""
+    swaps; rounds: rounds run; accuracy: holdout accuracy after each round, [(t_ms, accuracy)] (NaN while
+    the holdout has no decided label at the decision horizon); refusals: rounds not judged because the
+    holdout's decided labels at the decision horizon were one class (`Learner.round`)."""
 
     curves: np.ndarray
     version: np.ndarray
@@ -45,19 +47,21 @@ class OnlineRun:
     rounds: int
     accuracy: list[tuple[float, float]]
     config: dict
+    refusals: int = 0
 
 
 def online_run(rep: Replay, predictor: Predictor, config: OnlineConfig = OnlineConfig(),
                round_ms: float = DEFAULT_ROUND_MS, track_fraction: float = 0.25,
-               start: int | None = None) -> OnlineRun:
+               start: int | None = None, hold_reuse: bool = False) -> OnlineRun:
     """Replays `rep` once with online fine-tuning from event `start` on (default: its scored part, so the
-    learner starts where the unseen workload does). `predictor` is not modified (a copy learns)."""
+    learner starts where the unseen workload does). `predictor` is not modified (a copy learns).
+    hold_reuse: `OutcomeTracker`'s, an experiment (the server's tracker hands a reuse over at once)."""
     s, raw = rep.stream, rep.history.raw()
     start = rep.score_from if start is None else start
     live = Predictor(predictor.config, predictor.params, predictor.normalizer)
     threshold = ConfidenceThreshold()
     tuner = InlineFineTuner(live, config, round_s=round_ms / 1000.0, threshold=threshold)
-    tracker = OutcomeTracker(predictor.config.horizons_ms, tuner.observe)
+    tracker = OutcomeTracker(predictor.config.horizons_ms, tuner.observe, hold_reuse=hold_reuse)
     policy = DmlpPolicy(live, threshold, on_access=tracker.accessed, score_on_access=False,
                         track_fraction=track_fraction)
     E = s.num_events
@@ -94,4 +98,6 @@ def online_run(rep: Replay, predictor: Predictor, config: OnlineConfig = OnlineC
         policy.track_accesses(blocks[a:b], raw[a:b], now)
     predict_pending(E)
     return OnlineRun(curves, version, swap_ms, rounds, accuracy,
-                     {**dataclasses.asdict(config), "round_ms": round_ms, "track_fraction": track_fraction})
+                     {**dataclasses.asdict(config), "round_ms": round_ms, "track_fraction": track_fraction,
+                      "hold_reuse": hold_reuse},
+                     refusals=tuner.refusals)

@@ -26,7 +26,9 @@ class EvalOptions:
     guard (`guard_window` accesses). online: also replay with the server's online fine-tuning on the
     simulated clock (`training/online_replay.py`), each round charged `online_round_ms`, tracking
     `online_track` of the blocks; `online_config`: the learner's settings (the server's by default).
-    guard_after_warmup: also replay the guard judging from the scored part only (`policy_hit_rates`)."""
+    guard_after_warmup: also replay the guard judging from the scored part only (`policy_hit_rates`).
+    online_hold_reuse: the online replay's tracker holds a reuse's labels to each horizon's deadline
+    (`OutcomeTracker(hold_reuse=True)`; an experiment: the server's tracker does not)."""
 
     capacity_fracs: tuple[float, ...]
     host_frac: float
@@ -37,6 +39,7 @@ class EvalOptions:
     online_track: float = 0.25
     online_config: OnlineConfig = OnlineConfig()
     guard_after_warmup: bool = False
+    online_hold_reuse: bool = False
 
 
 def headline_horizon(horizons_ms, positive_rate) -> float:
@@ -120,8 +123,8 @@ def evaluation_report(predictor: Predictor, ckpt: DmlpCheckpoint, ex, replays, o
     metrics, calib = example_metrics(predictor, ex)
     runs = None
     if opts.online:
-        runs = [online_run(r, predictor, opts.online_config, opts.online_round_ms, opts.online_track)
-                for r in replays]
+        runs = [online_run(r, predictor, opts.online_config, opts.online_round_ms, opts.online_track,
+                           hold_reuse=opts.online_hold_reuse) for r in replays]
     report = {
         "params": count_params(ckpt.params),
         "horizons_ms": list(ckpt.config.horizons_ms),
@@ -139,6 +142,7 @@ def evaluation_report(predictor: Predictor, ckpt: DmlpCheckpoint, ex, replays, o
     if runs is not None:
         report["online"] = {"config": runs[0].config, "rounds": [r.rounds for r in runs],
                             "swaps": [len(r.swap_ms) for r in runs], "swap_ms": runs[0].swap_ms,
+                            "refusals": [r.refusals for r in runs],
                             "holdout_accuracy": runs[0].accuracy[::max(1, len(runs[0].accuracy) // 200)]}
     _flag_flat_labels(report, "evaluation", metrics["positive_rate"])
     return report

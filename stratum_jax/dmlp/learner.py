@@ -1,10 +1,18 @@
 """The online learner: what the fine-tuning worker process does with live (features, reuse) pairs.
 
-It keeps a recent window of examples; every `holdout_every`-th example goes to a holdout window
-instead. A round takes `steps_per_round` optax steps on a candidate copy of the weights, then compares
+It keeps a recent window of examples; one access in `holdout_every` goes to a holdout window instead
+(chosen by a hash of its features, so the rows of one access, one per decided horizon (outcomes.py), land on
+the same side). A round takes `steps_per_round` optax steps on a candidate copy of the weights, then compares
 candidate and live weights on the holdout: the candidate becomes live only if its holdout loss is no
 worse; otherwise it restarts from the live weights. Plain in-process code: `worker_main` runs it in a
 separate process (see online.py), tests call it directly.
+
+Labels come with a per-horizon `known` mask: an undecided (censored) horizon counts in neither the loss
+nor the holdout comparison, accuracy or threshold calibration. And a round that finds only one class
+among the holdout's decided labels at the decision horizon swaps nothing and leaves the threshold as it
+is (accuracy is still reported, over the decided labels): such a holdout cannot tell a
+model that drifts towards "always reused" from a better one (issue #15's shifted run, whose span is
+shorter than the longest horizon, swapped 44 of 45 rounds on it). `refusals` counts those rounds.
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ class OnlineConfig:
     queue_batches: int = 1024          # observe() batches waiting for the worker; more are dropped
     window: int = 65536                # recent training examples kept
     holdout_window: int = 8192         # recent holdout examples kept
-    holdout_every: int = 5             # every 5th example is held out
+    holdout_every: int = 5             # one access in 5 is held out
     min_examples: int = 2048           # training examples before the first round
     min_holdout: int = 512
     batch_size: int = 256
@@ -38,16 +46,17 @@ class OnlineConfig:
 
 
 class _Ring:
-    """Fixed-size ring of (raw [F], labels [H]) rows."""
+    """Fixed-size ring of (raw [F], labels [H], known [H]) rows."""
 
     def __init__(self, size: int, n_features: int, n_horizons: int):
         self.raw = np.zeros((size, n_features), np.float32)
         self.labels = np.zeros((size, n_horizons), np.float32)
+        self.known = np.zeros((size, n_horizons), np.float32)
         self.count = 0
 
-    def add(self, raw: np.ndarray, labels: np.ndarray) -> None:
+    def add(self, raw: np.ndarray, labels: np.ndarray, known: np.ndarray) -> None:
         idx = (self.count + np.arange(len(raw))) % len(self.raw)
-        self.raw[idx], self.labels[idx] = raw, labels
+        self.raw[idx], self.labels[idx], self.known[idx] = raw, labels, known
         self.count += len(raw)
 
     def __len__(self) -> int:
@@ -69,7 +78,8 @@ class Learner:
         h, f = len(model_config.horizons_ms), len(normalizer.mean)
         self.train = _Ring(config.window, f, h)
         self.holdout = _Ring(config.holdout_window, f, h)
-        self._seen = 0
+        self.refusals = 0          # rounds whose holdout had one class at the decision horizon
+        self.refused: str | None = None
         self._net = DmlpNet(model_config)
         self._opt = optax.adamw(config.learning_rate, weight_decay=1e-4)
         self._step = make_step(self._net, self._opt)
@@ -78,32 +88,49 @@ class Learner:
         self.updates = 0
         self.accuracy = float("nan")
 
-    def add(self, raw: np.ndarray, labels: np.ndarray) -> None:
-        k = self.config.holdout_every
-        held = (self._seen + np.arange(len(raw))) % k == k - 1
-        self._seen += len(raw)
-        self.holdout.add(raw[held], labels[held])
-        self.train.add(raw[~held], labels[~held])
+    def add(self, raw: np.ndarray, labels: np.ndarray, known: np.ndarray | None = None) -> None:
+        """raw [N, F], labels [N, H], known [N, H] (1 = that horizon's label is decided; None: all are).
+        Rows with no decided horizon are dropped."""
+        known = np.ones_like(labels) if known is None else np.asarray(known, np.float32)
+        if known.shape != labels.shape:
+            raise ValueError(f"known must have the labels' shape {labels.shape}, got {known.shape}")
+        keep = known.any(1)
+        raw, labels, known = raw[keep], labels[keep], known[keep]
+        held = holdout_rows(raw, self.config.holdout_every)
+        self.holdout.add(raw[held], labels[held], known[held])
+        self.train.add(raw[~held], labels[~held], known[~held])
 
     @property
     def ready(self) -> bool:
         return len(self.train) >= self.config.min_examples and len(self.holdout) >= self.config.min_holdout
 
     def round(self) -> bool:
-        """One round of steps on the candidate, then the holdout comparison. True if it was swapped in."""
+        """One round of steps on the candidate, then the holdout comparison on the decided labels. True if
+        it was swapped in; `refused` says why a round was not judged (None when it was)."""
         from stratum_jax.dmlp.features import feature_matrix
         from stratum_jax.dmlp.train_step import mean_bce, predict_in_batches
         cfg, n = self.config, len(self.train)
         for _ in range(cfg.steps_per_round):
             idx = self._rng.integers(0, n, cfg.batch_size)
             x = feature_matrix(self.train.raw[idx], self.normalizer)
-            y = self.train.labels[idx]
-            self.candidate, self._opt_state, _ = self._step(self.candidate, self._opt_state, x, y, np.ones_like(y))
+            self.candidate, self._opt_state, _ = self._step(self.candidate, self._opt_state, x,
+                                                            self.train.labels[idx], self.train.known[idx])
         m = len(self.holdout)
-        x_h, y_h = feature_matrix(self.holdout.raw[:m], self.normalizer), self.holdout.labels[:m]
+        x_h, y_h, known_h = (feature_matrix(self.holdout.raw[:m], self.normalizer), self.holdout.labels[:m],
+                             self.holdout.known[:m])
         p_live = predict_in_batches(self._net, self.live, x_h, batch=1024)
         p_cand = predict_in_batches(self._net, self.candidate, x_h, batch=1024)
-        swapped = bool(mean_bce(p_cand, y_h) <= mean_bce(p_live, y_h))
+        k = cfg.decision_horizon
+        decided = known_h[:, k] > 0
+        classes = np.unique(y_h[decided, k] > 0.5)
+        self.refused = None
+        if len(classes) < 2:
+            self.refusals += 1
+            self.refused = (f"the holdout's {int(decided.sum())} decided labels at the decision horizon are "
+                            f"{'all ' + ('reused' if classes[0] else 'not reused') if len(classes) else 'none'}")
+            swapped = False
+        else:
+            swapped = bool(mean_bce(p_cand, y_h, known_h) <= mean_bce(p_live, y_h, known_h))
         if swapped:
             self.live = self.candidate
             self.updates += 1
@@ -111,9 +138,12 @@ class Learner:
         else:
             self.candidate, self._opt_state = self.live, self._opt.init(self.live)
             best = p_live
-        k = cfg.decision_horizon
-        self.accuracy = float(((best[:, k] >= 0.5) == (y_h[:, k] > 0.5)).mean())
-        self.threshold.calibrate(best[:, k], y_h[:, k])
+        if decided.any():
+            self.accuracy = float(((best[decided, k] >= 0.5) == (y_h[decided, k] > 0.5)).mean())
+        else:
+            self.accuracy = float("nan")
+        if self.refused is None:      # one class cannot place a hot/cold threshold either
+            self.threshold.calibrate(best[decided, k], y_h[decided, k])
         return swapped
 
     def checkpoint(self, directory: str) -> str:
@@ -157,10 +187,22 @@ class RoundSchedule:
 def run_round(learner: Learner) -> tuple:
     """One round and the message that reports it, as the live weights' owner applies it
     (`online.LiveWeights.apply`): ("swap", params, accuracy, confidence, updates) or
-    ("stats", accuracy, confidence)."""
+    ("stats", accuracy, confidence, refused: why the round was not judged, or None)."""
     if learner.round():
         return ("swap", numpy_tree(learner.live), learner.accuracy, learner.threshold.value, learner.updates)
-    return ("stats", learner.accuracy, learner.threshold.value)
+    return ("stats", learner.accuracy, learner.threshold.value, learner.refused)
+
+
+def holdout_rows(raw: np.ndarray, every: int) -> np.ndarray:
+    """bool [N]: the rows raw [N, F] that go to the holdout, about one in `every`, by a hash of the feature
+    bits: the tracker hands an access over as one row per decided horizon (same features), and a split by
+    position would put the same access on both sides."""
+    bits = np.ascontiguousarray(raw, np.float32).view(np.uint32).astype(np.uint64)
+    mult = np.uint64(0x9E3779B97F4A7C15) ^ np.arange(bits.shape[1], dtype=np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+    h = (bits * mult[None, :]).sum(1, dtype=np.uint64)
+    h ^= h >> np.uint64(31)
+    h *= np.uint64(0x94D049BB133111EB)
+    return (h >> np.uint64(33)) % np.uint64(every) == 0
 
 
 def worker_main(data_q, control_q, out_q, model_config, params, normalizer, config: OnlineConfig,
@@ -209,10 +251,10 @@ def worker_main(data_q, control_q, out_q, model_config, params, normalizer, conf
 def _drain(data_q, learner: Learner) -> None:
     while True:
         try:
-            raw, labels = data_q.get_nowait()
+            raw, labels, known = data_q.get_nowait()
         except queue.Empty:
             return
-        learner.add(raw, labels)
+        learner.add(raw, labels, known)
 
 
 def numpy_tree(params):

@@ -8,7 +8,9 @@ budget (`cpu_budget`), does not.
 
 - `observe` never blocks: it puts into a bounded queue and drops the batch when the queue is full.
 - The worker validates each round on a recent holdout window and the live weights change only when
-  the candidate is no worse; the thread then hot-swaps `model.params` (one reference assignment).
+  the candidate is no worse on the decided labels; the thread then hot-swaps `model.params` (one
+  reference assignment). A round whose holdout has one class at the decision horizon is not judged
+  (logged, counted in `refusals`).
 - The worker checkpoints with orbax (atomic) every `checkpoint_interval_s` and at `stop()`, into
   `checkpoint_dir/step-NNNNNNNN`, keeping the newest `keep_checkpoints`.
 - Metrics, in the prometheus_client registry given: `stratum_dmlp_accuracy` (live weights on the
@@ -44,6 +46,7 @@ class LiveWeights:
     threshold: ConfidenceThreshold
     updates: int
     evaluations: int
+    refusals: int        # rounds not judged: one class at the decision horizon in the holdout
     accuracy: float
     _updates_counter: object
 
@@ -55,9 +58,23 @@ class LiveWeights:
                 self._updates_counter.inc(updates - self.updates)
             self.updates = updates
         else:
-            _, self.accuracy, confidence = msg
+            _, self.accuracy, confidence, refused = msg
+            if refused is not None:
+                self.refusals += 1
+                log.info("online DMLP round not judged, live weights kept: %s", refused)
         self.threshold.set(confidence)
         self.evaluations += 1
+
+
+def _example_rows(features, reuse_labels, known, n_features: int, n_horizons: int):
+    """(raw [N, F], labels [N, H], known [N, H]) as float32, checked against the model's sizes."""
+    raw = np.atleast_2d(np.asarray(features, np.float32))
+    labels = np.atleast_2d(np.asarray(reuse_labels, np.float32))
+    known = np.ones_like(labels) if known is None else np.atleast_2d(np.asarray(known, np.float32))
+    if raw.shape[1:] != (n_features,) or labels.shape != (len(raw), n_horizons) or known.shape != labels.shape:
+        raise ValueError(f"observe wants features [N, {n_features}], labels and known [N, {n_horizons}], "
+                         f"got {raw.shape}, {labels.shape} and {known.shape}")
+    return raw, labels, known
 
 
 class InlineFineTuner(LiveWeights):
@@ -76,14 +93,14 @@ class InlineFineTuner(LiveWeights):
         self.threshold = threshold or ConfidenceThreshold()
         self.learner = Learner(model.config, model.params, model.normalizer, config, self.threshold)
         self.schedule = RoundSchedule(config.cpu_budget)
-        self.updates = self.evaluations = 0
+        self.updates = self.evaluations = self.refusals = 0
         self.accuracy = float("nan")
         self._updates_counter = None
         self.swap_times_s: list[float] = []     # when each swap took effect, on the replay's clock
 
-    def observe(self, features: np.ndarray, reuse_labels: np.ndarray) -> bool:
-        self.learner.add(np.atleast_2d(np.asarray(features, np.float32)),
-                         np.atleast_2d(np.asarray(reuse_labels, np.float32)))
+    def observe(self, features: np.ndarray, reuse_labels: np.ndarray, known: np.ndarray | None = None) -> bool:
+        self.learner.add(*_example_rows(features, reuse_labels, known, len(self.model.normalizer.mean),
+                                        len(self.model.config.horizons_ms)))
         return True
 
     def due(self, now_s: float) -> bool:
@@ -126,6 +143,7 @@ class OnlineFineTuner(LiveWeights):
         self._thread: threading.Thread | None = None
         self.updates = 0
         self.evaluations = 0     # rounds the worker evaluated on the holdout (each reports "swap" or "stats")
+        self.refusals = 0
         self.dropped = 0
         self.accuracy = float("nan")
         self.error: str | None = None
@@ -135,16 +153,13 @@ class OnlineFineTuner(LiveWeights):
         if metrics_registry is not None:
             self.export(metrics_registry)
 
-    def observe(self, features: np.ndarray, reuse_labels: np.ndarray) -> bool:
-        """features: raw [F] or [N, F] (NaN = missing); reuse_labels: [H] or [N, H] in {0, 1}.
+    def observe(self, features: np.ndarray, reuse_labels: np.ndarray, known: np.ndarray | None = None) -> bool:
+        """features: raw [F] or [N, F] (NaN = missing); reuse_labels: [H] or [N, H] in {0, 1}; known: like
+        reuse_labels, 1 where that horizon's label is decided (None: all are; `OutcomeTracker` gives it).
         Never blocks; returns False (and counts the drop) when the queue is full."""
-        raw = np.atleast_2d(np.asarray(features, np.float32))
-        labels = np.atleast_2d(np.asarray(reuse_labels, np.float32))
-        if raw.shape[1:] != (self._n_features,) or labels.shape != (len(raw), self._n_horizons):
-            raise ValueError(f"observe wants features [N, {self._n_features}] and labels [N, {self._n_horizons}], "
-                             f"got {raw.shape} and {labels.shape}")
+        raw, labels, known = _example_rows(features, reuse_labels, known, self._n_features, self._n_horizons)
         try:
-            self._data.put_nowait((raw, labels))
+            self._data.put_nowait((raw, labels, known))
             return True
         except queue.Full:
             self.dropped += len(raw)
