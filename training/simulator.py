@@ -20,6 +20,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from stratum_jax.dmlp.ghost import unprotected_slots
 from training.traces import AccessStream
 
 
@@ -168,13 +169,7 @@ class Predicted:
         self.n += 1
 
     def victims(self, n, protected, event):
-        # The request's own cached blocks, found by slot (an isin over every cached block cost more).
-        free = np.ones(self.n, bool)
-        for b in protected:
-            s = self.slot.get(b)
-            if s is not None:
-                free[s] = False
-        cand = np.flatnonzero(free)
+        cand = unprotected_slots(self.n, self.slot, protected)   # all but the request's own cached blocks
         if len(cand) == 0:
             return []
         now = self.t_ms[event]

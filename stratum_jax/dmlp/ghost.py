@@ -46,6 +46,18 @@ Score = Callable[[list], np.ndarray]
 LONG_AGO_MS = -1e15
 
 
+def unprotected_slots(num_slots: int, slot_of: dict, protected) -> np.ndarray:
+    """Slots [0, num_slots) that may be evicted: all but those of the `protected` keys (the running
+    access's), found by slot through `slot_of` (an isin over every cached key costs more). Shared by the
+    ghost and the offline simulator (training/simulator.py)."""
+    free = np.ones(num_slots, bool)
+    for k in protected:
+        s = slot_of.get(k)
+        if s is not None:
+            free[s] = False
+    return np.flatnonzero(free)
+
+
 class GhostDmlpCache:
     """order: the DMLP's victim ranking (see module doc). num_horizons: H. slack_frac: eviction batch,
     as a share of capacity, and at least `min_slack` blocks. score: the model, for keys accessed with their features
@@ -112,12 +124,7 @@ class GhostDmlpCache:
         if self.mirror or len(self._keys) <= capacity + half:
             return
         n = len(self._keys) - max(capacity - half, 0)
-        free = np.ones(len(self._keys), bool)      # the running access's keys, found by slot
-        for k in protected:
-            s = self._slot.get(k)
-            if s is not None:
-                free[s] = False
-        cand = np.flatnonzero(free)
+        cand = unprotected_slots(len(self._keys), self._slot, protected)
         if len(cand) == 0:
             return
         self.rankings += 1
