@@ -22,5 +22,8 @@ if [ "${SKIP_STARTUP:-0}" != 1 ]; then
     --num-requests 2 --rates 1 --configs 'cold=--scheduler hab;warm=--scheduler hab' --server-args '--dtype bfloat16
     --max-batch-size 64 --max-context 32768 --kv-pool-tokens 1048576 --compilation-cache-dir /tmp/xc_startup' \
     --run-timeout 290 --request-timeout 30 --out-prefix startup_llama-1b_h200 --server-log-dir $OUT/logs 2>&1 | grep "started in"
-  grep -h "compiled\|warm-up" $OUT/logs/*.log | cut -c1-160 > $OUT/startup_log_lines.txt; rm -rf $OUT/logs
+  grep -h "compiled\|lowered\|warm-up" $OUT/logs/*.log | cut -c1-160 > $OUT/startup_log_lines.txt; rm -rf $OUT/logs
 fi
+cp benchmarks/results/startup_llama-1b_h200* "$OUT"/ 2>/dev/null
+# The device tool brings back at most 8 files: everything also goes back as one tar.
+(cd "$OUT" && tar czf /tmp/prefill_session.tgz . && mv /tmp/prefill_session.tgz .)

@@ -163,11 +163,14 @@ def main(argv=None):
             rows.append(dict(case=f"decode{R}@{dctx}", decode_ctx=dctx, ms=decode_ms[dctx]))
             print(f"{rows[-1]['case']:42} {decode_ms[dctx]:8.2f} {1.0:9.2f}")
         batch = packed_batch(geo, dctx, chunks, chunk, pctx, starts, sizes, num_slots)
-        ms = timed(lambda kv: D.packed_step(m.params, kv, batch, cfg=cfg, geo=geo))
+        # compiled as the engine compiles it (model_runner: packed_step_compiler_options)
+        packed = D.packed_step.lower(m.params, state["kv"], batch, cfg=cfg, geo=geo).compile(
+            D.packed_step_compiler_options(jax.default_backend()))
+        ms = timed(lambda kv: packed(m.params, kv, batch))
         name = f"decode{R - chunks}@{dctx} + {chunks}x{chunk} prefill@{pctx}"
         if args.profile:
             top_kernels(pathlib.Path(args.profile) / spec.replace(":", "_"),
-                        lambda: state.update(kv=D.packed_step(m.params, state["kv"], batch, cfg=cfg, geo=geo)[1]))
+                        lambda: state.update(kv=packed(m.params, state["kv"], batch)[1]))
         rows.append(dict(case=name, decode_ctx=dctx, chunks=chunks, chunk=chunk, prefill_ctx=pctx, ms=ms,
                          prefill_tokens=int(batch.tile_rows.shape[0] * geo.prefill_tile),
                          ratio_to_decode=ms / decode_ms[dctx]))

@@ -211,6 +211,18 @@ def prompt_logprobs_piece(params, hidden, next_tokens, *, cfg):
     return token_logprobs(llama.compute_logits(params, cfg, hidden), next_tokens, top_k=MAX_TOP_LOGPROBS)
 
 
+# XLA's dot merger turns the gate and up projections (and q/k/v) into one GEMM by concatenating their
+# weights on the device. In `decode_steps` the concatenation is loop-invariant (paid once per call of
+# several steps); in the packed step it is paid every step, for every layer: 64 MB of gate+up weights per
+# layer at llama-1b, a seventh of a batch-64 step with one 256-token chunk (H200 profile, BENCHMARKS.md).
+PACKED_STEP_GPU_COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+
+
+def packed_step_compiler_options(platform: str) -> dict:
+    """XLA options `packed_step` is compiled with on `platform` ("gpu", "cpu", ...)."""
+    return dict(PACKED_STEP_GPU_COMPILER_OPTIONS) if platform == "gpu" else {}
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "geo"), donate_argnames=("kv_cache",))
 def packed_step(params, kv_cache, batch: PackedBatch, feed: TokenFeed | None = None, *, cfg, geo: StepGeometry):
     """One engine step over a packed batch (decode tokens and prefill chunks together). feed: decode

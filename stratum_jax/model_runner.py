@@ -23,7 +23,8 @@ from stratum_jax.attention import RowTables
 from stratum_jax.config import RuntimeConfig
 from stratum_jax.decode import (ATTN_VAR_LAST_TOKENS, PROMPT_LOGPROB_PIECE, DecodeResult, PackedBatch,
                                 SamplerVariant, StepGeometry, StepResult, TokenFeed, decode_steps, packed_step,
-                                prompt_logprobs_piece, sample_step)
+                                packed_step_compiler_options, prompt_logprobs_piece, sample_step)
+from stratum_jax.executable_cache import ExportedSteps
 from stratum_jax.sampling import MAX_TOP_LOGPROBS
 from stratum_jax.sampling import SamplingArrays
 from stratum_jax.scheduler.base import ScheduledBatch
@@ -126,24 +127,35 @@ class ModelRunner:
                                 attn_stats=attn_stats, tp=None if model is None else model.tp)
         self.buckets = prefill_buckets(config)
         self.shapes = all_step_shapes(config)
+        self.exports = ExportedSteps(config.compilation_cache_dir)
         self._zero_tokens = None
 
     # -- compilation --------------------------------------------------------------------------------
     def _lower(self, shape: StepShape, kv_cache):
+        """The lowering of `shape`'s program, through the export cache (executable_cache.py)."""
         cfg, geo, params = self.model.config, self.geo, self.model.params
         feed = TokenFeed(self._no_tokens(), np.full(geo.rows, -1, np.int32))
+        name, key = shape.file_label(), self._key(shape)
         if shape.kind == "decode":
             args = self._decode_inputs(None)
-            return decode_steps.lower(params, kv_cache, *args, feed, cfg=cfg, geo=geo, variant=shape.variant)
+            return self.exports.lower(name, key, decode_steps, (params, kv_cache, *args, feed),
+                                      dict(cfg=cfg, geo=geo, variant=shape.variant), donate_argnums=(1,))
         if shape.kind == "packed":
             batch, _ = self._packed_inputs(None, shape.prefill_tokens)
-            return packed_step.lower(params, kv_cache, batch, feed, cfg=cfg, geo=geo)
+            return self.exports.lower(name, key, packed_step, (params, kv_cache, batch, feed),
+                                      dict(cfg=cfg, geo=geo), donate_argnums=(1,))
         if shape.kind == "sample":
             logits = jax.ShapeDtypeStruct((geo.rows, cfg.vocab_size), np.float32,
                                           sharding=geo.tp.replicated if geo.tp else None)   # as packed_step's
-            return sample_step.lower(logits, self._tables_and_sampling([])[2], variant=shape.variant)
+            return self.exports.lower(name, key, sample_step, (logits, self._tables_and_sampling([])[2]),
+                                      dict(variant=shape.variant))
         hidden = jax.ShapeDtypeStruct((PROMPT_LOGPROB_PIECE, cfg.hidden_size), np.dtype(cfg.dtype))
-        return prompt_logprobs_piece.lower(params, hidden, np.zeros(PROMPT_LOGPROB_PIECE, np.int32), cfg=cfg)
+        return self.exports.lower(name, key, prompt_logprobs_piece,
+                                  (params, hidden, np.zeros(PROMPT_LOGPROB_PIECE, np.int32)), dict(cfg=cfg))
+
+    @staticmethod
+    def _compiler_options(shape: StepShape) -> dict:
+        return packed_step_compiler_options(jax.default_backend()) if shape.kind == "packed" else {}
 
     def _key(self, shape: StepShape) -> tuple:
         return shape, self.geo, self.model.config, self.num_slots, self.kv_layout
@@ -155,7 +167,7 @@ class ModelRunner:
     def _executable(self, shape: StepShape, kv_cache):
         exe = _EXECUTABLES.get(self._key(shape))
         if exe is None:
-            exe = self._lower(shape, kv_cache).compile()
+            exe = self._lower(shape, kv_cache).compile(self._compiler_options(shape))
             with _EXECUTABLES_LOCK:
                 exe = _EXECUTABLES.setdefault(self._key(shape), exe)
         return exe
@@ -174,18 +186,24 @@ class ModelRunner:
                 concurrent.futures.ThreadPoolExecutor(workers) as pool:
             def compile_one(shape, lowered):
                 t = time.perf_counter()
-                exe = lowered.compile()
+                exe = lowered.compile(self._compiler_options(shape))
                 log.info("compiled %s in %.1f s", shape, time.perf_counter() - t)
                 return shape, exe
 
-            futures = [pool.submit(compile_one, shape, self._lower(shape, kv_cache)) for shape in todo]
+            futures = []
+            for shape in todo:
+                t = time.perf_counter()
+                lowered = self._lower(shape, kv_cache)
+                log.info("traced and lowered %s in %.1f s", shape, time.perf_counter() - t)
+                futures.append(pool.submit(compile_one, shape, lowered))
             for future in concurrent.futures.as_completed(futures):
                 shape, exe = future.result()
                 with _EXECUTABLES_LOCK:
                     _EXECUTABLES.setdefault(self._key(shape), exe)
                 bar.update()
         seconds = time.perf_counter() - t0
-        log.info("compiled %d step shapes in %.1f s (%d threads)", len(todo), seconds, workers)
+        log.info("compiled %d step shapes in %.1f s (%d threads; export cache: %d read, %d exported)", len(todo),
+                 seconds, workers, self.exports.hits, self.exports.exports)
         return seconds
 
     # -- one step -----------------------------------------------------------------------------------

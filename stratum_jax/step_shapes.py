@@ -33,6 +33,13 @@ class StepShape:
     prefill_tokens: int = 0
     variant: SamplerVariant = SamplerVariant()
 
+    def file_label(self) -> str:
+        """A file-name-safe label, e.g. packed_p256 or decode_sampled_logprobs."""
+        if self.kind == "packed":
+            return f"packed_p{self.prefill_tokens}"
+        flags = ["sampled"] * self.variant.sampled + ["logprobs"] * self.variant.logprobs
+        return "_".join([self.kind, *flags])
+
     def __str__(self) -> str:
         v = f"sampled={self.variant.sampled}, logprobs={self.variant.logprobs}"
         if self.kind == "packed":
