@@ -347,7 +347,8 @@ async def scrape(url: str | None) -> dict:
 class Poller:
     """Samples gauges from /metrics every period_s while the replay runs."""
 
-    NAMES = ("stratum_gpu_idle_fraction", "stratum_queue_length", "stratum_running_requests")
+    NAMES = ("stratum_gpu_idle_fraction", "stratum_queue_length", "stratum_running_requests",
+             "stratum_prefill_tokens_total")
 
     def __init__(self, url: str | None, period_s: float) -> None:
         self.url, self.period_s = url, period_s
@@ -374,7 +375,27 @@ class Poller:
             await asyncio.gather(self._task, return_exceptions=True)
         cols = list(zip(*self.samples)) if self.samples else [[] for _ in range(len(self.NAMES) + 1)]
         return {"fields": ["t_s", *self.NAMES], "rows": self.samples, "scrape_errors": self.errors,
-                **{n.removeprefix("stratum_"): series_summary(cols[i + 1]) for i, n in enumerate(self.NAMES)}}
+                **{n.removeprefix("stratum_"): series_summary(cols[i + 1]) for i, n in enumerate(self.NAMES)},
+                **while_queued(self.samples)}
+
+
+def while_queued(rows: list[list]) -> dict:
+    """The saturation figures of issue #10 from Poller rows [t_s, idle fraction, queue length, running,
+    prefill tokens total]: over the sample intervals that start and end with requests queued, the mean
+    device idle fraction and the prefill throughput (prefilled tokens / seconds). None without such
+    intervals (or without the counter: an older server)."""
+    idle, seconds, tokens = [], 0.0, 0.0
+    for a, b in zip(rows, rows[1:]):
+        if not (a[2] and b[2]):                           # queue empty (or not read) at either end
+            continue
+        if b[1] is not None:
+            idle.append(b[1])
+        if a[4] is not None and b[4] is not None:
+            seconds += b[0] - a[0]
+            tokens += b[4] - a[4]
+    return {"queued_seconds": round(seconds, 3),
+            "gpu_idle_fraction_while_queued": round(float(np.mean(idle)), 4) if idle else None,
+            "prefill_tokens_per_s_while_queued": round(tokens / seconds, 1) if seconds > 0 else None}
 
 
 # ---------------------------------------------------------------- the server
@@ -756,7 +777,8 @@ def per_request_table(results: list[RequestResult]) -> dict:
 
 def print_table(report: dict) -> None:
     head = (f"{'config':<10} {'rate':>5} {'req/s':>7} {'ok/fail':>9} {'TTFT p50':>9} {'p95':>9} {'TPOT p50':>9} "
-            f"{'p95':>8} {'ITL p95':>8} {'out tok/s':>10} {'goodput':>8} {'compiles':>8}")
+            f"{'p95':>8} {'ITL p95':>8} {'out tok/s':>10} {'goodput':>8} {'compiles':>8} {'queued: prefill tok/s':>21} "
+            f"{'idle':>5}")
     print(head)
     print("-" * len(head))
 
@@ -772,12 +794,17 @@ def print_table(report: dict) -> None:
                 print(f"{c['name']:<10} {rate:>5} skipped: {s['skipped']}")
                 continue
             comp = "null" if s["jit_compilations"] is None else f"{s['jit_compilations']:.0f}"
+            q = s.get("metric_samples") or {}
+            idle = q.get("gpu_idle_fraction_while_queued")
+            idle = "-" if idle is None else f"{idle:.0%}"
             print(f"{c['name']:<10} {rate + 'x':>5} {s['offered_rps']:>7.2f} {s['finished']:>4}/{s['failed']:<4} "
                   f"{f(s['ttft_ms'], 'p50', 9)} {f(s['ttft_ms'], 'p95', 9)} {f(s['tpot_ms'], 'p50', 9)} "
                   f"{f(s['tpot_ms'], 'p95', 8)} {f(s['itl_ms'], 'p95', 8)} {s['output_tokens_per_s']:>10.1f} "
-                  f"{s['goodput_rps']:>8.3f} {comp:>8}")
+                  f"{s['goodput_rps']:>8.3f} {comp:>8} {f(q, 'prefill_tokens_per_s_while_queued', 21)} "
+                  f"{idle:>5}")
     print("(times in ms; req/s offered; goodput: requests/s meeting "
-          f"TTFT <= {report['args']['slo_ttft_ms']} ms and TPOT <= {report['args']['slo_tpot_ms']} ms)")
+          f"TTFT <= {report['args']['slo_ttft_ms']} ms and TPOT <= {report['args']['slo_tpot_ms']} ms; "
+          "queued: over the /metrics sample intervals with requests queued at both ends)")
 
 
 def plot(report: dict, path: pathlib.Path) -> bool:

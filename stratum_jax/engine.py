@@ -298,6 +298,7 @@ class Engine:
             kv_tokens_written=kv_tokens_written(self.scheduler.running),
             prefix_cache_hits=self.pool.prefix_hits, prefix_cache_queries=self.pool.prefix_queries,
             preemptions=self.scheduler.preemptions, steps=self.recorder.steps,
+            prefill_tokens=self.recorder.prefill_tokens,
             decode_step_ms=self.recorder.decode_ms_per_step() or 0.0,
             prefill_tokens_per_s=self.recorder.prefill_tokens_per_s() or 0.0,
             gpu_idle_frac=self.gpu_idle.idle_fraction(self.clock()), gpu_idle_gap_ms=self.gpu_idle.last_gap_ms,

@@ -41,6 +41,7 @@ class EngineStats:
     jit_compilations: int = 0            # XLA compiles in this process since the engine was built
     jit_compilations_after_serving: int = 0   # of those, after warm-up (each one is a bug)
     hab_triggers: int = 0                # times HAB admitted by CPM (0 for FCFS)
+    prefill_tokens: int = 0              # prompt tokens the engine has prefilled (cache hits excluded)
     kv_precision: str = "bf16"           # the KV precision running (--kv-precision after its fallbacks)
     kv_bytes_per_token: int = 0          # KV bytes a token slot holds over all layers (DKVC: deltas + scales)
     kv_recall_batches: int = 0           # steps that recalled host-tier pages
@@ -65,6 +66,7 @@ class StepRecorder:
 
     def __init__(self, window: int = 64):
         self.steps = 0
+        self.prefill_tokens = 0                         # prompt tokens prefilled by steps read back, in all
         self.last_step: StepTiming | None = None       # the latest step read back, for benchmarks/metrics
         self.recent_decode_ms: collections.deque[float] = collections.deque(maxlen=window)   # per token step
         self.recent_prefill_tps: collections.deque[float] = collections.deque(maxlen=window)
@@ -74,6 +76,7 @@ class StepRecorder:
     def record_timing(self, batch: ScheduledBatch, device_s: float) -> None:
         """A step read back: `batch` ran on the device for `device_s` seconds (0 or less: not timed)."""
         prefill_tokens = sum(batch.chunk_lens)
+        self.prefill_tokens += prefill_tokens
         self.last_step = StepTiming(batch.kind, device_s, len(batch.seqs), batch.num_tokens, prefill_tokens)
         if device_s <= 0:
             return

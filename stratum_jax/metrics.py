@@ -50,6 +50,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "stratum_engine_steps_total": ("counter", "Engine steps run."),
     "stratum_decode_step_seconds": ("gauge", "Recent decode step wall time (moving average)."),
     "stratum_prefill_tokens_per_second": ("gauge", "Recent prefill throughput (moving average)."),
+    "stratum_prefill_tokens_total": ("counter", "Prompt tokens the engine has prefilled (prefix-cache hits "
+                                                "excluded): its rate while requests queue is the prefill throughput."),
     "stratum_gpu_idle_fraction": ("gauge", "Share of the last second with no engine step on the device."),
     "stratum_gpu_idle_ms": ("histogram", "Device idle gap between a step's results and the next step's dispatch."),
     "stratum_requests_total": ("counter", "Messages requests by terminal gRPC status (ok, invalid_argument, ...)."),
@@ -190,6 +192,7 @@ class ServingMetrics:
         self.steps = counter("stratum_engine_steps_total")
         self.decode_step = gauge("stratum_decode_step_seconds")
         self.prefill_tps = gauge("stratum_prefill_tokens_per_second")
+        self.prefill_tokens = counter("stratum_prefill_tokens_total")
         self.gpu_idle_fraction = gauge("stratum_gpu_idle_fraction")
         self.gpu_idle_ms = histogram("stratum_gpu_idle_ms", _IDLE_MS_BUCKETS)
         self.requests = counter("stratum_requests_total")
@@ -254,7 +257,7 @@ class ServingMetrics:
                              ("kv_offloaded_pages", self.offloaded), ("kv_recalled_pages", self.recalled),
                              ("jit_compilations", self.jit_compilations),
                              ("jit_compilations_after_serving", self.jit_compilations_after_serving),
-                             ("hab_triggers", self.hab_triggers)):
+                             ("hab_triggers", self.hab_triggers), ("prefill_tokens", self.prefill_tokens)):
             self._advance(name, metric, getattr(stats, name))
         for choice in ("recall", "recompute"):
             self._advance(f"kv_{choice}_choices", self.recall_choices.labels(choice),

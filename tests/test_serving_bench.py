@@ -150,3 +150,15 @@ def test_configs_parse_and_own_flags_are_refused(bench):
             bench.parse_configs(bad)
     with pytest.raises(ValueError, match="--host"):
         bench.check_server_flags(["--host", "0.0.0.0"])
+
+
+def test_saturation_figures_count_only_intervals_with_requests_queued(bench):
+    # [t_s, idle fraction, queue length, running, prefill tokens total]
+    rows = [[0.0, 0.9, 0, 0, 0], [0.5, 0.2, 3, 8, 1000],      # queue fills: the interval before is not counted
+            [1.0, 0.0, 5, 8, 6000], [1.5, 0.1, 2, 8, 9000],  # two queued intervals: 8000 tokens in 1 s
+            [2.0, 0.8, 0, 4, 9500], [2.5, None, 1, 4, None]]
+    out = bench.while_queued(rows)
+    assert out == {"queued_seconds": 1.0, "gpu_idle_fraction_while_queued": 0.05,
+                   "prefill_tokens_per_s_while_queued": 8000.0}
+    assert bench.while_queued(rows[:1] + rows[4:]) == {"queued_seconds": 0.0, "gpu_idle_fraction_while_queued": None,
+                                                       "prefill_tokens_per_s_while_queued": None}
