@@ -7,7 +7,8 @@
 #   b1  tp=2 replicated under the other --collective-variant values of benchmarks/e2e_decode.py
 #       (cmdbuf-collectives, one-shot+cmdbuf, sync-all-reduce, nccl-ll), in that order
 # Runs in priority order and skips what would overrun BUDGET. Prints a table; JSON under $OUT:
-# e2e_<run>.json per run, split_<run>.json, tp_session_summary.json (all rows), log_<run>.txt.
+# e2e_<run>.json per run, split_<run>.json, tp_session_summary.json (all rows), log_<run>.txt, and all of
+# them in tp_session.tgz.
 # CPU dry run (tiny shapes, two host devices; checks every command line, not figures):
 #   OUT=/tmp/tpdry MODEL=tiny PROMPT=16 NEW=48 BIG=4 COPY_GB=0.01 ATTN=reference SPLIT_DEVICE=/host:CPU \
 #     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu bash benchmarks/gpu_tp_session.sh
@@ -81,3 +82,5 @@ for name, s in splits.items():
 (out / "tp_session_summary.json").write_text(json.dumps({"runs": rows, "splits": splits}, indent=2))
 PY
 ls -la "$OUT"
+# The device tool brings back at most 8 files: everything also goes back as one tar.
+(cd "$OUT" && tar czf /tmp/tp_session.tgz . && mv /tmp/tp_session.tgz .)
