@@ -90,8 +90,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.paged_attention import (
-    MMA_TRANSFORMS, TileColumns, TileContext, TuningConfig, check_pools_and_tables, decode_attention_pipeline,
-    kernel_static_args, reference_attend, reference_token_slots)
+    _Q_ROWS, MMA_TRANSFORMS, PREFILL_KERNEL_CONFIG, TileColumns, TileContext, TuningConfig, check_pools_and_tables,
+    check_prefill_query, decode_attention_pipeline, kernel_static_args, prefill_attention_pipeline,
+    prefill_block_tokens, prefill_rows_to_blocks, prefill_static_args, prefill_token_rows, reference_attend,
+    reference_token_slots)
 
 # The precision names of the engine flag (--kv-precision) -> delta dtype.
 DELTA_DTYPES = {"fp16-delta": jnp.dtype(jnp.float16), "fp8-delta": jnp.dtype(jnp.float8_e4m3fn)}
@@ -338,10 +340,11 @@ def delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, *, fold: 
 # Entry checks, reference
 # ---------------------------------------------------------------------------------------------
 
-def _check_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes):
+def _check_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes,
+                  name="delta_attention"):
     def fail(msg):
-        raise ValueError(f"delta_attention: {msg}")
-    check_pools_and_tables("delta_attention", q, ("k_delta", k_delta), ("v_delta", v_delta), lengths,
+        raise ValueError(f"{name}: {msg}")
+    check_pools_and_tables(name, q, ("k_delta", k_delta), ("v_delta", v_delta), lengths,
                            page_starts, page_sizes)
     if k_delta.dtype != v_delta.dtype or k_delta.dtype not in DELTA_DTYPES.values():
         fail(f"k_delta/v_delta must both be float16 (fp16-delta) or float8_e4m3fn (fp8-delta), got "
@@ -415,24 +418,9 @@ def delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, l
     """
     _check_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes)
     config, scale, cap = kernel_static_args("delta_attention", q, k_delta.shape[0], sm_scale, soft_cap, config)
-    if config.block_kv not in (64, 128):
-        raise ValueError(f"delta_attention: block_kv must be 64 or 128, got {config.block_kv}")
-    mean = anchor_k.shape[1] == 1
-    if fold_mean_anchor and not mean:
-        raise ValueError(f"delta_attention: fold_mean_anchor=True needs a mean anchor (anchor_len 1), got "
-                         f"anchor_len {anchor_k.shape[1]}")
-    if fold_mean_anchor and cap is not None:
-        raise ValueError("delta_attention: fold_mean_anchor=True cannot take a soft_cap (the folded path drops "
-                         "q . anchor_k, which the cap does not ignore); pass fold_mean_anchor=None or False")
-    fold = mean and cap is None and (default_fold_mean_anchor() if fold_mean_anchor is None else fold_mean_anchor)
-    if mean and not fold:      # the mean as one position-aligned block: the rebuild path
-        block = (anchor_k.shape[0], ANCHOR_BLOCK, anchor_k.shape[2])
-        anchor_k, anchor_v = jnp.broadcast_to(anchor_k, block), jnp.broadcast_to(anchor_v, block)
-    smem = delta_smem_bytes(config, q.shape[2], k_delta.dtype, fold=fold, max_pages=page_starts.shape[1],
-                            out_itemsize=q.dtype.itemsize if config.num_splits == 1 else 4)
-    if smem > _SMEM_LIMIT:
-        raise ValueError(f"delta_attention: {config} needs about {smem // 1024} KB of shared memory per CTA, more "
-                         f"than the {_SMEM_LIMIT // 1024} KB a Hopper SM has; use block_kv=64 or fewer num_stages")
+    anchor_k, anchor_v = _choose_path("delta_attention", q.shape[2], k_delta.dtype, anchor_k, anchor_v, soft_cap=cap,
+                                      fold_mean_anchor=fold_mean_anchor, config=config, max_pages=page_starts.shape[1],
+                                      out_itemsize=q.dtype.itemsize if config.num_splits == 1 else 4)
     kw = dict(scale=scale, soft_cap=cap, config=config, score_stats=bool(return_score_stats))
     args = (q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes)
     if interpret:
@@ -441,15 +429,140 @@ def delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, l
     return _delta_attention(*args, p_via_smem=interpret_mode_active(), **kw)
 
 
+def _folds(anchor_k, soft_cap, fold_mean_anchor) -> bool:
+    """Whether the kernel takes the folded path: a mean anchor, no soft cap, and fold_mean_anchor (None:
+    `default_fold_mean_anchor()`)."""
+    mean = anchor_k.shape[1] == 1
+    return mean and soft_cap is None and (default_fold_mean_anchor() if fold_mean_anchor is None else fold_mean_anchor)
+
+
+def _choose_path(name, head_dim, delta_dtype, anchor_k, anchor_v, *, soft_cap, fold_mean_anchor, config, max_pages,
+                 out_itemsize):
+    """The folded or the rebuild path (module docstring), shared by the decode and prefill entries: checks
+    fold_mean_anchor against the anchor and the soft cap, and the config's SMEM against a Hopper SM. Returns
+    the anchors the kernel reads: as given (a folded mean anchor, or a position-aligned one), or a mean
+    anchor broadcast to one 256-row block for the rebuild path. The jitted wrappers tell the paths apart
+    by anchor_len (1: folded)."""
+    if config.block_kv not in (64, 128):
+        raise ValueError(f"{name}: block_kv must be 64 or 128, got {config.block_kv}")
+    mean = anchor_k.shape[1] == 1
+    if fold_mean_anchor and not mean:
+        raise ValueError(f"{name}: fold_mean_anchor=True needs a mean anchor (anchor_len 1), got "
+                         f"anchor_len {anchor_k.shape[1]}")
+    if fold_mean_anchor and soft_cap is not None:
+        raise ValueError(f"{name}: fold_mean_anchor=True cannot take a soft_cap (the folded path drops "
+                         "q . anchor_k, which the cap does not ignore); pass fold_mean_anchor=None or False")
+    fold = _folds(anchor_k, soft_cap, fold_mean_anchor)
+    if mean and not fold:      # the mean as one position-aligned block: the rebuild path
+        block = (anchor_k.shape[0], ANCHOR_BLOCK, anchor_k.shape[2])
+        anchor_k, anchor_v = jnp.broadcast_to(anchor_k, block), jnp.broadcast_to(anchor_v, block)
+    smem = delta_smem_bytes(config, head_dim, delta_dtype, fold=fold, max_pages=max_pages, out_itemsize=out_itemsize)
+    if smem > _SMEM_LIMIT:
+        raise ValueError(f"{name}: {config} needs about {smem // 1024} KB of shared memory per CTA, more "
+                         f"than the {_SMEM_LIMIT // 1024} KB a Hopper SM has; use block_kv=64 or fewer num_stages")
+    return anchor_k, anchor_v
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "config", "p_via_smem", "score_stats"))
 def _delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes, *,
                      scale, soft_cap, config, p_via_smem, score_stats):
-    num_kv_heads = k_delta.shape[0]
-    fold = anchor_k.shape[1] == 1      # the entry broadcast a mean anchor it does not fold
-    if fold:
-        q = jnp.clip(q, -_F16_SAFE_MAX, _F16_SAFE_MAX)     # the f16 MMA operand stays finite
-    fmt = DeltaPages(delta_dtype=jnp.dtype(k_delta.dtype).name, fold=fold)
+    q, fmt = _format_and_query(q, k_delta, anchor_k)
     return decode_attention_pipeline(
         q, (k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v), lengths, page_starts, page_sizes,
-        kv_format=fmt, num_kv_heads=num_kv_heads, scale=scale, soft_cap=soft_cap, config=config,
+        kv_format=fmt, num_kv_heads=k_delta.shape[0], scale=scale, soft_cap=soft_cap, config=config,
         p_via_smem=p_via_smem, score_stats=score_stats)
+
+
+def _format_and_query(q, k_delta, anchor_k):
+    """(q as the kernel's MMA takes it, the DeltaPages format) for the anchors `_choose_path` returned
+    (anchor_len 1: the folded path, whose f16 MMA needs |q| <= 65280 to stay finite)."""
+    fold = anchor_k.shape[1] == 1
+    if fold:
+        q = jnp.clip(q, -_F16_SAFE_MAX, _F16_SAFE_MAX)
+    return q, DeltaPages(delta_dtype=jnp.dtype(k_delta.dtype).name, fold=fold)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill: causal blocks of query tokens over the delta cache
+# ---------------------------------------------------------------------------------------------
+
+def default_delta_prefill_config(head_dim: int, delta_dtype, *, fold: bool, max_pages: int,
+                                 out_itemsize: int = 2) -> TuningConfig:
+    """The delta prefill kernel's default: the bf16 prefill kernel's (PREFILL_KERNEL_CONFIG, 128-token
+    tiles) where it fits a Hopper SM's shared memory (the folded paths do), else the same with 64-token
+    tiles (the rebuild path's anchor ring at D=128). Not yet swept on a GPU."""
+    if delta_smem_bytes(PREFILL_KERNEL_CONFIG, head_dim, delta_dtype, fold=fold, max_pages=max_pages,
+                        out_itemsize=out_itemsize) <= _SMEM_LIMIT:
+        return PREFILL_KERNEL_CONFIG
+    return dataclasses.replace(PREFILL_KERNEL_CONFIG, block_kv=64)
+
+
+def delta_prefill_attention_reference(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, q_starts, lengths,
+                                      page_starts, page_sizes, *, sm_scale=None, return_score_stats: bool = False):
+    """Pure-jnp causal attention of query blocks over the delta cache (same contract as
+    `delta_prefill_attention`; K/V rebuilt in fp32), via the decode reference with one row per query
+    token. For tests and small shapes."""
+    rows = prefill_token_rows(q, q_starts, lengths, page_starts, page_sizes)
+    res = delta_attention_reference(rows[0], k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, *rows[1:],
+                                    sm_scale=sm_scale, return_score_stats=return_score_stats)
+    return prefill_rows_to_blocks(res, q.shape, return_score_stats)
+
+
+def delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, q_starts, lengths, page_starts,
+                            page_sizes, *, sm_scale: float | None = None, config: TuningConfig | None = None,
+                            interpret: bool = False, return_score_stats: bool = False,
+                            fold_mean_anchor: bool | None = None):
+    """Causal attention of blocks of consecutive query tokens over a delta-KV pool (the DKVC prefill path):
+    `paged_prefill_attention`'s causal-block pipeline (a 64-row q tile of `tokens` tokens x the GQA group)
+    with `delta_attention`'s KV format (anchor + scale * delta, folded or rebuilt as in the module docstring).
+
+    Args:
+      q: [blocks, tokens, num_q_heads, head_dim] bf16/fp32, tokens <= prefill_block_tokens(num_q_heads,
+        num_kv_heads) (64 // group; the group a power of 2). Token i of block b is at position q_starts[b] + i.
+      k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v: the delta cache, as in `delta_attention`
+        (the block's own keys already written).
+      q_starts, lengths, page_starts, page_sizes: as in `paged_prefill_attention` (lengths[b] = min(q_starts[b]
+        + tokens, context); 0 marks a padding block: zeros; slots, deltas and scales at or past a block's
+        length are never used, even if NaN).
+      sm_scale: score scale, default 1/sqrt(head_dim). (No soft cap: the bf16 prefill kernel has none either.)
+      config: TuningConfig with num_splits None or 1; default `default_delta_prefill_config`.
+      interpret: run in the Mosaic GPU interpreter on CPU (tests).
+      return_score_stats: also return each row's score variance (the pipeline's, free of extra code here).
+      fold_mean_anchor: as in `delta_attention`.
+
+    Returns:
+      [blocks, tokens, num_q_heads, head_dim] in q.dtype: token i attends to the keys at positions
+      < min(q_starts + i + 1, lengths); with return_score_stats also score_var [blocks, tokens, num_q_heads]
+      float32 (over the keys the MMA sees, as in `delta_attention`).
+    """
+    name = "delta_prefill_attention"
+    if q.ndim != 4:
+        raise ValueError(f"{name}: q must be [blocks, tokens, num_q_heads, head_dim], got {q.shape}")
+    _check_inputs(q[:, 0], k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes,
+                  name=name)
+    _, _, _, head_dim = check_prefill_query(
+        name, q, k_delta.shape[0], q_starts, most_tokens=prefill_block_tokens(q.shape[2], k_delta.shape[0]),
+        q_rows=_Q_ROWS)
+    if config is None:
+        config = default_delta_prefill_config(head_dim, k_delta.dtype, fold=_folds(anchor_k, None, fold_mean_anchor), max_pages=page_starts.shape[1],
+                                              out_itemsize=q.dtype.itemsize)
+    config, scale = prefill_static_args(name, head_dim, sm_scale, config)
+    anchor_k, anchor_v = _choose_path(name, head_dim, k_delta.dtype, anchor_k, anchor_v, soft_cap=None,
+                                      fold_mean_anchor=fold_mean_anchor, config=config, max_pages=page_starts.shape[1],
+                                      out_itemsize=q.dtype.itemsize)
+    kw = dict(scale=scale, config=config, score_stats=bool(return_score_stats))
+    args = (q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, q_starts, lengths, page_starts, page_sizes)
+    if interpret:
+        with mosaic_gpu_interpret():
+            return _delta_prefill_attention(*args, p_via_smem=True, **kw)
+    return _delta_prefill_attention(*args, p_via_smem=interpret_mode_active(), **kw)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "p_via_smem", "score_stats"))
+def _delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, q_starts, lengths, page_starts,
+                             page_sizes, *, scale, config, p_via_smem, score_stats):
+    q, fmt = _format_and_query(q, k_delta, anchor_k)
+    return prefill_attention_pipeline(
+        q, (k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v), q_starts, lengths, page_starts, page_sizes,
+        kv_format=fmt, num_kv_heads=k_delta.shape[0], scale=scale, config=config, p_via_smem=p_via_smem,
+        score_stats=score_stats)

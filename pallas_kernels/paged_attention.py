@@ -433,18 +433,39 @@ def paged_prefill_attention_reference(q, k_pool, v_pool, q_starts, lengths, page
                                       sm_scale=None, return_score_stats: bool = False):
     """Pure-jnp causal attention of query blocks over paged KV (same contract as
     `paged_prefill_attention`), via the decode reference with one row per query token. For tests."""
-    blocks, tokens, num_q_heads, head_dim = q.shape
-    q_starts = jnp.maximum(q_starts, 0)
-    tok_lengths = jnp.minimum(q_starts[:, None] + jnp.arange(1, tokens + 1, dtype=jnp.int32)[None, :],
-                              lengths[:, None])
-    tok_lengths = jnp.where(lengths[:, None] > 0, jnp.maximum(tok_lengths, 0), 0).reshape(-1)
-    rep = lambda a: jnp.repeat(a, tokens, axis=0)
-    res = paged_attention_reference(q.reshape(blocks * tokens, num_q_heads, head_dim), k_pool, v_pool,
-                                    tok_lengths, rep(page_starts), rep(page_sizes), sm_scale=sm_scale,
+    rows_q, rows_len, rows_starts, rows_sizes = prefill_token_rows(q, q_starts, lengths, page_starts, page_sizes)
+    res = paged_attention_reference(rows_q, k_pool, v_pool, rows_len, rows_starts, rows_sizes, sm_scale=sm_scale,
                                     return_score_stats=return_score_stats)
-    if return_score_stats:
-        return res[0].reshape(q.shape), res[1].reshape(blocks, tokens, num_q_heads)
-    return res.reshape(q.shape)
+    return prefill_rows_to_blocks(res, q.shape, return_score_stats)
+
+
+def prefill_token_keys(q_starts, lengths, tokens: int):
+    """Keys each query token of a causal block sees: [blocks, tokens] int32, min(q_start + i + 1, length)
+    for token i (a negative start counts as 0), 0 for every token of a padding block (length 0). The one
+    place this bookkeeping lives: the references, the kernels' score-statistics counts and the tests'
+    per-token views all read it from here."""
+    q_starts = jnp.maximum(q_starts.astype(jnp.int32), 0)
+    seen = jnp.minimum(q_starts[:, None] + jnp.arange(1, tokens + 1, dtype=jnp.int32)[None, :], lengths[:, None])
+    return jnp.where(lengths[:, None] > 0, jnp.maximum(seen, 0), 0).astype(jnp.int32)
+
+
+def prefill_token_rows(q, q_starts, lengths, page_starts, page_sizes):
+    """A causal-block problem as a decode problem with one row per query token (for the references):
+    q [blocks, tokens, Hq, D] -> (q [blocks * tokens, Hq, D], lengths [blocks * tokens] (each token's
+    visible keys, `prefill_token_keys`), page_starts [blocks * tokens, max_pages], page_sizes
+    [blocks * tokens])."""
+    blocks, tokens, num_q_heads, head_dim = q.shape
+    rep = lambda a: jnp.repeat(a, tokens, axis=0)
+    return (q.reshape(blocks * tokens, num_q_heads, head_dim), prefill_token_keys(q_starts, lengths, tokens).reshape(-1),
+            rep(page_starts), rep(page_sizes))
+
+
+def prefill_rows_to_blocks(res, q_shape, score_stats: bool):
+    """A decode reference's result over `prefill_token_rows` back in block shape: out [blocks, tokens, Hq,
+    D] (and score_var [blocks, tokens, Hq] with score_stats)."""
+    if score_stats:
+        return res[0].reshape(q_shape), res[1].reshape(q_shape[:3])
+    return res.reshape(q_shape)
 
 
 def prefill_block_tokens(num_q_heads: int, num_kv_heads: int) -> int | None:
@@ -458,23 +479,44 @@ def prefill_block_tokens(num_q_heads: int, num_kv_heads: int) -> int | None:
 
 def check_prefill_blocks(name, q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes, *,
                          most_tokens: int | None, q_rows: int) -> tuple[int, int, int, int]:
-    """Entry checks shared by the causal-block prefill kernels (`paged_prefill_attention`, the
-    warp-specialised `ws_prefill_attention`): q [blocks, tokens, Hq, D] whose tokens x GQA group fit a
-    `q_rows`-row q tile (most_tokens: the kernel's bound, None when the group does not fit at all),
-    int32 q_starts [blocks], head_dim 64/128, and the pools and tables as `paged_attention` checks them.
-    Returns (blocks, tokens, num_q_heads, head_dim)."""
+    """Entry checks shared by the causal-block prefill kernels over bf16 pools (`paged_prefill_attention`,
+    the warp-specialised `ws_prefill_attention`): the pools and tables as `paged_attention` checks them,
+    then `check_prefill_query`. Returns (blocks, tokens, num_q_heads, head_dim)."""
+    if q.ndim != 4:
+        raise ValueError(f"{name}: q must be [blocks, tokens, num_q_heads, head_dim], got {q.shape}")
+    _check_inputs(q[:, 0], k_pool, v_pool, lengths, page_starts, page_sizes)
+    return check_prefill_query(name, q, k_pool.shape[0], q_starts, most_tokens=most_tokens, q_rows=q_rows)
+
+
+def check_prefill_query(name, q, num_kv_heads: int, q_starts, *, most_tokens: int | None,
+                        q_rows: int) -> tuple[int, int, int, int]:
+    """The causal-block kernels' checks of the query side (any KV format; the caller checks its pools with
+    q[:, 0] as the decode q): q [blocks, tokens, Hq, D] whose tokens x GQA group fit a `q_rows`-row q
+    tile (most_tokens: the kernel's bound, None when the group does not fit at all), int32 q_starts
+    [blocks], head_dim 64/128. Returns (blocks, tokens, num_q_heads, head_dim)."""
     if q.ndim != 4:
         raise ValueError(f"{name}: q must be [blocks, tokens, num_q_heads, head_dim], got {q.shape}")
     blocks, tokens, num_q_heads, head_dim = q.shape
-    _check_inputs(q[:, 0], k_pool, v_pool, lengths, page_starts, page_sizes)
     if q_starts.shape != (blocks,) or q_starts.dtype != jnp.int32:
         raise ValueError(f"{name}: q_starts must be int32 [blocks={blocks}], got {q_starts.dtype} {q_starts.shape}")
     if most_tokens is None or tokens > most_tokens:
-        raise ValueError(f"{name}: {tokens} tokens x a GQA group of {num_q_heads // k_pool.shape[0]} do not fit "
+        raise ValueError(f"{name}: {tokens} tokens x a GQA group of {num_q_heads // num_kv_heads} do not fit "
                          f"the {q_rows}-row q tile (the group must be a power of 2 and tokens <= {most_tokens})")
     if head_dim not in (64, 128):
         raise ValueError(f"{name}: head_dim must be 64 or 128, got {head_dim}")
     return blocks, tokens, num_q_heads, head_dim
+
+
+def prefill_static_args(name, head_dim: int, sm_scale, config: TuningConfig | None) -> tuple[TuningConfig, float]:
+    """The causal-block kernels' static arguments (`paged_prefill_attention`, `delta_prefill_attention`):
+    (config with num_splits 1, scale). Causal blocks are never split, so a config asking for splits is
+    refused; `config` is the caller's, its default already filled in."""
+    if config.num_splits not in (None, 1):
+        raise ValueError(f"{name}: causal blocks are not split, got num_splits={config.num_splits}")
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"{name}: sm_scale must be > 0, got {sm_scale}")
+    scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
+    return dataclasses.replace(config, num_splits=1), scale
 
 
 def sequence_scalars(page_size, length, *, max_pages: int, block_kv: int):
@@ -518,11 +560,7 @@ def paged_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, p
         "paged_prefill_attention", q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes,
         most_tokens=prefill_block_tokens(num_q_heads=q.shape[2] if q.ndim == 4 else 0,
                                          num_kv_heads=k_pool.shape[0]), q_rows=_Q_ROWS)
-    config = config or TuningConfig()
-    if config.num_splits not in (None, 1):
-        raise ValueError(f"paged_prefill_attention: causal blocks are not split, got num_splits={config.num_splits}")
-    config = dataclasses.replace(config, num_splits=1)
-    scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
+    config, scale = prefill_static_args("paged_prefill_attention", head_dim, sm_scale, config or TuningConfig())
     args = (q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes)
     kw = dict(scale=scale, config=config, score_stats=bool(return_score_stats))
     if interpret:
@@ -534,12 +572,24 @@ def paged_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, p
 @functools.partial(jax.jit, static_argnames=("scale", "config", "p_via_smem", "score_stats"))
 def _paged_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes, *, scale, config,
                              p_via_smem, score_stats):
+    return prefill_attention_pipeline(q, (k_pool, v_pool), q_starts, lengths, page_starts, page_sizes,
+                                      kv_format=BF16_PAGES, num_kv_heads=k_pool.shape[0], scale=scale, config=config,
+                                      p_via_smem=p_via_smem, score_stats=score_stats)
+
+
+def prefill_attention_pipeline(q, kv_inputs, q_starts, lengths, page_starts, page_sizes, *, kv_format,
+                               num_kv_heads, scale, config, p_via_smem, score_stats=False):
+    """The causal-block kernel's wrapper for any KV format (traced inside a jit; the prefill twin of
+    `decode_attention_pipeline`): lays each (block, kv head)'s q rows out token-major in a 64-row tile,
+    runs `_build_kernel` with query_tokens = tokens and `kv_format` over `kv_inputs`, and puts the rows
+    back. q [blocks, tokens, Hq, D]; returns [blocks, tokens, Hq, D] in q.dtype (and score_var [blocks,
+    tokens, Hq] float32 with score_stats)."""
     blocks, tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pool.shape[0]
     group = num_q_heads // num_kv_heads
     rows = tokens * group
-    # q tile of (block b, kv head h): rows token-major (row = token * group + g), padded to 64 rows.
-    q2 = q.astype(jnp.bfloat16).reshape(blocks, tokens, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    # q tile of (block b, kv head h): rows token-major (row = token * group + g), padded to 64 rows, in the
+    # format's MMA dtype (bf16; f16 for the delta kernel's folded path).
+    q2 = q.astype(kv_format.mma_dtype).reshape(blocks, tokens, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
     q2 = jnp.pad(q2.reshape(blocks, num_kv_heads, rows, head_dim), ((0, 0), (0, 0), (0, _Q_ROWS - rows), (0, 0)))
     max_pages = page_starts.shape[1]
     table = _flat_table(page_starts, 1, config.block_kv)
@@ -547,9 +597,10 @@ def _paged_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, 
         batch=blocks, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
         table_len=table.shape[0], rows_per_b=num_kv_heads * _Q_ROWS, rows_per_h=_Q_ROWS, copy_rows=_Q_ROWS,
         out_dtype=jnp.dtype(q.dtype), scale=scale, soft_cap=None, config=config,
-        p_via_smem=p_via_smem or config.p_via_smem, score_stats=score_stats, query_tokens=tokens)
+        p_via_smem=p_via_smem or config.p_via_smem, score_stats=score_stats, query_tokens=tokens,
+        kv_format=kv_format)
     # A negative start would leave a row no key at all (its online softmax would be NaN, not zeros).
-    res = kernel(lengths, page_sizes, jnp.maximum(q_starts, 0), table, q2.reshape(-1, head_dim), k_pool, v_pool)
+    res = kernel(lengths, page_sizes, jnp.maximum(q_starts, 0), table, q2.reshape(-1, head_dim), *kv_inputs)
 
     def to_tokens(x):
         """[blocks, Hkv, 64, ...] rows -> [blocks, tokens, Hq, ...]."""
@@ -561,8 +612,7 @@ def _paged_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, 
         return out
     shift, s1, s2 = (to_tokens(x.reshape(blocks, num_kv_heads, _Q_ROWS)) for x in res[-3:])
     # Keys each row saw: its causal end, clamped to the block's length (0 for padding blocks).
-    seen = jnp.minimum(q_starts[:, None] + jnp.arange(1, tokens + 1, dtype=jnp.int32)[None, :], lengths[:, None])
-    n = jnp.where(lengths[:, None] > 0, jnp.maximum(seen, 0), 0).astype(jnp.float32)[:, :, None]
+    n = prefill_token_keys(q_starts, lengths, tokens).astype(jnp.float32)[:, :, None]
     return out, _score_variance_from_partials(shift[:, None], s1[:, None], s2[:, None], n[:, None])
 
 

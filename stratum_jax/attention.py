@@ -153,21 +153,23 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     """The prefill tiles' attention: `tiled_paged_attention`'s contract (q [tiles, tile, num_heads,
     head_dim], a tile's valid queries a prefix of consecutive positions). backend "kernel": the Pallas
     kernel's causal-block variant (`paged_prefill_attention`: blocks of 64 // group tokens, each
-    streaming its row's pages once for the whole GQA group), where the model's group is a power of 2;
+    streaming its row's pages once for the whole GQA group; `delta_prefill_attention` for a DKVC DeltaKV,
+    v_pool then None), where the model's group is a power of 2;
     otherwise, and for "reference", the tiled jnp path. kernel_variant "ws" (the default) runs the
     warp-specialised kernel (`ws_prefill_attention`: 128-row CTAs, two compute warpgroups in ping-pong)
-    where it applies (no score statistics), "single" the decode kernel's pipeline. kernel_config: the
-    kernel's TuningConfig (default: `default_ws_config(head_dim)` / PREFILL_KERNEL_CONFIG)."""
+    where it applies (bf16 pools, no score statistics), "single" the decode kernel's pipeline. kernel_config:
+    the kernel's TuningConfig (default: `default_ws_config(head_dim)` / PREFILL_KERNEL_CONFIG /
+    `default_delta_prefill_config`)."""
     tiles, tile, num_heads, head_dim = q.shape
     from pallas_kernels.paged_attention import PREFILL_KERNEL_CONFIG, paged_prefill_attention, prefill_block_tokens
     from pallas_kernels.prefill_attention import ws_prefill_attention, ws_prefill_block_tokens
     if kernel_variant not in ("ws", "single"):
         raise ValueError(f"prefill_attention: kernel_variant must be 'ws' or 'single', got {kernel_variant!r}")
-    if isinstance(k_pool, DeltaKV):      # the causal-block kernel reads bf16 pools only (no delta prefill kernel yet)
-        return tiled_paged_attention(q, q_positions, tile_rows, tables, k_pool, v_pool, max_context=max_context,
-                                     return_score_stats=return_score_stats)
-    use_ws = kernel_variant == "ws" and not return_score_stats
-    per_block = (ws_prefill_block_tokens if use_ws else prefill_block_tokens)(num_heads, k_pool.shape[0])
+    delta = k_pool if isinstance(k_pool, DeltaKV) else None
+    # DKVC: the delta prefill kernel (the single pipeline; the warp-specialised kernel reads bf16 pools only).
+    use_ws = kernel_variant == "ws" and not return_score_stats and delta is None
+    num_kv_heads = delta.num_kv_heads if delta is not None else k_pool.shape[0]
+    per_block = (ws_prefill_block_tokens if use_ws else prefill_block_tokens)(num_heads, num_kv_heads)
     if backend != "kernel" or per_block is None or tile % per_block:
         return tiled_paged_attention(q, q_positions, tile_rows, tables, k_pool, v_pool, max_context=max_context,
                                      return_score_stats=return_score_stats)
@@ -183,11 +185,18 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
                                    tables.page_sizes[safe_rows], interpret=interpret,
                                    config=kernel_config)
         return out.reshape(q.shape)
-    res = paged_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), k_pool, v_pool,
-                                  jnp.maximum(starts, 0), lengths.astype(jnp.int32), tables.page_starts[safe_rows],
-                                  tables.page_sizes[safe_rows], interpret=interpret,
-                                  config=kernel_config or PREFILL_KERNEL_CONFIG,
-                                  return_score_stats=return_score_stats)
+    block_args = (jnp.maximum(starts, 0), lengths.astype(jnp.int32), tables.page_starts[safe_rows],
+                  tables.page_sizes[safe_rows])
+    if delta is not None:
+        from pallas_kernels.delta_attention import delta_prefill_attention
+        res = delta_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), delta.k_delta, delta.v_delta,
+                                      delta.k_scale, delta.v_scale, delta.anchor_k, delta.anchor_v, *block_args,
+                                      interpret=interpret, config=kernel_config,
+                                      return_score_stats=return_score_stats)
+    else:
+        res = paged_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), k_pool, v_pool, *block_args,
+                                      interpret=interpret, config=kernel_config or PREFILL_KERNEL_CONFIG,
+                                      return_score_stats=return_score_stats)
     if return_score_stats:
         return res[0].reshape(q.shape), res[1].reshape(tiles, tile, num_heads)
     return res.reshape(q.shape)
