@@ -499,9 +499,13 @@ def check_prefill_query(name, q, num_kv_heads: int, q_starts, *, most_tokens: in
     blocks, tokens, num_q_heads, head_dim = q.shape
     if q_starts.shape != (blocks,) or q_starts.dtype != jnp.int32:
         raise ValueError(f"{name}: q_starts must be int32 [blocks={blocks}], got {q_starts.dtype} {q_starts.shape}")
-    if most_tokens is None or tokens > most_tokens:
-        raise ValueError(f"{name}: {tokens} tokens x a GQA group of {num_q_heads // num_kv_heads} do not fit "
-                         f"the {q_rows}-row q tile (the group must be a power of 2 and tokens <= {most_tokens})")
+    group = num_q_heads // num_kv_heads
+    if most_tokens is None:
+        raise ValueError(f"{name}: a GQA group of {group} (num_q_heads // num_kv_heads) does not fit the {q_rows}-row "
+                         f"q tile: the group must be a power of 2 <= {q_rows} (use the tiled jnp path for this model)")
+    if tokens > most_tokens:
+        raise ValueError(f"{name}: {tokens} tokens x a GQA group of {group} do not fit the {q_rows}-row q tile "
+                         f"(tokens <= {most_tokens})")
     if head_dim not in (64, 128):
         raise ValueError(f"{name}: head_dim must be 64 or 128, got {head_dim}")
     return blocks, tokens, num_q_heads, head_dim

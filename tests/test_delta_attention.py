@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.delta_attention import (
-    FOLD_MEAN_ANCHOR_ENV, default_fold_mean_anchor, delta_attention, delta_attention_reference, delta_smem_bytes)
+    FOLD_MEAN_ANCHOR_ENV, default_fold_mean_anchor, delta_attention, delta_attention_reference,
+    delta_prefill_attention, delta_smem_bytes)
 from pallas_kernels.paged_attention import TuningConfig, default_num_splits
 from pallas_kernels.testing import float64_delta_attention, float64_delta_score_variance, random_delta_case
 
@@ -243,20 +244,28 @@ def test_kernel_compiled_on_gpu(dtype, anchor_len, config):
                                rtol=2e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,anchor_len,head_dim", [(FP8, 1, 128), (FP16, 1, 64)])
-def test_kernel_lowers_to_mosaic_gpu_on_cpu(dtype, anchor_len, head_dim):
+@pytest.mark.parametrize("dtype,anchor_len,head_dim,prefill", [(FP8, 1, 128, False), (FP16, 1, 64, False),
+                                                                (FP8, 1, 128, True)])
+def test_kernel_lowers_to_mosaic_gpu_on_cpu(dtype, anchor_len, head_dim, prefill):
     """The compiled (not interpreted) kernel's lowering to Mosaic GPU runs on a CPU: layouts (fp8 rows
     loaded from swizzled SMEM and stored as f16 tiles, fp16 ring slots and f16 q/P as WGMMA operands, the
     per-key column vectors, the anchor_v row loaded from GMEM in the epilogue), the TMA copies of scale
     pieces and the barriers are all emitted here, so a kernel change that breaks them fails in CI rather
     than at the first GPU compile (ptxas's register allocation is the one step only a GPU runs). The
-    folded path with fp8 at D=128 and with fp16 at D=64: nothing else here compiles it."""
+    folded path with fp8 at D=128 and with fp16 at D=64: nothing else here compiles it. prefill: the
+    causal-block kernel (`delta_prefill_attention`) in its default config (128-token tiles) on the folded
+    fp8 path at D=128, the engine's fp8-delta prefill on the H200 (~30 s here, so the one prefill case)."""
     shape = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
     S = 1024
-    args = (shape(2, 8, head_dim), shape(2, S, head_dim, dt=dtype), shape(2, S, head_dim, dt=dtype),
-            shape(2, S // 8, dt=jnp.float32), shape(2, S // 8, dt=jnp.float32),
-            shape(2, anchor_len, head_dim), shape(2, anchor_len, head_dim),
-            shape(2, dt=jnp.int32), shape(2, 8, dt=jnp.int32), shape(2, dt=jnp.int32))
-    fn = jax.jit(lambda *a: delta_attention(*a, config=TuningConfig(), fold_mean_anchor=anchor_len == 1))
+    pools = (shape(2, S, head_dim, dt=dtype), shape(2, S, head_dim, dt=dtype),
+             shape(2, S // 8, dt=jnp.float32), shape(2, S // 8, dt=jnp.float32),
+             shape(2, anchor_len, head_dim), shape(2, anchor_len, head_dim))
+    tables = (shape(2, 8, dt=jnp.int32), shape(2, dt=jnp.int32))
+    if prefill:     # GQA 4: blocks of 16 tokens
+        args = (shape(2, 16, 8, head_dim), *pools, shape(2, dt=jnp.int32), shape(2, dt=jnp.int32), *tables)
+        fn = jax.jit(lambda *a: delta_prefill_attention(*a))
+    else:
+        args = (shape(2, 8, head_dim), *pools, shape(2, dt=jnp.int32), *tables)
+        fn = jax.jit(lambda *a: delta_attention(*a, config=TuningConfig(), fold_mean_anchor=anchor_len == 1))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -24,9 +24,9 @@ def _tiny_d64():
 
 
 def _run(model, attention, interpret, prompts, page_size=None, max_tokens=6, max_batch_size=8, decode_steps=4,
-         kv_precision="bf16"):
+         kv_precision="bf16", prefill_chunk=64):
     engine = Engine(RuntimeConfig(model="tiny", max_context=256, kv_pool_tokens=4096, max_batch_size=max_batch_size,
-                                  prefill_chunk=64, attention=attention, interpret_kernels=interpret,
+                                  prefill_chunk=prefill_chunk, attention=attention, interpret_kernels=interpret,
                                   page_size=page_size, decode_steps=decode_steps, kv_precision=kv_precision),
                     model=model)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -45,13 +45,25 @@ def test_engine_kernel_interpret_matches_reference(two_splits):
     assert _run(model, "kernel", True, prompts, **kw) == _run(model, "reference", False, prompts, **kw)
 
 
-def test_engine_delta_kernel_interpret_matches_reference():
-    """--kv-precision fp8-delta: decode rows through the delta-KV kernel (interpreter) give the tokens of the
-    tiled jnp path over the same delta cache (prefill reads deltas through the tiled path either way)."""
+def test_engine_delta_kernels_interpret_match_reference(monkeypatch, two_splits):
+    """--kv-precision fp8-delta: prefill blocks through the delta prefill kernel and decode rows through the
+    delta-KV decode kernel (both in the interpreter) give the greedy tokens of the tiled jnp path over the
+    same delta cache. Both kernels are counted as they are traced, so a fall-back to the tiled path fails
+    here. prefill_chunk 32 (one 32-token block per prompt with GQA 2) keeps the interpreted CTAs few."""
+    import pallas_kernels.delta_attention as delta_module
+    traced = {"delta_prefill_attention": 0, "delta_attention": 0}
+    for name in traced:
+        def counted(*a, _fn=getattr(delta_module, name), _name=name, **kw):
+            traced[_name] += 1
+            return _fn(*a, **kw)
+        monkeypatch.setattr(delta_module, name, counted)
     model = _tiny_d64()
     prompts = [[5, 6, 7], list(range(20, 37))]
-    kw = dict(page_size=16, max_tokens=2, max_batch_size=2, decode_steps=1, kv_precision="fp8-delta")
-    assert _run(model, "kernel", True, prompts, **kw) == _run(model, "reference", False, prompts, **kw)
+    kw = dict(page_size=16, max_tokens=2, max_batch_size=2, decode_steps=1, kv_precision="fp8-delta",
+              prefill_chunk=32)
+    got = _run(model, "kernel", True, prompts, **kw)
+    assert traced["delta_prefill_attention"] > 0 and traced["delta_attention"] > 0, traced
+    assert got == _run(model, "reference", False, prompts, **kw)
 
 
 def test_kernel_on_cpu_without_interpret_is_refused():
