@@ -5,6 +5,7 @@ attention vs XLA dense decode attention, beside a measured device-to-device copy
     python benchmarks/kernels.py --contexts 4096 --pages 16,64 --out /tmp/k.json
     python benchmarks/kernels.py --dry-run             # tiny shapes, Mosaic GPU interpreter, on CPU
     python benchmarks/kernels.py --delta               # delta-KV kernel (fp16/fp8 deltas) vs the paged kernel
+    python benchmarks/kernels.py --delta-prefill       # delta prefill kernel vs paged_prefill_attention, 4K/16K
 
 For each context (1K/4K/16K) and page size (8..256, plus a batch mixing all sizes) it
   - checks every kernel's output against XLA dense attention on the same tokens (fp32),
@@ -27,6 +28,14 @@ K/V rebuilt in fp32. Reported: time, the delta/paged time ratio (#12 asks fp8 <=
 1.1x at 4K and 16K), bytes/s over the bytes each kernel must read, and the paged kernel's % of the
 read ceiling (#12 asks >= 80% at 1K for every page size). JSON: --out (default
 benchmarks/results/delta_kernels_h200.json).
+
+`--delta-prefill` times the causal-block prefill kernels instead: `delta_prefill_attention` (fp16/fp8
+deltas, --anchor-lens) beside `paged_prefill_attention` on bf16 pools (PREFILL_KERNEL_CONFIG, what the
+engine's "single" prefill variant runs), both at their default configs, on --prefill-batch sequences
+whose last --prefill-tokens positions of a --contexts context (default 4K and 16K) are the query blocks
+(blocks of prefill_block_tokens(Hq, Hkv) tokens, every block seeing its causal prefix). Each delta output
+is checked against the paged prefill kernel over the same K/V rebuilt and rounded to bf16. Reported: time
+and the delta/paged time ratio. JSON: --out (default benchmarks/results/delta_prefill_kernels_h200.json).
 """
 from __future__ import annotations
 
@@ -52,9 +61,10 @@ import numpy as np                             # noqa: E402
 
 from pallas_kernels.testing import float64_attention, random_paged_case   # noqa: E402
 from pallas_kernels.paged_attention import (   # noqa: E402
-    PAGE_SIZES, TuningConfig, paged_attention)
+    PAGE_SIZES, PREFILL_KERNEL_CONFIG, TuningConfig, paged_attention, paged_prefill_attention, prefill_block_tokens)
 from pallas_kernels.delta_attention import (   # noqa: E402
-    DELTA_DTYPES, default_fold_mean_anchor, delta_attention, delta_smem_bytes, rebuild_reference)
+    DELTA_DTYPES, default_fold_mean_anchor, delta_attention, delta_prefill_attention, delta_smem_bytes,
+    rebuild_reference)
 
 MIXED = "mixed"
 
@@ -267,13 +277,24 @@ def main(argv=None):
     ap.add_argument("--check-configs", default="default", choices=["default", "all"])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in the Mosaic GPU interpreter (CPU)")
     ap.add_argument("--delta", action="store_true", help="the delta-KV kernel vs the paged kernel (see above)")
+    ap.add_argument("--delta-prefill", action="store_true",
+                    help="the delta prefill kernel vs paged_prefill_attention (see above)")
+    ap.add_argument("--prefill-batch", type=int, default=8, help="with --delta-prefill: sequences")
+    ap.add_argument("--prefill-tokens", type=int, default=512,
+                    help="with --delta-prefill: query tokens per sequence (its last positions)")
     ap.add_argument("--precisions", default="fp16-delta,fp8-delta", help="with --delta")
     ap.add_argument("--anchor-lens", default="1,256", help="with --delta: 1 (mean) and/or multiples of 256")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_h200.json, "
                                                 "or delta_kernels_h200.json with --delta)")
     a = ap.parse_args(argv)
     if a.out is None:
-        a.out = str(ROOT / "benchmarks/results" / ("delta_kernels_h200.json" if a.delta else "kernels_h200.json"))
+        name = ("delta_prefill_kernels_h200.json" if a.delta_prefill else
+                "delta_kernels_h200.json" if a.delta else "kernels_h200.json")
+        a.out = str(ROOT / "benchmarks/results" / name)
+    if a.delta_prefill:
+        if a.contexts == ap.get_default("contexts"):
+            a.contexts = "4096,16384"
+        return run_delta_prefill(a)
     if a.delta:
         return run_delta(a)
 
@@ -561,6 +582,108 @@ def run_delta(a):
     for t in result["targets"]:
         print(f"target {t['precision']} A={t['anchor_len']} ctx={t['context']}: worst {t['worst_x_paged']:.2f}x of "
               f"paged (bar <= {t['bar']}): {'met' if t['met'] else 'MISSED'}")
+    save()
+    print(f"wrote {out_path}")
+    return 0
+
+
+def run_delta_prefill(a):
+    """fp16/fp8-delta prefill kernel vs the bf16 paged prefill kernel (default configs) at each context and
+    page size: --prefill-batch sequences, each with its last --prefill-tokens positions as query blocks."""
+    interpret = a.dry_run
+    if a.dry_run:
+        a.q_heads, a.kv_heads, a.head_dim, a.prefill_batch, a.prefill_tokens = 4, 1, 64, 1, 32
+        a.contexts, a.reps, a.inner, a.rounds, a.pages, a.anchor_lens = "256", 1, 1, 1, "64", "1"
+    B, Hq, Hkv, D, n_q = a.prefill_batch, a.q_heads, a.kv_heads, a.head_dim, a.prefill_tokens
+    tokens = prefill_block_tokens(Hq, Hkv)
+    if tokens is None or n_q % tokens:
+        raise SystemExit(f"--prefill-tokens ({n_q}) must be a multiple of the block's {tokens} tokens "
+                         f"(64 // the GQA group, a power of 2)")
+    contexts = [int(c) for c in a.contexts.split(",")]
+    pages = [p if p == MIXED else int(p) for p in a.pages.split(",")]
+    precisions, anchor_lens = a.precisions.split(","), [int(x) for x in a.anchor_lens.split(",")]
+    dev = jax.devices()[0]
+    meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, platform=dev.platform,
+                jax=jax.__version__, batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D, prefill_tokens=n_q,
+                block_tokens=tokens, reps=a.reps, inner=a.inner, rounds=a.rounds, dry_run=a.dry_run,
+                mode="delta-prefill", fold_mean_anchor=default_fold_mean_anchor(),
+                paged_config=dataclasses.asdict(PREFILL_KERNEL_CONFIG))
+    print(json.dumps(meta), flush=True)
+    out_path = pathlib.Path(a.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    result = dict(meta=meta, shapes=[])
+    save = lambda: out_path.write_text(json.dumps(result, indent=1))
+    jits = {}     # one jit per kernel variant (page sizes are data: one compile per context)
+    jitted = lambda name, f: jits.setdefault(name, jax.jit(f))
+    rng = np.random.default_rng(2)
+    key = jax.random.key(0)
+    per_seq = n_q // tokens
+    for ctx in contexts:
+        table_width = ctx // 8
+        num_slots = B * ctx
+        keys = jax.random.split(key, 12)
+        key = keys[0]
+        shape = (Hkv, num_slots, D)
+        k_pool = jax.random.normal(keys[1], shape, jnp.bfloat16)
+        v_pool = jax.random.normal(keys[2], shape, jnp.bfloat16)
+        q = jax.random.normal(keys[3], (B * per_seq, tokens, Hq, D), jnp.bfloat16)
+        q_starts = jnp.asarray(np.tile(ctx - n_q + tokens * np.arange(per_seq), B), jnp.int32)
+        lengths = q_starts + tokens
+        scales = [jax.random.uniform(k, (Hkv, num_slots // 8), jnp.float32, 0.005, 0.02) for k in keys[4:6]]
+        anchors = {A: [jax.random.normal(k, (Hkv, A, D), jnp.bfloat16) for k in keys[6:8]] for A in anchor_lens}
+        for page in pages:
+            sizes = [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(B)] if page == MIXED else [page] * B
+            starts_np, _ = page_layout(rng, B, ctx, sizes, table_width)
+            starts = jnp.asarray(np.repeat(starts_np, per_seq, axis=0))
+            psz = jnp.asarray(np.repeat(sizes, per_seq), jnp.int32)
+            rec = dict(context=ctx, page=page, paged=None, delta=[])
+            paged = jitted("paged", functools.partial(paged_prefill_attention, config=PREFILL_KERNEL_CONFIG,
+                                                      interpret=interpret))
+            t = bench(paged, (q, k_pool, v_pool, q_starts, lengths, starts, psz), reps=a.reps, inner=a.inner,
+                      rounds=a.rounds)
+            rec["paged"] = dict(ms=t * 1e3)
+            print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} paged prefill: {t * 1e3:.3f} ms", flush=True)
+            t_np = np.arange(ctx)
+            slot = np.stack([starts_np[b, t_np // P] + t_np % P for b, P in enumerate(sizes)])      # [B, ctx]
+            for prec in precisions:
+                dt = DELTA_DTYPES[prec]
+                kd = (jax.random.normal(keys[8], shape, jnp.bfloat16) * 8).astype(dt)
+                vd = (jax.random.normal(keys[9], shape, jnp.bfloat16) * 8).astype(dt)
+                for A in anchor_lens:
+                    ak, av = anchors[A]
+                    args = (q, kd, vd, scales[0], scales[1], ak, av, q_starts, lengths, starts, psz)
+                    # Check: the bf16 paged prefill kernel over the same K/V rebuilt (fp32, then bf16).
+                    pools = []
+                    for anc, sc, dl in ((ak, scales[0], kd), (av, scales[1], vd)):
+                        rebuilt = rebuild_reference(anc, sc, dl, jnp.asarray(slot), jnp.arange(ctx))   # [Hkv, B, ctx, D]
+                        pools.append(jnp.zeros(shape, jnp.bfloat16).at[:, slot.reshape(-1)].set(
+                            rebuilt.reshape(Hkv, -1, D).astype(jnp.bfloat16)))
+                    ref = np.asarray(paged(q, *pools, q_starts, lengths, starts, psz).astype(jnp.float32))
+                    del pools
+                    r = dict()
+                    try:
+                        fn = jitted((prec, A), functools.partial(delta_prefill_attention, interpret=interpret))
+                        got = np.asarray(fn(*args).astype(jnp.float32))
+                        r["max_abs_err"] = float(np.abs(got - ref).max())
+                        r["ok"] = bool(r["max_abs_err"] <= 3e-2 * max(1.0, float(np.abs(ref).max())))
+                        t = bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds)
+                        r.update(ms=t * 1e3, x_paged=t * 1e3 / rec["paged"]["ms"])
+                    except Exception as e:  # noqa: BLE001 - one failing variant must not kill the run
+                        r.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+                    rec["delta"].append(dict(precision=prec, anchor_len=A, **r))
+                    print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} {prec} A={A}: " +
+                          (f"{r['ms']:.3f} ms x{r['x_paged']:.2f} of paged, err {r['max_abs_err']:.2g}"
+                           if "ms" in r else r.get("error", "")[:300]), flush=True)
+                del kd, vd
+            result["shapes"].append(rec)
+            save()
+        del k_pool, v_pool
+    print(f"\n{meta['device']}  jax {meta['jax']}  {meta['date']}  B={B} Hq={Hq} Hkv={Hkv} D={D} "
+          f"{n_q} query tokens per sequence")
+    for rec in result["shapes"]:
+        cells = [f"{d['precision'][:4]} A={d['anchor_len']}: " + (f"{d['ms']:.3f} ms x{d['x_paged']:.2f}"
+                                                                   if d.get("ok") else "FAILED") for d in rec["delta"]]
+        print(f"{rec['context']:>6} {rec['page']:>6} | paged {rec['paged']['ms']:.3f} ms | " + " | ".join(cells))
     save()
     print(f"wrote {out_path}")
     return 0
