@@ -11,6 +11,9 @@
 #         + the read-only ceiling (bf16 sum) in the same run; fp16/fp8-delta with a mean anchor (the folded
 #         path) vs the bf16 paged kernel. The kernel speed alone: STEPS="a b" (~2.5 min, caps 195 s + set-up)
 #   c     e2e_decode.py llama-8b b64 at 4K (3968 + 128): bf16 vs fp8-delta   ~130 s  145 s (C_TIMEOUT)
+#   f     (not in the default STEPS: STEPS="f") kernels.py --delta-prefill: the delta prefill kernel vs
+#         paged_prefill_attention on bf16 pools, 8 sequences x their last 512 positions, ctx 4K/16K x pages
+#         16/128/mixed, fp16/fp8-delta with a mean anchor; ~6 lowerings (3 variants x 2 contexts)  ~120 s  180 s (F_TIMEOUT)
 # These are estimates, not measurements (the delta kernel has never run on a GPU): its Mosaic GPU lowering
 # took 21-38 s of host time per config on the shared 2-core dev CPU (load ~7), so ~10 s on the GPU host is
 # assumed; kernels.py lowers each variant once per context (one jit for every page size). The cheap,
@@ -33,7 +36,8 @@ if [ "${DRY:-0}" = 1 ]; then   # tiny sizes on the CPU: the same commands and fl
   C_ARGS="--model pydoc-2m --dtype bfloat16 --batch 1 --prompt-len 8 --new-tokens 2 --decode-steps 1 \
     --interpret-kernels --copy-gb 0.01"
   E_ARGS="--model tiny --context 1024 --page-size 64 --prefill-chunk 512 --copy-mb 64"
-  : "${A_TIMEOUT:=300}" "${D_TIMEOUT:=300}" "${B_TIMEOUT:=900}" "${C_TIMEOUT:=900}" "${E_TIMEOUT:=300}"
+  F_ARGS="--dry-run"
+  : "${F_TIMEOUT:=600}" "${A_TIMEOUT:=300}" "${D_TIMEOUT:=300}" "${B_TIMEOUT:=900}" "${C_TIMEOUT:=900}" "${E_TIMEOUT:=300}"
 else
   D_ARGS="--prompts 256 --positions 512"
   B_ARGS="--batch 64 --contexts 1024,4096,16384 --pages 16,64,256,mixed --anchor-lens ${ANCHORS:-1} --quick \
@@ -41,6 +45,8 @@ else
   C_ARGS="--model llama-8b --batch 64 --prompt-len 3968 --new-tokens 128 --prefill-tokens 16384 --decode-steps 8 \
     --copy-gb 4"
   E_ARGS="--model llama-8b --context 32768 --page-size 256 --prefill-chunk 8192 --copy-mb 2048"
+  F_ARGS="--prefill-batch 8 --prefill-tokens 512 --contexts 4096,16384 --pages 16,128,mixed --anchor-lens ${ANCHORS:-1} \
+    --reps 10 --rounds 2"
 fi
 STEPS=${STEPS:-"a d e b c"}
 T0=$(date +%s)
@@ -99,11 +105,18 @@ if has b; then
 fi
 
 # c. End to end, llama-8b batch 64 at 4K context: bf16 vs fp8-delta, both through the Pallas kernels
-#    (a DKVC cache decodes through pallas_kernels/delta_attention.py; prefill takes the tiled jnp path).
+#    (a DKVC cache decodes through pallas_kernels/delta_attention.py's decode kernel and prefills through its
+#    delta_prefill_attention; before 2026-12-01 prefill took the tiled jnp path, which timed out here).
 if has c; then
   PRECS="bf16 fp8-delta"; [ "${FP16_E2E:-0}" = 1 ] && PRECS="$PRECS fp16-delta"
   step c_e2e ${C_TIMEOUT:-145} $PY benchmarks/e2e_decode.py $C_ARGS --attention kernel --kv-precision $PRECS \
     --out "$OUT/e2e_decode_llama-8b_b64_4k_dkvc.json"
+fi
+
+# f. Prefill kernel speed: delta_prefill_attention vs paged_prefill_attention at 4K/16K (only with STEPS="... f").
+if has f; then
+  TAIL=16 step f_prefill_kernels ${F_TIMEOUT:-180} $PY benchmarks/kernels.py --delta-prefill $F_ARGS \
+    --out "$OUT/delta_prefill_kernels_h200.json"
 fi
 
 echo "total $(( $(date +%s) - T0 )) s"

@@ -462,6 +462,20 @@ def delta_targets(shapes):
             for (p, A, c), x in sorted(worst.items())]
 
 
+def delta_context(key, num_slots, num_kv_heads, head_dim, anchor_lens):
+    """Random inputs of one context for the delta benchmarks: (the next key, 12 keys (keys[3] for q, keys[8:10]
+    for the deltas), pool shape [Hkv, num_slots, D], bf16 k_pool and v_pool, k/v granule scales [Hkv,
+    num_slots // 8] f32, {anchor_len: (anchor_k, anchor_v) [Hkv, anchor_len, D] bf16})."""
+    keys = jax.random.split(key, 12)
+    shape = (num_kv_heads, num_slots, head_dim)
+    k_pool = jax.random.normal(keys[1], shape, jnp.bfloat16)
+    v_pool = jax.random.normal(keys[2], shape, jnp.bfloat16)
+    scales = [jax.random.uniform(k, (num_kv_heads, num_slots // 8), jnp.float32, 0.005, 0.02) for k in keys[4:6]]
+    anchors = {A: [jax.random.normal(k, (num_kv_heads, A, head_dim), jnp.bfloat16) for k in keys[6:8]]
+               for A in anchor_lens}
+    return keys[0], keys, shape, k_pool, v_pool, scales, anchors
+
+
 def run_delta(a):
     """fp16/fp8-delta kernel vs the bf16 paged kernel (default configs) at each context and page size."""
     interpret = a.dry_run
@@ -504,17 +518,10 @@ def run_delta(a):
 
     for ctx in contexts:
         table_width = ctx // 8
-        num_slots = B * ctx
-        keys = jax.random.split(key, 12)
-        key = keys[0]
-        shape = (Hkv, num_slots, D)
-        k_pool = jax.random.normal(keys[1], shape, jnp.bfloat16)
-        v_pool = jax.random.normal(keys[2], shape, jnp.bfloat16)
+        key, keys, shape, k_pool, v_pool, scales, anchors = delta_context(key, B * ctx, Hkv, D, anchor_lens)
         q = jax.random.normal(keys[3], (B, Hq, D), jnp.bfloat16)
         lengths = jnp.full((B,), ctx, jnp.int32)
         paged_io = 2 * B * Hkv * ctx * D * 2 + 2 * q.nbytes
-        scales = [jax.random.uniform(k, (Hkv, num_slots // 8), jnp.float32, 0.005, 0.02) for k in keys[4:6]]
-        anchors = {A: [jax.random.normal(k, (Hkv, A, D), jnp.bfloat16) for k in keys[6:8]] for A in anchor_lens}
         for page in pages:
             sizes = [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(B)] if page == MIXED else [page] * B
             starts_np, _ = page_layout(rng, B, ctx, sizes, table_width)
@@ -620,17 +627,10 @@ def run_delta_prefill(a):
     per_seq = n_q // tokens
     for ctx in contexts:
         table_width = ctx // 8
-        num_slots = B * ctx
-        keys = jax.random.split(key, 12)
-        key = keys[0]
-        shape = (Hkv, num_slots, D)
-        k_pool = jax.random.normal(keys[1], shape, jnp.bfloat16)
-        v_pool = jax.random.normal(keys[2], shape, jnp.bfloat16)
+        key, keys, shape, k_pool, v_pool, scales, anchors = delta_context(key, B * ctx, Hkv, D, anchor_lens)
         q = jax.random.normal(keys[3], (B * per_seq, tokens, Hq, D), jnp.bfloat16)
         q_starts = jnp.asarray(np.tile(ctx - n_q + tokens * np.arange(per_seq), B), jnp.int32)
         lengths = q_starts + tokens
-        scales = [jax.random.uniform(k, (Hkv, num_slots // 8), jnp.float32, 0.005, 0.02) for k in keys[4:6]]
-        anchors = {A: [jax.random.normal(k, (Hkv, A, D), jnp.bfloat16) for k in keys[6:8]] for A in anchor_lens}
         for page in pages:
             sizes = [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(B)] if page == MIXED else [page] * B
             starts_np, _ = page_layout(rng, B, ctx, sizes, table_width)

@@ -1,4 +1,4 @@
-"""Delta-KV (DKVC) decode attention: the paged kernel's pipeline over anchor + low-precision deltas.
+"""Delta-KV (DKVC) decode and prefill attention: the paged kernels' pipeline over anchor + low-precision deltas.
 
 Storage (one layer; the engine writes it, this kernel reads it):
   anchor_k, anchor_v [num_kv_heads, anchor_len, head_dim] bf16: resident, never evicted. anchor_len
@@ -67,6 +67,16 @@ Every config lowers to Mosaic GPU on a CPU (checked for fp8/fp16 x folded/rebuil
 GPU. STRATUM_DKVC_FOLD_MEAN_ANCHOR=0 (every call, the engine's included) or fold_mean_anchor=False
 sends a mean anchor through the rebuild path, the fallback if the folded path fails on a GPU
 (benchmarks/gpu_dkvc_session.sh switches it when only the folded cases fail).
+
+*Prefill (`delta_prefill_attention`).* The same format in `paged_prefill_attention`'s causal-block pipeline
+(`prefill_attention_pipeline`: `_build_kernel(query_tokens=...)`, a 64-row q tile of 64 // group consecutive
+tokens x the GQA group, row r seeing the keys < min(q_start + r // group + 1, length)). Nothing in the format
+depends on the query: the folded path's per-key columns, the V zeroing and the live-granule masks use the
+block's length (the furthest key any row sees), the causal bound is the pipeline's mask on the scores, and
+the epilogue's anchor_v goes to every row that saw a key (every real token does: q_start >= 0). The q tile
+is f16 on the folded path (clipped as above), bf16 on the rebuild path. Score statistics come from the
+pipeline unchanged. Default config: PREFILL_KERNEL_CONFIG (128-token tiles) where it fits SMEM, else 64-token
+tiles (`default_delta_prefill_config`; not yet swept on a GPU).
 
 SMEM per CTA (`delta_smem_bytes`; 227 KB at most; two CTAs per SM below ~113 KB) at D=128, 2 stages,
 B=64 (no split), 4K-16K contexts, T=64: folded fp16 103-109 KB, the bf16 paged kernel's 99-105 KB plus

@@ -45,7 +45,9 @@ here (one TMA copy per page, V rows past the end zeroed in place), `DeltaPages` 
 delta_attention.py (fp16/fp8 delta pages plus their scale granules; K/V rebuilt as anchor + scale *
 delta into bf16 tiles, or, with a mean anchor, f16 deltas fed to the MMAs as they are, with per-key
 scales as `TileColumns`, f16 q/P (`mma_dtype`) and the anchor added in `finish`). Everything else
-(grid, page-table window, ring, split-K, softmax, score statistics) is one code path; with
+(grid, page-table window, ring, split-K, softmax, score statistics) is one code path, and so is the
+causal-block prefill variant (`query_tokens` > 1, `prefill_attention_pipeline`: `paged_prefill_attention`
+with Bf16Pages, `delta_prefill_attention` with DeltaPages); with
 `Bf16Pages` the traced kernel is the same as before the split (its lowered text was compared; its
 jaxpr again after the TileColumns/finish/mma_dtype hooks, 2026-12-01).
 
@@ -816,7 +818,8 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
     query_tokens Q > 1 (prefill blocks, `paged_prefill_attention`): the q tile's 64 rows are Q
     consecutive query tokens x `group` q heads (row r is token r // group; group a power of 2), f takes
     q_starts [batch] int32 after page_sizes, and row r sees the keys < min(q_start + r // group + 1,
-    length) (causal); every row's output (all 64) is written. Q = 1 is the decode kernel, unchanged."""
+    length) (causal); every row's output (all 64) is written. Q = 1 is the decode kernel, unchanged. Any
+    kv_format works with Q > 1 (the q tile is in its mma_dtype; `prefill_attention_pipeline` lays it out)."""
     T = config.block_kv
     stages = config.num_stages
     splits = config.num_splits

@@ -14,9 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 
-from pallas_kernels.delta_attention import delta_prefill_attention, delta_prefill_attention_reference
+from pallas_kernels.delta_attention import (
+    default_fold_mean_anchor, delta_prefill_attention, delta_prefill_attention_reference)
 from pallas_kernels.paged_attention import TuningConfig, prefill_block_tokens
 from pallas_kernels.testing import (
     float64_delta_pools, float64_prefill_attention, float64_prefill_score_variance, prefill_blocks_case,
@@ -132,3 +134,19 @@ def test_entry_point_errors():
     with pytest.raises(ValueError, match="fold_mean_anchor=True needs a mean anchor"):
         delta_prefill_attention(**{**args, "anchor_k": jnp.zeros((1, 256, 64), jnp.bfloat16),
                                    "anchor_v": jnp.zeros((1, 256, 64), jnp.bfloat16)}, fold_mean_anchor=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [FP8, FP16])
+@pytest.mark.parametrize("anchor_len", [1, 256])
+def test_kernel_compiled_on_gpu(dtype, anchor_len):
+    """The compiled kernel at the benchmark's head shape (Hq=32, Hkv=8, D=128: 16 tokens per block) in its
+    default config ($STRATUM_DKVC_FOLD_MEAN_ANCHOR picks the mean anchor's path), every page class, NaN in
+    free slots, blocks past the context and a padding block."""
+    blocks = [(0, 0, 16), (1, 1000 - 16, 16), (2, 300, 16), (3, 500, 7), (4, 70, 9), (5, 2000 - 16, 16), (-1, 0, 0)]
+    args, truth, valid = prefill_case(15, lengths=[16, 1000, 700, 507, 79, 2000], page_sizes=[8, 16, 32, 64, 128, 256],
+                                      blocks=blocks, num_q_heads=32, num_kv_heads=8, head_dim=128, delta_dtype=dtype,
+                                      anchor_len=anchor_len,
+                                      mma_bf16=not (anchor_len == 1 and default_fold_mean_anchor()))
+    check(delta_prefill_attention(**args), truth, valid)
