@@ -15,7 +15,7 @@
 #         paged_prefill_attention on bf16 pools, 8 sequences x their last 512 positions, ctx 4K/16K x pages
 #         16/128/mixed, fp16/fp8-delta with a mean anchor; ~6 lowerings (3 variants x 2 contexts)  ~120 s  180 s (F_TIMEOUT)
 #         after the prefill kernel's GPU-marked tests (fp8/fp16 x mean/256-row anchor, compiled)     ~60 s  120 s (F_TESTS_TIMEOUT)
-#         (estimates: neither has run on a GPU; on the dev CPU the DRY step f took 128 s)
+#         (estimates: neither has run on a GPU; DRY=1 STEPS=f runs both at tiny sizes on the CPU)
 # These are estimates, not measurements (the delta kernel has never run on a GPU): its Mosaic GPU lowering
 # took 21-38 s of host time per config on the shared 2-core dev CPU (load ~7), so ~10 s on the GPU host is
 # assumed; kernels.py lowers each variant once per context (one jit for every page size). The cheap,
