@@ -160,6 +160,47 @@ def _flat_table(page_starts, splits: int, block_kv: int):
     return table
 
 
+def page_classes(block_kv: int) -> list[tuple[int, int]]:
+    """The page-size classes of a K/V tile of `block_kv` keys that take several copies: (log2 P, T // P) for
+    every page size P < T. Pages of >= T keys are one more class (one copy of a T-key piece)."""
+    return [(p.bit_length() - 1, block_kv // p) for p in PAGE_SIZES if p < block_kv]
+
+
+def wait_page_class(bars, slot, log2_p, small_classes, block_kv: int) -> None:
+    """In a kernel: awaits ring slot `slot` of the stage-barrier array of this sequence's page-size class
+    (bars: one barrier array per class of `page_classes`, then the >= T class)."""
+    for gi, (lp, _) in enumerate(small_classes):
+        pl.when(log2_p == lp)(lambda gi=gi: plgpu.barrier_wait(bars[gi].at[slot]))
+    pl.when(log2_p >= block_kv.bit_length() - 1)(lambda: plgpu.barrier_wait(bars[-1].at[slot]))
+
+
+def issue_tile_copies(t0, *, log2_p, page, n_pages, page_entry, small_classes, block_kv: int, piece,
+                      after=None) -> None:
+    """In a kernel: the TMA copies of the K/V tile of keys [t0, t0 + T), for the sequence's page class.
+    piece(class_index, src_slot, tile_offset, size) issues one copy of `size` keys from pool slot
+    `src_slot` to the tile's rows [tile_offset, +size); after(class_index), if given, runs once per class
+    after its pieces (class_index -1: pages of >= T keys). Pages < T: T / P whole pages (copies past the
+    last page re-read it, clamped, so the arrival count stays static and table entries past the sequence
+    are never read); pages >= T: the T-key piece of one page. Page starts are multiples of P >= 8, which
+    the tiled TMA needs."""
+    for gi, (lp, n) in enumerate(small_classes):
+        @pl.when(log2_p == lp)
+        def _():
+            p = 1 << lp
+            first_page = lax.shift_right_logical(t0, lp)
+            for i in range(n):
+                piece(gi, pl.multiple_of(page_entry(jnp.minimum(first_page + i, n_pages - 1)), 8), i * p, p)
+            if after is not None:
+                after(gi)
+
+    @pl.when(log2_p >= block_kv.bit_length() - 1)
+    def _():
+        src = page_entry(lax.shift_right_logical(t0, log2_p)) + (t0 & (page - 1))
+        piece(-1, pl.multiple_of(src, 8), 0, block_kv)
+        if after is not None:
+            after(-1)
+
+
 def _table_window(max_pages: int, num_splits: int, block_kv: int) -> int:
     """Page-table entries one CTA copies to SMEM (static bound, multiple of 32 = 128 bytes).
 
@@ -824,12 +865,11 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
     stages = config.num_stages
     splits = config.num_splits
     window = _table_window(max_pages, splits, T)
-    log2_t = T.bit_length() - 1
     # The lse of the q tile's first `copy_rows` rows (a multiple of 8, so a 16-byte-aligned bulk copy
     # from SMEM row 0) goes out; the wrapper picks the group's rows at row_off.
     lse_cols = copy_rows
     # Copy groups: copies per tile for each page-size class (P < T: T/P pages; P >= T: 1 piece).
-    small_classes = [(p.bit_length() - 1, T // p) for p in PAGE_SIZES if p < T]   # (log2 P, copies)
+    small_classes = page_classes(T)                                           # (log2 P, copies)
     groups = [n for _, n in small_classes] + [1]
     kv_format = BF16_PAGES if kv_format is None else kv_format
     # Stage-barrier arrivals: every copy the format issues for a tile arrives once.
@@ -913,9 +953,7 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
             return table_smem[b * max_pages + p - win_start]
 
         def wait(bars, slot):
-            for gi, (lp, _) in enumerate(small_classes):
-                pl.when(log2_p == lp)(lambda gi=gi: plgpu.barrier_wait(bars[gi].at[slot]))
-            pl.when(log2_p >= log2_t)(lambda: plgpu.barrier_wait(bars[-1].at[slot]))
+            wait_page_class(bars, slot, log2_p, small_classes, T)
 
         ctx = TileContext(h=h, inputs=kv_refs, smem=kv_smem, block_kv=T, head_dim=head_dim, log2_p=log2_p,
                           n_pages=n_pages, page_entry=page_entry, small_classes=tuple(small_classes),
@@ -924,23 +962,12 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
         # --- fetch: TMA copies of one K and V tile -----------------------------------------
         def fetch(tile, slot):
             t0 = tile * T
-            for gi, (lp, n) in enumerate(small_classes):
-                @pl.when(log2_p == lp)
-                def _():
-                    p = 1 << lp
-                    first_page = lax.shift_right_logical(t0, lp)
-                    for i in range(n):
-                        # Page starts are multiples of P >= 8, which the tiled TMA needs.
-                        src = pl.multiple_of(page_entry(jnp.minimum(first_page + i, n_pages - 1)), 8)
-                        kv_format.fetch_page(ctx, src, i * p, p, slot, k_bars[gi].at[slot], v_bars[gi].at[slot])
-                    kv_format.fetch_tile(ctx, t0, slot, k_bars[gi].at[slot], v_bars[gi].at[slot])
-
-            @pl.when(log2_p >= log2_t)
-            def _():
-                src = page_entry(lax.shift_right_logical(t0, log2_p)) + (t0 & (page - 1))
-                src = pl.multiple_of(src, 8)
-                kv_format.fetch_page(ctx, src, 0, T, slot, k_bars[-1].at[slot], v_bars[-1].at[slot])
-                kv_format.fetch_tile(ctx, t0, slot, k_bars[-1].at[slot], v_bars[-1].at[slot])
+            issue_tile_copies(
+                t0, log2_p=log2_p, page=page, n_pages=n_pages, page_entry=page_entry, small_classes=small_classes,
+                block_kv=T,
+                piece=lambda gi, src, off, size: kv_format.fetch_page(ctx, src, off, size, slot, k_bars[gi].at[slot],
+                                                                      v_bars[gi].at[slot]),
+                after=lambda gi: kv_format.fetch_tile(ctx, t0, slot, k_bars[gi].at[slot], v_bars[gi].at[slot]))
 
         # --- attend: online softmax update with one tile ----------------------------------
         def attend(carry, k_tile, v_tile, tile, n_valid, cols=None):

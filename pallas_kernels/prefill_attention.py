@@ -47,7 +47,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.paged_attention import (
-    MMA_TRANSFORMS, PAGE_SIZES, TuningConfig, _flat_table, _table_window, check_prefill_blocks, sequence_scalars)
+    MMA_TRANSFORMS, TuningConfig, _flat_table, _table_window, check_prefill_blocks, issue_tile_copies,
+    page_classes, sequence_scalars, wait_page_class)
 
 _LOG2E = math.log2(math.e)
 _WG_ROWS = 64                  # WGMMA M: rows of one compute warpgroup's q tile
@@ -155,7 +156,7 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
     window = _table_window(max_pages, 1, T)
     log2_t = T.bit_length() - 1
     log2_group = group.bit_length() - 1
-    small_classes = [(p.bit_length() - 1, T // p) for p in PAGE_SIZES if p < T]   # (log2 P, copies per tile)
+    small_classes = page_classes(T)                                           # (log2 P, copies per tile)
     copies = [n for _, n in small_classes] + [1]
     qk_scale = scale * _LOG2E
     wgmma_layout = plgpu.Layout.WGMMA
@@ -199,10 +200,7 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
         q_start = qstart_ref[b]
 
         def wait(bars, slot):
-            """Await ring slot `slot` of the stage-barrier array of this sequence's page-size class."""
-            for gi, (lp, _) in enumerate(small_classes):
-                pl.when(log2_p == lp)(lambda gi=gi: plgpu.barrier_wait(bars[gi].at[slot]))
-            pl.when(log2_p >= log2_t)(lambda: plgpu.barrier_wait(bars[-1].at[slot]))
+            wait_page_class(bars, slot, log2_p, small_classes, T)
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_warpgroup():
@@ -219,24 +217,11 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
 
             def fetch(src_ref, ring, bars, tile, slot):
                 """Issue the TMA copies of one K or V tile into ring slot `slot`."""
-                t0 = tile * T
-                for gi, (lp, n) in enumerate(small_classes):
-                    @pl.when(log2_p == lp)
-                    def _():
-                        p = 1 << lp
-                        first_page = lax.shift_right_logical(t0, lp)
-                        for i in range(n):
-                            # Copies past the last page re-read it (clamped): the arrival count stays static
-                            # and table entries past the sequence are never read.
-                            src = pl.multiple_of(page_entry(jnp.minimum(first_page + i, n_pages - 1)), 8)
-                            plgpu.copy_gmem_to_smem(src_ref.at[h, pl.ds(src, p)], ring.at[slot, pl.ds(i * p, p)],
-                                                    bars[gi].at[slot])
-
-                @pl.when(log2_p >= log2_t)
-                def _():
-                    src = page_entry(lax.shift_right_logical(t0, log2_p)) + (t0 & (page - 1))
-                    plgpu.copy_gmem_to_smem(src_ref.at[h, pl.ds(pl.multiple_of(src, 8), T)], ring.at[slot],
-                                            bars[-1].at[slot])
+                issue_tile_copies(
+                    tile * T, log2_p=log2_p, page=page, n_pages=n_pages, page_entry=page_entry,
+                    small_classes=small_classes, block_kv=T,
+                    piece=lambda gi, src, off, size: plgpu.copy_gmem_to_smem(
+                        src_ref.at[h, pl.ds(src, size)], ring.at[slot, pl.ds(off, size)], bars[gi].at[slot]))
 
             # One loop issues every tile (the first `stages` into empty slots), so each fetch is traced
             # once: the page-class branches unroll up to T / 8 copies per side, and Mosaic GPU lowering
