@@ -3,9 +3,9 @@ fine-tuner running (target: dmlp-with-online at most 2% slower than lru); on req
 also dmlp-lru-mode, the DMLP policy with its guard tripped from the start: eviction in LRU order while
 the guard's ghost DMLP cache runs the model on every step's accesses and ranks its own evictions (what
 the guard costs while it holds the DMLP off; the dmlp condition's guard, on by default, may or may not
-trip on this load, and the report says whether it did); and dmlp-lru-mode-sync, the same with the ghost
-scoring at its rankings on the engine thread instead of on its worker thread (`GhostDmlpCache.background`
-off: what session 7 measured).
+trip on this load, and the report says whether it did); and dmlp-lru-mode-background, the same with the
+ghost scoring each step's accesses on its worker thread instead of at its rankings on the engine thread
+(`GhostDmlpCache.background`; each row records `ghost_background`).
 
     PYTHONPATH=$PWD python3 benchmarks/dmlp_engine_overhead.py                       # tiny, CPU
     PYTHONPATH=$PWD python3 benchmarks/dmlp_engine_overhead.py --model llama-1b --batch 32 \\
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         "lru": RuntimeConfig(**base),
         "dmlp": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint),
         "dmlp-lru-mode": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint),
-        "dmlp-lru-mode-sync": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint),
+        "dmlp-lru-mode-background": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint),
         "dmlp-online": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint, dmlp_online=True,
                                      dmlp_online_dir=os.path.join(tmp, "online"),
                                      dmlp_online_cores=parse_cores(args.online_cores)),
@@ -168,8 +168,8 @@ def main(argv=None) -> int:
         engines[name].warmup()
         if name.startswith("dmlp-lru-mode"):
             engines[name].cache_policy.guard.trip()
-        if name == "dmlp-lru-mode-sync":        # the ghost's model calls on the step, as before session 8
-            engines[name].cache_policy.guard.ghost.background = False
+        if name == "dmlp-lru-mode-background":      # the ghost scores on its worker thread (ghost.py)
+            engines[name].cache_policy.guard.ghost.background = True
         streams[name] = Stream(engines[name], args, seed=i)
         for _ in range(args.warmup_steps):
             streams[name].step()

@@ -28,15 +28,16 @@ While the ghost evicts by itself, accesses come with their features (the engine'
 snapshots, kept by reference), and the ghost scores the ones a ranking needs in one model call per
 ranking (`score`), not a feature matrix and a model call per engine step.
 
-Off the engine's step (`background=True`, the engine's policy). A model call on the engine thread waits,
-on the CPU, for the device step in flight (session 7 measured the tripped guard at +15.6% decode step
-p50 over LRU on the tiny model). So each access batch's features go at once to a worker thread that
-scores them (one call per batch, FIFO), and a ranking takes the curves from there; by then (at least
-`min_slack` insertions later, so a later engine step) they are normally ready, and a ranking waits only
-for those that are not (`waits` counts such rankings). The curves are the same whichever thread computes
-them and whenever (a batch is scored as it arrived), so the ghost's hits do not depend on timing, except
-across an online weight swap, where a batch scored just before or just after it gets the old or the new
-weights (as a real access's curve does).
+On a worker thread (`background=True`; an option, off in the engine's policy). A model call on the engine
+thread waits, on the CPU, for the device step in flight (session 7: the tripped guard at +15.6% decode
+step p50 over LRU on the tiny model). With `background`, each access batch's features go at once to a
+worker thread that scores them (one call per batch, FIFO), and a ranking takes the curves from there,
+waiting only for a batch not finished yet (`waits` counts such rankings). The curves are the same
+whichever thread computes them and whenever (a batch is scored as it arrived), so the ghost's hits do
+not depend on timing, except across an online weight swap (a batch scored just before or after it gets
+the old or the new weights, as a real access's curve does). Measured, it made the step slower, not
+faster (BENCHMARKS.md, #15, session 8): a thread shares the process's XLA CPU queue and GIL with the
+engine, and a call per access batch is more calls than one per ranking; so it stays off.
 
 Memory: one key, one float32 curve [H], a time and a sequence number per block of the real cache's
 resident set (plus slack/2), the same order as the real policy's own curve store.

@@ -44,13 +44,15 @@ class OnlineConfig:
     # The horizon the holdout is judged at (swap or refuse, accuracy) and the hot/cold threshold refers
     # to, in ms: the model's longest horizon not longer than this (`decision_index`). And whether a
     # reuse's labels are held to each horizon's deadline t + h (`OutcomeTracker(hold_reuse=...)`).
-    # Chosen together by measurement on issue #15's shifted replay (BENCHMARKS.md, #15, session 8): at
-    # the longest horizon (500 ms) a run shorter than it has only reuses decided there, every round is
-    # refused and the weights never change; at 200 ms the rounds are judged, and with the labels held to
-    # their deadline the positives of a horizon no longer run ahead of its negatives (unbiased labels):
-    # +1.98 points over LRU at capacity 0.1 guarded, against +1.46 unheld and +1.58 with no adaptation.
-    # The server (`runtime.build_cache_policy`) and the replay (`training/online_replay.py`) both take
-    # these from here, through `wiring.wire_online`.
+    # Chosen together by measurement on issue #15's reduced shifted replay (one seed; BENCHMARKS.md, #15,
+    # session 8): at the longest horizon (500 ms) a run shorter than it has only reuses decided there, so
+    # every round is refused and the weights never change (+1.58 points over LRU at capacity 0.1,
+    # guarded: the offline model's figure); at 200 ms the rounds are judged and the model adapts (+1.46
+    # with labels handed over at the reuse); holding a reuse's labels to their deadline makes every label
+    # of a horizon arrive at t + h, so its positives no longer run ahead of its negatives (unbiased):
+    # +1.98, the best of the three (unguarded too: +1.92 against +1.15 and the offline +1.06).
+    # The server (`runtime.build_dmlp`) and the replay (`training/online_replay.py`) both take these
+    # from here, through `wiring.wire_policy`; no flag: a user changes the checkpoint, not these.
     decision_horizon_ms: float = 200.0
     hold_reuse: bool = True
     seed: int = 0
