@@ -3,7 +3,9 @@ fine-tuner running (target: dmlp-with-online at most 2% slower than lru); on req
 also dmlp-lru-mode, the DMLP policy with its guard tripped from the start: eviction in LRU order while
 the guard's ghost DMLP cache runs the model on every step's accesses and ranks its own evictions (what
 the guard costs while it holds the DMLP off; the dmlp condition's guard, on by default, may or may not
-trip on this load, and the report says whether it did).
+trip on this load, and the report says whether it did); and dmlp-lru-mode-background, the same with the
+ghost scoring each step's accesses on its worker thread instead of at its rankings on the engine thread
+(`GhostDmlpCache.background`; each row records `ghost_background`).
 
     PYTHONPATH=$PWD python3 benchmarks/dmlp_engine_overhead.py                       # tiny, CPU
     PYTHONPATH=$PWD python3 benchmarks/dmlp_engine_overhead.py --model llama-1b --batch 32 \\
@@ -153,6 +155,7 @@ def main(argv=None) -> int:
         "lru": RuntimeConfig(**base),
         "dmlp": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint),
         "dmlp-lru-mode": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint),
+        "dmlp-lru-mode-background": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint),
         "dmlp-online": RuntimeConfig(**base, cache_policy="dmlp", dmlp_checkpoint=checkpoint, dmlp_online=True,
                                      dmlp_online_dir=os.path.join(tmp, "online"),
                                      dmlp_online_cores=parse_cores(args.online_cores)),
@@ -160,11 +163,16 @@ def main(argv=None) -> int:
     names = [c for c in args.conditions.split(",") if c]
     model = load_model(args.model, dtype=args.dtype, seed=0)
     engines, streams = {}, {}
+    guard_time = {}       # condition -> [seconds, calls] the engine thread spent in its guard (ghost included)
     for i, name in enumerate(names):
         engines[name] = Engine(configs[name], model=model)
         engines[name].warmup()
-        if name == "dmlp-lru-mode":
+        if name.startswith("dmlp-lru-mode"):
             engines[name].cache_policy.guard.trip()
+        if name == "dmlp-lru-mode-background":      # the ghost scores on its worker thread (ghost.py)
+            engines[name].cache_policy.guard.ghost.background = True
+        if name.startswith("dmlp-lru-mode"):
+            guard_time[name] = _time_calls(engines[name].cache_policy.guard)
         streams[name] = Stream(engines[name], args, seed=i)
         for _ in range(args.warmup_steps):
             streams[name].step()
@@ -174,7 +182,10 @@ def main(argv=None) -> int:
         tuner.start()
         time.sleep(3.0)        # let the worker start and begin its rounds
 
+    for spent in guard_time.values():      # count the measured blocks only
+        spent[:] = [0.0, 0]
     walls = {n: [] for n in names}
+    all_steps_s = {n: 0.0 for n in names}     # every measured step (admissions and prefill too), summed
     per_token = {n: [] for n in names}
     round_medians = {n: [] for n in names}     # step ms p50 of each block, for the paired comparison
     for r in range(args.rounds):
@@ -183,6 +194,7 @@ def main(argv=None) -> int:
             block = []
             for _ in range(args.block_steps):
                 wall, kind, tok = streams[name].step()
+                all_steps_s[name] += wall
                 if kind == "decode":
                     walls[name].append(wall * 1e3)
                     per_token[name].append(tok)
@@ -210,12 +222,16 @@ def main(argv=None) -> int:
         med, tok = statistics.median(w), statistics.median(t)
         row = {"step_ms_p50": med, "step_ms_p90": w[int(0.9 * (len(w) - 1))], "decode_ms_per_token_p50": tok,
                "step_vs_first_pct": 100.0 * (med / ref - 1.0), "decode_vs_first_pct": 100.0 * (tok / ref_tok - 1.0),
-               "decode_steps": len(w), "evictions": e.pool.evictions,
+               "decode_steps": len(w), "evictions": e.pool.evictions, "all_steps_s": all_steps_s[name],
+               "all_steps_vs_first_pct": 100.0 * (all_steps_s[name] / all_steps_s[names[0]] - 1.0),
                "prefix_hit_rate": st.prefix_cache_hits / max(1, st.prefix_cache_queries)}
         guard = e.cache_policy.guard if isinstance(e.cache_policy, DmlpPolicy) else None
         if guard is not None:
             row["guard"] = {"active_at_end": guard.active, "trips": guard.trips, "returns": guard.returns,
-                            "ghost_rankings": guard.ghost.rankings}
+                            "ghost_rankings": guard.ghost.rankings, "ghost_waits": guard.ghost.waits,
+                            "ghost_background": guard.ghost.background}
+            if name in guard_time:   # engine-thread time inside the guard's accessed() (ghost scoring included)
+                row["guard"]["accessed_s"], row["guard"]["accessed_calls"] = guard_time[name]
         if name == "dmlp-online":
             row["online_updates"] = updates
             row["online_dropped"] = e.dmlp_tuner.dropped
@@ -237,6 +253,22 @@ def main(argv=None) -> int:
         _write(args.out, result)
         print(f"wrote {args.out}")
     return 0
+
+
+def _time_calls(guard) -> list:
+    """Wraps `guard.accessed` (an instance attribute shadows the method) to add up the time the calling
+    thread (the engine's) spends in it; returns the [seconds, calls] list it updates."""
+    spent, inner = [0.0, 0], guard.accessed
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            spent[0] += time.perf_counter() - t
+            spent[1] += 1
+    guard.accessed = timed
+    return spent
 
 
 def _write(path: str, obj) -> None:

@@ -182,17 +182,18 @@ SHIFT_ROUND_MS = 2.0      # one round every 8 trace seconds (time scale 1000, cp
 
 
 PARTS = ("held_out", "shifted")
+DEFAULT_ONLINE = OnlineConfig()     # the server's online settings
 
 
 def shifted(trace: str, parts=PARTS, shifted_warmup: bool = True, suffix: str = "",
-            decision_horizon: int = -1, hold_reuse: bool = False) -> int:
+            online_config: OnlineConfig = OnlineConfig()) -> int:
     """Issue #15: held-out part and a shifted workload, offline / guarded / online beside the baselines.
     parts: which to evaluate (each writes its own JSON, so two processes can run them side by side);
     shifted_warmup: replay the training part before the shifted workload as warm-up (history and cache),
     as the held-out part is; without it the shifted workload starts from an empty cache and history.
     suffix: appended to the output file names (dmlp_shift_<part><suffix>.json), so a re-run keeps earlier ones.
-    decision_horizon: the online learner's (`OnlineConfig.decision_horizon`, an index into the horizons).
-    hold_reuse: the online replay's labels of a reuse wait for each horizon's deadline (`OutcomeTracker`)."""
+    online_config: the online learner's settings, the server's defaults unless an experiment changes its
+    decision horizon or label rule (`OnlineConfig.decision_horizon_ms`, `hold_reuse`)."""
     import jax
 
     from training.report_plot import plot_over_time
@@ -205,8 +206,7 @@ def shifted(trace: str, parts=PARTS, shifted_warmup: bool = True, suffix: str = 
     # no trip or return in it): whether the warm-up replay should reach the guard's decisions (#15).
     opts = {"held_out": EvalOptions(SHIFT_CAPACITIES, 0.0, guard=True, online=False, guard_after_warmup=True),
             "shifted": EvalOptions(SHIFT_CAPACITIES, 0.0, guard=True, online=True, online_round_ms=SHIFT_ROUND_MS,
-                                   online_config=OnlineConfig(decision_horizon=decision_horizon),
-                                   online_hold_reuse=hold_reuse)}
+                                   online_config=online_config)}
     dev = jax.devices()[0]
     with tempfile.TemporaryDirectory() as tmp:
         split = split_by_time(trace, tmp)
@@ -234,8 +234,10 @@ def shifted(trace: str, parts=PARTS, shifted_warmup: bool = True, suffix: str = 
                 "command": f"python benchmarks/dmlp_mooncake.py --shifted --parts {name}"
                            + ("" if warm or name == "held_out" else " --no-shifted-warmup")
                            + (f" --suffix {suffix}" if suffix else "")
-                           + (f" --online-decision-horizon {decision_horizon}" if decision_horizon != -1 else "")
-                           + (" --online-hold-reuse" if hold_reuse else ""),
+                           + (f" --online-decision-horizon-ms {online_config.decision_horizon_ms:g}"
+                              if online_config.decision_horizon_ms != DEFAULT_ONLINE.decision_horizon_ms else "")
+                           + ((" --online-hold-reuse" if online_config.hold_reuse else " --no-online-hold-reuse")
+                              if online_config.hold_reuse != DEFAULT_ONLINE.hold_reuse else ""),
                 "part": name, "trace": os.path.relpath(os.path.abspath(trace), ROOT), "time_scale": TIME_SCALE,
                 "train_share_of_timeline": TRAIN_SHARE, "warmup": warm, "model": dataclasses.asdict(SHIFT_MODEL),
                 "train_seconds": train_seconds, "capacities": SHIFT_CAPACITIES,
@@ -278,11 +280,12 @@ def main() -> int:
     ap.add_argument("--shifted-warmup", action=argparse.BooleanOptionalAction, default=True,
                     help="with --shifted: replay the training part before the shifted workload (default on)")
     ap.add_argument("--suffix", default="", help="with --shifted: appended to the output file names")
-    ap.add_argument("--online-decision-horizon", type=int, default=-1,
-                    help="with --shifted: the online learner's decision horizon, an index into (10, 50, 100, "
-                         "200, 500) ms (default -1: 500 ms, the server's)")
-    ap.add_argument("--online-hold-reuse", action="store_true",
-                    help="with --shifted: the online labels of a reuse wait for each horizon's deadline")
+    ap.add_argument("--online-decision-horizon-ms", type=float, default=DEFAULT_ONLINE.decision_horizon_ms,
+                    help="with --shifted, an experiment: the online decision horizon in ms (the longest of the "
+                         f"model's not longer than this; default {DEFAULT_ONLINE.decision_horizon_ms:g}, the server's)")
+    ap.add_argument("--online-hold-reuse", action=argparse.BooleanOptionalAction, default=DEFAULT_ONLINE.hold_reuse,
+                    help="with --shifted, an experiment: whether the online labels of a reuse wait for each "
+                         f"horizon's deadline (default {'on' if DEFAULT_ONLINE.hold_reuse else 'off'}, the server's)")
     a = ap.parse_args()
     if a.shifted:
         os.makedirs(RESULTS, exist_ok=True)
@@ -291,9 +294,11 @@ def main() -> int:
             ap.error(f"--parts must name some of {', '.join(PARTS)}, got {a.parts!r}")
         if not all(c.isalnum() or c in "_-." for c in a.suffix):
             ap.error(f"--suffix may hold letters, digits, '_', '-' and '.' only, got {a.suffix!r}")
-        if not -5 <= a.online_decision_horizon < 5:
-            ap.error(f"--online-decision-horizon must index the 5 horizons (-5..4), got {a.online_decision_horizon}")
-        return shifted(a.trace, parts, a.shifted_warmup, a.suffix, a.online_decision_horizon, a.online_hold_reuse)
+        if not a.online_decision_horizon_ms > 0:
+            ap.error(f"--online-decision-horizon-ms must be > 0 (ms), got {a.online_decision_horizon_ms:g}")
+        return shifted(a.trace, parts, a.shifted_warmup, a.suffix,
+                       dataclasses.replace(DEFAULT_ONLINE, decision_horizon_ms=a.online_decision_horizon_ms,
+                                           hold_reuse=a.online_hold_reuse))
     os.makedirs(RESULTS, exist_ok=True)
     opts = EvalOptions(CAPACITY_FRACS, HOST_FRAC)
     with tempfile.TemporaryDirectory() as tmp:

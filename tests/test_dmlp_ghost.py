@@ -114,3 +114,50 @@ def test_features_without_a_score_function_are_refused():
     g = GhostDmlpCache(coldest_first, 1)
     with pytest.raises(ValueError, match="score function"):
         g.access(["a"], None, 0.0, features=[0.5])
+
+
+def test_background_scoring_evicts_as_scoring_at_the_ranking_does_and_off_the_callers_thread():
+    import threading
+    threads = []
+
+    def score(features):
+        threads.append(threading.current_thread())
+        return np.array(features)[:, None]
+
+    def run(background):
+        g = GhostDmlpCache(coldest_first, 1, slack_frac=0.0, score=score, background=background)
+        g.mirror = False
+        rng = np.random.default_rng(7)
+        for i in range(200):
+            keys = [f"k{j}" for j in rng.integers(0, 40, 3)]
+            g.access(keys, None, float(i), features=rng.uniform(0, 1, len(keys)).tolist())
+            g.fit(16, set(keys), float(i))
+        return sorted(g._keys), g.rankings
+
+    here = run(False)
+    n = len(threads)
+    assert n and all(t is threading.current_thread() for t in threads)      # scored at the ranking
+    there = run(True)
+    assert there == here and here[1] > 50      # the same evictions, whenever the worker finished
+    assert len(threads) > n and all(t is not threading.current_thread() for t in threads[n:])
+
+
+def test_a_ranking_waits_for_background_scores_not_finished_yet():
+    import threading
+    release = threading.Event()
+
+    def score(features):
+        release.wait()
+        return np.array(features)[:, None]
+
+    g = GhostDmlpCache(coldest_first, 1, slack_frac=0.0, score=score, background=True)
+    g.mirror = False
+    for i, p in enumerate([0.9, 0.2, 0.7, 0.5]):
+        g.access([f"k{i}"], None, float(i), features=[p])
+    ranker = threading.Thread(target=g.fit, args=(3, {"k3"}, 3.0))
+    ranker.start()
+    ranker.join(0.2)
+    assert ranker.is_alive() and len(g) == 4     # it cannot rank before the scores exist
+    release.set()
+    ranker.join(10.0)
+    assert not ranker.is_alive() and "k1" not in g and len(g) == 3 and g.waits == 1

@@ -49,8 +49,9 @@ def test_fine_tuning_repairs_a_wrong_model(tmp_path):
     before = accuracy(pred, test_raw, test_labels)
     registry = prom.CollectorRegistry()
     threshold = ConfidenceThreshold(0.75)
+    # Judged at the longest horizon, where `accuracy` measures (the default decision horizon is shorter).
     cfg = OnlineConfig(min_examples=2048, min_holdout=512, steps_per_round=50, learning_rate=3e-3,
-                       cpu_budget=0.5, checkpoint_interval_s=1e9)
+                       cpu_budget=0.5, checkpoint_interval_s=1e9, decision_horizon_ms=H[-1])
     tuner = OnlineFineTuner(pred, cfg, str(tmp_path / "ck"), registry, threshold=threshold)
     for i in range(0, len(raw), 200):
         assert tuner.observe(raw[i:i + 200], labels[i:i + 200])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from stratum_jax.dmlp.features import FEATURE_NAMES, Normalizer
-from stratum_jax.dmlp.learner import Learner, OnlineConfig, holdout_rows
+from stratum_jax.dmlp.learner import Learner, OnlineConfig, decision_index, holdout_rows
 from stratum_jax.dmlp.model import DmlpConfig, init_params
 from stratum_jax.dmlp.outcomes import OutcomeTracker
 from stratum_jax.dmlp.policy import ConfidenceThreshold
@@ -128,13 +128,14 @@ def test_a_holdout_with_one_class_at_the_decision_horizon_swaps_nothing():
     raw, labels, known = examples(2000, seed=4)
     # Decided at the decision horizon only where reused (the censored shape of a run shorter than it);
     # the undecided rows there carry a 0 that must not count as a second class.
-    known[:, -1] = labels[:, -1]
+    k = decision_index(H, CONFIG.decision_horizon_ms)
+    known[:, k] = labels[:, k]
     lr, swaps = run_learner(raw, labels, known)
     assert swaps == [False] * 3 and lr.refusals == 3 and lr.updates == 0
     assert "all reused" in lr.refused
     assert lr.threshold.value == ConfidenceThreshold().value     # nor calibrated on one class
     assert lr.accuracy == 1.0          # measured on the decided labels only (all reused, predicted so)...
-    known[:, -1] = 1.0                 # ...and with both classes decided, the same data is judged and swaps
+    known[:, k] = 1.0                  # ...and with both classes decided, the same data is judged and swaps
     lr, swaps = run_learner(raw, labels, known)
     assert any(swaps) and lr.refusals == 0 and lr.refused is None
 

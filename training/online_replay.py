@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from stratum_jax.dmlp.model import Predictor
 from stratum_jax.dmlp.online import InlineFineTuner, OnlineConfig
-from stratum_jax.dmlp.outcomes import OutcomeTracker
-from stratum_jax.dmlp.policy import ConfidenceThreshold, DmlpPolicy
+from stratum_jax.dmlp.policy import ConfidenceThreshold
+from stratum_jax.dmlp.wiring import wire_policy
 from training.dataset import Replay
 
 # The replay's simulated ms a round is charged. The server measures a round's wall time; a replay has
@@ -39,7 +39,8 @@ class OnlineRun:
     before `start`); version: int64 [E], the number of swaps live at each access; swap_ms: times of the
     swaps; rounds: rounds run; accuracy: holdout accuracy after each round, [(t_ms, accuracy)] (NaN while
     the holdout has no decided label at the decision horizon); refusals: rounds not judged because the
-    holdout's decided labels at the decision horizon were one class (`Learner.round`)."""
+    holdout's decided labels at the decision horizon were one class (`Learner.round`); settings: the
+    built policy's and tracker's (`WiredPolicy.settings`: decision horizon, hold_reuse), as the server's."""
 
     curves: np.ndarray
     version: np.ndarray
@@ -48,22 +49,23 @@ class OnlineRun:
     accuracy: list[tuple[float, float]]
     config: dict
     refusals: int = 0
+    settings: dict = dataclasses.field(default_factory=dict)
 
 
 def online_run(rep: Replay, predictor: Predictor, config: OnlineConfig = OnlineConfig(),
                round_ms: float = DEFAULT_ROUND_MS, track_fraction: float = 0.25,
-               start: int | None = None, hold_reuse: bool = False) -> OnlineRun:
+               start: int | None = None) -> OnlineRun:
     """Replays `rep` once with online fine-tuning from event `start` on (default: its scored part, so the
     learner starts where the unseen workload does). `predictor` is not modified (a copy learns).
-    hold_reuse: `OutcomeTracker`'s, an experiment (the server's tracker hands a reuse over at once)."""
+    The decision horizon and the label rule are `config`'s, wired as the server wires them
+    (`wiring.wire_policy`)."""
     s, raw = rep.stream, rep.history.raw()
     start = rep.score_from if start is None else start
     live = Predictor(predictor.config, predictor.params, predictor.normalizer)
     threshold = ConfidenceThreshold()
     tuner = InlineFineTuner(live, config, round_s=round_ms / 1000.0, threshold=threshold)
-    tracker = OutcomeTracker(predictor.config.horizons_ms, tuner.observe, hold_reuse=hold_reuse)
-    policy = DmlpPolicy(live, threshold, on_access=tracker.accessed, score_on_access=False,
-                        track_fraction=track_fraction)
+    wired = wire_policy(live, threshold, config, sink=tuner.observe, track_fraction=track_fraction)
+    policy = wired.policy
     E = s.num_events
     curves = np.zeros((E, len(predictor.config.horizons_ms)), np.float32)
     version = np.zeros(E, np.int64)
@@ -98,6 +100,5 @@ def online_run(rep: Replay, predictor: Predictor, config: OnlineConfig = OnlineC
         policy.track_accesses(blocks[a:b], raw[a:b], now)
     predict_pending(E)
     return OnlineRun(curves, version, swap_ms, rounds, accuracy,
-                     {**dataclasses.asdict(config), "round_ms": round_ms, "track_fraction": track_fraction,
-                      "hold_reuse": hold_reuse},
-                     refusals=tuner.refusals)
+                     {**dataclasses.asdict(config), "round_ms": round_ms, "track_fraction": track_fraction},
+                     refusals=tuner.refusals, settings=wired.settings())

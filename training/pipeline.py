@@ -27,8 +27,7 @@ class EvalOptions:
     simulated clock (`training/online_replay.py`), each round charged `online_round_ms`, tracking
     `online_track` of the blocks; `online_config`: the learner's settings (the server's by default).
     guard_after_warmup: also replay the guard judging from the scored part only (`policy_hit_rates`).
-    online_hold_reuse: the online replay's tracker holds a reuse's labels to each horizon's deadline
-    (`OutcomeTracker(hold_reuse=True)`; an experiment: the server's tracker does not)."""
+    The online decision horizon and label rule are `online_config`'s (the server's defaults)."""
 
     capacity_fracs: tuple[float, ...]
     host_frac: float
@@ -39,7 +38,6 @@ class EvalOptions:
     online_track: float = 0.25
     online_config: OnlineConfig = OnlineConfig()
     guard_after_warmup: bool = False
-    online_hold_reuse: bool = False
 
 
 def headline_horizon(horizons_ms, positive_rate) -> float:
@@ -123,8 +121,8 @@ def evaluation_report(predictor: Predictor, ckpt: DmlpCheckpoint, ex, replays, o
     metrics, calib = example_metrics(predictor, ex)
     runs = None
     if opts.online:
-        runs = [online_run(r, predictor, opts.online_config, opts.online_round_ms, opts.online_track,
-                           hold_reuse=opts.online_hold_reuse) for r in replays]
+        runs = [online_run(r, predictor, opts.online_config, opts.online_round_ms, opts.online_track)
+                for r in replays]
     report = {
         "params": count_params(ckpt.params),
         "horizons_ms": list(ckpt.config.horizons_ms),
@@ -142,7 +140,7 @@ def evaluation_report(predictor: Predictor, ckpt: DmlpCheckpoint, ex, replays, o
     if runs is not None:
         report["online"] = {"config": runs[0].config, "rounds": [r.rounds for r in runs],
                             "swaps": [len(r.swap_ms) for r in runs], "swap_ms": runs[0].swap_ms,
-                            "refusals": [r.refusals for r in runs],
+                            "refusals": [r.refusals for r in runs], "settings": runs[0].settings,
                             "holdout_accuracy": runs[0].accuracy[::max(1, len(runs[0].accuracy) // 200)]}
     _flag_flat_labels(report, "evaluation", metrics["positive_rate"])
     return report

@@ -28,11 +28,23 @@ While the ghost evicts by itself, accesses come with their features (the engine'
 snapshots, kept by reference), and the ghost scores the ones a ranking needs in one model call per
 ranking (`score`), not a feature matrix and a model call per engine step.
 
+On a worker thread (`background=True`; an option, off in the engine's policy). A model call on the engine
+thread waits, on the CPU, for the device step in flight (session 7: the tripped guard at +15.6% decode
+step p50 over LRU on the tiny model). With `background`, each access batch's features go at once to a
+worker thread that scores them (one call per batch, FIFO), and a ranking takes the curves from there,
+waiting only for a batch not finished yet (`waits` counts such rankings). The curves are the same
+whichever thread computes them and whenever (a batch is scored as it arrived), so the ghost's hits do
+not depend on timing, except across an online weight swap (a batch scored just before or after it gets
+the old or the new weights, as a real access's curve does). Measured, it made the step slower, not
+faster (BENCHMARKS.md, #15, session 8): a thread shares the process's XLA CPU queue and GIL with the
+engine, and a call per access batch is more calls than one per ranking; so it stays off.
+
 Memory: one key, one float32 curve [H], a time and a sequence number per block of the real cache's
 resident set (plus slack/2), the same order as the real policy's own curve store.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
@@ -58,20 +70,34 @@ def unprotected_slots(num_slots: int, slot_of: dict, protected) -> np.ndarray:
     return np.flatnonzero(free)
 
 
+class _Scored:
+    """Row `row` of an access batch scored on the background thread: `future` -> curves [N, H]."""
+
+    __slots__ = ("future", "row")
+
+    def __init__(self, future: Future, row: int):
+        self.future, self.row = future, row
+
+
 class GhostDmlpCache:
     """order: the DMLP's victim ranking (see module doc). num_horizons: H. slack_frac: eviction batch,
     as a share of capacity, and at least `min_slack` blocks. score: the model, for keys accessed with their features
     instead of a curve: they are scored lazily, together, when a ranking needs them (one model call per
-    ranking instead of a feature matrix and a model call per access batch)."""
+    ranking instead of a feature matrix and a model call per access batch). background: score each
+    access batch's features on a worker thread as it arrives instead (module doc: off the engine's step)."""
 
     def __init__(self, order: Order, num_horizons: int, slack_frac: float = 1.0 / 64,
-                 score: Score | None = None, min_slack: int = 1):
+                 score: Score | None = None, min_slack: int = 1, background: bool = False):
         if not 0.0 <= slack_frac < 1.0:
             raise ValueError(f"ghost slack_frac must lie in [0, 1), got {slack_frac}")
         if min_slack < 1:
             raise ValueError(f"ghost min_slack must be >= 1 block, got {min_slack}")
         self.order, self.slack_frac, self.score, self.min_slack = order, slack_frac, score, min_slack
-        self._feat: list = []                    # per slot: the features of a key not scored yet, else None
+        # Per slot: the features of a key not scored yet (or its _Scored row, in the background), else None.
+        self._feat: list = []
+        self._pool = None
+        self.background = background
+        self.waits = 0               # rankings that waited for background scoring not finished yet
         self.mirror = True
         self._slot: dict[Hashable, int] = {}
         self._keys: list = []
@@ -80,6 +106,22 @@ class GhostDmlpCache:
         self._seq = np.zeros(16, np.int64)
         self._clock = 0
         self.rankings = 0            # rankings run (the ghost's cost, for reports)
+
+    @property
+    def background(self) -> bool:
+        """Whether accesses' features are scored on the worker thread (module doc); settable, e.g. by a
+        benchmark that compares both (keys already sent keep their background scores)."""
+        return self._pool is not None
+
+    @background.setter
+    def background(self, on: bool) -> None:
+        if on and self.score is None:
+            raise ValueError("a ghost that scores in the background needs a score function")
+        if on and self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dmlp-ghost-score")
+        elif not on and self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -95,6 +137,9 @@ class GhostDmlpCache:
         nothing: `fit` does, once the real cache's size is known."""
         if curves is None and features is not None and self.score is None:
             raise ValueError("a ghost without a score function needs curves, not features")
+        if curves is None and features is not None and self._pool is not None and len(keys):
+            batch = self._pool.submit(self.score, list(features))
+            features = [_Scored(batch, i) for i in range(len(keys))]
         hits = []
         for i, k in enumerate(keys):
             s = self._slot.get(k)
@@ -131,12 +176,30 @@ class GhostDmlpCache:
         feat = self._feat
         stale = [s for s in cand.tolist() if feat[s] is not None] if self.score is not None else []
         if stale:
-            self._curve[stale] = self.score([feat[s] for s in stale])
-            for s in stale:
-                feat[s] = None
+            self._take_scores(stale)
         chosen = cand[self.order(self._curve[cand].astype(np.float64), now_ms - self._t[cand], n, now_ms,
                                  len(self._keys), self._seq[cand])]
         self._remove(chosen.tolist())
+
+    def _take_scores(self, slots: list[int]) -> None:
+        """Curves for `slots`, whose keys were accessed with features: from the background batches they were
+        sent to (waiting for any not finished), the rest in one model call here."""
+        feat, here, batches, waited = self._feat, [], {}, False
+        for s in slots:
+            f = feat[s]
+            if isinstance(f, _Scored):
+                got = batches.get(f.future)
+                if got is None:
+                    waited |= not f.future.done()
+                    got = batches[f.future] = f.future.result()
+                self._curve[s] = got[f.row]
+            else:
+                here.append(s)
+        if here:
+            self._curve[here] = self.score([feat[s] for s in here])
+        for s in slots:
+            feat[s] = None
+        self.waits += waited
 
     def start_mirroring(self, resident: Iterable[Hashable]) -> None:
         """The real cache is the DMLP's again: the ghost becomes its mirror. Keys the real cache no

@@ -243,7 +243,9 @@ class DmlpPolicy:
         self.guard = guard
         if guard is not None and guard.ghost is None:
             self._ghost_residency = Residency(initial_ms=self.horizons_ms[-1])
-            # min_slack: one ranking (and one model call) per 8 insertions at least (ghost.py).
+            # min_slack: one ranking (and one model call) per 8 insertions at least (ghost.py). Scored at
+            # the ranking, on the engine thread: scoring on the ghost's worker thread (`background`) made
+            # the tiny CPU model's decode step slower, not faster (BENCHMARKS.md, #15, session 8).
             guard.bind(GhostDmlpCache(self._order_ghost, len(self.horizons_ms), score=self._score_ghost,
                                       min_slack=8))
         # The weights the guard last judged (a guarded policy's predictor must have `params`).

@@ -5,9 +5,13 @@
 `--cache-policy lru` gives `LruPolicy()`. `--cache-policy dmlp` loads the checkpoint and wires
 
     load_checkpoint -> Predictor -> ConfidenceThreshold(--dmlp-confidence)
-        -> OnlineFineTuner (with --dmlp-online) -> OutcomeTracker(horizons, tuner.observe)
-        -> DmlpPolicy(predictor, threshold, on_access=tracker.accessed,
+        -> OnlineFineTuner (with --dmlp-online)
+        -> wiring.wire_policy: OutcomeTracker(horizons, tuner.observe, hold_reuse) and
+           DmlpPolicy(predictor, threshold, decision horizon, on_access=tracker.accessed,
                       track_fraction=--dmlp-online-track: the share of blocks, by id, it labels)
+
+The decision horizon and hold_reuse are `OnlineConfig`'s defaults, the same the cache simulator's online
+replay uses (one wiring function for both).
 
 The tracker runs on the engine thread (the policy calls it after scoring each batch of accesses) and
 hands finished (features, observed reuse) pairs to `tuner.observe`, which never blocks. The tuner is
@@ -30,31 +34,40 @@ def build_cache_policy(config: RuntimeConfig, metrics_registry=None):
     --dmlp-checkpoint. With `metrics_registry`, the stratum_dmlp_* metrics are registered there."""
     if config.cache_policy == "lru":
         return LruPolicy(), None
-    from stratum_jax.dmlp.model import Predictor
-    from stratum_jax.dmlp.policy import ConfidenceThreshold
+    wired, tuner = build_dmlp(config)
+    if metrics_registry is not None:
+        export_dmlp_metrics(wired.policy, tuner, metrics_registry)
+    return wired.policy, tuner
+
+
+def build_dmlp(config: RuntimeConfig):
+    """`--cache-policy dmlp`'s policy with its tracker (`wiring.WiredPolicy`) and tuner (None unless
+    --dmlp-online)."""
     from stratum_jax.dmlp.checkpoint import load_checkpoint
     from stratum_jax.dmlp.guard import ShadowLruGuard
+    from stratum_jax.dmlp.learner import OnlineConfig
+    from stratum_jax.dmlp.model import Predictor
+    from stratum_jax.dmlp.policy import ConfidenceThreshold
+    from stratum_jax.dmlp.wiring import wire_policy
 
     ckpt = load_checkpoint(config.dmlp_checkpoint)
     predictor = Predictor(ckpt.config, ckpt.params, ckpt.normalizer)
     threshold = ConfidenceThreshold(config.dmlp_confidence)
-    tuner, on_access, on_idle = None, None, None
+    # The decision horizon and the label rule (hold_reuse) are OnlineConfig's defaults, the ones the
+    # replay uses (`wiring.wire_policy`), whether or not this server fine-tunes online.
+    online = OnlineConfig(cpu_cores=config.dmlp_online_cores)
+    tuner = None
     if config.dmlp_online:
-        from stratum_jax.dmlp.online import OnlineConfig, OnlineFineTuner
-        from stratum_jax.dmlp.outcomes import OutcomeTracker
+        from stratum_jax.dmlp.online import OnlineFineTuner
 
-        tuner = OnlineFineTuner(predictor, OnlineConfig(cpu_cores=config.dmlp_online_cores),
-                                config.dmlp_online_dir, threshold=threshold)
-        tracker = OutcomeTracker(ckpt.config.horizons_ms, tuner.observe)
-        on_access, on_idle = tracker.accessed, tracker.idle
+        tuner = OnlineFineTuner(predictor, online, config.dmlp_online_dir, threshold=threshold)
     guard = ShadowLruGuard(window=config.dmlp_guard_window) if config.dmlp_guard else None
-    policy = DmlpPolicy(predictor, threshold, on_access=on_access, score_on_access=False, on_idle=on_idle,
+    wired = wire_policy(predictor, threshold, online, sink=tuner.observe if tuner else None,
                         track_fraction=config.dmlp_online_track, guard=guard)
-    log.info("cache policy dmlp: %s (horizons %s ms, confidence %.2f, online %s, guard %s)", config.dmlp_checkpoint,
-             list(ckpt.config.horizons_ms), threshold.value, "on" if tuner else "off", "on" if guard else "off")
-    if metrics_registry is not None:
-        export_dmlp_metrics(policy, tuner, metrics_registry)
-    return policy, tuner
+    log.info("cache policy dmlp: %s (horizons %s ms, confidence %.2f, online %s, guard %s, %s)", config.dmlp_checkpoint,
+             list(ckpt.config.horizons_ms), threshold.value, "on" if tuner else "off", "on" if guard else "off",
+             wired.settings())
+    return wired, tuner
 
 
 def export_dmlp_metrics(policy, tuner, registry) -> None:
