@@ -9,10 +9,11 @@ deserializes it and lowers only a call to it (milliseconds); its XLA compile is 
 persistent cache, because cold and warm starts compile the same exported program.
 
 A file is found by a digest of everything that changes the program: the step's name and static key
-(shape, geometry, model config, slot count, KV layout), the device count, the jax and jaxlib versions, the backend and
-device kind, and the source of the packages that are traced (`stratum_jax`, `pallas_kernels`): any code
-change exports afresh. A file that cannot be read is logged, exported again and replaced; writes are
-atomic (a temporary file renamed), so a crash leaves no partial file behind.
+(shape, geometry, model config, slot count, KV layout), the device count, the jax, jaxlib and flax
+versions and the jax options tracing reads, the backend and device kind, and the source of the packages
+that are traced (`stratum_jax`, `pallas_kernels`): any code change exports afresh. A file that cannot be
+read is logged, exported again and replaced; writes are atomic (a temporary file renamed), so a crash
+leaves no partial file behind.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import pathlib
 import tempfile
 from typing import Any, Callable
 
+import flax
 import jax
 import jax.export
 import jaxlib
@@ -86,8 +88,10 @@ class ExportedSteps:
 
     def path_for(self, name: str, key: Any) -> pathlib.Path:
         device = jax.devices()[0]
-        text = repr((name, key, jax.__version__, jaxlib.__version__, jax.default_backend(), device.device_kind,
-                     jax.device_count(), source_digest()))
+        # What else changes the traced program: flax (the model's modules) and the jax options that tracing reads.
+        options = (jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision)
+        text = repr((name, key, jax.__version__, jaxlib.__version__, flax.__version__, options,
+                     jax.default_backend(), device.device_kind, jax.device_count(), source_digest()))
         return self.directory / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}{SUFFIX}"
 
     def lower(self, name: str, key: Any, jitted: Callable, args: tuple, static: dict,
