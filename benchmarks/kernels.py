@@ -476,6 +476,28 @@ def delta_context(key, num_slots, num_kv_heads, head_dim, anchor_lens):
     return keys[0], keys, shape, k_pool, v_pool, scales, anchors
 
 
+def measure_variant(build, args, ref, paged_ms, a, *, label, io_bytes=None) -> dict:
+    """One delta kernel variant: fn = build() run on args, its max error against `ref` (ok within 3e-2 of
+    ref's scale) and its time (ms, x_paged against paged_ms, and TB/s of io_bytes when given). A failing
+    variant is recorded (ok False, error), not raised: one must not kill the run. Prints one line."""
+    r = {}
+    try:
+        fn = build()
+        got = np.asarray(fn(*args).astype(jnp.float32))
+        r["max_abs_err"] = float(np.abs(got - ref).max())
+        r["ok"] = bool(r["max_abs_err"] <= 3e-2 * max(1.0, float(np.abs(ref).max())))
+        t = bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds)
+        r.update(ms=t * 1e3, x_paged=t * 1e3 / paged_ms)
+        if io_bytes is not None:
+            r["tbps"] = io_bytes / t / 1e12
+    except Exception as e:  # noqa: BLE001
+        r.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+    print(f"  [{time.strftime('%H:%M:%S')}] {label}: " +
+          (f"{r['ms']:.3f} ms x{r['x_paged']:.2f} of paged, err {r['max_abs_err']:.2g}"
+           if "ms" in r else r.get("error", "")[:300]), flush=True)
+    return r
+
+
 def run_delta(a):
     """fp16/fp8-delta kernel vs the bf16 paged kernel (default configs) at each context and page size."""
     interpret = a.dry_run
@@ -550,21 +572,12 @@ def run_delta(a):
                     del kr, vr
                     runs = []
                     for cfg in delta_configs(D, dt, A, table_width, a.quick):
-                        r = dict(config=dataclasses.asdict(cfg))
-                        try:
-                            fn = jitted((prec, A, cfg), functools.partial(delta_attention, config=cfg,
-                                                                          interpret=interpret))
-                            got = np.asarray(fn(*args).astype(jnp.float32))
-                            r["max_abs_err"] = float(np.abs(got - ref).max())
-                            r["ok"] = bool(r["max_abs_err"] <= 3e-2 * max(1.0, float(np.abs(ref).max())))
-                            t = bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds)
-                            r.update(ms=t * 1e3, tbps=io / t / 1e12, x_paged=t * 1e3 / rec["paged"]["ms"])
-                        except Exception as e:  # noqa: BLE001 - one failing config must not kill the run
-                            r.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+                        r = dict(config=dataclasses.asdict(cfg), **measure_variant(
+                            lambda: jitted((prec, A, cfg), functools.partial(delta_attention, config=cfg,
+                                                                             interpret=interpret)),
+                            args, ref, rec["paged"]["ms"], a, io_bytes=io,
+                            label=f"ctx={ctx} page={page} {prec} A={A} {cfg}"))
                         runs.append(r)
-                        print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} {prec} A={A} {cfg}: " +
-                              (f"{r['ms']:.3f} ms x{r['x_paged']:.2f} of paged, err {r['max_abs_err']:.2g}"
-                               if "ms" in r else r.get("error", "")[:300]), flush=True)
                     ok = [r for r in runs if r.get("ok") and "ms" in r]
                     rec["delta"].append(dict(precision=prec, anchor_len=A, io_bytes=io, runs=runs,
                                              best=min(ok, key=lambda r: r["ms"]) if ok else None))
@@ -660,20 +673,10 @@ def run_delta_prefill(a):
                             rebuilt.reshape(Hkv, -1, D).astype(jnp.bfloat16)))
                     ref = np.asarray(paged(q, *pools, q_starts, lengths, starts, psz).astype(jnp.float32))
                     del pools
-                    r = dict()
-                    try:
-                        fn = jitted((prec, A), functools.partial(delta_prefill_attention, interpret=interpret))
-                        got = np.asarray(fn(*args).astype(jnp.float32))
-                        r["max_abs_err"] = float(np.abs(got - ref).max())
-                        r["ok"] = bool(r["max_abs_err"] <= 3e-2 * max(1.0, float(np.abs(ref).max())))
-                        t = bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds)
-                        r.update(ms=t * 1e3, x_paged=t * 1e3 / rec["paged"]["ms"])
-                    except Exception as e:  # noqa: BLE001 - one failing variant must not kill the run
-                        r.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+                    r = measure_variant(
+                        lambda: jitted((prec, A), functools.partial(delta_prefill_attention, interpret=interpret)),
+                        args, ref, rec["paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} A={A}")
                     rec["delta"].append(dict(precision=prec, anchor_len=A, **r))
-                    print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} {prec} A={A}: " +
-                          (f"{r['ms']:.3f} ms x{r['x_paged']:.2f} of paged, err {r['max_abs_err']:.2g}"
-                           if "ms" in r else r.get("error", "")[:300]), flush=True)
                 del kd, vd
             result["shapes"].append(rec)
             save()
