@@ -75,8 +75,22 @@ def packed_batch(geo, decode_ctx, chunks, chunk, prefill_ctx, starts, sizes, num
                          RowTables(jnp.asarray(ctx), jnp.asarray(starts), jnp.asarray(sizes)), jnp.asarray(si))
 
 
-def top_kernels(trace_dir, call, top=12):
-    """Trace one call with jax.profiler (perfetto JSON) and print the device kernels' summed time."""
+# Kernel-name classes of a step's device time (the first pattern that matches names the class).
+KERNEL_CLASSES = (("attention (Pallas)", ("mosaic",)),
+                  ("GEMM", ("nvjet", "gemm", "cutlass", "cublas", "dot")),
+                  ("KV write (scatter)", ("scatter",)),
+                  ("weight copy (concatenate)", ("wrapped_concatenate",)),
+                  ("sampling / reductions", ("reduce", "argmax", "sort", "topk")))
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other fusions")
+
+
+def top_kernels(trace_dir, call, top=30):
+    """Trace one call with jax.profiler (perfetto JSON); print and return the device time summed per
+    kernel name and per class (KERNEL_CLASSES): {"busy_ms", "by_class_ms", "top_ms"}."""
     import gzip
     trace_dir.mkdir(parents=True, exist_ok=True)
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
@@ -91,9 +105,16 @@ def top_kernels(trace_dir, call, top=12):
         if e.get("ph") == "X" and e.get("pid") in gpu_pids:
             total[e["name"]] = total.get(e["name"], 0.0) + e.get("dur", 0.0)
     busy = sum(total.values())
-    print(f"  device busy {busy / 1e3:.2f} ms; top kernels:")
-    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+    by_class = {}
+    for name, us in total.items():
+        by_class[kernel_class(name)] = by_class.get(kernel_class(name), 0.0) + us
+    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
+    print(f"  device busy {busy / 1e3:.3f} ms; by class: "
+          + ", ".join(f"{c} {us / 1e3:.3f}" for c, us in sorted(by_class.items(), key=lambda kv: -kv[1])))
+    for name, us in ranked[:12]:
         print(f"    {us / 1e3:7.3f} ms  {name[:90]}")
+    return {"busy_ms": round(busy / 1e3, 4), "by_class_ms": {c: round(us / 1e3, 4) for c, us in by_class.items()},
+            "top_ms": {name: round(us / 1e3, 4) for name, us in ranked}}
 
 
 def main(argv=None):
@@ -156,11 +177,13 @@ def main(argv=None):
             ms = timed(lambda kv: D.decode_steps(m.params, kv, last, pos, allowed, t, sampling, cfg=cfg, geo=geo,
                                                  variant=D.SamplerVariant()))
             decode_ms[dctx] = ms / args.decode_steps
-            if args.profile:
-                top_kernels(pathlib.Path(args.profile) / f"decode_{dctx}", lambda: state.update(
+            profile = None
+            if args.profile:   # one call = --decode-steps steps
+                profile = top_kernels(pathlib.Path(args.profile) / f"decode_{dctx}", lambda: state.update(
                     kv=D.decode_steps(m.params, state["kv"], last, pos, allowed, t, sampling, cfg=cfg, geo=geo,
                                       variant=D.SamplerVariant())[1]))
-            rows.append(dict(case=f"decode{R}@{dctx}", decode_ctx=dctx, ms=decode_ms[dctx]))
+            rows.append(dict(case=f"decode{R}@{dctx}", decode_ctx=dctx, ms=decode_ms[dctx],
+                             profile_one_call=profile, steps_per_call=args.decode_steps))
             print(f"{rows[-1]['case']:42} {decode_ms[dctx]:8.2f} {1.0:9.2f}")
         batch = packed_batch(geo, dctx, chunks, chunk, pctx, starts, sizes, num_slots)
         # compiled as the engine compiles it (model_runner: packed_step_compiler_options)
@@ -168,10 +191,12 @@ def main(argv=None):
             D.packed_step_compiler_options(jax.default_backend()))
         ms = timed(lambda kv: packed(m.params, kv, batch))
         name = f"decode{R - chunks}@{dctx} + {chunks}x{chunk} prefill@{pctx}"
+        profile = None
         if args.profile:
-            top_kernels(pathlib.Path(args.profile) / spec.replace(":", "_"),
-                        lambda: state.update(kv=packed(m.params, state["kv"], batch)[1]))
+            profile = top_kernels(pathlib.Path(args.profile) / spec.replace(":", "_"),
+                                  lambda: state.update(kv=packed(m.params, state["kv"], batch)[1]))
         rows.append(dict(case=name, decode_ctx=dctx, chunks=chunks, chunk=chunk, prefill_ctx=pctx, ms=ms,
+                         profile_one_call=profile,
                          prefill_tokens=int(batch.tile_rows.shape[0] * geo.prefill_tile),
                          ratio_to_decode=ms / decode_ms[dctx]))
         print(f"{name:42} {ms:8.2f} {ms / decode_ms[dctx]:9.2f}")

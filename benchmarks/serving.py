@@ -805,6 +805,40 @@ def print_table(report: dict) -> None:
     print("(times in ms; req/s offered; goodput: requests/s meeting "
           f"TTFT <= {report['args']['slo_ttft_ms']} ms and TPOT <= {report['args']['slo_tpot_ms']} ms; "
           "queued: over the /metrics sample intervals with requests queued at both ends)")
+    cmp = report.get("comparison")
+    if cmp:
+        ratios = ", ".join(f"{n} {r:.3f}x" if r is not None else f"{n} -" for n, r in cmp["goodput_ratio"].items())
+        print(f"goodput over {cmp['baseline']} at {cmp['rate']:g}x, the highest rate tried where {cmp['baseline']} "
+              f"met the SLO for >= half of its requests ({cmp['baseline_good_fraction']:.0%}): {ratios}")
+
+
+def compare_at_fcfs_capacity(report: dict, baseline: str = "fcfs") -> dict | None:
+    """Issue #10's HAB target, read off a report: the highest rate at which the `baseline` config still
+    met the SLO for at least half of its requests, and every other config's goodput there over the
+    baseline's. None when the report has no such config or rate.
+
+    -> {"baseline", "rate", "baseline_good_fraction", "baseline_goodput_rps",
+        "goodput_ratio": {config: ratio or None}, "rates_tried": [...]}
+    """
+    by_name = {c["name"]: c for c in report["configs"]}
+    base = by_name.get(baseline)
+    if base is None:
+        return None
+    done = {float(k): s for k, s in base.get("rates", {}).items() if "skipped" not in s and s.get("requests")}
+    holding = [r for r, s in done.items() if s["good_requests"] >= s["requests"] / 2]
+    if not holding:
+        return None
+    rate = max(holding)
+    s = done[rate]
+    ratios = {}
+    for name, c in by_name.items():
+        if name == baseline:
+            continue
+        other = next((o for k, o in c.get("rates", {}).items() if float(k) == rate and "skipped" not in o), None)
+        ratios[name] = (round(other["goodput_rps"] / s["goodput_rps"], 3)
+                        if other is not None and s["goodput_rps"] > 0 else None)
+    return {"baseline": baseline, "rate": rate, "baseline_good_fraction": round(s["good_requests"] / s["requests"], 3),
+            "baseline_goodput_rps": s["goodput_rps"], "goodput_ratio": ratios, "rates_tried": sorted(done)}
 
 
 def plot(report: dict, path: pathlib.Path) -> bool:
@@ -993,6 +1027,7 @@ def main(argv: list[str] | None = None) -> int:
         "configs": configs,
     }
     report["args"]["trace"] = str(args.trace)
+    report["comparison"] = compare_at_fcfs_capacity(report)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{args.out_prefix}.json"
     path.write_text(json.dumps(report, separators=(",", ":")) + "\n")

@@ -76,8 +76,10 @@ class RuntimeConfig:
                                      # as large as the step's budget: the scheduler decides who gets it
     max_num_batched_tokens: int = 4096   # tokens per step: one decode token per row + prefill chunks (the
                                      # Mooncake replay in BENCHMARKS.md: 4096 beat 2048 on TTFT at equal TPOT)
-    decode_steps: int = 4            # decode steps per device call in steps with no prefill (tokens reach
-                                     # the host in bursts of this)
+    decode_steps: int = 2            # decode steps per device call in steps with no prefill (tokens reach
+                                     # the host in bursts of this). A prompt that arrives waits for the call
+                                     # in flight and the one queued behind it: on the Mooncake replay 2 beat 4
+                                     # on TTFT p50 at equal TPOT and goodput (BENCHMARKS.md, session 9)
     async_scheduling: bool = True    # dispatch step N+1 before reading step N's results (engine.step)
     scheduler: str = "hab"           # "hab" (hunger-aware) or "fcfs" (the ablation / baseline)
     hab_threshold_ms: float = dataclasses.field(default_factory=_hab_threshold_default)

@@ -162,3 +162,21 @@ def test_saturation_figures_count_only_intervals_with_requests_queued(bench):
                    "prefill_tokens_per_s_while_queued": 8000.0}
     assert bench.while_queued(rows[:1] + rows[4:]) == {"queued_seconds": 0.0, "gpu_idle_fraction_while_queued": None,
                                                        "prefill_tokens_per_s_while_queued": None}
+
+
+def test_hab_is_compared_at_the_highest_rate_where_fcfs_holds_half(bench):
+    def rate(good, goodput, n=10):
+        return {"requests": n, "good_requests": good, "goodput_rps": goodput}
+    report = {"configs": [
+        {"name": "hab", "rates": {"1": rate(10, 2.0), "2": rate(9, 3.0), "3": rate(8, 3.6), "4": rate(6, 2.4)}},
+        {"name": "fcfs", "rates": {"1": rate(10, 2.0), "2": rate(8, 2.5), "3": rate(5, 3.0), "4": rate(4, 1.0),
+                                   "8": {"skipped": "the --run-timeout passed"}}},
+        {"name": "ds2", "rates": {"1": rate(10, 2.1)}}]}
+    cmp = bench.compare_at_fcfs_capacity(report)
+    # 3x: exactly half met (5 of 10) still counts; 4x (4 of 10) does not; the skipped rate is ignored.
+    assert cmp["rate"] == 3.0 and cmp["baseline_good_fraction"] == 0.5
+    assert cmp["goodput_ratio"] == {"hab": 1.2, "ds2": None}
+    assert cmp["rates_tried"] == [1.0, 2.0, 3.0, 4.0]
+    report["configs"][1]["rates"] = {"1": rate(4, 1.0)}
+    assert bench.compare_at_fcfs_capacity(report) is None           # fcfs never held half
+    assert bench.compare_at_fcfs_capacity({"configs": report["configs"][:1]}) is None   # no fcfs run
