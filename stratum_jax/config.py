@@ -184,9 +184,6 @@ class RuntimeConfig:
              f"--num-processes must be a positive integer, got {self.num_processes!r}")
         need(isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes,
              f"--process-id must lie in [0, --num-processes {self.num_processes}), got {self.process_id!r}")
-        need(self.tensor_parallel == 1 or self.kv_precision == "bf16",
-             f"--kv-precision {self.kv_precision} is not supported with --tensor-parallel > 1 yet: use "
-             "--kv-precision bf16")
         if self.num_processes == 1:
             need(self.coordinator is None, "--coordinator needs --num-processes > 1 (and --process-id)")
             return

@@ -129,8 +129,7 @@ def test_kv_precision_flag_env_and_errors(monkeypatch):
     monkeypatch.delenv(KV_PRECISION_ENV)
     with pytest.raises(ValueError, match="--kv-precision must|--kv-precision \\(or"):
         RuntimeConfig(kv_precision="fp8")
-    with pytest.raises(ValueError, match="not supported with --tensor-parallel > 1"):
-        RuntimeConfig(kv_precision="fp8-delta", tensor_parallel=2)
+    assert RuntimeConfig(kv_precision="fp8-delta", tensor_parallel=2).kv_precision == "fp8-delta"   # DKVC under TP
 
 
 def test_precision_fallbacks_say_why():

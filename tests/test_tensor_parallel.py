@@ -84,6 +84,22 @@ def test_greedy_tokens_and_logprobs_match_one_device(results):
                 assert pa == pytest.approx(pb, abs=1e-4), name
 
 
+def test_delta_kv_cache_splits_over_devices_and_matches_one_device(results):
+    """--kv-precision fp8-delta at tp = 2: each device holds the anchor, deltas, scales and floors of its own
+    kv head (tiny: 2 KV heads, head_dim 32, 4096 slots), and the greedy tokens are tp = 1's."""
+    cases, _ = results
+    one, two = cases["runs"]["tiny_fp8_tp1"], cases["runs"]["tiny_fp8_tp2"]
+    assert _tokens(two) == _tokens(one)
+    for a, b in zip(two, one):
+        for pa, pb in zip(a["logprobs"], b["logprobs"]):
+            assert pa == pytest.approx(pb, abs=1e-3)
+    layout = cases["layout"]["tiny_fp8_tp2"]
+    assert layout["precision"] == "fp8-delta"
+    assert layout["k_delta"] == [[1, 4096, 32]] * 2
+    assert layout["k_scale"] == [[1, 4096 // 8]] * 2 and layout["k_floor"] == [[1]] * 2
+    assert layout["anchor_k"][0][0] == 1 and len(layout["anchor_k"]) == 2
+
+
 def test_parameters_and_kv_pools_live_split_over_devices(results):
     layout = results[0]["layout"]
     two = layout["tiny_tp2"]             # tiny: 4 heads, 2 KV heads, head_dim 32, FFN 384, vocab 512
@@ -121,6 +137,14 @@ def test_pallas_kernel_runs_per_shard_under_shard_map(results):
     assert kernel["out_sharding"] == "P(None, 'tp', None)"
     assert kernel["ref_max_abs"] > 0.5                       # a real output, not zeros
     assert kernel["max_abs_diff"] <= 1e-2                    # bf16 rounding of the same sums
+
+
+def test_delta_kernel_runs_per_shard_under_shard_map(results):
+    kernel = results[0]["delta_kernel"]
+    assert kernel["delta_sharding"] == "P('tp', None, None)"
+    assert kernel["out_sharding"] == "P(None, 'tp', None)"
+    assert kernel["ref_max_abs"] > 0.3                       # a real output, not zeros
+    assert kernel["max_abs_diff"] <= 2e-2                    # bf16 rounding of the same rebuilt sums
 
 
 def test_hf_checkpoint_loads_shard_by_shard(results):

@@ -23,6 +23,7 @@ from stratum_jax import generate  # noqa: E402
 from stratum_jax.attention import RowTables  # noqa: E402
 from stratum_jax.config import RuntimeConfig  # noqa: E402
 from stratum_jax.engine import Engine  # noqa: E402
+from stratum_jax.kv.delta_cache import init_delta_cache  # noqa: E402
 from stratum_jax.model.loader import load_model  # noqa: E402
 from stratum_jax.request import SamplingParams  # noqa: E402
 from stratum_jax.tensor_parallel import make_tensor_parallel  # noqa: E402
@@ -69,6 +70,14 @@ def layout(engine) -> dict:
             for k, v in leaves.items()}
 
 
+def delta_layout(engine) -> dict:
+    """The precision an engine runs and the per-device shapes of layer 0's DKVC arrays."""
+    layer = engine.kv_cache[0]
+    return {"precision": engine.kv_precision,
+            **{k: [list(s.data.shape) for s in getattr(layer, k).addressable_shards]
+               for k in ("anchor_k", "k_delta", "k_scale", "k_floor")}}
+
+
 def kernel_under_shard_map() -> dict:
     """The Pallas decode kernel (interpreted) per shard at tp=2 against the jnp reference on one device."""
     # The interpreter runs every CTA in Python: one split per (row, kv head) keeps it quick.
@@ -98,6 +107,35 @@ def kernel_under_shard_map() -> dict:
     return {"max_abs_diff": float(jnp.max(jnp.abs(sharded.astype(jnp.float32) - ref.astype(jnp.float32)))),
             "ref_max_abs": float(jnp.max(jnp.abs(ref.astype(jnp.float32)))),
             "out_sharding": str(sharded.sharding.spec)}
+
+
+def delta_kernel_under_shard_map() -> dict:
+    """The DKVC delta decode kernel (interpreted, fp8 deltas, mean anchor) per shard at tp=2 against the
+    jnp rebuild on one device, on the same tables as `kernel_under_shard_map` (which sets up the
+    interpreter's multi-device allowances first)."""
+    rng = np.random.default_rng(1)
+    rows, heads, kv_heads, d, slots = 2, 4, 2, 64, 256
+    anchors = [(jnp.asarray(rng.standard_normal((kv_heads, 1, d)), jnp.bfloat16),) * 2]
+    floors = [(np.full(kv_heads, 0.01, np.float32),) * 2]
+    one = init_delta_cache(anchors, floors, slots, "fp8-delta")[0]
+    positions = np.arange(slots, dtype=np.int32) % 128
+    k, v = (jnp.asarray(rng.standard_normal((slots, kv_heads, d)), jnp.bfloat16) for _ in range(2))
+    one = jax.jit(lambda c: c.write(k, v, jnp.asarray(positions), jnp.arange(slots, dtype=jnp.int32)))(one)
+    q = jnp.asarray(rng.standard_normal((rows, heads, d)), jnp.bfloat16)
+    starts = np.zeros((rows, 32), np.int32)
+    starts[0, :4] = np.arange(4) * 16               # positions 0..63 at slots 0..63
+    starts[1, :4] = np.arange(4) * 16 + 128         # positions 0..63 at slots 128..191
+    tables = RowTables(jnp.zeros(rows, jnp.int32), jnp.asarray(starts), jnp.full(rows, 16, jnp.int32))
+    qpos = jnp.array([37, 60], jnp.int32)
+    tp = make_tensor_parallel(2)
+    sharded_cache = jax.tree.map(lambda x: jax.device_put(x, tp.sharding("tp", *[None] * (x.ndim - 1))), one)
+    qs = jax.device_put(q, tp.sharding(None, "tp", None))
+    sharded = jax.jit(lambda q, c: sharded_decode_attention(tp, q, qpos, tables, c, None, backend="kernel",
+                                                            interpret=True))(qs, sharded_cache)
+    ref = sharded_decode_attention(None, q, qpos, tables, one, None, backend="reference")
+    return {"max_abs_diff": float(jnp.max(jnp.abs(sharded.astype(jnp.float32) - ref.astype(jnp.float32)))),
+            "ref_max_abs": float(jnp.max(jnp.abs(ref.astype(jnp.float32)))),
+            "delta_sharding": str(sharded_cache.k_delta.sharding.spec), "out_sharding": str(sharded.sharding.spec)}
 
 
 def hf_load() -> dict:
@@ -143,19 +181,26 @@ def main() -> None:
         result.update(runs={}, layout={}, collectives={})
         tiny = ["--model", "tiny"]
         # tp=4 with --tp-embedding auto: tiny's 128 KB LM head is replicated (tensor_parallel.choose_embedding).
+        fp8 = ["--kv-precision", "fp8-delta"]
         cases = {"tiny_tp1": tiny,
                  "tiny_tp2": tiny + ["--tensor-parallel", "2", "--tp-embedding", "vocab-parallel"],
-                 "tiny_tp4_auto": tiny + ["--tensor-parallel", "4", "--tp-embedding", "auto"]}
+                 "tiny_tp4_auto": tiny + ["--tensor-parallel", "4", "--tp-embedding", "auto"],
+                 # DKVC: anchors, deltas and scales split over kv heads like the bf16 pools.
+                 "tiny_fp8_tp1": tiny + fp8,
+                 "tiny_fp8_tp2": tiny + fp8 + ["--tensor-parallel", "2"]}
         for name, extra in cases.items():
             outputs, engine = run_cli_config(extra)
             result["runs"][name] = outputs
-            if engine.model.tp is not None:
+            if engine.model.tp is not None and "fp8" in name:
+                result["layout"][name] = delta_layout(engine)
+            elif engine.model.tp is not None:
                 result["layout"][name] = layout(engine)
                 result["collectives"][name] = collectives(engine)
         result["errors"] = errors()
     else:
         result["hf_load"] = hf_load()
         result["kernel"] = kernel_under_shard_map()
+        result["delta_kernel"] = delta_kernel_under_shard_map()
     json.dump(result, sys.stdout)
 
 

@@ -128,17 +128,35 @@ def _rebuild(anchor, delta, scale, slots, positions):
     return (a + d).astype(anchor.dtype)
 
 
+def _filled_scales(floor: np.ndarray, granules: int, sharding) -> jax.Array:
+    """[Hkv, granules] float32, row h all floor[h], laid out as `sharding` (or on the default device)."""
+    fill = jax.jit(lambda f: jnp.broadcast_to(f[:, None], (f.shape[0], granules)), out_shardings=sharding)
+    return fill(jax.device_put(floor, None if sharding is None else
+                               jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(sharding.spec[0]))))
+
+
 def num_slots_of(layer_cache) -> int:
     """Slots in one layer's cache: a DeltaKV, or the bf16 (k_pool, v_pool) pair [Hkv, num_slots, D]."""
     return layer_cache.num_slots if isinstance(layer_cache, DeltaKV) else layer_cache[0].shape[1]
 
 
-def init_delta_cache(anchors, floors, num_slots: int, precision: str) -> list[DeltaKV]:
+def _head_sharded(sharding, ndim: int):
+    """The sharding of a [Hkv, ...] DKVC array of `ndim` axes: `sharding` (the bf16 pools' [Hkv, slots, D]
+    one, split over kv heads under tensor parallelism) with the same split of axis 0 and nothing else split;
+    None (the default device) without one."""
+    if sharding is None:
+        return None
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(sharding.spec[0], *[None] * (ndim - 1)))
+
+
+def init_delta_cache(anchors, floors, num_slots: int, precision: str, sharding=None) -> list[DeltaKV]:
     """Zeroed delta pools around resident anchors.
 
     anchors: per layer (anchor_k, anchor_v) [Hkv, anchor_len, D]; floors: per layer (k_floor, v_floor)
     [Hkv] float32 (fp16-delta ignores them: its scales are ones); num_slots: a multiple of 8;
-    precision: "fp16-delta" or "fp8-delta".
+    precision: "fp16-delta" or "fp8-delta"; sharding: where the bf16 pools would live
+    (`TensorParallel.kv_sharding`: every array here is split over its kv-head axis the same way, so each
+    device holds the anchors, deltas, scales and floors of its own heads), or None.
     """
     if precision not in DELTA_DTYPES:
         raise ValueError(f"delta precision must be one of {tuple(DELTA_DTYPES)}, got {precision!r}")
@@ -151,15 +169,18 @@ def init_delta_cache(anchors, floors, num_slots: int, precision: str) -> list[De
         heads, _, dim = ak.shape
         if precision == "fp16-delta":
             fk = fv = np.ones((heads,), np.float32)
-        # Every leaf its own buffer: the step donates the cache, and XLA refuses one buffer donated twice.
-        fk, fv = jnp.array(fk, jnp.float32), jnp.array(fv, jnp.float32)
         granules = num_slots // GRANULE
+        # Every leaf its own buffer: the step donates the cache, and XLA refuses one buffer donated twice.
+        # Each is made in place on its devices (a delta pool never materialises whole on one device).
+        s1, s2, s3 = (_head_sharded(sharding, n) for n in (1, 2, 3))
         cache.append(DeltaKV(
-            anchor_k=jnp.array(ak), anchor_v=jnp.array(av),
-            k_delta=jnp.zeros((heads, num_slots, dim), dtype), v_delta=jnp.zeros((heads, num_slots, dim), dtype),
-            k_scale=jnp.broadcast_to(fk[:, None], (heads, granules)).copy(),
-            v_scale=jnp.broadcast_to(fv[:, None], (heads, granules)).copy(),
-            k_floor=fk, v_floor=fv))
+            anchor_k=jax.device_put(np.asarray(ak), s3), anchor_v=jax.device_put(np.asarray(av), s3),
+            k_delta=jnp.zeros((heads, num_slots, dim), dtype, device=s3),
+            v_delta=jnp.zeros((heads, num_slots, dim), dtype, device=s3),
+            k_scale=_filled_scales(np.asarray(fk, np.float32), granules, s2),
+            v_scale=_filled_scales(np.asarray(fv, np.float32), granules, s2),
+            k_floor=jax.device_put(np.asarray(fk, np.float32), s1),
+            v_floor=jax.device_put(np.asarray(fv, np.float32), s1)))
     jax.block_until_ready(cache)
     ak = anchors[0][0]
     pool_bytes = 2 * math.prod((ak.shape[0], num_slots, ak.shape[2])) * jnp.dtype(dtype).itemsize

@@ -84,4 +84,4 @@ def start_kv_cache(requested: str, model, num_slots: int, sharding=None):
     if precision == "bf16":
         return "bf16", init_kv_cache(model.config, num_slots, sharding=sharding), None
     choice = fit_anchor(model.params, model.config, warmup_windows(model.tokenizer))
-    return precision, init_delta_cache(choice.anchors, choice.floors, num_slots, precision), choice
+    return precision, init_delta_cache(choice.anchors, choice.floors, num_slots, precision, sharding=sharding), choice
