@@ -147,6 +147,14 @@ def test_delta_kernel_runs_per_shard_under_shard_map(results):
     assert kernel["max_abs_diff"] <= 2e-2                    # bf16 rounding of the same rebuilt sums
 
 
+def test_host_tier_recalls_a_split_delta_cache(results):
+    """At tp = 2 with fp8-delta, an evicted prefix goes to the host tier and comes back: the second run of
+    the prompt takes its 9 full pages from the tier and gives the first run's tokens."""
+    tier = results[0]["host_tier"]
+    assert tier["cached"] == 9 * 16 and tier["host_hits"] == 9 and tier["recalled_pages"] >= 9
+    assert tier["again"] == tier["first"] and len(tier["first"]) == 8
+
+
 def test_hf_checkpoint_loads_shard_by_shard(results):
     hf = results[0]["hf_load"]
     assert hf["num_kv_heads"] == 4

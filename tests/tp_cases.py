@@ -138,6 +138,27 @@ def delta_kernel_under_shard_map() -> dict:
             "delta_sharding": str(sharded_cache.k_delta.sharding.spec), "out_sharding": str(sharded.sharding.spec)}
 
 
+def host_tier_at_tp2() -> dict:
+    """A DKVC (fp8-delta) engine at tp=2 whose 512-token pool forces a 150-token prompt's pages out to a host
+    tier while 4 others run: the prompt again, its prefix recalled. -> tokens of both runs, cached prompt
+    tokens and host hits of the second."""
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(3, 500, 150)] for _ in range(5)]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = Engine(RuntimeConfig(model="tiny", dtype="float32", max_context=256, kv_pool_tokens=512,
+                                  max_batch_size=4, prefill_chunk=64, max_tokens_cap=64, page_size=16,
+                                  kv_host_tokens=4096, kv_precision="fp8-delta", tensor_parallel=2,
+                                  compilation_cache_dir=None))
+    first = engine.generate([prompts[0]], sp)[0]
+    for other in prompts[1:]:
+        engine.generate([other], sp)
+    again = engine.generate([prompts[0]], sp)[0]
+    stats = engine.stats()
+    engine.close()
+    return {"first": first.token_ids, "again": again.token_ids, "cached": again.cached_prompt_tokens,
+            "host_hits": stats.kv_host_hits, "recalled_pages": stats.kv_recalled_pages}
+
+
 def hf_load() -> dict:
     """The embedded HF checkpoint (pydoc-2m: tied embedding, 4 heads, 2 KV heads) loaded at tp=4, against
     tp=1: whether every tp=4 parameter equals the tp=1 one (k/v projections: with each KV head repeated
@@ -201,6 +222,7 @@ def main() -> None:
         result["hf_load"] = hf_load()
         result["kernel"] = kernel_under_shard_map()
         result["delta_kernel"] = delta_kernel_under_shard_map()
+        result["host_tier"] = host_tier_at_tp2()
     json.dump(result, sys.stdout)
 
 
