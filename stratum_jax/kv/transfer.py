@@ -39,6 +39,7 @@ import numpy as np
 
 from stratum_jax.kv.delta_cache import GRANULE, DeltaKV, num_slots_of
 from stratum_jax.kv.host_tier import PendingTransfers
+from stratum_jax.phase_times import PhaseTimes
 
 log = logging.getLogger(__name__)
 
@@ -186,10 +187,13 @@ class KvTransfers:
     """Runs the booked copies, once per engine step (`run`). Offloads finish asynchronously: their host
     copy overlaps the step and is waited for at the next `run` (a recall of a page whose copy is still
     under way is ordered after it by jax). `sync=True` finishes everything inside `run` (tests).
-    `recall_choice` (kv/recall_choice.py), when set, is told each recall batch's measured copy."""
+    `recall_choice` (kv/recall_choice.py), when set, is told each recall batch's measured copy.
+    phases: where `run` adds its parts' host time (transfers.offload_wait / offload_start / upload /
+    scatter); the engine passes its own."""
 
-    def __init__(self, sync: bool = False, device=None):
+    def __init__(self, sync: bool = False, device=None, phases: PhaseTimes | None = None):
         self.sync = sync
+        self.phases = phases if phases is not None else PhaseTimes()
         self.stats = TransferStats()
         self.recall_choice = None
         self._in_flight: list[_Offload] = []
@@ -201,22 +205,25 @@ class KvTransfers:
     def run(self, cache, pending: PendingTransfers):
         """Returns the cache (a new one when something was recalled)."""
         t0 = time.perf_counter()
-        stats = self.stats
-        for job in self._in_flight:              # last step's offloads: done by now, as a rule
-            job.finish()
+        stats, phases = self.stats, self.phases
+        with phases.span("transfers.offload_wait"):
+            for job in self._in_flight:          # last step's offloads: done by now, as a rule
+                job.finish()
         self._in_flight = []
         if not pending:
             stats.seconds += time.perf_counter() - t0
             return cache
         num_slots = num_slots_of(cache[0])
         if pending.offloads:
-            slots = np.concatenate([np.arange(hp.src_slot, hp.src_slot + hp.page_size) for hp in pending.offloads])
-            padded = np.zeros(_bucket(len(slots)), np.int32)
-            padded[:len(slots)] = slots
-            job = _Offload(_gather(cache, jnp.asarray(padded)), list(pending.offloads), stats, self.memory_kind)
-            stats.offloaded_pages += len(pending.offloads)
+            with phases.span("transfers.offload_start"):
+                slots = np.concatenate([np.arange(hp.src_slot, hp.src_slot + hp.page_size) for hp in pending.offloads])
+                padded = np.zeros(_bucket(len(slots)), np.int32)
+                padded[:len(slots)] = slots
+                job = _Offload(_gather(cache, jnp.asarray(padded)), list(pending.offloads), stats, self.memory_kind)
+                stats.offloaded_pages += len(pending.offloads)
             if self.sync:
-                job.finish()
+                with phases.span("transfers.offload_wait"):
+                    job.finish()
             else:
                 self._in_flight.append(job)
         # Pages evicted again right after their recall: they take their source's data before the recall
@@ -232,26 +239,31 @@ class KvTransfers:
             n = sum(d.shape[0] for d in datas)
             padded_slots = np.full(_bucket(n), num_slots, np.int32)       # out of range: dropped
             t1 = time.perf_counter()
-            if isinstance(datas[0], jax.Array):   # one batched host -> device copy, shardings kept
-                pages = jax.device_put(datas, [d.sharding.with_memory_kind("device") for d in datas])
-                where = pages[0].sharding
-            else:                                 # numpy pages (no host memory kind)
-                pages, where = jax.device_put(datas), None
-            staging = jnp.zeros((len(padded_slots),) + tuple(datas[0].shape[1:]), datas[0].dtype, device=where)
-            at = 0
-            for s, d in zip(starts, pages):
-                padded_slots[at:at + d.shape[0]] = np.arange(s, s + d.shape[0])
-                staging = _place(staging, d, np.int32(at))
-                at += d.shape[0]
-            staging.block_until_ready()
+            with phases.span("transfers.upload.device_put"):
+                if isinstance(datas[0], jax.Array):   # one batched host -> device copy, shardings kept
+                    pages = jax.device_put(datas, [d.sharding.with_memory_kind("device") for d in datas])
+                    where = pages[0].sharding
+                else:                                 # numpy pages (no host memory kind)
+                    pages, where = jax.device_put(datas), None
+            with phases.span("transfers.upload.staging"):
+                staging = jnp.zeros((len(padded_slots),) + tuple(datas[0].shape[1:]), datas[0].dtype, device=where)
+                at = 0
+                for s, d in zip(starts, pages):
+                    padded_slots[at:at + d.shape[0]] = np.arange(s, s + d.shape[0])
+                    staging = _place(staging, d, np.int32(at))
+                    at += d.shape[0]
+            with phases.span("transfers.upload.wait"):
+                staging.block_until_ready()
             upload = time.perf_counter() - t1
+            phases.add("transfers.upload", upload)
             stats.upload_s += upload
             stats.recall_batches += 1
             stats.recall_seconds.append(upload)
             nbytes = sum(d.nbytes for d in datas)
             if self.recall_choice is not None:
                 self.recall_choice.observe_copy(nbytes, n, upload)
-            cache = _scatter(cache, jnp.asarray(padded_slots), staging)
+            with phases.span("transfers.scatter"):
+                cache = _scatter(cache, jnp.asarray(padded_slots), staging)
             stats.recalled_pages += len(starts)
             stats.recalled_bytes += nbytes
             spent += [pending.recalls[s] for s in starts]
