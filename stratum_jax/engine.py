@@ -23,7 +23,7 @@ from stratum_jax.gpu_idle import DeviceTimeline, GpuIdleMeter
 from stratum_jax.kv.block_meta import Clock, EngineClock, RequestFeatures, features_of
 from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.kv.recall_choice import RecallChoice
-from stratum_jax.kv.transfer import KvTransfers
+from stratum_jax.kv.transfer import KvTransfers, committed
 from stratum_jax.kv.precision import kv_bytes_per_slot, start_kv_cache
 from stratum_jax.model.loader import LoadedModel, load_model
 from stratum_jax.model_runner import InFlightStep, ModelRunner, RunResult, kv_layout_of
@@ -65,6 +65,9 @@ class Engine:
         self.kv_precision, self.kv_cache, self.kv_anchor = start_kv_cache(
             config.kv_precision, model, self.num_slots,
             sharding=model.tp.kv_sharding if model.tp is not None else None)
+        # Committed from the start, as a recall leaves it: else the copies compile again after the first
+        # recall (kv/transfer.py `committed`).
+        self.kv_cache = committed(self.kv_cache)
         # The cache policy (eviction, page size); with --dmlp-online also the fine-tuner, which the
         # engine feeds (through the policy) but never starts: the server does, after warm-up.
         if policy is None:

@@ -130,6 +130,24 @@ def host_memory_kind(device) -> tuple[str | None, str]:
                   + ", ".join(sorted(kinds)) + "): pages copied through numpy")
 
 
+def committed(cache):
+    """The cache with every leaf committed to the device it is on (a device_put that reuses the buffers,
+    no copy); a cache already committed (a tensor-parallel one) is returned as it is.
+
+    Why: jit keys its executables on whether each argument is committed. A recall's scatter returns a
+    committed cache (its pages reach the device by a device_put to an explicit sharding), so a cache
+    that started uncommitted would make the first offload or recall after the first recall compile every
+    copy function (`_gather`, `_page_of`, `_scatter`) a second time, on the request path."""
+    leaves = jax.tree_util.tree_leaves(cache)
+    if all(x.committed for x in leaves):
+        return cache
+    devices = {d for x in leaves for d in x.devices()}
+    if len(devices) != 1:
+        raise ValueError(f"an uncommitted KV cache on {len(devices)} devices ({sorted(map(str, devices))}): "
+                         "lay a multi-device cache out with an explicit sharding")
+    return jax.device_put(cache, jax.sharding.SingleDeviceSharding(devices.pop()))
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _page_of(gathered, at, size: int):
     """Rows at..at+size-1 of the gathered slots (a page), on the device."""
