@@ -329,3 +329,36 @@ def test_many_offloads_recalls_and_drops_keep_every_pages_values():
     assert transfers.stats.recalled_pages > 20 and pool.host.dropped > 50
     pool.check_invariants()
 
+
+
+class _FakeOffload:
+    """Stands for kv/transfer.py's _Offload: pinned or numpy, landed or not; records whether it was waited for."""
+
+    def __init__(self, pinned, landed):
+        self.pinned, self.landed, self.finished = pinned, landed, False
+
+    def ready(self):
+        return self.landed
+
+    def finish(self):
+        self.finished = True
+
+
+def test_a_step_waits_for_no_pinned_offload_still_on_its_way():
+    """Only landed pinned offloads and numpy ones (whose data the numpy copy replaces) are finished by
+    `run`; pinned ones still copying stay in flight, up to MAX_OFFLOADS_IN_FLIGHT, past which the oldest
+    are waited for."""
+    from stratum_jax.kv.host_tier import PendingTransfers
+    from stratum_jax.kv.transfer import MAX_OFFLOADS_IN_FLIGHT
+    transfers = KvTransfers()
+    jobs = [_FakeOffload(True, False), _FakeOffload(True, True), _FakeOffload(False, False)]
+    transfers._in_flight = list(jobs)
+    cache = _cache(256)
+    assert transfers.run(cache, PendingTransfers()) is cache
+    assert [j.finished for j in jobs] == [False, True, True]
+    assert transfers._in_flight == jobs[:1]
+    many = [_FakeOffload(True, False) for _ in range(MAX_OFFLOADS_IN_FLIGHT + 2)]
+    transfers._in_flight = list(many)
+    transfers.run(cache, PendingTransfers())
+    assert [j.finished for j in many] == [True, True] + [False] * MAX_OFFLOADS_IN_FLIGHT
+    assert transfers._in_flight == many[2:]

@@ -9,8 +9,8 @@ Host memory is jax's `pinned_host` memory kind (page-locked, so the GPU's copy e
 PCIe speed) and the copies are direct device <-> pinned transfers, `jax.device_put` with a sharding of that
 memory kind, with no numpy copy of a page on either side:
   offload: the gathered slots [n, ...] are cut into pages on the device (one dynamic slice each), and the
-      pages go to pinned host memory in one batched, asynchronous `device_put` (`finish` waits for it, the
-      next step at the latest, so the copy overlaps the step's work);
+      pages go to pinned host memory in one batched, asynchronous `device_put`, which no step waits for
+      (a later step books it once it has landed; see `KvTransfers.run`), so the copy overlaps the steps;
   recall: the pages' pinned arrays go to the device in one batched `device_put`, are laid into a padded
       staging array there (one in-place update each), and one scatter writes that into the cache.
 A device without `pinned_host` memory (`host_memory_kind`) uses `unpinned_host`, else plain numpy copies
@@ -160,6 +160,10 @@ def _place(staging, page, at):
     return jax.lax.dynamic_update_slice_in_dim(staging, page, at, 0)
 
 
+# Pinned offloads whose copy has not landed that `run` leaves in flight; past that it waits for the oldest.
+MAX_OFFLOADS_IN_FLIGHT = 4
+
+
 class _Offload:
     """One gather of offloaded pages, cut into pages on the device and copied to host memory in one
     asynchronous batched transfer while the engine runs its step; `finish` waits for it."""
@@ -183,7 +187,12 @@ class _Offload:
             if not hp.dropped:                    # a page may leave the tier before its copy lands
                 hp.data = data
         self.nbytes = sum(x.nbytes for x in self.host)
+        stats.offloaded_bytes += self.nbytes
         self.done = False
+
+    def ready(self) -> bool:
+        """True once a pinned copy has landed (a numpy one is only read by `finish`)."""
+        return self.done or (self.pinned and all(x.is_ready() for x in self.host))
 
     def finish(self) -> None:
         if self.done:
@@ -197,13 +206,13 @@ class _Offload:
                 if hp.data is piece:              # still in the tier, not recalled (nor dropped) meanwhile
                     hp.data = d
         self.stats.device_get_s += time.perf_counter() - t
-        self.stats.offloaded_bytes += self.nbytes
         self.done = True
 
 
 class KvTransfers:
     """Runs the booked copies, once per engine step (`run`). Offloads finish asynchronously: their host
-    copy overlaps the step and is waited for at the next `run` (a recall of a page whose copy is still
+    copy overlaps the step; a later `run` books the pinned ones that have landed and never waits for one
+    (up to MAX_OFFLOADS_IN_FLIGHT), and waits for numpy ones (a recall of a page whose copy is still
     under way is ordered after it by jax). `sync=True` finishes everything inside `run` (tests).
     `recall_choice` (kv/recall_choice.py), when set, is told each recall batch's measured copy.
     phases: where `run` adds its parts' host time (transfers.offload_wait / offload_start / upload /
@@ -225,9 +234,19 @@ class KvTransfers:
         t0 = time.perf_counter()
         stats, phases = self.stats, self.phases
         with phases.span("transfers.offload_wait"):
-            for job in self._in_flight:          # last step's offloads: done by now, as a rule
-                job.finish()
-        self._in_flight = []
+            # A pinned offload needs no wait: its pages' data are their pinned arrays from the start, and a
+            # recall of one still on its way is ordered after the copy by jax. Waiting here held every step
+            # after an eviction, and the first token of the request it made room for, until the copy of the
+            # evicted pages had landed (a 32K-token llama-8b prompt is 4 GB of KV). Numpy offloads are
+            # finished (their data becomes the numpy copy), and so are pinned ones past the cap, oldest first.
+            excess = len(self._in_flight) - MAX_OFFLOADS_IN_FLIGHT
+            keep = []
+            for i, job in enumerate(self._in_flight):
+                if job.pinned and i >= excess and not job.ready():
+                    keep.append(job)
+                else:
+                    job.finish()
+        self._in_flight = keep
         if not pending:
             stats.seconds += time.perf_counter() - t0
             return cache

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from stratum_jax.config import PAGE_SIZE_CLASSES, RuntimeConfig
 from stratum_jax.kv.block_table import BlockTable
 from stratum_jax.kv.page_pool import Page, PagePool
+from stratum_jax.kv.prefix_hash import token_array
 from stratum_jax.page_size import FixedPageSize, PageSizeHints, PageSizeRule, VarianceScale
 from stratum_jax.phase_times import PhaseTimes
 from stratum_jax.request import RequestState
@@ -136,8 +137,9 @@ class FcfsScheduler:
             known = seq.queued_chain_hashes[1] if (seq.queued_chain_hashes is not None
                                                    and seq.queued_chain_hashes[0] == len(tokens)) else {}
             with self.phases.span("schedule.match_prefix"):
+                ids = token_array(tokens)       # converted once for every page size's chain
                 for ps in PAGE_SIZE_CLASSES:
-                    hit = hits[ps] = self.pool.match_prefix(tokens, ps, max_pages_for[ps], known.get(ps))
+                    hit = hits[ps] = self.pool.match_prefix(ids, ps, max_pages_for[ps], known.get(ps))
                     if len(hit) * ps > len(best_hit) * (best_size or 1):
                         best_size, best_hit = ps, hit
         expected = len(seq.prompt_ids) + seq.params.max_tokens
