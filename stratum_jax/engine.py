@@ -82,7 +82,7 @@ class Engine:
                              policy=self.cache_policy, clock=self.clock, host_tokens=config.kv_host_tokens)
         # Host-tier copies (kv/transfer.py, pinned host memory), and the choice between recalling a prefix's
         # host pages and recomputing them, by the measured copy and prefill rates (kv/recall_choice.py).
-        self.transfers = KvTransfers(phases=self.phases)
+        self.transfers = KvTransfers(phases=self.phases, compile_count=lambda: self.compiles.total)
         self.recorder = StepRecorder()        # step count, recent step costs and queue waits (engine_stats.py)
         self.pool.recall_choice = self.transfers.recall_choice = RecallChoice(self.recorder.prefill_tokens_per_s)
         self.pool.request_features = self._request_features

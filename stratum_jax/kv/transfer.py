@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import logging
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -216,11 +217,16 @@ class KvTransfers:
     under way is ordered after it by jax). `sync=True` finishes everything inside `run` (tests).
     `recall_choice` (kv/recall_choice.py), when set, is told each recall batch's measured copy.
     phases: where `run` adds its parts' host time (transfers.offload_wait / offload_start / upload /
-    scatter); the engine passes its own."""
+    scatter); the engine passes its own. compile_count: XLA compiles so far (the engine's CompileWatch);
+    a recall batch during which something compiled (the first of its shapes) is not told to the choice:
+    its upload time is mostly compiling (the first 32K-token recall of llama-8b on the H200 took 16.9 s),
+    and a copy rate measured from it would make the choice recompute what it should recall."""
 
-    def __init__(self, sync: bool = False, device=None, phases: PhaseTimes | None = None):
+    def __init__(self, sync: bool = False, device=None, phases: PhaseTimes | None = None,
+                 compile_count: Callable[[], int] | None = None):
         self.sync = sync
         self.phases = phases if phases is not None else PhaseTimes()
+        self.compile_count = compile_count
         self.stats = TransferStats()
         self.recall_choice = None
         self._in_flight: list[_Offload] = []
@@ -275,6 +281,7 @@ class KvTransfers:
             datas = [pending.recalls[s].resolved() for s in starts]
             n = sum(d.shape[0] for d in datas)
             padded_slots = np.full(_bucket(n), num_slots, np.int32)       # out of range: dropped
+            compiles = self.compile_count() if self.compile_count is not None else None
             t1 = time.perf_counter()
             with phases.span("transfers.upload.device_put"):
                 if isinstance(datas[0], jax.Array):   # one batched host -> device copy, shardings kept
@@ -297,7 +304,7 @@ class KvTransfers:
             stats.recall_batches += 1
             stats.recall_seconds.append(upload)
             nbytes = sum(d.nbytes for d in datas)
-            if self.recall_choice is not None:
+            if self.recall_choice is not None and (compiles is None or self.compile_count() == compiles):
                 self.recall_choice.observe_copy(nbytes, n, upload)
             with phases.span("transfers.scatter"):
                 cache = _scatter(cache, jnp.asarray(padded_slots), staging)
