@@ -19,9 +19,19 @@ to the host tier and recalled, against recomputing it, and the raw pinned-host <
 
 (#12: recall >= 10x faster than recompute; host -> device copies >= 40 GB/s.) The HBM pool holds one
 such prompt, so each prompt evicts the one before it to the host tier. Order: P0 (compiles), P1 and P2
-(recomputed: the recompute times), P1 and P2 again (recalled from the tier: the recall times, the first
-of which may include compiling the copies' shapes). A time is the request's wall time to its first
-token (the tail of the prompt past its last full page is always prefilled).
+(recomputed: the recompute times), P1, P2 and P1 again (recalled from the tier: the recall times, the
+first of which may include compiling the copies' shapes and the tail's step). A time is the request's
+wall time to its first token (the tail of the prompt past its last full page is always prefilled).
+
+Each run's time is split into the engine's host phases (`Engine.phases`, stratum_jax/phase_times.py):
+add_requests; schedule (of which schedule.match_prefix: hashing and lookups over every page size, and
+schedule.acquire_prefix: recall booking, evictions); prefetch; transfers (of which offload_wait,
+offload_start, upload = device_put + staging + wait, scatter); dispatch; collect (waiting for the device
+and reading the token back); postprocess; and `other` = the wall time no phase covers (generate's loop).
+`compile_s` is XLA compile time inside the run (jax.monitoring), already counted in the phase it fell in,
+with the functions compiled. Device work shows up where the host waits for it (upload.wait, collect).
+A random-weight preset whose max_position_embeddings is below --context is stretched to fit (said in the
+output and the JSON): its weights do not depend on it, so only the rope positions go further.
 
 Measured per condition: prompt tokens computed vs served from cache (HBM or host), host hits, prefetched
 pages, bytes copied each way, wall time, output tokens/s, and time to first token (p50/p90) of the
@@ -30,6 +40,7 @@ turns after the first. Writes JSON (--out) and a PNG beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -141,6 +152,7 @@ def recall_vs_recompute(model, args) -> dict:
     """One --context-token prompt recalled from the host tier vs recomputed (module docstring)."""
     from stratum_jax.config import RuntimeConfig
     from stratum_jax.engine import Engine
+    from stratum_jax.phase_times import top_level_total
     from stratum_jax.request import SamplingParams
 
     ctx, page = args.context, args.page_size
@@ -156,17 +168,23 @@ def recall_vs_recompute(model, args) -> dict:
     prompts = [[rng.randrange(3, vocab) for _ in range(ctx)] for _ in range(3)]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     runs = []
-    for label, i in (("compile", 0), ("recompute", 1), ("recompute", 2), ("recall", 1), ("recall", 2)):
+    for label, i in (("compile", 0), ("recompute", 1), ("recompute", 2), ("recall", 1), ("recall", 2), ("recall", 1)):
         s0, u0 = engine.stats(), engine.transfers.stats.upload_s
+        p0, c0, n0 = engine.phases.snapshot(), engine.compiles.seconds, dict(engine.compiles.by_function)
         t = time.perf_counter()
         [res] = engine.generate([prompts[i]], params)
         wall = time.perf_counter() - t
         st = engine.stats()
+        phases = engine.phases.since(p0)
+        compiled = {k: v - n0.get(k, 0) for k, v in engine.compiles.by_function.items() if v > n0.get(k, 0)}
         runs.append({"run": label, "prompt": i, "seconds": wall, "cached_prompt_tokens": res.cached_prompt_tokens,
                      "host_hit_pages": st.kv_host_hits - s0.kv_host_hits,
-                     "recall_upload_s": engine.transfers.stats.upload_s - u0})
+                     "recall_upload_s": engine.transfers.stats.upload_s - u0,
+                     "breakdown_s": dict(sorted(phases.items()), other=wall - top_level_total(phases)),
+                     "compile_s": engine.compiles.seconds - c0, "compiled": compiled})
         print(f"  {label:<9} P{i}: {wall * 1e3:9.1f} ms  cached {res.cached_prompt_tokens:>6} tokens  host pages "
               f"{runs[-1]['host_hit_pages']:>4}  upload {runs[-1]['recall_upload_s'] * 1e3:7.1f} ms", flush=True)
+        print("      " + format_breakdown(runs[-1]), flush=True)
     recompute = min(r["seconds"] for r in runs if r["run"] == "recompute")
     recalls = [r for r in runs if r["run"] == "recall"]
     recall = min(r["seconds"] for r in recalls)
@@ -181,6 +199,22 @@ def recall_vs_recompute(model, args) -> dict:
         "recall_choices": {"recalled": engine.pool.recall_choice.recalled,
                            "recomputed": engine.pool.recall_choice.recomputed},
     }
+
+
+def format_breakdown(run: dict) -> str:
+    """One run's phases in ms, largest first (parts after their phase), and what compiled."""
+    parts = run["breakdown_s"]
+    tops = sorted((k for k in parts if "." not in k), key=lambda k: -parts[k])
+    words = []
+    for k in tops:
+        subs = sorted((s for s in parts if s.startswith(k + ".")), key=lambda s: -parts[s])
+        inner = ", ".join(f"{s[len(k) + 1:]} {parts[s] * 1e3:.1f}" for s in subs if parts[s] >= 5e-4)
+        words.append(f"{k} {parts[k] * 1e3:.1f}" + (f" ({inner})" if inner else ""))
+    out = "ms: " + "; ".join(words)
+    if run["compiled"]:
+        out += f" | compiling {run['compile_s'] * 1e3:.0f} ms: " + ", ".join(
+            f"{k} x{v}" if v > 1 else k for k, v in sorted(run["compiled"].items()))
+    return out
 
 
 def plot(result: dict, path: str) -> None:
@@ -252,13 +286,24 @@ def main(argv=None) -> int:
 
     import jax
 
+    from stratum_jax.model.config import PRESETS
     from stratum_jax.model.loader import load_model
     model = load_model(args.model, dtype=args.dtype, seed=0)
+    stretched = None
+    if args.recall_vs_recompute and model.config.max_position_embeddings < args.context + args.page_size:
+        if args.model not in PRESETS:
+            ap.error(f"--context {args.context} (+ a page) is past {args.model}'s max_position_embeddings "
+                     f"{model.config.max_position_embeddings}: lower it")
+        # A random preset's weights do not depend on it: only the positions go further.
+        stretched = (model.config.max_position_embeddings, args.context + args.page_size)
+        model = dataclasses.replace(model, config=dataclasses.replace(model.config, max_position_embeddings=stretched[1]))
+        print(f"{args.model}: max_position_embeddings stretched from {stretched[0]} to {stretched[1]} (random weights)")
     dev = jax.devices()[0]
     result = {"model": args.model, "device": dev.device_kind if dev.platform != "cpu" else f"cpu ({os.cpu_count()} cores)",
               "jax": jax.__version__, "date": datetime.date.today().isoformat(), "args": vars(args), "conditions": []}
     if args.recall_vs_recompute:
         result.pop("conditions")
+        result["max_position_stretched"] = stretched
         result["pinned_copy"] = pinned_copy_bandwidth(args.copy_mb << 20)
         c = result["pinned_copy"]
         print(f"pinned copies ({c['memory_kind']}): host->device {c['host_to_device_gbps']:.1f} GB/s, device->host "

@@ -7,6 +7,7 @@ compile is logged as a WARNING naming the function: it ran on the request path, 
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -25,6 +26,7 @@ class CompileWatch:
         self.total = 0                 # compiles seen since install
         self.after_serving = 0         # of those, after mark_serving
         self.seconds = 0.0
+        self.by_function: collections.Counter[str] = collections.Counter()   # compiles per function name
         self._serving = False
         self._lock = threading.Lock()
         self._installed = False
@@ -50,6 +52,7 @@ class CompileWatch:
         with self._lock:
             self.total += 1
             self.seconds += duration
+            self.by_function[kwargs.get("fun_name", "?")] += 1
             if self._serving:
                 self.after_serving += 1
         if self._serving:

@@ -23,11 +23,12 @@ from stratum_jax.gpu_idle import DeviceTimeline, GpuIdleMeter
 from stratum_jax.kv.block_meta import Clock, EngineClock, RequestFeatures, features_of
 from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.kv.recall_choice import RecallChoice
-from stratum_jax.kv.transfer import KvTransfers
+from stratum_jax.kv.transfer import KvTransfers, committed
 from stratum_jax.kv.precision import kv_bytes_per_slot, start_kv_cache
 from stratum_jax.model.loader import LoadedModel, load_model
 from stratum_jax.model_runner import InFlightStep, ModelRunner, RunResult, kv_layout_of
 from stratum_jax.outputs import OutputProcessor
+from stratum_jax.phase_times import PhaseTimes
 from stratum_jax.engine_stats import EngineStats, StepRecorder, StepTiming, kv_tokens_written
 from stratum_jax.inflight import InFlight
 from stratum_jax.postprocess import Postprocessor
@@ -64,6 +65,9 @@ class Engine:
         self.kv_precision, self.kv_cache, self.kv_anchor = start_kv_cache(
             config.kv_precision, model, self.num_slots,
             sharding=model.tp.kv_sharding if model.tp is not None else None)
+        # Committed from the start, as a recall leaves it: else the copies compile again after the first
+        # recall (kv/transfer.py `committed`).
+        self.kv_cache = committed(self.kv_cache)
         # The cache policy (eviction, page size); with --dmlp-online also the fine-tuner, which the
         # engine feeds (through the policy) but never starts: the server does, after warm-up.
         if policy is None:
@@ -71,11 +75,14 @@ class Engine:
         else:
             self.cache_policy, self.dmlp_tuner = policy, None
         self.clock: Clock = clock if clock is not None else EngineClock()
+        # Host wall time by phase (phase_times.py): the step's parts, admission's prefix lookups and the KV
+        # copies; benchmarks read it to split a request's time (benchmarks/host_tier.py).
+        self.phases = PhaseTimes()
         self.pool = PagePool(self.num_slots, enable_prefix_caching=config.enable_prefix_caching,
                              policy=self.cache_policy, clock=self.clock, host_tokens=config.kv_host_tokens)
         # Host-tier copies (kv/transfer.py, pinned host memory), and the choice between recalling a prefix's
         # host pages and recomputing them, by the measured copy and prefill rates (kv/recall_choice.py).
-        self.transfers = KvTransfers()
+        self.transfers = KvTransfers(phases=self.phases, compile_count=lambda: self.compiles.total)
         self.recorder = StepRecorder()        # step count, recent step costs and queue waits (engine_stats.py)
         self.pool.recall_choice = self.transfers.recall_choice = RecallChoice(self.recorder.prefill_tokens_per_s)
         self.pool.request_features = self._request_features
@@ -87,6 +94,7 @@ class Engine:
         self.gpu_idle = GpuIdleMeter()
         self.timeline = DeviceTimeline(self.gpu_idle)   # busy intervals of steps dispatched without waiting
         self.scheduler = build_scheduler(config, self.pool)   # page size: --page-size, else the policy
+        self.scheduler.phases = self.phases
         # Bytes per token slot over all layers: the pools' (deltas and per-granule scales with DKVC), not
         # the resident anchor's.
         self._kv_bytes_per_token = kv_bytes_per_slot(self.kv_cache)
@@ -153,24 +161,26 @@ class Engine:
         """Ends cancelled requests (their final outputs into `outputs`), picks the next step's work, and
         with a host tier runs the KV copies it needs."""
         self.pool.new_step()          # last step's block accesses reach the cache policy in one batch
-        with jax.profiler.TraceAnnotation("scheduler"):
+        with jax.profiler.TraceAnnotation("scheduler"), self.phases.span("schedule"):
             for seq in self.requests.cancelled():
                 self.requests.finish(seq, FinishReason.CANCELLED, outputs)
             self.timeline.watch(self.inflight.step, self.clock())
             batch = self.scheduler.schedule(self._step_costs())
         if self.pool.host is not None:
             with jax.profiler.TraceAnnotation("kv_transfers"):
-                # Looks at as many queued requests as one batch holds.
-                prefetch_queued(self.pool, self.scheduler.waiting, self.config.max_batch_size,
-                                self.config.kv_prefetch_pages)
-                # Before the step: offloads read pages scheduling just evicted, recalls fill pages it
-                # just allocated (kv/transfer.py).
-                self.kv_cache = self.transfers.run(self.kv_cache, self.pool.take_transfers())
+                with self.phases.span("prefetch"):
+                    # Looks at as many queued requests as one batch holds.
+                    prefetch_queued(self.pool, self.scheduler.waiting, self.config.max_batch_size,
+                                    self.config.kv_prefetch_pages)
+                with self.phases.span("transfers"):
+                    # Before the step: offloads read pages scheduling just evicted, recalls fill pages it
+                    # just allocated (kv/transfer.py).
+                    self.kv_cache = self.transfers.run(self.kv_cache, self.pool.take_transfers())
         return batch
 
     def _dispatch(self, batch: ScheduledBatch) -> InFlightStep:
         """Launches the batch's step on the device without waiting for it."""
-        with jax.profiler.TraceAnnotation(f"dispatch {batch.kind}"):
+        with jax.profiler.TraceAnnotation(f"dispatch {batch.kind}"), self.phases.span("dispatch"):
             self.timeline.watch(self.inflight.step, self.clock())
             launched, self.kv_cache = self.runner.dispatch(batch, self.kv_cache, previous=self.inflight.step)
             self.timeline.dispatched(launched, self._ms(launched.dispatch_s))
@@ -179,7 +189,7 @@ class Engine:
     def _collect(self, step: InFlightStep) -> RunResult:
         """Waits for a dispatched step's results and records when the device ran it."""
         was_done = step.is_ready()
-        with jax.profiler.TraceAnnotation("wait"):
+        with jax.profiler.TraceAnnotation("wait"), self.phases.span("collect"):
             run = self.runner.collect(step, self.kv_cache)
         start_ms, end_ms = self.timeline.read(step, self._ms(run.done_s), was_done)
         self.recorder.record_timing(step.batch, (end_ms - start_ms) / 1e3)
@@ -187,7 +197,7 @@ class Engine:
 
     def _postprocess(self, step: InFlightStep, run: RunResult, outputs: dict[str, StepOutput]) -> None:
         """A step's results into `outputs` (postprocess.py), then the stats and the block event log."""
-        with jax.profiler.TraceAnnotation("postprocess"):
+        with jax.profiler.TraceAnnotation("postprocess"), self.phases.span("postprocess"):
             self.postprocessor(step, run, outputs)
         self.recorder.record_postprocessed(step.batch)
         if self._trace is not None:
@@ -257,7 +267,8 @@ class Engine:
                  ) -> list[GenerationResult]:
         """Offline: runs every prompt as one continuous batch; results in prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        with self.phases.span("add_requests"):
+            ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         results = {i: GenerationResult(i, [], "", FinishReason.LENGTH, None, None, 0, 0) for i in ids}
         while any(r for r in ids if r in self.requests):
             for out in self.step():

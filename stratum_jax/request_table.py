@@ -37,11 +37,11 @@ class RequestTable(collections.abc.Mapping[str, Sequence]):
         """Checks a request and queues it; returns its id. Raises InvalidRequestError (saying what to fix)
         or QueueFullError."""
         params.validate(max_tokens_cap=self.config.max_tokens_cap)
-        prompt_ids = [int(t) for t in prompt_ids]
+        prompt_ids = _token_list(prompt_ids)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
         vocab = self.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt_ids):
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab})")
         if len(prompt_ids) + params.max_tokens > self.config.max_context:
             raise InvalidRequestError(
@@ -96,3 +96,15 @@ class RequestTable(collections.abc.Mapping[str, Sequence]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._seqs)
+
+
+def _token_list(prompt_ids) -> list[int]:
+    """prompt_ids as a list of Python ints, as `[int(t) for t in prompt_ids]` gives, through numpy when they
+    are a list, tuple or array of integers already (a long prompt's admission path: 32K tokens took ~30 ms
+    item by item on a 2-core CPU). Anything else (floats, bools, strings, iterators) goes item by item as
+    before, with the same results and errors."""
+    if isinstance(prompt_ids, (list, tuple, np.ndarray)):
+        arr = np.asarray(prompt_ids)
+        if arr.ndim == 1 and arr.dtype.kind in "iu":
+            return arr.tolist()
+    return [int(t) for t in prompt_ids]

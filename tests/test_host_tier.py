@@ -2,6 +2,7 @@
 prefix hit or by prefetch for queued requests, without leaks (kv/host_tier.py, kv/transfer.py)."""
 import json
 import random
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +16,10 @@ from stratum_jax.engine import Engine
 from stratum_jax.kv.host_tier import HostPage, HostTier
 from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.kv.prefix_hash import prompt_chain_hashes
+from stratum_jax.kv.recall_choice import RecallChoice
 from stratum_jax.kv.transfer import KvTransfers, run_transfers
 from stratum_jax.model.loader import load_model
+from stratum_jax.phase_times import top_level_total
 from stratum_jax.request import SamplingParams
 from training.traces import read_traces
 
@@ -92,6 +95,38 @@ def test_without_a_host_tier_the_evicted_prefix_is_recomputed(tiny):
     again = engine.generate([prompt], sp)[0]
     assert again.cached_prompt_tokens == 0 and again.token_ids == first.token_ids
     assert engine.stats().kv_host_hits == 0 and engine.stats().kv_host_tokens_total == 0
+
+
+def test_recalls_after_the_first_compile_nothing_and_their_time_is_broken_down(tiny):
+    """Two prompts that each fill the pool, so each pushes the other's 14 pages to the host tier, then
+    recalled in turn. Regression: the engine started its cache uncommitted, a recall's scatter returns it
+    committed (its pages reach the device by a device_put to an explicit sharding), and a step compiled
+    right after it (here the 16-token tail's bucket; a prompt is one 256-token chunk) keeps it committed
+    from then on. jit keys executables on that, so the second recall compiled _gather, _page_of and
+    _scatter again, on the request path. Also: the recall's breakdown (Engine.phases) names its parts and
+    stays within its time."""
+    a, b = _prompts(2, 240, seed=3)
+    sp = SamplingParams(max_tokens=1, **GREEDY)
+    engine = make_engine(tiny, kv_pool_tokens=256, kv_host_tokens=4096, max_batch_size=1, prefill_chunk=256)
+    # Always recall (no prefill rate known): on CPU the measured choice may rightly prefer recomputing.
+    engine.pool.recall_choice = RecallChoice(lambda: None)
+    engine.generate([a], sp)
+    engine.generate([b], sp)                       # pushes a's pages out
+    engine.generate([a], sp)                       # the first recall (compiles the copies' shapes)
+    compiles = engine.compiles.total
+    for prompt in (b, a):
+        before, t = engine.phases.snapshot(), time.perf_counter()
+        [res] = engine.generate([prompt], sp)
+        wall, parts = time.perf_counter() - t, engine.phases.since(before)
+        assert res.cached_prompt_tokens == 14 * PS
+    assert engine.compiles.total == compiles, dict(engine.compiles.by_function)
+    assert engine.stats().kv_host_hits == 3 * 14
+    assert {"add_requests", "schedule", "schedule.match_prefix", "schedule.acquire_prefix", "transfers",
+            "transfers.offload_start", "transfers.upload", "transfers.scatter", "dispatch", "collect",
+            "postprocess"} <= set(parts)
+    assert 0 < top_level_total(parts) <= wall
+    assert parts["transfers.upload"] + parts["transfers.scatter"] <= parts["transfers"]
+    engine.pool.check_invariants()
 
 
 def test_queued_requests_prefix_is_prefetched_before_admission(tiny):
@@ -294,3 +329,36 @@ def test_many_offloads_recalls_and_drops_keep_every_pages_values():
     assert transfers.stats.recalled_pages > 20 and pool.host.dropped > 50
     pool.check_invariants()
 
+
+
+class _FakeOffload:
+    """Stands for kv/transfer.py's _Offload: pinned or numpy, landed or not; records whether it was waited for."""
+
+    def __init__(self, pinned, landed):
+        self.pinned, self.landed, self.finished = pinned, landed, False
+
+    def ready(self):
+        return self.landed
+
+    def finish(self):
+        self.finished = True
+
+
+def test_a_step_waits_for_no_pinned_offload_still_on_its_way():
+    """Only landed pinned offloads and numpy ones (whose data the numpy copy replaces) are finished by
+    `run`; pinned ones still copying stay in flight, up to MAX_OFFLOADS_IN_FLIGHT, past which the oldest
+    are waited for."""
+    from stratum_jax.kv.host_tier import PendingTransfers
+    from stratum_jax.kv.transfer import MAX_OFFLOADS_IN_FLIGHT
+    transfers = KvTransfers()
+    jobs = [_FakeOffload(True, False), _FakeOffload(True, True), _FakeOffload(False, False)]
+    transfers._in_flight = list(jobs)
+    cache = _cache(256)
+    assert transfers.run(cache, PendingTransfers()) is cache
+    assert [j.finished for j in jobs] == [False, True, True]
+    assert transfers._in_flight == jobs[:1]
+    many = [_FakeOffload(True, False) for _ in range(MAX_OFFLOADS_IN_FLIGHT + 2)]
+    transfers._in_flight = list(many)
+    transfers.run(cache, PendingTransfers())
+    assert [j.finished for j in many] == [True, True] + [False] * MAX_OFFLOADS_IN_FLIGHT
+    assert transfers._in_flight == many[2:]

@@ -93,6 +93,26 @@ def test_pages_live_in_pinned_host_memory_and_the_copy_is_measured(memory_kind):
     assert choice.bytes_per_token() == data.nbytes / PS and choice.copy_bandwidth() > 0
 
 
+@pytest.mark.parametrize("counts, observed", [((0, 1), False), ((5, 5), True)])
+def test_a_recall_batch_that_compiled_is_not_a_copy_measurement(counts, observed):
+    """The first recall of a shape compiles inside its timed upload: the choice must not take that as the
+    copy rate (it would then recompute what it should recall). `counts`: what compile_count reads before
+    and after the upload (0 then 1: something compiled)."""
+    pool = PagePool(256, host_tokens=1024)
+    cache = _cache(256)
+    reads = iter(counts)
+    transfers = KvTransfers(sync=True, compile_count=lambda: next(reads))
+    transfers.recall_choice = choice = RecallChoice(lambda: None)
+    tokens, ha, hb, want, hogs = _prefix_half_on_host(pool, cache)
+    cache = transfers.run(cache, pool.take_transfers())          # offloads only: compile_count not read
+    pool.release(hogs[0])
+    pages = pool.acquire_prefix(pool.match_prefix(tokens, PS, 2), 2)
+    cache = transfers.run(cache, pool.take_transfers())
+    np.testing.assert_array_equal(_page_values(cache, pages[1]), want)
+    assert transfers.stats.recall_batches == 1
+    assert (choice.copy_bandwidth() is not None) == observed
+
+
 class _Memory:
     def __init__(self, kind):
         self.kind = kind

@@ -9,8 +9,8 @@ Host memory is jax's `pinned_host` memory kind (page-locked, so the GPU's copy e
 PCIe speed) and the copies are direct device <-> pinned transfers, `jax.device_put` with a sharding of that
 memory kind, with no numpy copy of a page on either side:
   offload: the gathered slots [n, ...] are cut into pages on the device (one dynamic slice each), and the
-      pages go to pinned host memory in one batched, asynchronous `device_put` (`finish` waits for it, the
-      next step at the latest, so the copy overlaps the step's work);
+      pages go to pinned host memory in one batched, asynchronous `device_put`, which no step waits for
+      (a later step books it once it has landed; see `KvTransfers.run`), so the copy overlaps the steps;
   recall: the pages' pinned arrays go to the device in one batched `device_put`, are laid into a padded
       staging array there (one in-place update each), and one scatter writes that into the cache.
 A device without `pinned_host` memory (`host_memory_kind`) uses `unpinned_host`, else plain numpy copies
@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import logging
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,7 @@ import numpy as np
 
 from stratum_jax.kv.delta_cache import GRANULE, DeltaKV, num_slots_of
 from stratum_jax.kv.host_tier import PendingTransfers
+from stratum_jax.phase_times import PhaseTimes
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,24 @@ def host_memory_kind(device) -> tuple[str | None, str]:
                   + ", ".join(sorted(kinds)) + "): pages copied through numpy")
 
 
+def committed(cache):
+    """The cache with every leaf committed to the device it is on (a device_put that reuses the buffers,
+    no copy); a cache already committed (a tensor-parallel one) is returned as it is.
+
+    Why: jit keys its executables on whether each argument is committed. A recall's scatter returns a
+    committed cache (its pages reach the device by a device_put to an explicit sharding), so a cache
+    that started uncommitted would make the first offload or recall after the first recall compile every
+    copy function (`_gather`, `_page_of`, `_scatter`) a second time, on the request path."""
+    leaves = jax.tree_util.tree_leaves(cache)
+    if all(x.committed for x in leaves):
+        return cache
+    devices = {d for x in leaves for d in x.devices()}
+    if len(devices) != 1:
+        raise ValueError(f"an uncommitted KV cache on {len(devices)} devices ({sorted(map(str, devices))}): "
+                         "lay a multi-device cache out with an explicit sharding")
+    return jax.device_put(cache, jax.sharding.SingleDeviceSharding(devices.pop()))
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _page_of(gathered, at, size: int):
     """Rows at..at+size-1 of the gathered slots (a page), on the device."""
@@ -139,6 +159,10 @@ def _page_of(gathered, at, size: int):
 def _place(staging, page, at):
     """staging[at:at + len(page)] = page, in place (the staging array is donated)."""
     return jax.lax.dynamic_update_slice_in_dim(staging, page, at, 0)
+
+
+# Pinned offloads whose copy has not landed that `run` leaves in flight; past that it waits for the oldest.
+MAX_OFFLOADS_IN_FLIGHT = 4
 
 
 class _Offload:
@@ -164,7 +188,12 @@ class _Offload:
             if not hp.dropped:                    # a page may leave the tier before its copy lands
                 hp.data = data
         self.nbytes = sum(x.nbytes for x in self.host)
+        stats.offloaded_bytes += self.nbytes
         self.done = False
+
+    def ready(self) -> bool:
+        """True once a pinned copy has landed (a numpy one is only read by `finish`)."""
+        return self.done or (self.pinned and all(x.is_ready() for x in self.host))
 
     def finish(self) -> None:
         if self.done:
@@ -178,18 +207,26 @@ class _Offload:
                 if hp.data is piece:              # still in the tier, not recalled (nor dropped) meanwhile
                     hp.data = d
         self.stats.device_get_s += time.perf_counter() - t
-        self.stats.offloaded_bytes += self.nbytes
         self.done = True
 
 
 class KvTransfers:
     """Runs the booked copies, once per engine step (`run`). Offloads finish asynchronously: their host
-    copy overlaps the step and is waited for at the next `run` (a recall of a page whose copy is still
+    copy overlaps the step; a later `run` books the pinned ones that have landed and never waits for one
+    (up to MAX_OFFLOADS_IN_FLIGHT), and waits for numpy ones (a recall of a page whose copy is still
     under way is ordered after it by jax). `sync=True` finishes everything inside `run` (tests).
-    `recall_choice` (kv/recall_choice.py), when set, is told each recall batch's measured copy."""
+    `recall_choice` (kv/recall_choice.py), when set, is told each recall batch's measured copy.
+    phases: where `run` adds its parts' host time (transfers.offload_wait / offload_start / upload /
+    scatter); the engine passes its own. compile_count: XLA compiles so far (the engine's CompileWatch);
+    a recall batch during which something compiled (the first of its shapes) is not told to the choice:
+    its upload time is mostly compiling (the first 32K-token recall of llama-8b on the H200 took 16.9 s),
+    and a copy rate measured from it would make the choice recompute what it should recall."""
 
-    def __init__(self, sync: bool = False, device=None):
+    def __init__(self, sync: bool = False, device=None, phases: PhaseTimes | None = None,
+                 compile_count: Callable[[], int] | None = None):
         self.sync = sync
+        self.phases = phases if phases is not None else PhaseTimes()
+        self.compile_count = compile_count
         self.stats = TransferStats()
         self.recall_choice = None
         self._in_flight: list[_Offload] = []
@@ -201,22 +238,35 @@ class KvTransfers:
     def run(self, cache, pending: PendingTransfers):
         """Returns the cache (a new one when something was recalled)."""
         t0 = time.perf_counter()
-        stats = self.stats
-        for job in self._in_flight:              # last step's offloads: done by now, as a rule
-            job.finish()
-        self._in_flight = []
+        stats, phases = self.stats, self.phases
+        with phases.span("transfers.offload_wait"):
+            # A pinned offload needs no wait: its pages' data are their pinned arrays from the start, and a
+            # recall of one still on its way is ordered after the copy by jax. Waiting here held every step
+            # after an eviction, and the first token of the request it made room for, until the copy of the
+            # evicted pages had landed (a 32K-token llama-8b prompt is 4 GB of KV). Numpy offloads are
+            # finished (their data becomes the numpy copy), and so are pinned ones past the cap, oldest first.
+            excess = len(self._in_flight) - MAX_OFFLOADS_IN_FLIGHT
+            keep = []
+            for i, job in enumerate(self._in_flight):
+                if job.pinned and i >= excess and not job.ready():
+                    keep.append(job)
+                else:
+                    job.finish()
+        self._in_flight = keep
         if not pending:
             stats.seconds += time.perf_counter() - t0
             return cache
         num_slots = num_slots_of(cache[0])
         if pending.offloads:
-            slots = np.concatenate([np.arange(hp.src_slot, hp.src_slot + hp.page_size) for hp in pending.offloads])
-            padded = np.zeros(_bucket(len(slots)), np.int32)
-            padded[:len(slots)] = slots
-            job = _Offload(_gather(cache, jnp.asarray(padded)), list(pending.offloads), stats, self.memory_kind)
-            stats.offloaded_pages += len(pending.offloads)
+            with phases.span("transfers.offload_start"):
+                slots = np.concatenate([np.arange(hp.src_slot, hp.src_slot + hp.page_size) for hp in pending.offloads])
+                padded = np.zeros(_bucket(len(slots)), np.int32)
+                padded[:len(slots)] = slots
+                job = _Offload(_gather(cache, jnp.asarray(padded)), list(pending.offloads), stats, self.memory_kind)
+                stats.offloaded_pages += len(pending.offloads)
             if self.sync:
-                job.finish()
+                with phases.span("transfers.offload_wait"):
+                    job.finish()
             else:
                 self._in_flight.append(job)
         # Pages evicted again right after their recall: they take their source's data before the recall
@@ -231,27 +281,33 @@ class KvTransfers:
             datas = [pending.recalls[s].resolved() for s in starts]
             n = sum(d.shape[0] for d in datas)
             padded_slots = np.full(_bucket(n), num_slots, np.int32)       # out of range: dropped
+            compiles = self.compile_count() if self.compile_count is not None else None
             t1 = time.perf_counter()
-            if isinstance(datas[0], jax.Array):   # one batched host -> device copy, shardings kept
-                pages = jax.device_put(datas, [d.sharding.with_memory_kind("device") for d in datas])
-                where = pages[0].sharding
-            else:                                 # numpy pages (no host memory kind)
-                pages, where = jax.device_put(datas), None
-            staging = jnp.zeros((len(padded_slots),) + tuple(datas[0].shape[1:]), datas[0].dtype, device=where)
-            at = 0
-            for s, d in zip(starts, pages):
-                padded_slots[at:at + d.shape[0]] = np.arange(s, s + d.shape[0])
-                staging = _place(staging, d, np.int32(at))
-                at += d.shape[0]
-            staging.block_until_ready()
+            with phases.span("transfers.upload.device_put"):
+                if isinstance(datas[0], jax.Array):   # one batched host -> device copy, shardings kept
+                    pages = jax.device_put(datas, [d.sharding.with_memory_kind("device") for d in datas])
+                    where = pages[0].sharding
+                else:                                 # numpy pages (no host memory kind)
+                    pages, where = jax.device_put(datas), None
+            with phases.span("transfers.upload.staging"):
+                staging = jnp.zeros((len(padded_slots),) + tuple(datas[0].shape[1:]), datas[0].dtype, device=where)
+                at = 0
+                for s, d in zip(starts, pages):
+                    padded_slots[at:at + d.shape[0]] = np.arange(s, s + d.shape[0])
+                    staging = _place(staging, d, np.int32(at))
+                    at += d.shape[0]
+            with phases.span("transfers.upload.wait"):
+                staging.block_until_ready()
             upload = time.perf_counter() - t1
+            phases.add("transfers.upload", upload)
             stats.upload_s += upload
             stats.recall_batches += 1
             stats.recall_seconds.append(upload)
             nbytes = sum(d.nbytes for d in datas)
-            if self.recall_choice is not None:
+            if self.recall_choice is not None and (compiles is None or self.compile_count() == compiles):
                 self.recall_choice.observe_copy(nbytes, n, upload)
-            cache = _scatter(cache, jnp.asarray(padded_slots), staging)
+            with phases.span("transfers.scatter"):
+                cache = _scatter(cache, jnp.asarray(padded_slots), staging)
             stats.recalled_pages += len(starts)
             stats.recalled_bytes += nbytes
             spent += [pending.recalls[s] for s in starts]

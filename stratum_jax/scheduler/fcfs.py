@@ -17,7 +17,9 @@ from collections.abc import Iterable
 from stratum_jax.config import PAGE_SIZE_CLASSES, RuntimeConfig
 from stratum_jax.kv.block_table import BlockTable
 from stratum_jax.kv.page_pool import Page, PagePool
+from stratum_jax.kv.prefix_hash import token_array
 from stratum_jax.page_size import FixedPageSize, PageSizeHints, PageSizeRule, VarianceScale
+from stratum_jax.phase_times import PhaseTimes
 from stratum_jax.request import RequestState
 from stratum_jax.scheduler.base import ScheduledBatch, StepCosts
 from stratum_jax.sequence import Sequence
@@ -44,6 +46,7 @@ class FcfsScheduler:
         self._admitted = 0
         self.tile = prefill_tile(config)
         self.budget = prefill_budget(config)
+        self.phases = PhaseTimes()       # admission's prefix lookups, timed (the engine passes its own)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -133,10 +136,12 @@ class FcfsScheduler:
             # Hashes computed while the request was queued (host-tier prefetch), when they still fit it.
             known = seq.queued_chain_hashes[1] if (seq.queued_chain_hashes is not None
                                                    and seq.queued_chain_hashes[0] == len(tokens)) else {}
-            for ps in PAGE_SIZE_CLASSES:
-                hit = hits[ps] = self.pool.match_prefix(tokens, ps, max_pages_for[ps], known.get(ps))
-                if len(hit) * ps > len(best_hit) * (best_size or 1):
-                    best_size, best_hit = ps, hit
+            with self.phases.span("schedule.match_prefix"):
+                ids = token_array(tokens)       # converted once for every page size's chain
+                for ps in PAGE_SIZE_CLASSES:
+                    hit = hits[ps] = self.pool.match_prefix(ids, ps, max_pages_for[ps], known.get(ps))
+                    if len(hit) * ps > len(best_hit) * (best_size or 1):
+                        best_size, best_hit = ps, hit
         expected = len(seq.prompt_ids) + seq.params.max_tokens
         # Known only for a request that already ran (re-admitted after preemption): a new request's
         # scores are measured from its first step on.
@@ -168,8 +173,9 @@ class FcfsScheduler:
         seq.blocks = blocks              # before the access: its features read the page size
         if use_cache:
             # Host-tier pages are recalled here; with too little room left the prefix may come back shorter.
-            best_hit = self.pool.acquire_prefix(best_hit, queried_pages=max(1, max_pages_for[page_size]),
-                                                request_id=seq.request_id)
+            with self.phases.span("schedule.acquire_prefix"):
+                best_hit = self.pool.acquire_prefix(best_hit, queried_pages=max(1, max_pages_for[page_size]),
+                                                    request_id=seq.request_id)
         seq.queued_chain_hashes = None
         blocks.adopt_prefix(best_hit)
         seq.num_computed = len(best_hit) * page_size
