@@ -93,8 +93,8 @@ class Engine:
         # Device idle time between steps: the DMLP's gpu_idle_frac, the stratum_gpu_idle_* metrics, HAB.
         self.gpu_idle = GpuIdleMeter()
         self.timeline = DeviceTimeline(self.gpu_idle)   # busy intervals of steps dispatched without waiting
-        self.scheduler = build_scheduler(config, self.pool)   # page size: --page-size, else the policy
-        self.scheduler.phases = self.phases
+        # Page size: --page-size, else the policy.
+        self.scheduler = build_scheduler(config, self.pool, phases=self.phases)
         # Bytes per token slot over all layers: the pools' (deltas and per-granule scales with DKVC), not
         # the resident anchor's.
         self._kv_bytes_per_token = kv_bytes_per_slot(self.kv_cache)

@@ -35,6 +35,7 @@ first token can make the scale, so later tokens seldom saturate. The quality stu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -128,11 +129,10 @@ def _rebuild(anchor, delta, scale, slots, positions):
     return (a + d).astype(anchor.dtype)
 
 
-def _filled_scales(floor: np.ndarray, granules: int, sharding) -> jax.Array:
-    """[Hkv, granules] float32, row h all floor[h], laid out as `sharding` (or on the default device)."""
-    fill = jax.jit(lambda f: jnp.broadcast_to(f[:, None], (f.shape[0], granules)), out_shardings=sharding)
-    return fill(jax.device_put(floor, None if sharding is None else
-                               jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(sharding.spec[0]))))
+@functools.partial(jax.jit, static_argnums=1)
+def _filled_scales(floor: jax.Array, granules: int) -> jax.Array:
+    """floor [Hkv] -> [Hkv, granules] float32, row h all floor[h]: a new buffer, split over heads as floor is."""
+    return jnp.broadcast_to(floor[:, None], (floor.shape[0], granules))
 
 
 def num_slots_of(layer_cache) -> int:
@@ -172,15 +172,14 @@ def init_delta_cache(anchors, floors, num_slots: int, precision: str, sharding=N
         granules = num_slots // GRANULE
         # Every leaf its own buffer: the step donates the cache, and XLA refuses one buffer donated twice.
         # Each is made in place on its devices (a delta pool never materialises whole on one device).
-        s1, s2, s3 = (_head_sharded(sharding, n) for n in (1, 2, 3))
+        s1, s3 = _head_sharded(sharding, 1), _head_sharded(sharding, 3)
+        k_floor, v_floor = (jax.device_put(np.asarray(f, np.float32), s1) for f in (fk, fv))
         cache.append(DeltaKV(
             anchor_k=jax.device_put(np.asarray(ak), s3), anchor_v=jax.device_put(np.asarray(av), s3),
             k_delta=jnp.zeros((heads, num_slots, dim), dtype, device=s3),
             v_delta=jnp.zeros((heads, num_slots, dim), dtype, device=s3),
-            k_scale=_filled_scales(np.asarray(fk, np.float32), granules, s2),
-            v_scale=_filled_scales(np.asarray(fv, np.float32), granules, s2),
-            k_floor=jax.device_put(np.asarray(fk, np.float32), s1),
-            v_floor=jax.device_put(np.asarray(fv, np.float32), s1)))
+            k_scale=_filled_scales(k_floor, granules), v_scale=_filled_scales(v_floor, granules),
+            k_floor=k_floor, v_floor=v_floor))
     jax.block_until_ready(cache)
     ak = anchors[0][0]
     pool_bytes = 2 * math.prod((ak.shape[0], num_slots, ak.shape[2])) * jnp.dtype(dtype).itemsize

@@ -31,7 +31,7 @@ class FcfsScheduler:
     unless --page-size forces one)."""
 
     def __init__(self, config: RuntimeConfig, pool: PagePool, page_rule: PageSizeRule | None = None,
-                 variance_scale: VarianceScale | None = None):
+                 variance_scale: VarianceScale | None = None, phases: PhaseTimes | None = None):
         self.config = config
         self.pool = pool
         # Judges a request's attention-score variance against recent requests' (the engine feeds it).
@@ -46,7 +46,7 @@ class FcfsScheduler:
         self._admitted = 0
         self.tile = prefill_tile(config)
         self.budget = prefill_budget(config)
-        self.phases = PhaseTimes()       # admission's prefix lookups, timed (the engine passes its own)
+        self.phases = phases if phases is not None else PhaseTimes()   # admission's prefix lookups, timed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
