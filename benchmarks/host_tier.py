@@ -162,7 +162,10 @@ def recall_vs_recompute(model, args) -> dict:
                            kv_pool_tokens=pool, prefill_chunk=args.prefill_chunk, max_tokens_cap=1,
                            kv_host_tokens=4 * ctx, kv_prefetch_pages=0, page_size=page, attention=args.attention,
                            kv_precision=args.kv_precision)
-    engine = Engine(config, model=model)
+    t = time.perf_counter()
+    engine = Engine(config, model=model)             # pins the tier's host memory (--kv-host-pin-at-start)
+    engine_init_s = time.perf_counter() - t
+    print(f"  engine start (KV pools, {config.kv_host_tokens}-token host tier pinned): {engine_init_s:.1f} s", flush=True)
     vocab = engine.model_config.vocab_size
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(ctx)] for _ in range(3)]
@@ -191,7 +194,7 @@ def recall_vs_recompute(model, args) -> dict:
     ts = engine.transfers.stats
     return {
         "context": ctx, "page_size": page, "kv_pool_tokens": pool, "kv_precision": engine.kv_precision,
-        "host_memory": engine.transfers.memory_kind, "runs": runs,
+        "host_memory": engine.transfers.memory_kind, "engine_init_s": engine_init_s, "runs": runs,
         "recompute_s": recompute, "recall_s": recall, "recompute_over_recall": recompute / recall,
         "all_recalled": all(r["cached_prompt_tokens"] >= ctx - page for r in recalls),
         "tier_upload_gbps": ts.recalled_bytes / ts.upload_s / 1e9 if ts.upload_s else None,

@@ -72,6 +72,8 @@ class RuntimeConfig:
     kv_pool_tokens: int = 65536      # KV capacity in token slots (rounded up to a multiple of 256)
     kv_host_tokens: int = 0          # host-memory tier for evicted prefix pages, in tokens (0 = none)
     kv_prefetch_pages: int = 64      # host-tier pages of queued requests recalled ahead, per step (0 = off)
+    kv_host_pin_at_start: bool = True  # pin the host tier's memory at start-up (kv/transfer.py pin_host_memory):
+                                     # pinning on first use stalled the engine loop ~0.45 s per GB offloaded
     prefill_chunk: int = 4096        # most prompt tokens one request prefills per step (long prompts are split);
                                      # as large as the step's budget: the scheduler decides who gets it
     max_num_batched_tokens: int = 4096   # tokens per step: one decode token per row + prefill chunks (the
@@ -245,6 +247,12 @@ class RuntimeConfig:
         top = PAGE_SIZE_CLASSES[-1]
         return -(-self.kv_pool_tokens // top) * top
 
+    @property
+    def page_sizes(self) -> tuple[int, ...]:
+        """The page sizes requests can get: the forced --page-size, else every class the adaptive rule and
+        the DMLP choose from."""
+        return (self.page_size,) if self.page_size is not None else PAGE_SIZE_CLASSES
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         d = RuntimeConfig()
@@ -261,6 +269,10 @@ class RuntimeConfig:
         g.add_argument("--kv-host-tokens", type=int, default=d.kv_host_tokens, metavar="TOKENS",
                        help="host-memory tier: evicted prefix pages move there and are copied back on a "
                             "prefix hit instead of recomputed (0 = no host tier)")
+        g.add_argument("--kv-host-pin-at-start", action=argparse.BooleanOptionalAction,
+                       default=d.kv_host_pin_at_start,
+                       help="with --kv-host-tokens: page-lock the tier's host memory at start-up (about 1 s per "
+                            "GB, logged) instead of on the first offloads, where it stalls every stream")
         g.add_argument("--kv-prefetch-pages", type=int, default=d.kv_prefetch_pages, metavar="N",
                        help="with --kv-host-tokens: host-tier pages of queued requests copied back into free "
                             "HBM per step, in the cache policy's order (0 = no prefetch)")

@@ -83,6 +83,8 @@ class Engine:
         # Host-tier copies (kv/transfer.py, pinned host memory), and the choice between recalling a prefix's
         # host pages and recomputing them, by the measured copy and prefill rates (kv/recall_choice.py).
         self.transfers = KvTransfers(phases=self.phases, compile_count=lambda: self.compiles.total)
+        if self.pool.host is not None and config.kv_host_pin_at_start:
+            self.transfers.pin(self.kv_cache, config.kv_host_tokens)
         self.recorder = StepRecorder()        # step count, recent step costs and queue waits (engine_stats.py)
         self.pool.recall_choice = self.transfers.recall_choice = RecallChoice(self.recorder.prefill_tokens_per_s)
         self.pool.request_features = self._request_features
@@ -289,11 +291,14 @@ class Engine:
         return [results[i] for i in ids]
 
     def warmup(self, progress: bool = True) -> float:
-        """Compiles every step shape the config can produce (model_runner.py) and the DMLP predictor.
-        Returns the seconds compiling took."""
-        seconds = self.runner.compile_all(self.kv_cache, progress=progress)
+        """Compiles every step shape the config can produce (model_runner.py), the host tier's copies and
+        the DMLP predictor. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.runner.compile_all(self.kv_cache, progress=progress)
+        if self.pool.host is not None:     # the host tier's copies, every batch size x page size
+            self.kv_cache, _ = self.transfers.compile_copies(self.kv_cache, self.config.page_sizes)
         warm_predictor(self.cache_policy)
-        return seconds
+        return time.perf_counter() - t0
 
     def mark_serving(self) -> None:
         """The driver is taking traffic: from now on a compile is on the request path, counted apart

@@ -129,6 +129,65 @@ def test_recalls_after_the_first_compile_nothing_and_their_time_is_broken_down(t
     engine.pool.check_invariants()
 
 
+def test_after_warmup_the_host_tier_compiles_nothing(tiny):
+    """Warm-up runs every copy shape (copy batch size x page size), so a served load that offloads and
+    recalls contexts of several lengths and page sizes (adaptive pages) compiles nothing: before, each
+    new copy size compiled its gather/scatter bucket on the request path. Also the copy batches cover
+    recalls longer than the smallest batch."""
+    sp = SamplingParams(max_tokens=2, **GREEDY)
+    engine = make_engine(tiny, page_size=None, max_context=1024, kv_pool_tokens=1024, kv_host_tokens=8192,
+                         max_batch_size=1, prefill_chunk=512, max_num_batched_tokens=512, max_tokens_cap=8)
+    engine.pool.recall_choice = RecallChoice(lambda: None)        # always recall (see the test above)
+    engine.warmup(progress=False)
+    engine.mark_serving()
+    prompts = _prompts(3, 700, seed=5) + _prompts(2, 90, seed=6)
+    first = {i: engine.generate([p], sp)[0].token_ids for i, p in enumerate(prompts)}
+    for i, p in enumerate(prompts):                 # each was pushed out by the ones after it
+        res = engine.generate([p], sp)[0]
+        assert res.token_ids == first[i]
+    stats = engine.stats()
+    assert stats.kv_offloaded_pages > 0 and stats.kv_host_hits > 0
+    assert max(engine.transfers.stats.recall_seconds, default=0) > 0
+    assert engine.compiles.after_serving == 0, dict(engine.compiles.by_function)
+    engine.pool.check_invariants()
+
+
+def test_copy_batches_hold_whole_pages_at_fixed_sizes():
+    from stratum_jax.kv.transfer import COPY_BATCH_SLOTS, copy_batches
+    sizes = [256] * 40 + [8, 16] + [64] * 3
+    batches = copy_batches(sizes)
+    assert [b[0] for b in batches] == [0] + [end for _, end, _ in batches[:-1]]     # consecutive, in order
+    assert batches[-1][1] == len(sizes)
+    for first, end, padded in batches:
+        used = sum(sizes[first:end])
+        assert padded in COPY_BATCH_SLOTS and used <= padded
+        assert padded == min(b for b in COPY_BATCH_SLOTS if b >= used)
+    assert copy_batches([8]) == [(0, 1, COPY_BATCH_SLOTS[0])] and copy_batches([]) == []
+
+
+def test_pinning_the_tier_that_does_not_fit_says_what_to_fix(monkeypatch):
+    """Pinning happens at start-up (`--kv-host-pin-at-start`); a tier larger than what can be pinned
+    fails there, naming the flag and the pool limit, not on the request path."""
+    import jax
+    from stratum_jax.kv import transfer
+
+    calls = []
+
+    def device_put(x, where):
+        calls.append(where.memory_kind)
+        if len(calls) > 2:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of pinned host memory")
+        return x
+    monkeypatch.setattr(transfer.jax, "device_put", device_put)
+    monkeypatch.setattr(transfer, "PIN_CHUNK_BYTES", 1 << 10)
+    with pytest.raises(RuntimeError, match="--kv-host-tokens.*XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
+        transfer.pin_host_memory(8 << 10, jax.devices()[:1], "pinned_host")
+    assert calls == ["pinned_host"] * 3
+    calls.clear()
+    transfer.pin_host_memory(2 << 10, jax.devices()[:1], "pinned_host")       # two chunks: fits
+    assert calls == ["pinned_host"] * 2
+
+
 def test_queued_requests_prefix_is_prefetched_before_admission(tiny):
     """With one running slot, a queued request's host-tier pages are recalled while it waits, so it is
     admitted with an HBM hit (counted as prefetched, not as a host hit)."""

@@ -40,6 +40,7 @@ import numpy as np
 
 from stratum_jax.kv.delta_cache import GRANULE, DeltaKV, num_slots_of
 from stratum_jax.kv.host_tier import PendingTransfers
+from stratum_jax.kv.precision import kv_bytes_per_slot
 from stratum_jax.phase_times import PhaseTimes
 
 log = logging.getLogger(__name__)
@@ -59,10 +60,27 @@ class TransferStats:
                                # the upload time of the latest recall batches
 
 
-def _bucket(n: int) -> int:
-    """n rounded up to a multiple of a quarter of its power of two (at least 64)."""
-    step = max(64, (1 << max(0, (n - 1).bit_length())) // 4)
-    return -(-n // step) * step
+# Slots per copy batch. Every gather and scatter runs at one of these sizes: a batch holds whole pages
+# (at most 256 slots each) and is padded up to the smallest size that fits, and a longer copy is cut into
+# batches of the largest. So the copies compile to a fixed set of executables, which `compile_copies`
+# builds at warm-up: none compiles on the request path (a quarter-octave bucket per copy size compiled
+# there, ~9.5 s for the first 32K-token llama-8b recall on the H200). 512 keeps a one-page copy cheap;
+# 8192 moves a long context in few dispatches.
+COPY_BATCH_SLOTS = (512, 8192)
+
+
+def copy_batches(page_slots: list[int]) -> list[tuple[int, int, int]]:
+    """Cuts consecutive pages (each one's size in slots, <= the smallest batch) into copy batches:
+    -> [(first page, end page, padded slot count)], in order."""
+    out, first, used = [], 0, 0
+    for i, n in enumerate(page_slots):
+        if used + n > COPY_BATCH_SLOTS[-1]:
+            out.append((first, i, COPY_BATCH_SLOTS[-1]))
+            first, used = i, 0
+        used += n
+    if used:
+        out.append((first, len(page_slots), next(b for b in COPY_BATCH_SLOTS if b >= used)))
+    return out
 
 
 @jax.jit
@@ -161,8 +179,41 @@ def _place(staging, page, at):
     return jax.lax.dynamic_update_slice_in_dim(staging, page, at, 0)
 
 
-# Pinned offloads whose copy has not landed that `run` leaves in flight; past that it waits for the oldest.
-MAX_OFFLOADS_IN_FLIGHT = 4
+# Pinned offload batches whose copy has not landed that `run` leaves in flight; past that it waits for the
+# oldest (each holds up to COPY_BATCH_SLOTS[-1] gathered slots of device memory until it lands).
+MAX_OFFLOADS_IN_FLIGHT = 8
+
+# Host memory pinned per allocation by `pin_host_memory` (each is staged through a device buffer this big).
+PIN_CHUNK_BYTES = 512 << 20
+
+
+def pin_host_memory(nbytes: int, devices: list, memory_kind: str) -> float:
+    """Allocates about `nbytes` of `memory_kind` host memory, split evenly over `devices`, and frees it.
+    Returns the seconds it took.
+
+    Why: jax keeps pinned host buffers in a caching allocator that page-locks memory the first time it
+    grows. Page-locking is slow (on the H200 host a first 4.2 GB device -> pinned copy took 1.81 s, 2.3
+    GB/s, inside the `device_put` call; the same copy into memory pinned before took 0.08 s, 53 GB/s), so
+    without this the first offloads of a host tier stall the engine loop, and every stream with it, for
+    about half a second per GB. Freed buffers stay pinned in the allocator, so the tier's later pages reuse
+    this memory."""
+    t = time.perf_counter()
+    per_device = -(-nbytes // len(devices))
+    held = []
+    try:
+        for device in devices:
+            chunk = jnp.zeros((min(PIN_CHUNK_BYTES, per_device),), jnp.uint8, device=device)
+            where = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+            held += [jax.device_put(chunk, where) for _ in range(-(-per_device // chunk.size))]
+        jax.block_until_ready(held)
+    except jax.errors.JaxRuntimeError as e:
+        raise RuntimeError(
+            f"could not pin {nbytes / 1e9:.1f} GB of {memory_kind} memory for the KV host tier ({e}); lower "
+            "--kv-host-tokens, or raise jax's pinned-memory pool (the XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB "
+            "environment variable, 64 GB by default) to hold it") from e
+    finally:
+        del held
+    return time.perf_counter() - t
 
 
 class _Offload:
@@ -235,6 +286,16 @@ class KvTransfers:
         (log.info if self.memory_kind == "pinned_host" else log.warning)("KV host tier memory: %s (%s)",
                                                                          self.memory_kind, self.memory_reason)
 
+    def pin(self, cache, host_tokens: int) -> None:
+        """Pins the tier's host memory now (start-up), when pages go to pinned memory: `pin_host_memory`."""
+        if self.memory_kind != "pinned_host" or host_tokens <= 0:
+            return
+        nbytes = host_tokens * kv_bytes_per_slot(cache)
+        devices = sorted({d for x in jax.tree_util.tree_leaves(cache) for d in x.devices()}, key=lambda d: d.id)
+        seconds = pin_host_memory(nbytes, devices, self.memory_kind)
+        log.info("pinned %.2f GB of host memory for the KV host tier (%d tokens) in %.1f s", nbytes / 1e9,
+                 host_tokens, seconds)
+
     def run(self, cache, pending: PendingTransfers):
         """Returns the cache (a new one when something was recalled)."""
         t0 = time.perf_counter()
@@ -256,19 +317,15 @@ class KvTransfers:
         if not pending:
             stats.seconds += time.perf_counter() - t0
             return cache
-        num_slots = num_slots_of(cache[0])
         if pending.offloads:
             with phases.span("transfers.offload_start"):
-                slots = np.concatenate([np.arange(hp.src_slot, hp.src_slot + hp.page_size) for hp in pending.offloads])
-                padded = np.zeros(_bucket(len(slots)), np.int32)
-                padded[:len(slots)] = slots
-                job = _Offload(_gather(cache, jnp.asarray(padded)), list(pending.offloads), stats, self.memory_kind)
-                stats.offloaded_pages += len(pending.offloads)
+                jobs = self._start_offloads(cache, list(pending.offloads))
             if self.sync:
                 with phases.span("transfers.offload_wait"):
-                    job.finish()
+                    for job in jobs:
+                        job.finish()
             else:
-                self._in_flight.append(job)
+                self._in_flight += jobs
         # Pages evicted again right after their recall: they take their source's data before the recall
         # below lets go of it.
         spent = []
@@ -278,44 +335,99 @@ class KvTransfers:
                 hp.resolved()
         if pending.recalls:
             starts = list(pending.recalls)
-            datas = [pending.recalls[s].resolved() for s in starts]
-            n = sum(d.shape[0] for d in datas)
-            padded_slots = np.full(_bucket(n), num_slots, np.int32)       # out of range: dropped
-            compiles = self.compile_count() if self.compile_count is not None else None
-            t1 = time.perf_counter()
-            with phases.span("transfers.upload.device_put"):
-                if isinstance(datas[0], jax.Array):   # one batched host -> device copy, shardings kept
-                    pages = jax.device_put(datas, [d.sharding.with_memory_kind("device") for d in datas])
-                    where = pages[0].sharding
-                else:                                 # numpy pages (no host memory kind)
-                    pages, where = jax.device_put(datas), None
-            with phases.span("transfers.upload.staging"):
-                staging = jnp.zeros((len(padded_slots),) + tuple(datas[0].shape[1:]), datas[0].dtype, device=where)
-                at = 0
-                for s, d in zip(starts, pages):
-                    padded_slots[at:at + d.shape[0]] = np.arange(s, s + d.shape[0])
-                    staging = _place(staging, d, np.int32(at))
-                    at += d.shape[0]
-            with phases.span("transfers.upload.wait"):
-                staging.block_until_ready()
-            upload = time.perf_counter() - t1
-            phases.add("transfers.upload", upload)
-            stats.upload_s += upload
-            stats.recall_batches += 1
-            stats.recall_seconds.append(upload)
-            nbytes = sum(d.nbytes for d in datas)
-            if self.recall_choice is not None and (compiles is None or self.compile_count() == compiles):
-                self.recall_choice.observe_copy(nbytes, n, upload)
-            with phases.span("transfers.scatter"):
-                cache = _scatter(cache, jnp.asarray(padded_slots), staging)
-            stats.recalled_pages += len(starts)
-            stats.recalled_bytes += nbytes
+            cache = self._recall(cache, starts, [pending.recalls[s].resolved() for s in starts])
             spent += [pending.recalls[s] for s in starts]
         for hp in spent:                         # recalled pages left the tier: their host memory is let go
             if hp is not None:
                 hp.data = None
         stats.seconds += time.perf_counter() - t0
         return cache
+
+    def _start_offloads(self, cache, pages: list) -> list[_Offload]:
+        """Gathers the pages' slots (one gather per copy batch) and starts their copies to host memory."""
+        jobs = []
+        for first, end, padded in copy_batches([hp.page_size for hp in pages]):
+            batch = pages[first:end]
+            slots = np.zeros(padded, np.int32)              # padding reads slot 0, discarded
+            at = 0
+            for hp in batch:
+                slots[at:at + hp.page_size] = np.arange(hp.src_slot, hp.src_slot + hp.page_size)
+                at += hp.page_size
+            jobs.append(_Offload(_gather(cache, jnp.asarray(slots)), batch, self.stats, self.memory_kind))
+            self.stats.offloaded_pages += len(batch)
+        return jobs
+
+    def _recall(self, cache, starts: list[int], datas: list):
+        """Copies pages back to the device and writes page i at slots starts[i]...: one batched host ->
+        device copy, then per copy batch a staging array and one scatter. Returns the new cache."""
+        stats, phases = self.stats, self.phases
+        num_slots = num_slots_of(cache[0])
+        compiles = self.compile_count() if self.compile_count is not None else None
+        t1 = time.perf_counter()
+        with phases.span("transfers.upload.device_put"):
+            if isinstance(datas[0], jax.Array):   # one batched host -> device copy, shardings kept
+                pages = jax.device_put(datas, [d.sharding.with_memory_kind("device") for d in datas])
+                where = pages[0].sharding
+            else:                                 # numpy pages (no host memory kind)
+                pages, where = jax.device_put(datas), None
+        batches = []
+        with phases.span("transfers.upload.staging"):
+            for first, end, padded in copy_batches([d.shape[0] for d in datas]):
+                slots = np.full(padded, num_slots, np.int32)          # out of range: dropped
+                staging = jnp.zeros((padded,) + tuple(datas[0].shape[1:]), datas[0].dtype, device=where)
+                at = 0
+                for s, d in zip(starts[first:end], pages[first:end]):
+                    slots[at:at + d.shape[0]] = np.arange(s, s + d.shape[0])
+                    staging = _place(staging, d, np.int32(at))
+                    at += d.shape[0]
+                batches.append((slots, staging))
+        with phases.span("transfers.upload.wait"):
+            jax.block_until_ready([staging for _, staging in batches])
+        upload = time.perf_counter() - t1
+        phases.add("transfers.upload", upload)
+        stats.upload_s += upload
+        stats.recall_batches += 1
+        stats.recall_seconds.append(upload)
+        nbytes = sum(d.nbytes for d in datas)
+        if self.recall_choice is not None and (compiles is None or self.compile_count() == compiles):
+            self.recall_choice.observe_copy(nbytes, sum(d.shape[0] for d in datas), upload)
+        with phases.span("transfers.scatter"):
+            for slots, staging in batches:
+                cache = _scatter(cache, jnp.asarray(slots), staging)
+        stats.recalled_pages += len(starts)
+        stats.recalled_bytes += nbytes
+        return cache
+
+    def compile_copies(self, cache, page_sizes) -> tuple[object, int]:
+        """Runs every copy shape once (each copy batch size x page size: gather, cut, copy out, copy
+        back, stage, scatter), so that nothing of the tier compiles once the server takes traffic. The
+        pages are read from slot 0 and written past the pool (dropped): the cache's contents are kept,
+        but it is donated, so use the one returned. -> (cache, shapes run)."""
+        num_slots = num_slots_of(cache[0])
+        stats, choice = self.stats, self.recall_choice
+        self.stats, self.recall_choice = TransferStats(), None      # warm-up copies are not traffic
+        try:
+            shapes, smaller = 0, 0
+            for padded in COPY_BATCH_SLOTS:
+                for size in page_sizes:
+                    fake = [_WarmupPage(size) for _ in range(smaller // size + 1)]   # just over `smaller`
+                    for job in self._start_offloads(cache, fake):
+                        job.finish()
+                    cache = self._recall(cache, [num_slots] * len(fake), [hp.data for hp in fake])
+                    shapes += 1
+                smaller = padded
+        finally:
+            self.stats, self.recall_choice = stats, choice
+        return cache, shapes
+
+
+@dataclasses.dataclass
+class _WarmupPage:
+    """A stand-in for a HostPage in `compile_copies`: offloaded from slot 0, never in the tier."""
+    page_size: int
+    src_slot: int | None = 0
+    dropped: bool = False
+    data: object = None
 
 
 def run_transfers(cache, pending: PendingTransfers):
