@@ -5,8 +5,9 @@
 thread-safe; a server runs it on one thread. A step is: schedule (scheduler/ picks the work), dispatch
 (model_runner.py launches it on the device), collect (a step's results reach the host) and postprocess
 (postprocess.py, outputs.py). The rest lives beside it: the requests in flight (request_table.py), the
-in-flight step of async scheduling (inflight.py), the stats (engine_stats.py) and host-tier prefetch
-(prefetch.py). Exactly one output per accepted request ever has `finished=True`.
+in-flight step of async scheduling (inflight.py), the stats (engine_stats.py), host-tier prefetch
+(prefetch.py) and the block features and event log (block_events.py). Exactly one output per accepted
+request ever has `finished=True`.
 """
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import time
 import jax
 
 from stratum_jax.attention import resolve_backend
+from stratum_jax.block_events import BlockEventFeed
 from stratum_jax.compile_watch import CompileWatch
 from stratum_jax.config import RuntimeConfig
-from stratum_jax.dmlp.features import FEATURE_NAMES
 from stratum_jax.dmlp.runtime import build_cache_policy, warm_predictor
 from stratum_jax.gpu_idle import DeviceTimeline, GpuIdleMeter
-from stratum_jax.kv.block_meta import Clock, EngineClock, RequestFeatures, features_of
+from stratum_jax.kv.block_meta import Clock, EngineClock
 from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.kv.recall_choice import RecallChoice
 from stratum_jax.kv.transfer import KvTransfers, committed
@@ -87,7 +88,6 @@ class Engine:
             self.transfers.pin(self.kv_cache, config.kv_host_tokens)
         self.recorder = StepRecorder()        # step count, recent step costs and queue waits (engine_stats.py)
         self.pool.recall_choice = self.transfers.recall_choice = RecallChoice(self.recorder.prefill_tokens_per_s)
-        self.pool.request_features = self._request_features
         # Attention-score variance (attn_var5) is measured only when something reads it: the DMLP's
         # features or the block event log (its cost is in BENCHMARKS.md); the page-size rule uses it
         # when it is there.
@@ -108,11 +108,9 @@ class Engine:
                                      self.outputs)
         self.postprocessor = Postprocessor(self.outputs, self.requests, self._measure_attention_stats)
         self.inflight = InFlight(config.async_scheduling)   # the step dispatched and not read yet
-        self._trace = None
-        if config.trace_out:
-            from stratum_jax.kv.event_log import StratumEventLogWriter
-            self._trace = StratumEventLogWriter(config.trace_out)
-            self.pool.record_events = True
+        # Request features for the pool's block accesses, and the --trace-out block event log.
+        self.block_events = BlockEventFeed(self.pool, self.requests, self.recorder, self.gpu_idle, self.clock,
+                                           config.trace_out)
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -202,8 +200,7 @@ class Engine:
         with jax.profiler.TraceAnnotation("postprocess"), self.phases.span("postprocess"):
             self.postprocessor(step, run, outputs)
         self.recorder.record_postprocessed(step.batch)
-        if self._trace is not None:
-            self._write_block_events()
+        self.block_events.write()
 
     def _ms(self, perf_s: float) -> float:
         """A time.perf_counter() reading on the engine clock (ms)."""
@@ -235,35 +232,7 @@ class Engine:
     def close(self) -> None:
         """Flushes and closes the block event log, if any, and stops counting compiles."""
         self.compiles.close()
-        if self._trace is not None:
-            self._trace.close()
-
-    def _write_block_events(self) -> None:
-        """Drains the pool's block events into the --trace-out log, each with its time and the block's
-        features at that access (the same `BlockInfo` the cache policy sees; see kv/block_meta.py).
-
-        Features the engine cannot give are logged as null (missing), never as 0: attn_var5 for a block
-        created before its request's first step finished (or when nothing measures it), gpu_idle_frac
-        before the first step.
-        """
-        for event, t_ms, content_hash, request_id, info in self.pool.events:
-            features = features_of(info, FEATURE_NAMES) if info is not None else {}
-            self._trace.write(event, t_ms, content_hash.hex(), request_id, features)
-        self.pool.events.clear()
-
-    def _request_features(self, request_id: str) -> RequestFeatures | None:
-        """Request-level features of a block access (the pool asks once per access batch)."""
-        seq = self.requests.get(request_id)
-        if seq is None:
-            return None
-        p = seq.params
-        return RequestFeatures(
-            gen_frac=len(seq.output_ids) / p.max_tokens, input_tokens=len(seq.prompt_ids), max_tokens=p.max_tokens,
-            queue_wait_ms=self.recorder.mean_queue_ms,
-            prompt_pages=len(seq.prompt_ids) // seq.blocks.page_size if seq.blocks is not None else None,
-            kv_hbm_frac=self.pool.hbm_fraction,   # cached pages in HBM / in HBM and the host tier
-            attn_var5=seq.attn_var5,       # from the steps' score statistics; None before the first step
-            gpu_idle_frac=self.gpu_idle.idle_fraction(self.clock()))
+        self.block_events.close()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[GenerationResult]:

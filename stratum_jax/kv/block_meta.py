@@ -38,7 +38,7 @@ class RequestFeatures:
     """Features of the request that uses a block, at the moment it uses it (the engine fills them).
 
     attn_var5: the variance of the request's attention scores over its last 5 decoded tokens; None
-    until the engine measures it (the hook: `Engine._request_features`). gpu_idle_frac: the device's
+    until the engine measures it (the hook: `block_events.BlockEventFeed.request_features`). gpu_idle_frac: the device's
     idle share of the last second (stratum_jax/gpu_idle.py); None before the engine's first step.
     kv_hbm_frac: HBM blocks / all blocks; 1.0 while there is no host tier.
     prefix_*: the request's reused prefix at admission (see `training/history.py::_request_prefix`);

@@ -199,6 +199,8 @@ def pin_host_memory(nbytes: int, devices: list, memory_kind: str) -> float:
     this memory."""
     t = time.perf_counter()
     per_device = -(-nbytes // len(devices))
+    if per_device <= 0:
+        return 0.0
     held = []
     try:
         for device in devices:
@@ -218,7 +220,12 @@ def pin_host_memory(nbytes: int, devices: list, memory_kind: str) -> float:
 
 class _Offload:
     """One gather of offloaded pages, cut into pages on the device and copied to host memory in one
-    asynchronous batched transfer while the engine runs its step; `finish` waits for it."""
+    asynchronous batched transfer while the engine runs its step; `finish` waits for it.
+
+    Started before the step's recalls, not after the step's dispatch: the device -> host copy then runs
+    beside the recall's host -> device copy (the link is full duplex) and lands before the step's token
+    read-back, which would otherwise queue behind it (deferring it made a 32K-token llama-8b recall 224
+    instead of 189 ms on the H200, BENCHMARKS.md)."""
 
     def __init__(self, gathered: jax.Array, pages: list, stats: TransferStats, memory_kind: str | None):
         self.pages, self.stats, self.pinned = pages, stats, memory_kind is not None
