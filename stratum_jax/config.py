@@ -271,7 +271,7 @@ class RuntimeConfig:
                             "prefix hit instead of recomputed (0 = no host tier)")
         g.add_argument("--kv-host-pin-at-start", action=argparse.BooleanOptionalAction,
                        default=d.kv_host_pin_at_start,
-                       help="with --kv-host-tokens: page-lock the tier's host memory at start-up (about 1 s per "
+                       help="with --kv-host-tokens: page-lock the tier's host memory at start-up (up to ~1 s per "
                             "GB, logged) instead of on the first offloads, where it stalls every stream")
         g.add_argument("--kv-prefetch-pages", type=int, default=d.kv_prefetch_pages, metavar="N",
                        help="with --kv-host-tokens: host-tier pages of queued requests copied back into free "
