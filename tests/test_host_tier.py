@@ -152,16 +152,18 @@ def test_after_warmup_the_host_tier_compiles_nothing(tiny):
     engine.pool.check_invariants()
 
 
-def test_copy_batches_hold_whole_pages_at_fixed_sizes():
-    from stratum_jax.kv.transfer import COPY_BATCH_SLOTS, copy_batches
-    sizes = [256] * 40 + [8, 16] + [64] * 3
+def test_copy_batches_hold_whole_pages_of_one_size_at_fixed_sizes():
+    from stratum_jax.kv.transfer import COPY_BATCH_PAGES, COPY_BATCH_SLOTS, copy_batches
+    sizes = [256] * 40 + [8, 16, 16] + [64] * 3 + [256] + [8] * 40
     batches = copy_batches(sizes)
     assert [b[0] for b in batches] == [0] + [end for _, end, _ in batches[:-1]]     # consecutive, in order
     assert batches[-1][1] == len(sizes)
     for first, end, padded in batches:
         used = sum(sizes[first:end])
+        assert len(set(sizes[first:end])) == 1 and end - first <= COPY_BATCH_PAGES
         assert padded in COPY_BATCH_SLOTS and used <= padded
         assert padded == min(b for b in COPY_BATCH_SLOTS if b >= used)
+    assert [end - first for first, end, _ in batches] == [32, 8, 1, 2, 3, 1, 32, 8]
     assert copy_batches([8]) == [(0, 1, COPY_BATCH_SLOTS[0])] and copy_batches([]) == []
 
 

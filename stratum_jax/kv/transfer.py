@@ -60,22 +60,27 @@ class TransferStats:
                                # the upload time of the latest recall batches
 
 
-# Slots per copy batch. Every gather and scatter runs at one of these sizes: a batch holds whole pages
-# (at most 256 slots each) and is padded up to the smallest size that fits, and a longer copy is cut into
-# batches of the largest. So the copies compile to a fixed set of executables, which `compile_copies`
-# builds at warm-up: none compiles on the request path (a quarter-octave bucket per copy size compiled
-# there, ~9.5 s for the first 32K-token llama-8b recall on the H200). 512 keeps a one-page copy cheap;
-# 8192 moves a long context in few dispatches.
-COPY_BATCH_SLOTS = (512, 8192)
+# Slots per copy batch. Every gather and scatter runs at one of these sizes: a batch holds whole pages of
+# one size and is padded up to the smallest size that fits, and a longer copy is cut into batches of the
+# largest. So the copies compile to a fixed set of executables (per batch size x page size), which
+# `compile_copies` builds at warm-up: none compiles on the request path (a quarter-octave bucket per copy
+# size compiled there, ~9.5 s for the first 32K-token llama-8b recall on the H200). 512 keeps a one-page
+# copy cheap; 8192 moves a long context in few dispatches; 2048 bounds the padding between them (a batch's
+# padding is cut and staged like its pages, device copies that are thrown away).
+COPY_BATCH_SLOTS = (512, 2048, 8192)
+# Pages per copy batch at most: the cut and the staging are one dispatch with a value per page of the
+# padded batch, and compiling those for 1,024 pages of 8 tokens took minutes at warm-up.
+COPY_BATCH_PAGES = 32
 
 
 def copy_batches(page_slots: list[int]) -> list[tuple[int, int, int]]:
-    """Cuts consecutive pages (each one's size in slots, <= the smallest batch) into copy batches:
-    -> [(first page, end page, padded slot count)], in order."""
+    """Cuts consecutive pages (each one's size in slots, <= the smallest batch) into copy batches of one
+    page size and at most COPY_BATCH_PAGES pages each: -> [(first page, end page, padded slot count)]."""
     out, first, used = [], 0, 0
     for i, n in enumerate(page_slots):
-        if used + n > COPY_BATCH_SLOTS[-1]:
-            out.append((first, i, COPY_BATCH_SLOTS[-1]))
+        if used and (used + n > COPY_BATCH_SLOTS[-1] or n != page_slots[first]
+                     or i - first == COPY_BATCH_PAGES):
+            out.append((first, i, next(b for b in COPY_BATCH_SLOTS if b >= used)))
             first, used = i, 0
         used += n
     if used:
@@ -167,16 +172,19 @@ def committed(cache):
     return jax.device_put(cache, jax.sharding.SingleDeviceSharding(devices.pop()))
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _page_of(gathered, at, size: int):
-    """Rows at..at+size-1 of the gathered slots (a page), on the device."""
-    return jax.lax.dynamic_slice_in_dim(gathered, at, size)
+@functools.partial(jax.jit, static_argnums=1)
+def _cut(gathered, page_size: int):
+    """gathered [n, ...] -> its n / page_size pages [page_size, ...], in order, on the device: one
+    dispatch per copy batch (a dispatch per page cost ~0.3 ms of host time each on the H200 host: 37.8 ms
+    for a 32K-token llama-8b eviction, 11.2 ms batched)."""
+    pages = gathered.reshape(gathered.shape[0] // page_size, page_size, *gathered.shape[1:])
+    return tuple(pages[i] for i in range(pages.shape[0]))
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _place(staging, page, at):
-    """staging[at:at + len(page)] = page, in place (the staging array is donated)."""
-    return jax.lax.dynamic_update_slice_in_dim(staging, page, at, 0)
+@jax.jit
+def _stage(pages):
+    """A copy batch's pages (a tuple, [page_size, ...] each) -> one staging array [n * page_size, ...]."""
+    return jnp.concatenate(pages)
 
 
 # Pinned offload batches whose copy has not landed that `run` leaves in flight; past that it waits for the
@@ -219,20 +227,17 @@ def pin_host_memory(nbytes: int, devices: list, memory_kind: str) -> float:
 
 
 class _Offload:
-    """One gather of offloaded pages, cut into pages on the device and copied to host memory in one
-    asynchronous batched transfer while the engine runs its step; `finish` waits for it.
+    """One copy batch of offloaded pages, gathered and cut into pages on the device, copied to host memory
+    in one asynchronous batched transfer while the engine runs its step; `finish` waits for it.
 
     Started before the step's recalls, not after the step's dispatch: the device -> host copy then runs
     beside the recall's host -> device copy (the link is full duplex) and lands before the step's token
     read-back, which would otherwise queue behind it (deferring it made a 32K-token llama-8b recall 224
     instead of 189 ms on the H200, BENCHMARKS.md)."""
 
-    def __init__(self, gathered: jax.Array, pages: list, stats: TransferStats, memory_kind: str | None):
+    def __init__(self, pieces: list, pages: list, stats: TransferStats, memory_kind: str | None):
+        """pieces: the pages' KV on the device, in the order of `pages`."""
         self.pages, self.stats, self.pinned = pages, stats, memory_kind is not None
-        pieces, at = [], 0
-        for hp in pages:
-            pieces.append(_page_of(gathered, at, hp.page_size))
-            at += hp.page_size
         if memory_kind is not None:
             # Each piece keeps its sharding (one device, or a tensor-parallel cache's mesh): only the
             # memory kind changes, so each device's shard goes to that device's host memory.
@@ -360,13 +365,15 @@ class KvTransfers:
             for hp in batch:
                 slots[at:at + hp.page_size] = np.arange(hp.src_slot, hp.src_slot + hp.page_size)
                 at += hp.page_size
-            jobs.append(_Offload(_gather(cache, jnp.asarray(slots)), batch, self.stats, self.memory_kind))
+            pieces = _cut(_gather(cache, jnp.asarray(slots)), batch[0].page_size)[:len(batch)]
+            jobs.append(_Offload(list(pieces), batch, self.stats, self.memory_kind))
             self.stats.offloaded_pages += len(batch)
         return jobs
 
     def _recall(self, cache, starts: list[int], datas: list):
         """Copies pages back to the device and writes page i at slots starts[i]...: one batched host ->
-        device copy, then per copy batch a staging array and one scatter. Returns the new cache."""
+        device copy, then per copy batch one staging array (its pages side by side) and one scatter.
+        Returns the new cache."""
         stats, phases = self.stats, self.phases
         num_slots = num_slots_of(cache[0])
         compiles = self.compile_count() if self.compile_count is not None else None
@@ -374,20 +381,18 @@ class KvTransfers:
         with phases.span("transfers.upload.device_put"):
             if isinstance(datas[0], jax.Array):   # one batched host -> device copy, shardings kept
                 pages = jax.device_put(datas, [d.sharding.with_memory_kind("device") for d in datas])
-                where = pages[0].sharding
             else:                                 # numpy pages (no host memory kind)
-                pages, where = jax.device_put(datas), None
+                pages = jax.device_put(datas)
         batches = []
         with phases.span("transfers.upload.staging"):
             for first, end, padded in copy_batches([d.shape[0] for d in datas]):
+                size = datas[first].shape[0]
                 slots = np.full(padded, num_slots, np.int32)          # out of range: dropped
-                staging = jnp.zeros((padded,) + tuple(datas[0].shape[1:]), datas[0].dtype, device=where)
-                at = 0
-                for s, d in zip(starts[first:end], pages[first:end]):
-                    slots[at:at + d.shape[0]] = np.arange(s, s + d.shape[0])
-                    staging = _place(staging, d, np.int32(at))
-                    at += d.shape[0]
-                batches.append((slots, staging))
+                for i, s in enumerate(starts[first:end]):
+                    slots[i * size:(i + 1) * size] = np.arange(s, s + size)
+                # The padding repeats the batch's first page: its slots are dropped by the scatter.
+                batch = tuple(pages[first:end]) + (pages[first],) * (padded // size - (end - first))
+                batches.append((slots, _stage(batch)))
         with phases.span("transfers.upload.wait"):
             jax.block_until_ready([staging for _, staging in batches])
         upload = time.perf_counter() - t1
@@ -414,15 +419,18 @@ class KvTransfers:
         stats, choice = self.stats, self.recall_choice
         self.stats, self.recall_choice = TransferStats(), None      # warm-up copies are not traffic
         try:
-            shapes, smaller = 0, 0
-            for padded in COPY_BATCH_SLOTS:
-                for size in page_sizes:
-                    fake = [_WarmupPage(size) for _ in range(smaller // size + 1)]   # just over `smaller`
+            shapes = 0
+            for size in page_sizes:
+                # The fewest pages of this size that reach each batch size they can reach.
+                counts = {}
+                for n in range(1, COPY_BATCH_PAGES + 1):
+                    counts.setdefault(copy_batches([size] * n)[0][2], n)
+                for n in counts.values():
+                    fake = [_WarmupPage(size) for _ in range(n)]
                     for job in self._start_offloads(cache, fake):
                         job.finish()
-                    cache = self._recall(cache, [num_slots] * len(fake), [hp.data for hp in fake])
+                    cache = self._recall(cache, [num_slots] * n, [hp.data for hp in fake])
                     shapes += 1
-                smaller = padded
         finally:
             self.stats, self.recall_choice = stats, choice
         return cache, shapes
