@@ -84,8 +84,6 @@ class Engine:
         # Host-tier copies (kv/transfer.py, pinned host memory), and the choice between recalling a prefix's
         # host pages and recomputing them, by the measured copy and prefill rates (kv/recall_choice.py).
         self.transfers = KvTransfers(phases=self.phases, compile_count=lambda: self.compiles.total)
-        if self.pool.host is not None and config.kv_host_pin_at_start:
-            self.transfers.pin(self.kv_cache, config.kv_host_tokens)
         self.recorder = StepRecorder()        # step count, recent step costs and queue waits (engine_stats.py)
         self.pool.recall_choice = self.transfers.recall_choice = RecallChoice(self.recorder.prefill_tokens_per_s)
         # Attention-score variance (attn_var5) is measured only when something reads it: the DMLP's
@@ -100,6 +98,8 @@ class Engine:
         # Bytes per token slot over all layers: the pools' (deltas and per-granule scales with DKVC), not
         # the resident anchor's.
         self._kv_bytes_per_token = kv_bytes_per_slot(self.kv_cache)
+        if self.pool.host is not None and config.kv_host_pin_at_start:
+            self.transfers.pin(self.kv_cache, config.kv_host_tokens * self._kv_bytes_per_token)
         self.runner = ModelRunner(config, self.model, num_slots=self.num_slots, backend=self.attention_backend,
                                   attn_stats=self._measure_attention_stats, kv_layout=kv_layout_of(self.kv_cache))
         self.outputs = OutputProcessor(frozenset(self.tokenizer.eos_token_ids)
@@ -265,7 +265,7 @@ class Engine:
         t0 = time.perf_counter()
         self.runner.compile_all(self.kv_cache, progress=progress)
         if self.pool.host is not None:     # the host tier's copies, every batch size x page size
-            self.kv_cache, _ = self.transfers.compile_copies(self.kv_cache, self.config.page_sizes)
+            self.kv_cache = self.transfers.compile_copies(self.kv_cache, self.config.page_sizes)
         warm_predictor(self.cache_policy)
         return time.perf_counter() - t0
 

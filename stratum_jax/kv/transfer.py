@@ -1,18 +1,21 @@
 """KV copies between HBM and the host tier, run once per engine step before its device work.
 
 The page pool books the moves while it schedules (kv/host_tier.py `PendingTransfers`); `KvTransfers.run`
-does them before the step: one gather of every offloaded page's slots (device -> host, reading the cache
-as scheduling found it), then one scatter of every recalled page's data into its new slots (host ->
-device, donating the cache). Recalls may reuse slots that offloads just vacated, hence that order.
+does them before the step, per copy batch (`copy_batches`): gathers of the offloaded pages' slots (device
+-> host, reading the cache as scheduling found it), then scatters of the recalled pages' data into their
+new slots (host -> device, donating the cache). Recalls may reuse slots that offloads just vacated, hence
+that order.
 
 Host memory is jax's `pinned_host` memory kind (page-locked, so the GPU's copy engines move it by DMA at
 PCIe speed) and the copies are direct device <-> pinned transfers, `jax.device_put` with a sharding of that
 memory kind, with no numpy copy of a page on either side:
-  offload: the gathered slots [n, ...] are cut into pages on the device (one dynamic slice each), and the
-      pages go to pinned host memory in one batched, asynchronous `device_put`, which no step waits for
-      (a later step books it once it has landed; see `KvTransfers.run`), so the copy overlaps the steps;
-  recall: the pages' pinned arrays go to the device in one batched `device_put`, are laid into a padded
-      staging array there (one in-place update each), and one scatter writes that into the cache.
+  offload: a batch's gathered slots [n, ...] are cut into pages on the device (`_cut`, one dispatch), and
+      the pages go to pinned host memory in one batched, asynchronous `device_put`, which no step waits
+      for (a later step books it once it has landed; see `KvTransfers.run`), so the copy overlaps the steps;
+  recall: the pages' pinned arrays go to the device in one batched `device_put`, each batch's pages are
+      put side by side in a staging array there (`_stage`, one dispatch), and one scatter writes it.
+The tier's memory is pinned at start-up (`pin_host_memory`), and warm-up runs every copy shape once
+(`KvTransfers.compile_copies`).
 A device without `pinned_host` memory (`host_memory_kind`) uses `unpinned_host`, else plain numpy copies
 (`jax.device_get`), logged once at start-up with the reason. The CPU backend has `pinned_host` (jax 0.11),
 so CI runs the pinned path.
@@ -20,9 +23,8 @@ so CI runs the pinned path.
 Shapes: cache = per layer (k_pool, v_pool), each [kv_heads, num_slots, head_dim]; in host memory a page
 is slot-major, [page_size, layers, 2, kv_heads, head_dim], one contiguous block (the slot axis in the
 middle made the host side a strided copy of head_dim-sized pieces, which dominated the copy time on the
-H200). Slot counts are padded to a quarter-octave bucket (>= 64, < 25% waste), so few shapes compile;
-padded gather slots read slot 0 and are discarded, padded scatter slots point past the pool and are
-dropped. A DKVC cache (stratum_jax/kv/delta_cache.py) moves its deltas and scales as rows of bytes
+H200). A copy batch is padded to one of COPY_BATCH_SLOTS, so a fixed set of shapes compiles; padded
+gather slots read slot 0 and are discarded, padded scatter slots point past the pool and are dropped. A DKVC cache (stratum_jax/kv/delta_cache.py) moves its deltas and scales as rows of bytes
 (`_gather_deltas`): half a bf16 page's bytes for fp8, plus 1/(4 * head_dim) for the scales.
 """
 from __future__ import annotations
@@ -40,7 +42,6 @@ import numpy as np
 
 from stratum_jax.kv.delta_cache import GRANULE, DeltaKV, num_slots_of
 from stratum_jax.kv.host_tier import PendingTransfers
-from stratum_jax.kv.precision import kv_bytes_per_slot
 from stratum_jax.phase_times import PhaseTimes
 
 log = logging.getLogger(__name__)
@@ -298,15 +299,14 @@ class KvTransfers:
         (log.info if self.memory_kind == "pinned_host" else log.warning)("KV host tier memory: %s (%s)",
                                                                          self.memory_kind, self.memory_reason)
 
-    def pin(self, cache, host_tokens: int) -> None:
-        """Pins the tier's host memory now (start-up), when pages go to pinned memory: `pin_host_memory`."""
-        if self.memory_kind != "pinned_host" or host_tokens <= 0:
+    def pin(self, cache, nbytes: int) -> None:
+        """Pins the tier's `nbytes` of host memory now (start-up), split over the devices `cache` lives on,
+        when pages go to pinned memory: `pin_host_memory`."""
+        if self.memory_kind != "pinned_host" or nbytes <= 0:
             return
-        nbytes = host_tokens * kv_bytes_per_slot(cache)
         devices = sorted({d for x in jax.tree_util.tree_leaves(cache) for d in x.devices()}, key=lambda d: d.id)
         seconds = pin_host_memory(nbytes, devices, self.memory_kind)
-        log.info("pinned %.2f GB of host memory for the KV host tier (%d tokens) in %.1f s", nbytes / 1e9,
-                 host_tokens, seconds)
+        log.info("pinned %.2f GB of host memory for the KV host tier in %.1f s", nbytes / 1e9, seconds)
 
     def run(self, cache, pending: PendingTransfers):
         """Returns the cache (a new one when something was recalled)."""
@@ -410,11 +410,12 @@ class KvTransfers:
         stats.recalled_bytes += nbytes
         return cache
 
-    def compile_copies(self, cache, page_sizes) -> tuple[object, int]:
+    def compile_copies(self, cache, page_sizes):
         """Runs every copy shape once (each copy batch size x page size: gather, cut, copy out, copy
         back, stage, scatter), so that nothing of the tier compiles once the server takes traffic. The
         pages are read from slot 0 and written past the pool (dropped): the cache's contents are kept,
-        but it is donated, so use the one returned. -> (cache, shapes run)."""
+        but it is donated, so use the one returned."""
+        t0 = time.perf_counter()
         num_slots = num_slots_of(cache[0])
         stats, choice = self.stats, self.recall_choice
         self.stats, self.recall_choice = TransferStats(), None      # warm-up copies are not traffic
@@ -433,7 +434,9 @@ class KvTransfers:
                     shapes += 1
         finally:
             self.stats, self.recall_choice = stats, choice
-        return cache, shapes
+        log.info("ran %d host-tier copy shapes (page sizes %s) in %.1f s", shapes, list(page_sizes),
+                 time.perf_counter() - t0)
+        return cache
 
 
 @dataclasses.dataclass
