@@ -24,7 +24,12 @@ With --http the requests go over HTTP instead (CountTokens, Health and GetMetric
 server answers both); each chunk's tokens are counted through the `return_token_ids` extension, so the
 figures mean the same as gRPC's, and the server-side timings (queue_ms, server TTFT) are not available.
 
-The workload. Request i of the window arrives at (timestamp_i - timestamp_first) / rate. Its prompt is
+The workload. Request i of the window arrives at (timestamp_i - timestamp_first + u_i * slot) / rate. The
+shared trace stamps its requests in 3 s slots (1,180 distinct timestamps for 12,031 requests, consecutive ones
+2,997-3,003 ms apart; `trace_slot_ms`), so a timestamp says in which slot a request came, not when within it.
+`--arrivals slot` (the default) draws u_i uniform in [0, 1) from the rate's salt and the trace line: given each
+slot's count, that is where a Poisson process puts its arrivals. `--arrivals burst` (u_i = 0, the replay before
+2026-12-01) sends a slot's requests, up to 28 of them, at one instant. Its prompt is
 built from its `hash_ids`: each id is one block of text, the same text wherever the id appears (so
 requests that share leading ids share a prompt prefix, as in the trace), with the last block cut so the
 chat-templated prompt has round(input_length * length_scale) tokens; max_tokens is
@@ -136,12 +141,31 @@ def load_trace(path: pathlib.Path, start: int, count: int) -> list[TraceRequest]
     return out
 
 
-def arrival_offsets(timestamps_ms, rate: float) -> list[float]:
-    """Seconds after the window's first arrival, time compressed by `rate` (2 = twice as fast)."""
+def arrival_offsets(timestamps_ms, rate: float, *, slot_ms: float = 0.0, keys=None, salt: str = "") -> list[float]:
+    """Seconds after the window's first timestamp, time compressed by `rate` (2 = twice as fast).
+
+    slot_ms > 0 spreads each request over the recorded slot its timestamp names: it arrives at a uniform
+    offset in [timestamp, timestamp + slot_ms), drawn from (salt, its key). Given how many requests a slot
+    holds, that is how a Poisson process places them, so clumps stay possible; the same (salt, key) always
+    gives the same offset, so configs replaying one rate see the same arrivals."""
     if rate <= 0:
         raise ValueError(f"a rate must be > 0, got {rate}")
+    if slot_ms < 0:
+        raise ValueError(f"a slot must be >= 0 ms, got {slot_ms}")
+    keys = range(len(timestamps_ms)) if keys is None else keys
     t0 = min(timestamps_ms)
-    return [(t - t0) / 1000.0 / rate for t in timestamps_ms]
+    return [(t - t0 + (random.Random(f"{salt}/arrival/{k}").random() * slot_ms if slot_ms else 0.0)) / 1000.0 / rate
+            for t, k in zip(timestamps_ms, keys, strict=True)]
+
+
+def trace_slot_ms(timestamps_ms) -> float | None:
+    """The trace's timestamp resolution: the median gap between consecutive distinct timestamps (None with
+    fewer than two). The Mooncake conversation trace stamps its requests in 3 s slots: 1,180 distinct
+    timestamps for 12,031 requests, every two consecutive ones 2,997-3,003 ms apart."""
+    distinct = sorted(set(timestamps_ms))
+    if len(distinct) < 2:
+        return None
+    return float(np.median(np.diff(distinct)))
 
 
 @functools.lru_cache(maxsize=1 << 16)     # popular ids (id 0 starts most prompts) are built once
@@ -497,9 +521,12 @@ class Planned:
     text: str
 
 
-def plan(window: list[TraceRequest], shape: Shape, rate: float, salt: str) -> tuple[list[Planned], int]:
-    """The requests of one rate in arrival order, and how many were clipped to the context."""
-    offsets = arrival_offsets([r.timestamp_ms for r in window], rate)
+def plan(window: list[TraceRequest], shape: Shape, rate: float, salt: str,
+         slot_ms: float = 0.0) -> tuple[list[Planned], int]:
+    """The requests of one rate in arrival order, and how many were clipped to the context. slot_ms > 0
+    spreads each request over its timestamp's slot (arrival_offsets)."""
+    offsets = arrival_offsets([r.timestamp_ms for r in window], rate, slot_ms=slot_ms,
+                              keys=[r.index for r in window], salt=salt)
     out, clipped = [], 0
     for r, at in sorted(zip(window, offsets), key=lambda p: (p[1], p[0].index)):
         text, n_in, n_out, c = prompt_for(r, shape, salt)
@@ -723,7 +750,7 @@ def _delta(a, b):
 
 
 async def run_rate(send, stub, pb, window, shape, rate, salt, args, metrics_url, deadline) -> dict:
-    planned, clipped = plan(window, shape, rate, salt)
+    planned, clipped = plan(window, shape, rate, salt, args.arrival_slot_ms)
     idle_before = await wait_idle(stub, pb, args.request_timeout)
     before = await scrape(metrics_url)
     poller = Poller(metrics_url, args.poll_s)
@@ -740,7 +767,7 @@ async def run_rate(send, stub, pb, window, shape, rate, salt, args, metrics_url,
     print(f"  rate {rate}x: {s['finished']}/{s['requests']} finished, TTFT p95 {ttft.get('p95')} ms, "
           f"TPOT p95 {tpot.get('p95')} ms, goodput {s['goodput_rps']} req/s", file=sys.stderr)
     s.update(
-        rate=rate, salt=salt, offered_rps=round(len(planned) / max(planned[-1].result.arrival_s, 1e-3), 4),
+        rate=rate, salt=salt, arrival_slot_ms=args.arrival_slot_ms, offered_rps=round(len(planned) / max(planned[-1].result.arrival_s, 1e-3), 4),
         window_span_s=round(planned[-1].result.arrival_s, 3), clipped_to_context=clipped,
         server_idle_before=idle_before, server_idle_after=idle_after,
         jit_compilations=_delta(counter_total(before, "stratum_jit_compilations_total"),
@@ -921,6 +948,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window-start", type=int, default=0, help="first trace line replayed (0-based)")
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--rates", default="1,2,4,8", help="time compressions of the recorded arrivals")
+    p.add_argument("--arrivals", choices=("slot", "burst"), default="slot",
+                   help="slot: each request at a uniform offset within the trace's timestamp slot (a Poisson "
+                        "process given each slot's count; seeded per rate); burst: every request of a timestamp "
+                        "at the same instant (the replay before 2026-12-01)")
+    p.add_argument("--arrival-slot-ms", type=float, default=0.0,
+                   help="with --arrivals slot: the slot width (default: the window's median gap between distinct "
+                        "timestamps, 3000 for the shared trace)")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiplies input and output lengths")
     p.add_argument("--block-tokens", type=int, default=0,
                    help="tokens per hash-id block (default ceil(512 * --length-scale))")
@@ -964,7 +998,8 @@ def validate(args, parser) -> None:
               ("start_timeout", args.start_timeout > 0), ("stop_timeout", args.stop_timeout > 0),
               ("poll_s", 0.05 <= args.poll_s <= 60), ("slo_ttft_ms", args.slo_ttft_ms > 0),
               ("slo_tpot_ms", args.slo_tpot_ms > 0),
-              ("warmup_requests", 0 <= args.warmup_requests <= args.num_requests)]
+              ("warmup_requests", 0 <= args.warmup_requests <= args.num_requests),
+              ("arrival_slot_ms", 0 <= args.arrival_slot_ms <= 3_600_000)]
     for name, ok in bounds:
         if not ok:
             parser.error(f"--{name.replace('_', '-')} is out of range: {getattr(args, name)} (see --help)")
@@ -1004,6 +1039,15 @@ def main(argv: list[str] | None = None) -> int:
         window = load_trace(args.trace, args.window_start, args.num_requests)
     except (OSError, ValueError) as e:
         parser.error(str(e))
+    if args.arrivals == "burst":
+        args.arrival_slot_ms = 0.0
+    elif not args.arrival_slot_ms:
+        args.arrival_slot_ms = trace_slot_ms([r.timestamp_ms for r in window])
+        if args.arrival_slot_ms is None:
+            parser.error("--arrivals slot: every request of the window has the same timestamp, so its slot width "
+                         "is unknown; pass --arrival-slot-ms, or --arrivals burst")
+    print(f"arrivals: {args.arrivals}" + (f" (uniform within {args.arrival_slot_ms:g} ms slots)"
+                                          if args.arrival_slot_ms else ""), file=sys.stderr)
     started = datetime.datetime.now(datetime.timezone.utc)
     configs = asyncio.run(run_all(args, window))
     token_times = {c["name"]: {rate: s.pop("_token_times") for rate, s in c.get("rates", {}).items()
@@ -1021,7 +1065,9 @@ def main(argv: list[str] | None = None) -> int:
         "length_scale": args.length_scale,
         "notes": ("TTFT/E2E from each request's scheduled arrival; TPOT = (last - first token) / (tokens - 1); "
                   "ITL = gaps between streamed deltas; throughput and goodput over first arrival to last reply; "
-                  "lengths x length_scale, then clipped to the context (clipped_to_context); fresh block text "
+                  f"arrivals: {args.arrivals}"
+                  + (f" (uniform within {args.arrival_slot_ms:g} ms timestamp slots)" if args.arrival_slot_ms else "")
+                  + "; lengths x length_scale, then clipped to the context (clipped_to_context); fresh block text "
                   "per rate (salt), so rates do not share prefix cache; temperature 0"),
         "args": {k: v for k, v in vars(args).items() if k not in ("config_list", "common_flags", "replot")},
         "configs": configs,

@@ -81,6 +81,34 @@ def test_arrivals_are_compressed_by_the_rate(bench):
         bench.arrival_offsets(ts, 0)
 
 
+def test_slot_arrivals_spread_each_timestamp_over_its_slot_the_same_way_for_every_config(bench):
+    ts = [0] * 40 + [3000] * 40
+    spread = bench.arrival_offsets(ts, 2, slot_ms=3000, keys=range(80), salt="rate1")
+    first, second = np.array(spread[:40]), np.array(spread[40:])
+    # Each request stays inside its own slot, compressed by the rate (3 s slots at 2x: 1.5 s wide) ...
+    assert first.min() >= 0 and first.max() < 1.5 and second.min() >= 1.5 and second.max() < 3.0
+    # ... and is spread across it, not stacked at its start (40 uniform draws: the chance that all 40 fall in
+    # one half of a slot is 2 * 2**-40).
+    assert (first < 0.75).any() and (first >= 0.75).any() and len(set(spread)) == 80
+    # Deterministic per (salt, key): a second config replaying this rate gets the same arrivals; another
+    # rate's salt gets others; keys follow the request, not its position in the list.
+    assert bench.arrival_offsets(ts, 2, slot_ms=3000, keys=range(80), salt="rate1") == spread
+    assert bench.arrival_offsets(ts, 2, slot_ms=3000, keys=range(80), salt="rate2") != spread
+    assert bench.arrival_offsets(ts[1:2], 2, slot_ms=3000, keys=[1], salt="rate1") == [spread[1]]
+    assert bench.arrival_offsets(ts, 2) == [0.0] * 40 + [1.5] * 40      # burst: a slot's requests at one instant
+    with pytest.raises(ValueError, match="slot"):
+        bench.arrival_offsets(ts, 2, slot_ms=-1)
+
+
+def test_the_shared_trace_is_stamped_in_three_second_slots(bench):
+    if not bench.TRACE.exists():
+        pytest.skip(f"{bench.TRACE} is not here")
+    window = bench.load_trace(bench.TRACE, 0, 500)
+    assert bench.trace_slot_ms([r.timestamp_ms for r in window]) == pytest.approx(3000, abs=3)
+    assert bench.trace_slot_ms([5, 5, 5]) is None
+    assert bench.trace_slot_ms([0, 0, 100, 200, 400]) == 100
+
+
 def test_plan_orders_by_arrival_and_keeps_trace_indices(bench, tmp_path):
     trace = tmp_path / "t.jsonl"
     rows = [{"timestamp": t, "input_length": 600, "output_length": 20, "hash_ids": [0, i]}
@@ -94,6 +122,9 @@ def test_plan_orders_by_arrival_and_keeps_trace_indices(bench, tmp_path):
     assert [p.result.arrival_s for p in planned] == [0.0, 0.0, 0.4]
     with pytest.raises(ValueError, match="past its end"):
         bench.load_trace(trace, 2, 5)
+    spread, _ = bench.plan(window, shape, 2, "s", slot_ms=400)
+    arrivals = [p.result.arrival_s for p in spread]
+    assert arrivals == sorted(arrivals) and 0.4 <= dict(zip([p.result.index for p in spread], arrivals))[2] < 0.6
 
 
 def _result(bench, ttft, step, n, status="OK"):
@@ -180,3 +211,15 @@ def test_hab_is_compared_at_the_highest_rate_where_fcfs_holds_half(bench):
     report["configs"][1]["rates"] = {"1": rate(4, 1.0)}
     assert bench.compare_at_fcfs_capacity(report) is None           # fcfs never held half
     assert bench.compare_at_fcfs_capacity({"configs": report["configs"][:1]}) is None   # no fcfs run
+
+
+def test_slot_arrivals_need_a_slot_width_when_the_window_has_one_timestamp(bench, tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": 700, "input_length": 60, "output_length": 2,
+                                           "hash_ids": [i]}) for i in range(3)) + "\n")
+    with pytest.raises(SystemExit):
+        bench.main(["--trace", str(trace), "--num-requests", "3", "--out-prefix", "never_written"])
+    assert "--arrival-slot-ms" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--trace", str(trace), "--num-requests", "3", "--arrival-slot-ms", "-5"])
+    assert not (bench.RESULTS / "never_written.json").exists()
