@@ -142,6 +142,12 @@ class TuningConfig:
         return ring + q_o + table + 1024
 
 
+def default_config(head_dim: int) -> TuningConfig:
+    """`paged_attention`'s config when the caller gives none (num_splits is then picked from the grid).
+    The delta kernel keeps TuningConfig() at every head_dim."""
+    return TuningConfig()
+
+
 def default_num_splits(batch: int, num_kv_heads: int) -> int:
     """Split-K factor: enough CTAs to fill about two waves of the GPU's SMs."""
     ctas = batch * num_kv_heads
@@ -343,8 +349,9 @@ def paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *,
       page_sizes: [batch] int32, each sequence's page size, one of PAGE_SIZES.
       sm_scale: score scale, default 1/sqrt(head_dim).
       soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
-      config: TuningConfig; the default (block_kv=64, 2 stages, split from the grid size) was the
-        fastest swept config, or within 7% of it, at every measured H200 shape (KERNEL_NOTES.md).
+      config: TuningConfig; None gives `default_config(head_dim)`: block_kv=64, 2 stages, split from the
+        grid size (the fastest swept config, or within 7% of it, at every measured H200 shape,
+        KERNEL_NOTES.md).
       interpret: run the kernel in the Mosaic GPU interpreter on CPU (tests).
       return_score_stats: static; also return each query row's attention-score variance (below).
         Off (the default), the traced kernel is exactly the kernel without this feature.
@@ -360,7 +367,8 @@ def paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *,
       kernel's approximate tanh when a soft cap is set.
     """
     _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes)
-    config, scale, cap = kernel_static_args("paged_attention", q, k_pool.shape[0], sm_scale, soft_cap, config)
+    config, scale, cap = kernel_static_args("paged_attention", q, k_pool.shape[0], sm_scale, soft_cap,
+                                            config or default_config(q.shape[-1]))
     stats = bool(return_score_stats)
     if interpret:
         with mosaic_gpu_interpret():
