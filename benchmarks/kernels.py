@@ -15,9 +15,21 @@ Bandwidth counts the bytes a decode step must move: the K and V of every live to
 and the output. Before the sweep, small ragged cases (every page size, GQA 1/4/8, D 64/128, soft cap,
 split-K, NaN in free slots, zero-length rows) are checked against float64 numpy.
 
-Timing: 3 warm-up calls, then the best of `--rounds` medians, each over `--reps` samples of `--inner`
-back-to-back calls closed by block_until_ready (the inputs are far larger than L2, so no rotation is needed).
-Writes the full JSON (`--out`) and a PNG (bandwidth vs page size per context) next to it.
+Timing (`--timing`, default `host`, which the published figures used):
+  - host: 3 warm-up calls, then the best of `--rounds` medians, each over `--reps` samples of `--inner`
+    back-to-back calls of one jitted kernel, closed by block_until_ready. Each call is one host dispatch,
+    so a short kernel's figure includes what the host adds per call (a call with every length 0 took
+    45-62 us this way on the H200), which a model step of many layers in one executable does not pay.
+  - device: the kernel's device time. One executable chains `--chain` short/long (default 8 and 40)
+    calls, each call's q the previous call's output (a data dependency XLA cannot fold away); each chain
+    is timed as above with one call per sample, and the per-call time is the difference of the two
+    chains' times over the difference of their lengths, which cancels the one dispatch and the final
+    sync. `per_call_long` (the long chain's time / its length) is kept beside it as a check.
+  - both: each method; the table and plot use host's figures, the JSON has both under "timing".
+The inputs are far larger than L2 (268 MB of K/V at 1K context, D=128, against 50 MB), so no rotation
+is needed. A read ceiling (a large bf16 sum) and a copy ceiling are measured in the same run.
+Writes the full JSON (`--out`) and a PNG (bandwidth vs page size per context) next to it. `--configs`
+times given TuningConfigs instead of the sweep; `--head-dim 64` is llama-1b's decode shape.
 
 `--delta` times instead the delta-KV kernel (pallas_kernels/delta_attention.py) with fp16 and fp8
 deltas (a mean anchor, i.e. the folded path unless $STRATUM_DKVC_FOLD_MEAN_ANCHOR=0, and/or a 256-row
@@ -61,7 +73,8 @@ import numpy as np                             # noqa: E402
 
 from pallas_kernels.testing import float64_attention, random_paged_case   # noqa: E402
 from pallas_kernels.paged_attention import (   # noqa: E402
-    PAGE_SIZES, PREFILL_KERNEL_CONFIG, TuningConfig, paged_attention, paged_prefill_attention, prefill_block_tokens)
+    PAGE_SIZES, PREFILL_KERNEL_CONFIG, TuningConfig, default_config, paged_attention, paged_prefill_attention,
+    prefill_block_tokens)
 from pallas_kernels.delta_attention import (   # noqa: E402
     DELTA_DTYPES, default_fold_mean_anchor, delta_attention, delta_prefill_attention, delta_smem_bytes,
     rebuild_reference)
@@ -91,6 +104,59 @@ def bench(fn, args, *, reps, inner, rounds=3):
             samples.append((time.perf_counter() - t) / inner)
         medians.append(statistics.median(samples))
     return min(medians)
+
+
+@functools.lru_cache(maxsize=None)    # one executable per (kernel, length): retraced only for new shapes
+def chained(fn, calls: int):
+    """One jitted function making `calls` back-to-back calls of fn(x, *rest) -> y, each call's first
+    argument the previous call's output (y must have x's shape and dtype, as a decode kernel's output
+    [B, Hq, D] has its q's). The data dependency is real, so XLA can neither drop a call nor merge two,
+    and the calls run in order on the device inside one executable: one host dispatch for all of them."""
+    def run(x, *rest):
+        for _ in range(calls):
+            x = fn(x, *rest)
+        return x
+    return jax.jit(run)
+
+
+def device_time(fn, args, *, short, long, reps, rounds=3):
+    """Device seconds per call of fn(*args) (args[0] is chained, see `chained`), without host dispatch:
+    the time of one executable of `long` chained calls minus that of `short` chained calls, over
+    long - short. The difference cancels what both pay once (the dispatch of the executable, the wake-up
+    of block_until_ready), so what is left is the device time per call, launch gaps between kernels
+    included, as a model step of many layers sees it. Also returned: `per_call_long`, the long chain's
+    time / long (the slope's upper bound, a check on it). Each chain is timed with `bench` (inner 1)."""
+    t_short = bench(chained(fn, short), args, reps=reps, inner=1, rounds=rounds)
+    t_long = bench(chained(fn, long), args, reps=reps, inner=1, rounds=rounds)
+    return dict(seconds=(t_long - t_short) / (long - short), per_call_long=t_long / long,
+                short=short, long=long, t_short=t_short, t_long=t_long)
+
+
+def parse_configs(spec: str, head_dim: int) -> list[TuningConfig]:
+    """`--configs`: TuningConfigs separated by ';', each 'default' (what the kernel runs with no config at
+    this head_dim, `default_config`) or comma-separated field=value overrides of it, e.g.
+    'default;block_kv=128;num_stages=3,num_splits=2'."""
+    fields = [f.name for f in dataclasses.fields(TuningConfig)]
+    literals = {"True": True, "False": False, "None": None}
+    out = []
+    for item in spec.split(";"):
+        kw = {}
+        for pair in filter(None, item.strip().split(",")):
+            if pair == "default":
+                continue
+            name, _, value = pair.partition("=")
+            if name not in fields or not value:
+                raise SystemExit(f"--configs: {pair!r} is not field=value with a TuningConfig field "
+                                 f"({', '.join(fields)})")
+            if value in literals:
+                kw[name] = literals[value]
+                continue
+            try:
+                kw[name] = int(value)
+            except ValueError:
+                raise SystemExit(f"--configs: {pair!r}: the value must be an int, True, False or None") from None
+        out.append(dataclasses.replace(default_config(head_dim), **kw))
+    return out
 
 
 def copy_ceiling(nbytes, reps, rounds=3):
@@ -273,7 +339,15 @@ def main(argv=None):
     ap.add_argument("--triton-only", action="store_true", help="time only jax's Triton kernel")
     ap.add_argument("--short-sweep", action="store_true", help="the 4 configs that won the full sweep")
     ap.add_argument("--default-only", action="store_true",
-                    help="time only the default TuningConfig (what the engine runs), no sweep")
+                    help="time only default_config(head_dim) (what the engine runs), no sweep")
+    ap.add_argument("--configs", default=None,
+                    help="time these TuningConfigs instead of a sweep: ';'-separated, each 'default' or "
+                         "field=value overrides, e.g. 'default;block_kv=128;num_stages=3,num_splits=2'")
+    ap.add_argument("--timing", default="host", choices=["host", "device", "both"],
+                    help="host: one kernel per jitted call (the published figures); device: chains of kernel "
+                         "calls in one executable, dispatch cancelled (see the module docstring)")
+    ap.add_argument("--chain", default="8,40", help="with --timing device/both: the short and long chain lengths")
+    ap.add_argument("--no-xla", action="store_true", help="skip XLA dense attention")
     ap.add_argument("--check-configs", default="default", choices=["default", "all"])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in the Mosaic GPU interpreter (CPU)")
     ap.add_argument("--delta", action="store_true", help="the delta-KV kernel vs the paged kernel (see above)")
@@ -307,7 +381,8 @@ def main(argv=None):
     dev = jax.devices()[0]
     meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, platform=dev.platform,
                 jax=jax.__version__, batch=a.batch, q_heads=a.q_heads, kv_heads=a.kv_heads,
-                head_dim=a.head_dim, reps=a.reps, inner=a.inner, rounds=a.rounds, dry_run=a.dry_run)
+                head_dim=a.head_dim, reps=a.reps, inner=a.inner, rounds=a.rounds, dry_run=a.dry_run,
+                timing=a.timing, chain=a.chain)
     print(json.dumps(meta), flush=True)
     out_path = pathlib.Path(a.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -327,14 +402,31 @@ def main(argv=None):
 
     copy = copy_ceiling(64 << 20 if a.dry_run else 2 << 30, reps=a.reps, rounds=a.rounds)
     result["copy"] = copy
-    print(f"copy ceiling: {copy['tbps']:.3f} TB/s", flush=True)
+    read = result["read"] = read_ceiling(64 << 20 if a.dry_run else 4 << 30, reps=a.reps, rounds=a.rounds)
+    print(f"copy ceiling: {copy['tbps']:.3f} TB/s; read ceiling (bf16 sum): {read['tbps']:.3f} TB/s", flush=True)
     save()
+    timings = ("host", "device") if a.timing == "both" else (a.timing,)
+    chain_short, chain_long = (int(x) for x in a.chain.split(","))
+    if not 1 <= chain_short < chain_long:
+        raise SystemExit(f"--chain must be two lengths short < long, got {a.chain!r}")
+
+    def timed(fn, args):
+        """{timing: metrics} for fn(*args) by each --timing method (seconds per call)."""
+        out = {}
+        if "host" in timings:
+            out["host"] = dict(seconds=bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds))
+        if "device" in timings:
+            out["device"] = device_time(fn, args, short=chain_short, long=chain_long, reps=a.reps, rounds=a.rounds)
+        return out
 
     B, Hq, Hkv, D = a.batch, a.q_heads, a.kv_heads, a.head_dim
     scale = 1.0 / math.sqrt(D)
     triton = None if a.no_triton else make_triton(None)
     rng = np.random.default_rng(1)
     key = jax.random.key(0)
+    # One jit per config for the whole run: the page size is data, so every page layout of a context
+    # reuses one compiled kernel (and one pair of device-timing chains).
+    ours_jits = {}
     for ctx in contexts:
         table_width = ctx // 8          # the engine's table width: enough for the smallest page
         num_slots = B * ctx
@@ -346,7 +438,8 @@ def main(argv=None):
         kv_bytes = 2 * B * Hkv * ctx * D * 2
         io_bytes = kv_bytes + 2 * q.nbytes
         configs = [] if a.triton_only else (
-            [TuningConfig()] if a.default_only else sweep_configs(D, table_width, a.quick, a.short_sweep))
+            parse_configs(a.configs, D) if a.configs else
+            [default_config(D)] if a.default_only else sweep_configs(D, table_width, a.quick, a.short_sweep))
         xla_time = None
         for page in pages:
             sizes = [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(B)] if page == MIXED else [page] * B
@@ -359,24 +452,34 @@ def main(argv=None):
                                                   vd.astype(jnp.float32), lengths, scale=scale))
             rec = dict(context=ctx, page=page, kv_bytes=kv_bytes, io_bytes=io_bytes, ours=[], triton=[])
 
-            def metrics(t):
-                return dict(ms=t * 1e3, tbps=io_bytes / t / 1e12, pct_copy=100 * io_bytes / t / 1e12 / copy["tbps"])
+            def metrics(times):
+                """The first --timing method's figures at top level (what the table and plot read), every
+                method's under "timing"."""
+                for rec_t in times.values():
+                    t = rec_t["seconds"]
+                    rec_t.update(ms=t * 1e3, tbps=io_bytes / t / 1e12, pct_copy=100 * io_bytes / t / 1e12 / copy["tbps"],
+                                 pct_read=100 * io_bytes / t / 1e12 / read["tbps"])
+                first = times[timings[0]]
+                return dict(timing=times, **{k: first[k] for k in ("ms", "tbps", "pct_copy", "pct_read")})
 
             for cfg in configs:
                 r = dict(config=dataclasses.asdict(cfg))
                 try:
-                    fn = jax.jit(functools.partial(paged_attention, config=cfg, interpret=interpret))
+                    if cfg not in ours_jits:
+                        ours_jits[cfg] = jax.jit(functools.partial(paged_attention, config=cfg, interpret=interpret))
+                    fn = ours_jits[cfg]
                     args = (q, k_pool, v_pool, lengths, starts, psz)
                     got = np.asarray(fn(*args).astype(jnp.float32))
                     r["max_abs_err"] = float(np.abs(got - ref).max())
-                    r.update(metrics(bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds)))
+                    r.update(metrics(timed(fn, args)))
                 except Exception as e:  # noqa: BLE001
                     r["error"] = f"{type(e).__name__}: {str(e)[:400]}"
                     if "--verbose" in sys.argv:
                         traceback.print_exc()
                 rec["ours"].append(r)
-                print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} {cfg}: " + (f"{r['ms']:.3f} ms {r['tbps']:.2f} TB/s err {r['max_abs_err']:.2g}"
-                                                          if "ms" in r else r["error"][:200]), flush=True)
+                print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} {cfg}: " + (
+                    " ".join(f"{k} {v['ms']:.4f} ms {v['pct_read']:.1f}% of read" for k, v in r["timing"].items())
+                    + f" err {r['max_abs_err']:.2g}" if "ms" in r else r["error"][:200]), flush=True)
             if triton is not None and page != MIXED:
                 pps = ctx // page
                 kp = k_pool.reshape(Hkv, num_slots // page, page, D)
@@ -390,17 +493,17 @@ def main(argv=None):
                         args = (q_scaled, kp, vp, bt, lengths)
                         got = np.asarray(fn(*args).astype(jnp.float32))
                         r["max_abs_err"] = float(np.abs(got - ref).max())
-                        r.update(metrics(bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds)))
+                        r.update(metrics(timed(fn, args)))
                     except Exception as e:  # noqa: BLE001
                         r["error"] = f"{type(e).__name__}: {str(e)[:400]}"
                     rec["triton"].append(r)
                     print(f"  ctx={ctx} page={page} triton {tc}: " + (f"{r['ms']:.3f} ms {r['tbps']:.2f} TB/s err {r['max_abs_err']:.2g}"
                                                                      if "ms" in r else r["error"][:200]), flush=True)
-            if xla_time is None and not interpret and not a.triton_only:
+            if xla_time is None and not interpret and not a.triton_only and not a.no_xla:
                 fn = functools.partial(xla_decode_attention, scale=scale)
                 r = dict(max_abs_err=float(np.abs(np.asarray(fn(q, kd, vd, lengths).astype(jnp.float32)) - ref).max()))
-                xla_time = bench(fn, (q, kd, vd, lengths), reps=a.reps, inner=a.inner, rounds=a.rounds)
-                xla_rec = dict(r, **metrics(xla_time))
+                xla_rec = dict(r, **metrics(timed(fn, (q, kd, vd, lengths))))
+                xla_time = xla_rec["ms"]
             rec["xla_dense"] = xla_rec if xla_time is not None else None
             ok = [r for r in rec["ours"] if "ms" in r and r["max_abs_err"] <= 2e-2]
             rec["best"] = min(ok, key=lambda r: r["ms"]) if ok else None
@@ -429,6 +532,14 @@ def main(argv=None):
               f"{(t['ms'] if t else float('nan')):8.3f} {(t['ms'] / b['ms'] if t else float('nan')):5.2f} | "
               f"{(x['ms'] if x else float('nan')):7.3f} {(x['ms'] / b['ms'] if x else float('nan')):5.2f} | "
               f"T={cfg['block_kv']} st={cfg['num_stages']} sp={cfg['num_splits']}")
+    print(f"\nevery config, ms and % of the read ceiling ({read['tbps']:.2f} TB/s) per timing method "
+          f"(device: chains of {chain_short} and {chain_long} calls)")
+    for rec in result["shapes"]:
+        for r in rec["ours"]:
+            cfg = r["config"]
+            cells = " | ".join(f"{k} {v['ms']:7.4f} {v['pct_read']:5.1f}%" for k, v in r.get("timing", {}).items())
+            print(f"{rec['context']:>6} {rec['page']:>6} | T={cfg['block_kv']} st={cfg['num_stages']} "
+                  f"sp={cfg['num_splits']} | {cells or r.get('error', '')[:100]}")
     save()
     plot(result, out_path.with_suffix(".png"))
     print(f"wrote {out_path} and {out_path.with_suffix('.png')}")

@@ -76,7 +76,8 @@ length 0 produce zeros.
 share an SM, so one CTA's softmax overlaps the other's loads; on the H200 it beat 3-4-stage
 single-CTA pipelines by 5-30%. Measured 2026-11-29 (B=64, Hq=32, Hkv=8, D=128, every page size):
 4.1-4.2 TB/s at 16K context, 3.5-3.8 TB/s at 4K, 2.9-3.1 TB/s at 1K, against a 4.14 TB/s
-device copy. Details and the sweep: benchmarks/KERNEL_NOTES.md.
+device copy. Details and the sweep: benchmarks/KERNEL_NOTES.md. At head_dim 64 the same reasoning picks
+128-token tiles (`default_config`: 64-token ones fit 3 CTAs an SM, two uneven waves at B=64).
 """
 
 from __future__ import annotations
@@ -140,6 +141,24 @@ class TuningConfig:
         q_o = _Q_ROWS * head_dim * (2 + out_itemsize) + _Q_ROWS * 4
         table = 4 * _table_window(max_pages, self.num_splits or 1, self.block_kv)
         return ring + q_o + table + 1024
+
+
+def default_config(head_dim: int) -> TuningConfig:
+    """`paged_attention`'s config when the caller gives none (num_splits is then picked from the grid):
+    128-token tiles at head_dim 64, 64-token tiles otherwise.
+
+    Why 128 at D=64: one CTA per (sequence, kv head), all with the same work (512 CTAs at B=64, Hkv=8).
+    With 64-token tiles a D=64 CTA uses 146 registers a thread (ptxas) and ~50 KB of SMEM, so 3 fit an SM
+    (inferred, not read back): 396 CTAs run in a first wave and 116 in a second, where most SMs hold one
+    CTA and too few bytes are in flight to stream at full rate. With 128-token tiles (230 registers) 2
+    fit: two even waves of 264, and twice the bytes per copy round. Device time on the H200 (B=64, Hq=32,
+    Hkv=8, `benchmarks/kernels.py --timing device`, results/kernels_d64_configs_h200_2026-12-01.json):
+    1K 0.047-0.057 ms vs 0.054-0.062 (55-68% vs 51-58% of the read ceiling), 4K 0.144-0.176 vs
+    0.175-0.206 ms (71-87% vs 61-72%); 16K not yet measured. At D=128, 128-token tiles leave room for
+    one CTA an SM, and 64-token tiles stream at 72-89% / 80-84% (two runs) of the read ceiling at 1K
+    and 92-105% at 4K and 16K (results/kernels_timing_d128_h200_2026-12-01.json, ..._1k_recheck_...).
+    The delta kernel keeps TuningConfig() at every head_dim (its 128-token tiles at D=64 are unmeasured)."""
+    return TuningConfig(block_kv=128) if head_dim == 64 else TuningConfig()
 
 
 def default_num_splits(batch: int, num_kv_heads: int) -> int:
@@ -343,8 +362,9 @@ def paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *,
       page_sizes: [batch] int32, each sequence's page size, one of PAGE_SIZES.
       sm_scale: score scale, default 1/sqrt(head_dim).
       soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
-      config: TuningConfig; the default (block_kv=64, 2 stages, split from the grid size) was the
-        fastest swept config, or within 7% of it, at every measured H200 shape (KERNEL_NOTES.md).
+      config: TuningConfig; None gives `default_config(head_dim)`: at head_dim 128 block_kv=64, 2 stages,
+        split from the grid size (the fastest swept config, or within 7% of it, at every measured H200
+        shape, KERNEL_NOTES.md); at head_dim 64 the same with block_kv=128.
       interpret: run the kernel in the Mosaic GPU interpreter on CPU (tests).
       return_score_stats: static; also return each query row's attention-score variance (below).
         Off (the default), the traced kernel is exactly the kernel without this feature.
@@ -360,7 +380,8 @@ def paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *,
       kernel's approximate tanh when a soft cap is set.
     """
     _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes)
-    config, scale, cap = kernel_static_args("paged_attention", q, k_pool.shape[0], sm_scale, soft_cap, config)
+    config, scale, cap = kernel_static_args("paged_attention", q, k_pool.shape[0], sm_scale, soft_cap,
+                                            config or default_config(q.shape[-1]))
     stats = bool(return_score_stats)
     if interpret:
         with mosaic_gpu_interpret():
@@ -387,6 +408,8 @@ def kernel_static_args(name, q, num_kv_heads, sm_scale, soft_cap, config):
         raise ValueError(f"{name}: soft_cap must be > 0, got {soft_cap}")
     if sm_scale is not None and not sm_scale > 0:
         raise ValueError(f"{name}: sm_scale must be > 0, got {sm_scale}")
+    # The delta kernel's default stays 64-token tiles at every head_dim: `default_config`'s 128-token
+    # tiles at D=64 were measured for the bf16 pages only.
     config = config or TuningConfig()
     if config.num_splits is None:
         config = dataclasses.replace(config, num_splits=default_num_splits(q.shape[0], num_kv_heads))

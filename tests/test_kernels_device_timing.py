@@ -1,0 +1,60 @@
+"""benchmarks/kernels.py --timing device: the chained calls really run (none folded or merged), the
+per-call device time is the slope between two chain lengths, and --configs parses into TuningConfigs."""
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import TuningConfig, default_config
+
+# Loaded from its file: putting benchmarks/ on sys.path would shadow the `serving` package with
+# benchmarks/serving.py for every test after this one.
+_spec = importlib.util.spec_from_file_location(
+    "bench_kernels_timing", Path(__file__).resolve().parent.parent / "benchmarks" / "kernels.py")
+kernels = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kernels)
+
+
+def _layer(x, w):
+    """A stand-in for a decode kernel: x [4, 8] -> [4, 8], same shape and dtype as its first input."""
+    return jnp.tanh(x @ w)
+
+
+def test_chain_runs_every_call_in_order_in_one_executable():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((8, 8)) / 3, jnp.float32)
+    want = x
+    for _ in range(5):
+        want = _layer(want, w)
+    run = kernels.chained(_layer, 5)
+    np.testing.assert_allclose(np.asarray(run(x, w)), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # Five dots survive XLA's optimisation: no call was dropped or merged into another.
+    hlo = run.lower(x, w).compile().as_text()
+    assert hlo.count(" dot(") == 5, hlo
+
+
+def test_device_time_is_the_slope_between_chain_lengths(monkeypatch):
+    # A fake clock: an executable of n chained calls takes 70 us of dispatch and sync plus 30 us per call.
+    monkeypatch.setattr(kernels, "chained", lambda fn, calls: calls)
+    monkeypatch.setattr(kernels, "bench", lambda n, args, **kw: 70e-6 + 30e-6 * n)
+    got = kernels.device_time(None, (), short=8, long=40, reps=1, rounds=1)
+    assert got["seconds"] == pytest.approx(30e-6)
+    assert got["per_call_long"] == pytest.approx((70e-6 + 40 * 30e-6) / 40)
+
+
+def test_configs_parse_into_tuning_configs():
+    got = kernels.parse_configs("default;block_kv=128;num_stages=3,num_splits=2,no_auto_barriers=False", 128)
+    assert got == [TuningConfig(), TuningConfig(block_kv=128),
+                   TuningConfig(num_stages=3, num_splits=2, no_auto_barriers=False)]
+    # Overrides apply to the head dim's default.
+    assert kernels.parse_configs("default;num_stages=3", 64) == [default_config(64),
+                                                                 dataclasses.replace(default_config(64), num_stages=3)]
+    with pytest.raises(SystemExit, match="stages=3"):
+        kernels.parse_configs("stages=3", 128)
+    with pytest.raises(SystemExit, match="must be an int"):
+        kernels.parse_configs("block_kv=big", 128)
