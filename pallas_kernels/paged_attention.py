@@ -151,13 +151,11 @@ def default_config(head_dim: int) -> TuningConfig:
     With 64-token tiles a D=64 CTA uses 146 registers a thread (ptxas) and ~50 KB of SMEM, so 3 fit an SM
     (inferred, not read back): 396 CTAs run in a first wave and 116 in a second, where most SMs hold one
     CTA and too few bytes are in flight to stream at full rate. With 128-token tiles (230 registers) 2
-    fit: two even waves of 264, and twice the bytes per copy round. Device time on the H200 (B=64, Hq=32,
-    Hkv=8, `benchmarks/kernels.py --timing device`, results/kernels_d64_configs_h200_2026-12-01.json):
-    1K 0.047-0.057 ms vs 0.054-0.062 (55-68% vs 51-58% of the read ceiling), 4K 0.144-0.176 vs
-    0.175-0.206 ms (71-87% vs 61-72%); 16K not yet measured. At D=128, 128-token tiles leave room for
-    one CTA an SM, and 64-token tiles stream at 72-89% / 80-84% (two runs) of the read ceiling at 1K
-    and 92-105% at 4K and 16K (results/kernels_timing_d128_h200_2026-12-01.json, ..._1k_recheck_...).
-    The delta kernel keeps TuningConfig() at every head_dim (its 128-token tiles at D=64 are unmeasured)."""
+    fit: two even waves of 264, and twice the bytes per copy round. On the H200 that streamed faster at
+    1K, 4K and 16K context, every page size (device time; BENCHMARKS.md, "Paged decode attention kernel").
+    At D=128, 128-token tiles leave room for one CTA an SM, and 64-token tiles stream at 80-105% of the
+    read ceiling from 1K up. The delta kernel keeps TuningConfig() at every head_dim (its 128-token tiles
+    at D=64 are unmeasured)."""
     return TuningConfig(block_kv=128) if head_dim == 64 else TuningConfig()
 
 
