@@ -3,7 +3,18 @@ import jax
 import pytest
 
 
+# The slowest test files on the 2-core CI machine (their summed durations, slowest first). CI runs 2 xdist
+# workers with --dist loadfile, which hands out whole files in collection order: alphabetical order left
+# the slowest files (test_tensor_parallel.py: ~2 min of set-up, test_serving*.py) for the end, where one worker
+# ran them while the other sat idle. Handing the long ones out first shortens that tail.
+SLOWEST_FILES_FIRST = ("test_host_tier.py", "test_tensor_parallel.py", "test_paged_attention.py", "test_engine.py",
+                       "test_engine_kernel.py", "test_engine_dmlp.py", "test_serving.py", "test_delta_attention.py",
+                       "test_dmlp_trainer.py", "test_hf_parity.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))      # stable: file order kept otherwise
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (jax.default_backend() is not 'gpu')")
