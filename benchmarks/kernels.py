@@ -361,6 +361,12 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_h200.json, "
                                                 "or delta_kernels_h200.json with --delta)")
     a = ap.parse_args(argv)
+    try:
+        chain_short, chain_long = (int(x) for x in a.chain.split(","))
+    except ValueError:
+        chain_short = chain_long = 0
+    if not 1 <= chain_short < chain_long:
+        ap.error(f"--chain must be two lengths short,long with 1 <= short < long (e.g. 8,40), got {a.chain!r}")
     if a.out is None:
         name = ("delta_prefill_kernels_h200.json" if a.delta_prefill else
                 "delta_kernels_h200.json" if a.delta else "kernels_h200.json")
@@ -406,9 +412,6 @@ def main(argv=None):
     print(f"copy ceiling: {copy['tbps']:.3f} TB/s; read ceiling (bf16 sum): {read['tbps']:.3f} TB/s", flush=True)
     save()
     timings = ("host", "device") if a.timing == "both" else (a.timing,)
-    chain_short, chain_long = (int(x) for x in a.chain.split(","))
-    if not 1 <= chain_short < chain_long:
-        raise SystemExit(f"--chain must be two lengths short < long, got {a.chain!r}")
 
     def timed(fn, args):
         """{timing: metrics} for fn(*args) by each --timing method (seconds per call)."""
