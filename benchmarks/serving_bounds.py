@@ -85,11 +85,15 @@ def ideal_ttft_s(arrivals_s, new_tokens, prefill_tok_s: float) -> np.ndarray:
 
 
 def rows_of(rate_result: dict) -> list[dict]:
+    """One rate's per-request rows (serving.py stores them columnar) as dicts keyed by field name."""
     table = rate_result["per_request"]
     return [dict(zip(table["fields"], row)) for row in table["rows"]]
 
 
 def analyse(result: dict, model: str, prefill_tok_s: float, read_tb_s: float) -> list[dict]:
+    """A serving.py result -> one dict per (config, rate) that has per-request rows: the prefill-share bound
+    per KV precision, the ideal server's TTFT p50/p95, and the measured TTFT and prefill rate beside them.
+    Requests that got no reply are left out (said on stderr)."""
     out = []
     for config in result["configs"]:
         for rate, r in config.get("rates", {}).items():
@@ -144,7 +148,7 @@ def main(argv=None) -> int:
         try:
             result = json.loads(path.read_text())
             rows = analyse(result, a.model, a.prefill_tok_s, a.read_tb_s)
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             ap.error(f"{path}: not a benchmarks/serving.py result ({type(e).__name__}: {e})")
         report["files"][path.name] = {"arrivals": result.get("notes", ""), "rows": rows}
         for r in rows:
