@@ -1,22 +1,15 @@
 """benchmarks/kernels.py --timing device: the chained calls really run (none folded or merged), the
 per-call device time is the slope between two chain lengths, and --configs parses into TuningConfigs."""
 import dataclasses
-import importlib.util
-from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmark_module import load_benchmark
 from pallas_kernels.paged_attention import TuningConfig, default_config
 
-# Loaded from its file: putting benchmarks/ on sys.path would shadow the `serving` package with
-# benchmarks/serving.py for every test after this one.
-_spec = importlib.util.spec_from_file_location(
-    "bench_kernels_timing", Path(__file__).resolve().parent.parent / "benchmarks" / "kernels.py")
-kernels = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kernels)
+kernels = load_benchmark("kernels.py", "bench_kernels_timing")
 
 
 def _layer(x, w):

@@ -2,26 +2,19 @@
 
 No server is started here (the benchmark's own smoke run does that; it is too slow for CI).
 """
-import importlib.util
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from benchmark_module import forget, load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    # Loaded from its path under another name: "serving" is also the gRPC package's name.
-    spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "benchmarks" / "serving.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["serving_bench"] = module      # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("serving_bench", None)
+    # Under another name: "serving" is also the gRPC package's name.
+    yield load_benchmark("serving.py", "serving_bench")
+    forget("serving_bench")
 
 
 def test_the_serving_package_still_imports_after_loading_the_benchmark(bench):

@@ -1,23 +1,16 @@
 """benchmarks/serving_bounds.py: the saturation prefill-share bound and the ideal-server TTFT, on hand cases."""
-import importlib.util
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from benchmark_module import forget, load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bounds():
-    spec = importlib.util.spec_from_file_location("serving_bounds", ROOT / "benchmarks" / "serving_bounds.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["serving_bounds"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("serving_bounds", None)
+    yield load_benchmark("serving_bounds.py", "serving_bounds")
+    forget("serving_bounds")
 
 
 def test_kv_bytes_per_token_count_k_and_v_of_every_layer(bounds):

@@ -24,8 +24,9 @@ Shapes: cache = per layer (k_pool, v_pool), each [kv_heads, num_slots, head_dim]
 is slot-major, [page_size, layers, 2, kv_heads, head_dim], one contiguous block (the slot axis in the
 middle made the host side a strided copy of head_dim-sized pieces, which dominated the copy time on the
 H200). A copy batch is padded to one of COPY_BATCH_SLOTS, so a fixed set of shapes compiles; padded
-gather slots read slot 0 and are discarded, padded scatter slots point past the pool and are dropped. A DKVC cache (stratum_jax/kv/delta_cache.py) moves its deltas and scales as rows of bytes
-(`_gather_deltas`): half a bf16 page's bytes for fp8, plus 1/(4 * head_dim) for the scales.
+gather slots read slot 0 and are discarded, padded scatter slots point past the pool and are dropped.
+A DKVC cache (stratum_jax/kv/delta_cache.py) moves its deltas and scales as rows of bytes (`_gather_deltas`):
+half a bf16 page's bytes for fp8, plus 1/(4 * head_dim) for the scales.
 """
 from __future__ import annotations
 
