@@ -43,11 +43,14 @@ from stratum_jax.distributed import init_distributed
 from stratum_jax.engine import Engine
 from stratum_jax.kv.precision import kv_bytes_per_slot
 from stratum_jax.model.loader import load_model
+from stratum_jax.bandwidth import measure_matmul_tflops, measure_read_bandwidth_gbps
 from stratum_jax.request import SamplingParams
+from stratum_jax.step_work import DevicePeaks
 from stratum_jax.tensor_parallel import make_tensor_parallel
 from tp_profile_split import WINDOW_FILE  # noqa: E402  (benchmarks/, this script's directory)
 
 WINDOW_ANNOTATION = "e2e_decode_call"   # the TraceAnnotation around each profiled decode call
+HLO_FILE = "decode_step.hlo.txt"        # the greedy decode executable's optimized HLO, beside the trace
 
 # Options for tensor-parallel decode at small batches, where each layer's two all-reduces move one
 # [rows, hidden] activation and cost latency, not bandwidth. Each is (XLA flags, environment); all exist
@@ -90,14 +93,18 @@ def apply_collective_variant(name: str, environ=os.environ) -> dict:
 def profile_decode_calls(engine, prompts, sp, args) -> None:
     """Traces --profile-calls full-batch decode calls into --profile-dir, each in a WINDOW_ANNOTATION
     TraceAnnotation, and writes WINDOW_FILE there: the annotation's name and each traced call's kind,
-    decode steps and wall seconds (what tp_profile_split.py needs to count per decode step)."""
+    decode steps, wall seconds and the running rows' mean context before it (what tp_profile_split.py and
+    profile_decode.py need to count per decode step), and HLO_FILE, the decode program's optimized HLO."""
     for p in prompts:
         engine.add_request([3] + p[1:], sp)
-    # Past every prefill and mixed step of these requests (at least one step: last_step may still be the
-    # timed pass's final decode call), so the traced calls are decode calls of the whole batch.
+    # Past every prefill and mixed step of these requests, so the traced calls are decode calls of the whole
+    # batch. The first step() only dispatches (with async scheduling nothing is read yet, and last_step is
+    # still the timed pass's final decode call): look at last_step only from the second on.
     engine.step()
-    while engine.has_unfinished() and not (engine.last_step.kind == "decode" and engine.last_step.num_seqs == args.batch):
+    while engine.has_unfinished():
         engine.step()
+        if engine.last_step.kind == "decode" and engine.last_step.num_seqs == args.batch:
+            break
     # With async scheduling a step is read in the next call: drain it, and read each traced step inside
     # its own annotation, so a window holds exactly one step's dispatch, device work and read.
     engine.drain()
@@ -106,13 +113,17 @@ def profile_decode_calls(engine, prompts, sp, args) -> None:
         for _ in range(args.profile_calls):
             if not engine.has_unfinished():
                 break
+            contexts = engine.running_contexts()
             with jax.profiler.TraceAnnotation(WINDOW_ANNOTATION):
                 engine.step()
                 engine.drain()
             t = engine.last_step
-            calls.append({"kind": t.kind, "steps": t.num_tokens // max(t.num_seqs, 1), "seconds": t.seconds})
+            calls.append({"kind": t.kind, "steps": t.num_tokens // max(t.num_seqs, 1), "seconds": t.seconds,
+                          "mean_context": statistics.fmean(contexts) if contexts else 0.0})
     pathlib.Path(args.profile_dir, WINDOW_FILE).write_text(
         json.dumps({"annotation": WINDOW_ANNOTATION, "calls": calls}, indent=2))
+    # The compiled decode program, whose op metadata names the model part of each kernel (profile_decode.py).
+    pathlib.Path(args.profile_dir, HLO_FILE).write_text(engine.runner.compiled_text(engine.kv_cache))
     while engine.has_unfinished():
         engine.step()
 
@@ -179,6 +190,7 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16") 
             if engine.last_step is not None:
                 timings.append(engine.last_step)
     wall = time.perf_counter() - t_all
+    stats = engine.stats()       # counted work over device time of the latest steps: the timed decode calls
     if args.profile_dir:      # after the timed pass: compiled and warm
         profile_decode_calls(engine, prompts, sp, args)
     decode = [t for t in timings if t.kind == "decode"]
@@ -218,11 +230,17 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16") 
         "kv_bytes_per_token_per_device": kv_per_token_device, "roofline_step_ms": roofline_ms,
         "roofline_tokens_per_s": args.batch / (roofline_ms / 1e3),
         "fraction_of_roofline": roofline_ms / step_ms if step_ms == step_ms else None,
+        # stratum_hbm_bandwidth_utilization / stratum_gpu_compute_utilization as the server computes them:
+        # counted bytes and FLOPs per device second of recent steps (step_work.py) over peaks measured here.
+        "read_tbps": args.peaks.read_bytes_per_s / 1e12, "matmul_tflops": args.peaks.matmul_flops_per_s / 1e12,
+        "hbm_bandwidth_utilization": stats.step_bytes_per_s / args.peaks.read_bytes_per_s,
+        "gpu_compute_utilization": stats.step_flops_per_s / args.peaks.matmul_flops_per_s,
     }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser(description: str = __doc__.splitlines()[0]) -> argparse.ArgumentParser:
+    """This script's flags (benchmarks/profile_decode.py takes the same and adds its own)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -250,16 +268,28 @@ def main(argv=None) -> int:
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--profile-dir", default=None, help="trace --profile-calls decode calls here (perfetto)")
     ap.add_argument("--profile-calls", type=int, default=5)
-    args = ap.parse_args(argv)
-    args.variant = apply_collective_variant(args.collective_variant)     # before jax starts its backend
+    return ap
 
+
+def load(args):
+    """The model of args (validated flags, jax.distributed started when asked) and the copy bandwidth
+    measured now: (model, bytes per second)."""
+    args.variant = apply_collective_variant(args.collective_variant)     # before jax starts its backend
     flags = RuntimeConfig(model=args.model, tensor_parallel=args.tensor_parallel, tp_embedding=args.tp_embedding,
                           scheduler=args.scheduler, coordinator=args.coordinator,
                           num_processes=args.num_processes, process_id=args.process_id)   # validates them
     init_distributed(flags)
     tp = make_tensor_parallel(args.tensor_parallel, embedding=args.tp_embedding)
     model = load_model(args.model, seed=0, tp=tp, dtype=args.dtype)
-    bw = measure_copy_bandwidth(int(args.copy_gb * (1 << 30)))
+    # The peaks the utilization figures are taken against (the server's start-up measures the same).
+    args.peaks = DevicePeaks(measure_read_bandwidth_gbps() * 1e9 * args.tensor_parallel,
+                             measure_matmul_tflops() * 1e12 * args.tensor_parallel)
+    return model, measure_copy_bandwidth(int(args.copy_gb * (1 << 30)))
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    model, bw = load(args)
     suffix = f"_tp{args.tensor_parallel}" if args.tensor_parallel > 1 else ""
     out = pathlib.Path(args.out or f"benchmarks/results/e2e_decode_{args.model}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -276,11 +306,12 @@ def main(argv=None) -> int:
             if jax.process_index() == 0:       # every process ran the same steps; one writes them (each run)
                 out.write_text(json.dumps(runs + failed, indent=2))
     print(f"{'model':10} {'tp':>3} {'batch':>5} {'attn':>9} {'kv':>10} {'tok/s':>10} {'step ms':>8} {'roof ms':>8} {'of roof':>7} "
-          f"{'prefill tok/s':>13}")
+          f"{'prefill tok/s':>13} {'HBM util':>8} {'MMA util':>8}")
     for r in runs:
         print(f"{r['model']:10} {r['tensor_parallel']:3d} {r['batch']:5d} {r['attention']:>9} {r['kv_precision']:>10} {r['decode_tokens_per_s']:10.0f} "
               f"{r['decode_step_ms_median']:8.2f} {r['roofline_step_ms']:8.2f} {r['fraction_of_roofline'] or 0:7.1%} "
-              f"{r['prefill_tokens'] / max(r['prefill_seconds'], 1e-9):13.0f}")
+              f"{r['prefill_tokens'] / max(r['prefill_seconds'], 1e-9):13.0f} {r['hbm_bandwidth_utilization']:8.1%} "
+              f"{r['gpu_compute_utilization']:8.1%}")
     base = {r["attention"]: r["decode_tokens_per_s"] for r in runs if r["kv_precision"] == "bf16"}
     for r in runs:
         if r["kv_precision"] != "bf16" and r["attention"] in base:

@@ -34,9 +34,12 @@ import numpy as np                             # noqa: E402
 from stratum_jax import decode as D            # noqa: E402
 from stratum_jax.attention import RowTables    # noqa: E402
 from stratum_jax.model import llama            # noqa: E402
+from stratum_jax.model.fused import fuse_projections  # noqa: E402
 from stratum_jax.model.loader import load_model  # noqa: E402
 from stratum_jax.sampling import SamplingArrays  # noqa: E402
 from stratum_jax.step_shapes import MAX_PREFILL_TILE  # noqa: E402
+from device_trace import by_kind_us, kernels, load_events, newest_trace  # noqa: E402  (beside this script)
+from device_trace import top_kernels as top_kernels_of  # noqa: E402
 
 PAGE = 256
 
@@ -75,46 +78,23 @@ def packed_batch(geo, decode_ctx, chunks, chunk, prefill_ctx, starts, sizes, num
                          RowTables(jnp.asarray(ctx), jnp.asarray(starts), jnp.asarray(sizes)), jnp.asarray(si))
 
 
-# Kernel-name classes of a step's device time (the first pattern that matches names the class).
-KERNEL_CLASSES = (("attention (Pallas)", ("mosaic",)),
-                  ("GEMM", ("nvjet", "gemm", "cutlass", "cublas", "dot")),
-                  ("KV write (scatter)", ("scatter",)),
-                  ("weight copy (concatenate)", ("wrapped_concatenate",)),
-                  ("sampling / reductions", ("reduce", "argmax", "sort", "topk")))
-
-
-def kernel_class(name: str) -> str:
-    low = name.lower()
-    return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other fusions")
-
-
 def top_kernels(trace_dir, call, top=30):
     """Trace one call with jax.profiler (perfetto JSON); print and return the device time summed per
-    kernel name and per class (KERNEL_CLASSES): {"busy_ms", "by_class_ms", "top_ms"}."""
-    import gzip
+    kernel name and per kind (device_trace.py KINDS): {"busy_ms", "by_class_ms", "top_ms"}."""
     trace_dir.mkdir(parents=True, exist_ok=True)
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         call(); jax.block_until_ready(jax.numpy.zeros(1))
         jax.effects_barrier()
-    path = max(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    events = json.loads(gzip.open(path).read())["traceEvents"]
-    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and "GPU" in str(e.get("args", {}).get("name", "")).upper()}
-    total = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
-            total[e["name"]] = total.get(e["name"], 0.0) + e.get("dur", 0.0)
-    busy = sum(total.values())
-    by_class = {}
-    for name, us in total.items():
-        by_class[kernel_class(name)] = by_class.get(kernel_class(name), 0.0) + us
-    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:top]
+    ks = kernels(load_events(newest_trace(trace_dir)), "GPU")
+    busy = sum(k.us for k in ks)
+    by_class = {kind: us for kind, us in by_kind_us(ks).items() if us > 0}
+    ranked = top_kernels_of(ks, top)
     print(f"  device busy {busy / 1e3:.3f} ms; by class: "
           + ", ".join(f"{c} {us / 1e3:.3f}" for c, us in sorted(by_class.items(), key=lambda kv: -kv[1])))
-    for name, us in ranked[:12]:
-        print(f"    {us / 1e3:7.3f} ms  {name[:90]}")
+    for t in ranked[:12]:
+        print(f"    {t['us'] / 1e3:7.3f} ms  {t['name'][:90]}")
     return {"busy_ms": round(busy / 1e3, 4), "by_class_ms": {c: round(us / 1e3, 4) for c, us in by_class.items()},
-            "top_ms": {name: round(us / 1e3, 4) for name, us in ranked}}
+            "top_ms": {t["name"]: round(t["us"] / 1e3, 4) for t in ranked}}
 
 
 def main(argv=None):
@@ -132,9 +112,13 @@ def main(argv=None):
                     help="calls dispatched back to back per timing sample (1: one call at a time)")
     ap.add_argument("--profile", default="", help="also trace each case once with jax.profiler into this directory "
                                                   "and print its top device kernels")
+    ap.add_argument("--layout", default="fused", choices=["fused", "hf"],
+                    help="weights as the engine runs them (q/k/v and gate/up fused, model/fused.py) or HF's")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     m = load_model(args.model, dtype="bfloat16" if args.model != "tiny" else None, seed=0)
+    if args.layout == "fused":
+        fuse_projections(m)
     cfg = m.config
     backend = args.attention
     if backend == "auto":

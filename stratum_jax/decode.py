@@ -236,8 +236,8 @@ def packed_step(params, kv_cache, batch: PackedBatch, feed: TokenFeed | None = N
         batch = dataclasses.replace(
             batch, token_ids=batch.token_ids.at[:geo.rows].set(feed.apply(batch.token_ids[:geo.rows])))
     hidden, attn_var, kv_cache = _forward(params, kv_cache, batch, cfg=cfg, geo=geo)
+    logits = shard_vocab(llama.compute_logits(params, cfg, hidden[batch.sample_index]), geo.tp)
     with jax.named_scope("sampling"):
-        logits = shard_vocab(llama.compute_logits(params, cfg, hidden[batch.sample_index]), geo.tp)
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return replicate(StepResult(tokens, logits, hidden[geo.rows:], attn_var), geo.tp), kv_cache
 
@@ -296,7 +296,8 @@ def decode_steps(params, kv_cache, last_tokens, positions, steps_allowed, tables
         hidden, attn_var, kv = _forward(params, kv, batch, cfg=cfg, geo=geo)
         step_sampling = dataclasses.replace(sampling, token_index=sampling.token_index + i)
         logits = shard_vocab(llama.compute_logits(params, cfg, hidden), geo.tp)
-        new, logprob, top_ids, top_lp = sample_logits(logits, step_sampling, variant=variant)
+        with jax.named_scope("sampling"):
+            new, logprob, top_ids, top_lp = sample_logits(logits, step_sampling, variant=variant)
         out = DecodeResult(out.tokens.at[i].set(new), out.logprob.at[i].set(logprob),
                            out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lp),
                            out.attn_score_var.at[i].set(jnp.where(active, attn_var, 0.0)), out.next_tokens)

@@ -26,7 +26,8 @@ from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.kv.recall_choice import RecallChoice
 from stratum_jax.kv.transfer import KvTransfers, committed
 from stratum_jax.kv.precision import kv_bytes_per_slot, start_kv_cache
-from stratum_jax.model.loader import LoadedModel, load_model
+from stratum_jax.model.fused import fuse_projections
+from stratum_jax.model.loader import LoadedModel, load_model, params_nbytes
 from stratum_jax.model_runner import InFlightStep, ModelRunner, RunResult, kv_layout_of
 from stratum_jax.outputs import OutputProcessor
 from stratum_jax.phase_times import PhaseTimes
@@ -38,6 +39,7 @@ from stratum_jax.request import FinishReason, GenerationResult, SamplingParams, 
 from stratum_jax.request_table import RequestTable
 from stratum_jax.scheduler import build_scheduler
 from stratum_jax.scheduler.base import ScheduledBatch, StepCosts
+from stratum_jax.step_work import ModelWork
 from stratum_jax.tensor_parallel import make_tensor_parallel
 
 
@@ -55,6 +57,8 @@ class Engine:
             raise ValueError(f"--tensor-parallel {config.tensor_parallel} but the model given was laid out "
                              f"for {model.tp.size if model.tp is not None else 1} devices: load it with "
                              "load_model(..., tp=make_tensor_parallel(config.tensor_parallel))")
+        # The step runs on fused q/k/v and gate/up weights (model/fused.py: no per-call weight copies).
+        fuse_projections(model)
         self.model = model
         self.model_config = self.model.config
         self.tokenizer = self.model.tokenizer
@@ -98,6 +102,9 @@ class Engine:
         # Bytes per token slot over all layers: the pools' (deltas and per-granule scales with DKVC), not
         # the resident anchor's.
         self._kv_bytes_per_token = kv_bytes_per_slot(self.kv_cache)
+        # What each step must move and compute, counted (step_work.py): the utilization metrics' numerators.
+        self.work = ModelWork.of(self.model_config, params_nbytes(self.model.params), self._kv_bytes_per_token,
+                                 jax.numpy.dtype(self.model_config.dtype).itemsize)
         if self.pool.host is not None and config.kv_host_pin_at_start:
             self.transfers.pin(self.kv_cache, config.kv_host_tokens * self._kv_bytes_per_token)
         self.runner = ModelRunner(config, self.model, num_slots=self.num_slots, backend=self.attention_backend,
@@ -125,6 +132,11 @@ class Engine:
     def last_step(self) -> StepTiming | None:
         """The latest step read back (benchmarks, metrics, the cost model's prefill rate)."""
         return self.recorder.last_step
+
+    def running_contexts(self) -> list[int]:
+        """Tokens each running request has in the KV cache or on the device (benchmarks: the context the
+        next decode step reads)."""
+        return [seq.num_tokens for seq in self.scheduler.running]
 
     def has_unfinished(self) -> bool:
         """Requests in flight, or a dispatched step still to be read (its rows may all have finished)."""
@@ -182,7 +194,11 @@ class Engine:
         """Launches the batch's step on the device without waiting for it."""
         with jax.profiler.TraceAnnotation(f"dispatch {batch.kind}"), self.phases.span("dispatch"):
             self.timeline.watch(self.inflight.step, self.clock())
+            # Counted before the dispatch is accounted (inflight.account_dispatch moves num_computed on).
+            work = self.work.scheduled([s.num_computed + 1 for s in batch.decode], batch.decode_steps,
+                                       [(s.num_computed, n) for s, n in zip(batch.prefill, batch.chunk_lens)])
             launched, self.kv_cache = self.runner.dispatch(batch, self.kv_cache, previous=self.inflight.step)
+            launched.work = work
             self.timeline.dispatched(launched, self._ms(launched.dispatch_s))
         return launched
 
@@ -192,7 +208,7 @@ class Engine:
         with jax.profiler.TraceAnnotation("wait"), self.phases.span("collect"):
             run = self.runner.collect(step, self.kv_cache)
         start_ms, end_ms = self.timeline.read(step, self._ms(run.done_s), was_done)
-        self.recorder.record_timing(step.batch, (end_ms - start_ms) / 1e3)
+        self.recorder.record_timing(step.batch, (end_ms - start_ms) / 1e3, step.work)
         return run
 
     def _postprocess(self, step: InFlightStep, run: RunResult, outputs: dict[str, StepOutput]) -> None:
@@ -276,6 +292,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         free = self.pool.free_slots
+        bytes_per_s, flops_per_s = self.recorder.work_rates()
         return EngineStats(
             queued=len(self.scheduler.waiting), running=len(self.scheduler.running),
             kv_pages_total=self.num_slots // 8, kv_pages_free=free // 8,
@@ -296,4 +313,5 @@ class Engine:
             hab_triggers=self.scheduler.triggers, kv_precision=self.kv_precision,
             kv_bytes_per_token=self._kv_bytes_per_token, kv_recall_batches=self.transfers.stats.recall_batches,
             kv_recall_seconds=tuple(self.transfers.stats.recall_seconds),
-            kv_recall_choices=self.pool.recall_choice.recalled, kv_recompute_choices=self.pool.recall_choice.recomputed)
+            kv_recall_choices=self.pool.recall_choice.recalled, kv_recompute_choices=self.pool.recall_choice.recomputed,
+            step_bytes_per_s=bytes_per_s, step_flops_per_s=flops_per_s)

@@ -13,6 +13,7 @@ import numpy as np
 if TYPE_CHECKING:      # only for annotations: this module stays importable without jax (metrics, tests)
     from stratum_jax.scheduler.base import ScheduledBatch
     from stratum_jax.sequence import Sequence
+    from stratum_jax.step_work import StepWork
 
 
 @dataclasses.dataclass
@@ -48,6 +49,10 @@ class EngineStats:
     kv_recall_seconds: tuple[float, ...] = ()   # host-to-device copy time of the latest such steps (<= 64)
     kv_recall_choices: int = 0           # host-tier prefix hits the recall choice sent to a copy ...
     kv_recompute_choices: int = 0        # ... and to a recompute (kv/recall_choice.py)
+    # Counted work over device time, median of recent steps (step_work.py; 0 before the first timed step):
+    # over the start-up read bandwidth and matmul peak they are the utilization gauges.
+    step_bytes_per_s: float = 0.0
+    step_flops_per_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +77,20 @@ class StepRecorder:
         self.recent_prefill_tps: collections.deque[float] = collections.deque(maxlen=window)
         self._recent_queue_ms: collections.deque[float] = collections.deque(maxlen=window)
         self.mean_queue_ms: float | None = None        # mean admission wait of recent requests
+        self.recent_bytes_per_s: collections.deque[float] = collections.deque(maxlen=window)   # counted work
+        self.recent_flops_per_s: collections.deque[float] = collections.deque(maxlen=window)   # per device s
 
-    def record_timing(self, batch: ScheduledBatch, device_s: float) -> None:
-        """A step read back: `batch` ran on the device for `device_s` seconds (0 or less: not timed)."""
+    def record_timing(self, batch: ScheduledBatch, device_s: float, work: StepWork | None = None) -> None:
+        """A step read back: `batch` ran on the device for `device_s` seconds (0 or less: not timed), doing
+        `work` (counted, step_work.py; None: not counted)."""
         prefill_tokens = sum(batch.chunk_lens)
         self.prefill_tokens += prefill_tokens
         self.last_step = StepTiming(batch.kind, device_s, len(batch.seqs), batch.num_tokens, prefill_tokens)
         if device_s <= 0:
             return
+        if work is not None:
+            self.recent_bytes_per_s.append(work.bytes_moved / device_s)
+            self.recent_flops_per_s.append(work.flops / device_s)
         # Medians over recent steps: an outlier step must not skew the estimate.
         if batch.kind == "decode":
             self.recent_decode_ms.append(device_s * 1e3 / max(1, max(batch.decode_steps)))
@@ -99,6 +110,12 @@ class StepRecorder:
     def decode_ms_per_step(self) -> float | None:
         """Median device ms per decode step (one token per row) of recent decode steps (None before the first)."""
         return statistics.median(self.recent_decode_ms) if self.recent_decode_ms else None
+
+    def work_rates(self) -> tuple[float, float]:
+        """(bytes, FLOPs) per device second of recent steps' counted work, medians (0, 0 before the first)."""
+        if not self.recent_bytes_per_s:
+            return 0.0, 0.0
+        return statistics.median(self.recent_bytes_per_s), statistics.median(self.recent_flops_per_s)
 
     def prefill_tokens_per_s(self) -> float | None:
         """Median prompt tokens per second of recent prefill and mixed steps (None before the first)."""

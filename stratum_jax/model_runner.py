@@ -25,10 +25,12 @@ from stratum_jax.decode import (ATTN_VAR_LAST_TOKENS, PROMPT_LOGPROB_PIECE, Deco
                                 SamplerVariant, StepGeometry, StepResult, TokenFeed, decode_steps, packed_step,
                                 packed_step_compiler_options, prompt_logprobs_piece, sample_step)
 from stratum_jax.executable_cache import ExportedSteps
+from stratum_jax.model.llama import fused_shards_of
 from stratum_jax.sampling import MAX_TOP_LOGPROBS
 from stratum_jax.sampling import SamplingArrays
 from stratum_jax.scheduler.base import ScheduledBatch
 from stratum_jax.sequence import Sequence
+from stratum_jax.step_work import StepWork
 from stratum_jax.step_shapes import StepShape, all_step_shapes, bucket_for, prefill_buckets, prefill_tile
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ class InFlightStep:
     device: object
     next_tokens: jax.Array
     dispatch_s: float
+    work: StepWork | None = None      # what the step must move and compute (step_work.py), set by the engine
 
     def is_ready(self) -> bool:
         """True once the device has finished the step (its last output is computed)."""
@@ -158,7 +161,8 @@ class ModelRunner:
         return packed_step_compiler_options(jax.default_backend()) if shape.kind == "packed" else {}
 
     def _key(self, shape: StepShape) -> tuple:
-        return shape, self.geo, self.model.config, self.num_slots, self.kv_layout
+        # The params' layout (HF's or fused, model/fused.py) changes the program's argument tree.
+        return shape, self.geo, self.model.config, self.num_slots, self.kv_layout, fused_shards_of(self.model.params)
 
     def missing_shapes(self) -> list[StepShape]:
         """The shapes of this config with no executable yet (empty after `compile_all`)."""
@@ -171,6 +175,11 @@ class ModelRunner:
             with _EXECUTABLES_LOCK:
                 exe = _EXECUTABLES.setdefault(self._key(shape), exe)
         return exe
+
+    def compiled_text(self, kv_cache, variant: SamplerVariant = SamplerVariant()) -> str:
+        """The decode program's optimized HLO (compiling it if need be). Its op metadata (op_name, with the
+        model's named scopes) says which part of the model each kernel of a profile belongs to."""
+        return self._executable(StepShape("decode", variant=variant), kv_cache).as_text()
 
     def compile_all(self, kv_cache, progress: bool = True) -> float:
         """Compiles every step shape ahead of time; returns the seconds it took. Tracing and lowering run

@@ -2,16 +2,22 @@
 
 Not through sys.path: putting benchmarks/ on it would shadow the `serving` package with benchmarks/serving.py.
 The module is registered in sys.modules under `name` while it loads (dataclasses look their module up there).
+Shared helper modules the scripts import by their bare name (`from device_trace import ...`, found beside a
+script run directly) are loaded into sys.modules first, under that name.
 """
 import importlib.util
 import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED_HELPERS = ("device_trace",)     # benchmarks/<name>.py that other scripts import by bare name
 
 
 def load_benchmark(script: str, name: str):
     """benchmarks/<script> as a module called `name` (left in sys.modules; `forget` removes it)."""
+    for helper in SHARED_HELPERS:
+        if helper not in sys.modules and helper != name:
+            load_benchmark(f"{helper}.py", helper)
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -103,15 +103,18 @@ def test_delta_kv_cache_splits_over_devices_and_matches_one_device(results):
 def test_parameters_and_kv_pools_live_split_over_devices(results):
     layout = results[0]["layout"]
     two = layout["tiny_tp2"]             # tiny: 4 heads, 2 KV heads, head_dim 32, FFN 384, vocab 512
-    assert two["q_proj"]["per_device"] == [[64, 128]] * 2                   # column-parallel
-    assert two["k_proj"]["per_device"] == [[32, 128]] * 2                   # one KV head each
+    # Column-parallel, fused (model/fused.py): each device's block is its 2 q heads, its k head and its v head
+    # (64 + 32 + 32 rows); gate and up: its 192 FFN rows of each.
+    assert two["qkv_proj"]["per_device"] == [[1, 128, 128]] * 2
+    assert two["gate_up_proj"]["per_device"] == [[1, 384, 128]] * 2
     assert two["o_proj"]["per_device"] == [[128, 64]] * 2                   # row-parallel
     assert two["down_proj"]["per_device"] == [[128, 192]] * 2
     assert two["embed_tokens"]["per_device"] == [[256, 128]] * 2            # vocab-parallel
     assert two["k_pool"]["per_device"] == [[1, 4096, 32]] * 2               # each device: its own head
     four = layout["tiny_tp4_auto"]
     # 2 KV heads over 4 devices: each head repeated twice, one copy per device.
-    assert four["k_proj"]["global"] == [128, 128] and four["k_proj"]["per_device"] == [[32, 128]] * 4
+    # Each device's fused block: its q head (32 rows) and its copies of a k and a v head (32 + 32).
+    assert four["qkv_proj"]["global"] == [4, 96, 128] and four["qkv_proj"]["per_device"] == [[1, 96, 128]] * 4
     assert four["k_pool"]["global"] == [4, 4096, 32] and four["k_pool"]["per_device"] == [[1, 4096, 32]] * 4
     assert four["embed_tokens"]["per_device"] == [[512, 128]] * 4           # auto: replicated
 

@@ -2,25 +2,19 @@
 communication per decode step (synthetic GPU traces), and benchmarks/e2e_decode.py's profile (a real CPU
 trace): one annotation per traced call, each a full-batch decode call, as its window file says."""
 import gzip
-import importlib.util
 import json
 import pathlib
 
 import pytest
 
+from benchmark_module import load_benchmark
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def tps():
-    return _load("tp_profile_split")
+    return load_benchmark("tp_profile_split.py", "tp_profile_split")
 
 
 META = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
@@ -99,7 +93,7 @@ def test_e2e_decode_profile_annotates_each_traced_full_batch_decode_call(tps, tm
     """A real (CPU) profile from e2e_decode.py: the trace holds one annotation per call of its window file,
     and every traced call is a decode call of the whole batch."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))        # e2e_decode imports tp_profile_split
-    e2e = _load("e2e_decode")
+    e2e = load_benchmark("e2e_decode.py", "e2e_decode")
     prof = tmp_path / "prof"
     assert e2e.main(["--model", "tiny", "--batch", "2", "--prompt-len", "16", "--new-tokens", "40",
                      "--decode-steps", "4", "--copy-gb", "0.01", "--out", str(tmp_path / "e.json"),

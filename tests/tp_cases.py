@@ -61,9 +61,9 @@ def collectives(engine) -> dict:
 
 
 def layout(engine) -> dict:
-    """Per-device shapes of a few parameters and of layer 0's k_pool."""
+    """Per-device shapes of a few parameters (the engine's fused layout, model/fused.py) and of layer 0's k_pool."""
     p = engine.model.params["layers_0"]
-    leaves = {"q_proj": p["self_attn"]["q_proj"]["weight"], "k_proj": p["self_attn"]["k_proj"]["weight"],
+    leaves = {"qkv_proj": p["self_attn"]["qkv_proj"]["weight"], "gate_up_proj": p["mlp"]["gate_up_proj"]["weight"],
               "o_proj": p["self_attn"]["o_proj"]["weight"], "down_proj": p["mlp"]["down_proj"]["weight"],
               "embed_tokens": engine.model.params["embed_tokens"]["weight"], "k_pool": engine.kv_cache[0][0]}
     return {k: {"global": list(v.shape), "per_device": [list(s.data.shape) for s in v.addressable_shards]}

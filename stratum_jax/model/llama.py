@@ -17,6 +17,14 @@ loading is a renaming with no transposes:
     norm/weight [hidden]
     lm_head/weight [vocab, hidden]   (absent when cfg.tie_word_embeddings)
 
+The engine runs on a fused layout of the same weights (stratum_jax/model/fused.py), one GEMM where HF has
+two or three, with each tensor-parallel shard's block contiguous (S = shards, 1 without tensor parallelism):
+
+    layers_{i}/self_attn/qkv_proj/weight [S, (heads + 2 * kv_heads) * head_dim / S, hidden]  (+ bias)
+    layers_{i}/mlp/gate_up_proj/weight [S, 2 * intermediate / S, hidden]
+
+`forward` reads which layout it was given from the parameters.
+
 Numerics follow HF: RMSNorm in float32 cast back before the weight multiply, RoPE angles in float32,
 attention scores and softmax in float32.
 """
@@ -145,6 +153,28 @@ class Linear(nn.Module):
         return y
 
 
+class ShardedFusedLinear(nn.Module):
+    """Several column-parallel projections in one GEMM: weight [S, sum(features) / S, in], where shard s's
+    block holds its slice of each projection in turn (fused.py builds it). Returns one [..., features[j]]
+    per projection, each laid out as its own Linear's output."""
+
+    features: tuple[int, ...]
+    shards: int
+    use_bias: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        s = self.shards
+        w = self.param("weight", _normal_init, (s, sum(self.features) // s, x.shape[-1]), self.dtype)
+        y = jnp.einsum("...i,soi->...so", x, w)                        # [..., S, sum(features) / S]
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (s, sum(self.features) // s), self.dtype)
+        bounds = np.cumsum([f // s for f in self.features])[:-1]
+        return tuple(part.reshape(*x.shape[:-1], f) for part, f in
+                     zip(jnp.split(y, bounds, axis=-1), self.features, strict=True))
+
+
 class RMSNorm(nn.Module):
     eps: float
     dtype: Any
@@ -160,29 +190,42 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     cfg: ModelConfig
     layer: int
+    fused_shards: int = 0     # 0: HF's q/k/v_proj; S: one qkv_proj of S shard blocks (module docstring)
 
     @nn.compact
     def __call__(self, x, positions, cache, write_slots, attend: Attend):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         t = x.shape[0]
-        q = Linear(cfg.num_heads * cfg.head_dim, cfg.attention_bias, dtype, name="q_proj")(x)
-        k = Linear(cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias, dtype, name="k_proj")(x)
-        v = Linear(cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias, dtype, name="v_proj")(x)
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        if self.fused_shards:
+            q, k, v = ShardedFusedLinear((q_out, kv_out, kv_out), self.fused_shards, cfg.attention_bias, dtype,
+                                         name="qkv_proj")(x)
+        else:
+            q = Linear(q_out, cfg.attention_bias, dtype, name="q_proj")(x)
+            k = Linear(kv_out, cfg.attention_bias, dtype, name="k_proj")(x)
+            v = Linear(kv_out, cfg.attention_bias, dtype, name="v_proj")(x)
         inv_freq = rope_inv_freq(cfg)
-        q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-        k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+        # The named scopes label the compiled ops (HLO metadata op_name), so a profile can say which part
+        # of the model a kernel belongs to (benchmarks/profile_decode.py); they change no computation.
+        with jax.named_scope("rope"):
+            q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
+            k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if isinstance(cache, DeltaKV):
             # DKVC: the deltas from the layer's anchor are written here, inside the step; attend gets the
             # DeltaKV as its k_pool and None as v_pool (stratum_jax/kv/delta_cache.py).
-            cache = cache.write(k, v, positions, write_slots)
-            o = attend(self.layer, q, cache, None).astype(dtype)
+            with jax.named_scope("kv_write"):
+                cache = cache.write(k, v, positions, write_slots)
+            with jax.named_scope("attention"):
+                o = attend(self.layer, q, cache, None).astype(dtype)
         else:
             k_pool, v_pool = cache
             # Slots >= num_slots are padding tokens: mode="drop" discards their writes.
-            k_pool = k_pool.at[:, write_slots, :].set(k.transpose(1, 0, 2), mode="drop")
-            v_pool = v_pool.at[:, write_slots, :].set(v.transpose(1, 0, 2), mode="drop")
-            o = attend(self.layer, q, k_pool, v_pool).astype(dtype)
+            with jax.named_scope("kv_write"):
+                k_pool = k_pool.at[:, write_slots, :].set(k.transpose(1, 0, 2), mode="drop")
+                v_pool = v_pool.at[:, write_slots, :].set(v.transpose(1, 0, 2), mode="drop")
+            with jax.named_scope("attention"):
+                o = attend(self.layer, q, k_pool, v_pool).astype(dtype)
             cache = (k_pool, v_pool)
         o = Linear(cfg.hidden_size, False, dtype, name="o_proj")(o.reshape(t, cfg.num_heads * cfg.head_dim))
         return o, cache
@@ -190,27 +233,34 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     cfg: ModelConfig
+    fused_shards: int = 0     # 0: HF's gate_proj and up_proj; S: one gate_up_proj of S shard blocks
 
     @nn.compact
     def __call__(self, x):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        gate = Linear(cfg.intermediate_size, False, dtype, name="gate_proj")(x)
-        up = Linear(cfg.intermediate_size, False, dtype, name="up_proj")(x)
+        if self.fused_shards:
+            gate, up = ShardedFusedLinear((cfg.intermediate_size,) * 2, self.fused_shards, False, dtype,
+                                          name="gate_up_proj")(x)
+        else:
+            gate = Linear(cfg.intermediate_size, False, dtype, name="gate_proj")(x)
+            up = Linear(cfg.intermediate_size, False, dtype, name="up_proj")(x)
         return Linear(cfg.hidden_size, False, dtype, name="down_proj")(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     layer: int
+    fused_shards: int = 0
 
     @nn.compact
     def __call__(self, x, positions, cache, write_slots, attend: Attend):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x)
-        h, cache = Attention(cfg, self.layer, name="self_attn")(h, positions, cache, write_slots, attend)
+        h, cache = Attention(cfg, self.layer, self.fused_shards, name="self_attn")(h, positions, cache, write_slots,
+                                                                                   attend)
         x = x + h
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
-        return x + MLP(cfg, name="mlp")(h), cache
+        return x + MLP(cfg, self.fused_shards, name="mlp")(h), cache
 
 
 class Embedding(nn.Module):
@@ -232,11 +282,13 @@ class Embedding(nn.Module):
 
 class Decoder(nn.Module):
     cfg: ModelConfig
+    fused_shards: int = 0     # the projections' layout (module docstring): fused_shards_of(params)
 
     def setup(self):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_layers)]  # named layers_0, layers_1, ...
+        # named layers_0, layers_1, ...
+        self.layers = [DecoderLayer(cfg, i, self.fused_shards) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.vocab_size, False, dtype, out_dtype=jnp.float32)
@@ -387,10 +439,19 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     attend(layer, q [T, num_heads, head_dim], k_pool, v_pool) -> [T, num_heads, head_dim] is called
     once per layer with that layer's pools after this batch's writes.
     Returns (hidden [T, hidden_size] after the final RMSNorm, in cfg.dtype; the updated cache).
+    params: HF's layout or the fused one (module docstring); which one is read from the tree.
     """
-    return Decoder(cfg).apply({"params": params}, token_ids, positions, kv_cache, write_slots, attend)
+    return Decoder(cfg, fused_shards_of(params)).apply({"params": params}, token_ids, positions, kv_cache,
+                                                       write_slots, attend)
+
+
+def fused_shards_of(params: Params) -> int:
+    """0 for parameters in HF's layout; S for the fused layout of S shard blocks (stratum_jax/model/fused.py)."""
+    qkv = params["layers_0"]["self_attn"].get("qkv_proj")
+    return 0 if qkv is None else int(qkv["weight"].shape[0])
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """hidden [N, hidden_size] -> float32 logits [N, vocab_size] (lm_head, or the tied embedding)."""
-    return Decoder(cfg).apply({"params": params}, hidden, method=Decoder.logits)
+    with jax.named_scope("lm_head"):
+        return Decoder(cfg).apply({"params": params}, hidden, method=Decoder.logits)

@@ -99,7 +99,7 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0,
             raise CheckpointError(f"{cfg_file}: {e}") from e
     params = jax.block_until_ready(load_params(path, cfg, tp))  # blocks only so that the time logged is true
     log.info("loaded %s: tokenizer in %.2f s, %s params (%.2f GB in %s) onto %s in %.2f s", path,
-             loaded - start, f"{cfg.num_params:,}", _nbytes(params) / 1e9, cfg.dtype,
+             loaded - start, f"{cfg.num_params:,}", params_nbytes(params) / 1e9, cfg.dtype,
              _where(tp), time.perf_counter() - loaded)
     name = name_or_dir if name_or_dir in EMBEDDED else path.resolve().name
     return LoadedModel(cfg if tp is None else tp.tp_model_config(cfg), params, tokenizer, name, tp)
@@ -192,7 +192,8 @@ def _open_safetensors(file: Path) -> SafetensorsFile:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
 
 
-def _nbytes(params: Params) -> int:
+def params_nbytes(params: Params) -> int:
+    """Bytes of all parameters (global arrays: a sharded one counts once, whole)."""
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
 
 
