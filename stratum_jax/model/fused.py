@@ -16,11 +16,15 @@ would need ~60% more weight memory); it is idempotent, so several engines may sh
 from __future__ import annotations
 
 import functools
+import logging
+import time
 
 import jax
 import jax.numpy as jnp
 
 from stratum_jax.model.llama import Params, fused_shards_of
+
+log = logging.getLogger(__name__)
 
 _ATTENTION = ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj"))
 _MLP = ("mlp", "gate_up_proj", ("gate_proj", "up_proj"))
@@ -57,13 +61,17 @@ def fuse_projections(model) -> None:
     params = model.params
     if fused_shards_of(params):
         return
+    start = time.perf_counter()
     tp = model.tp
     shards = tp.size if tp is not None else 1
     sharding = None if tp is None else {"weight": tp.sharding("tp", None, None), "bias": tp.sharding("tp", None)}
     for key in [k for k in params if k.startswith("layers_")]:
         old = params[key]
-        params[key] = fuse_layer(old, shards, sharding)
+        # Written before the old arrays go: delete() must not race the copies that read them.
+        params[key] = jax.block_until_ready(fuse_layer(old, shards, sharding))
         for module, _, names in (_ATTENTION, _MLP):
             for n in names:
                 for array in old[module][n].values():
                     array.delete()
+    log.info("fused q/k/v and gate/up weights of %d layers (%d shard block%s) in %.2f s", model.config.num_layers,
+             shards, "s" if shards > 1 else "", time.perf_counter() - start)
