@@ -14,6 +14,7 @@ from stratum_jax.model import llama
 from stratum_jax.model.config import PRESETS
 from stratum_jax.model.fused import fuse_layer, fuse_projections
 from stratum_jax.model.loader import LoadedModel, load_model
+from stratum_jax.request import SamplingParams
 
 
 def _forward(params, cfg, tokens):
@@ -80,10 +81,11 @@ def test_the_engine_runs_on_fused_weights_and_matches_hfs_layout():
     engine = Engine(RuntimeConfig(model="tiny", max_batch_size=2, max_context=256, kv_pool_tokens=4096), model=model)
     assert llama.fused_shards_of(engine.model.params) == 1
     prompt = [5, 17, 99, 3, 250, 7]
-    from stratum_jax.request import SamplingParams
     got = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+    # Greedy decoding by dense forwards over the sequence padded to one length (one compile): causal attention
+    # keeps the padding after position n out of position n's hidden state.
     tokens = list(prompt)
     for _ in range(6):
-        hidden = _forward(reference, cfg, tokens)
-        tokens.append(int(jnp.argmax(llama.compute_logits(reference, cfg, hidden[-1:]), axis=-1)[0]))
+        hidden = _forward(reference, cfg, tokens + [0] * (12 - len(tokens)))
+        tokens.append(int(jnp.argmax(llama.compute_logits(reference, cfg, hidden[len(tokens) - 1:len(tokens)]))))
     assert got == tokens[len(prompt):]
