@@ -52,7 +52,7 @@ class Http:
     def metrics(self) -> dict[tuple[str, tuple], float]:
         status, text = self.get("/metrics")
         assert status == 200
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "stack"))): s.value
                 for f in text_string_to_metric_families(text.decode()) for s in f.samples}
 
     def status_count(self, status: str) -> float:
