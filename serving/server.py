@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Stratum"].full_name   # "stratum.v1.Stratum"
 _TRANSPORT_FACTOR = 4    # gRPC's receive limit, as a multiple of --max-message-bytes
+_CALIBRATION_DECODE_TOKENS = 4   # tokens each calibration prompt generates: a few decode steps to time
 _LAST_STREAMS_S = 10.0   # after the grace period: time for cancelled streams to send their status
 
 
@@ -326,14 +327,17 @@ def _calibrate(engine, rate: cost.PrefillRate) -> None:
 
     Warm-up only compiles, so nothing says yet how fast prompts prefill. Two prompts of one representative
     length run here: the first warms the device, the second is timed (its steps are fed to `rate`). They
-    differ, so the prefix cache does not skip the second one's prefill.
+    differ, so the prefix cache does not skip the second one's prefill. Each also decodes a few tokens, so
+    the engine has a decode step time too: a stack that takes no traffic yet (the Stratum stack at
+    --stratum-weight 0) can still be priced by CostEstimate.
     """
     config = engine.config
     length = max(rate.min_tokens, min(config.prefill_chunk, config.max_context // 2))
     vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
     for offset, observe in ((0, False), (1, True)):
         ids = [(offset + 7 * i) % vocab for i in range(length)]
-        engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        engine.add_request(ids, SamplingParams(max_tokens=_CALIBRATION_DECODE_TOKENS, temperature=0.0,
+                                               ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
             if observe:

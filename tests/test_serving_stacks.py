@@ -147,6 +147,15 @@ def test_stack_flags_are_checked_with_a_message_naming_the_flag():
             ServerOptions(**kwargs)
 
 
+def test_serve_cli_refuses_bad_stack_flags_naming_them(capsys):
+    from stratum_jax.serve import main
+    for argv, flag in ((["--stacks", "stratum,fast"], "--stacks"), (["--stratum-weight", "0.5"], "--stacks"),
+                       (["--route-regex", "[", "--stacks", "stratum,long-context"], "--route-regex")):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", "tiny", *argv])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
 # ---- cost: estimate and metered usage ----
 
 def test_estimate_and_metered_usage_agree_within_0_3_percent_over_1000_varied_requests():
@@ -231,6 +240,10 @@ def test_the_pools_share_one_copy_of_the_weights(stacks):
     assert (stratum.scheduler, stratum.page_size) == ("hab", None)
     assert (long_context.page_size, long_context.max_context) == (64, 512)
     assert baseline.kv_pool_slots == 1024 and stratum.kv_pool_slots == 2048
+    # Start-up calibration timed a prefill and a decode step on every pool, so each can be priced before
+    # it has served a request (the Stratum stack at --stratum-weight 0).
+    assert all(pool.measured().decode_step_ms > 0 and pool.measured().prefill_tokens_per_s > 0
+               for pool in pools.values())
 
 
 def test_weight_picks_the_stack_and_both_give_the_same_greedy_tokens(stacks):
