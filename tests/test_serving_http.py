@@ -172,6 +172,8 @@ def test_completions_streamed_and_not(http):
     assert "".join(c.choices[0].text for c in chunks) == text.choices[0].text
     assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == ids
     assert all(c.usage is None for c in chunks)       # no usage chunk without stream_options.include_usage
+    raw = http.client.completions.with_raw_response.create(prompt="Once upon a time", **kw)
+    assert raw.headers["x-stratum-stack"] == "stratum"          # the stack that served it
     http.wait_idle()
 
 
