@@ -193,8 +193,9 @@ def test_default_prices_are_the_designs():
 
 # ---- end to end: three pools in one server ----
 
-CONFIG = RuntimeConfig(model="tiny", max_batch_size=4, max_queue=64, max_context=256, max_tokens_cap=64,
-                       prefill_chunk=32, kv_pool_tokens=2048, max_num_batched_tokens=128)
+# Small: each of the three engines compiles its own step shapes at start-up (the fixture's whole cost).
+CONFIG = RuntimeConfig(model="tiny", max_batch_size=2, max_queue=64, max_context=256, max_tokens_cap=64,
+                       prefill_chunk=32, kv_pool_tokens=2048, max_num_batched_tokens=64, decode_steps=1)
 OPTIONS = dict(port=0, metrics_port=0, drain_grace_s=0.0, stacks="stratum,baseline,long-context",
                stratum_weight=0.5, long_context_page_size=64, long_context_max_context=512,
                long_context_kv_pool_tokens=2048, baseline_kv_pool_tokens=1024)
