@@ -240,6 +240,8 @@ class RequestResult:
     token_times: list = dataclasses.field(default_factory=list)   # one per delta with tokens
     server_queue_ms: float | None = None
     server_ttft_ms: float | None = None
+    stack: str | None = None            # the stack that served it (MessageStop.stack; None: an older server)
+    metered_usd: float | None = None    # its metered usage (MessageStop.metered.cost_usd)
 
     @property
     def ok(self) -> bool:
@@ -311,7 +313,34 @@ def summarize(results: list[RequestResult], duration_s: float, slo_ttft_s: float
         "goodput_rps": round(len(good) / duration_s, 4),
         "good_requests": len(good),
         "send_lag_ms": percentiles_ms(lags),
+        **metered_summary(ok),
+        "by_stack": by_stack(results, duration_s, slo_ttft_s, slo_tpot_s),
     }
+
+
+def metered_summary(ok: list[RequestResult]) -> dict:
+    """The metered usage of finished requests: total USD and USD per 1,000 output tokens (None without any)."""
+    billed = [r for r in ok if r.metered_usd is not None]
+    usd, out = sum(r.metered_usd for r in billed), sum(r.output_tokens for r in billed)
+    return {"metered_usd": round(usd, 9) if billed else None,
+            "metered_usd_per_1k_output_tokens": round(1e3 * usd / out, 9) if out else None}
+
+
+def by_stack(results: list[RequestResult], duration_s: float, slo_ttft_s: float, slo_tpot_s: float) -> dict | None:
+    """The same figures per serving stack (x-stratum-weight splits), over the rate's whole duration; None
+    when no reply named its stack."""
+    names = sorted({r.stack for r in results if r.stack})
+    if not names:
+        return None
+    out = {}
+    for name in names:
+        mine = [r for r in results if r.stack == name]
+        ok = [r for r in mine if r.ok]
+        good = [r for r in ok if meets_slo(r, slo_ttft_s, slo_tpot_s)]
+        out[name] = {"finished": len(ok), "ttft_ms": percentiles_ms(r.ttft_s for r in ok),
+                     "tpot_ms": percentiles_ms(r.tpot_s for r in ok), "goodput_rps": round(len(good) / duration_s, 4),
+                     "output_tokens": sum(r.output_tokens for r in ok), **metered_summary(ok)}
+    return out
 
 
 def histogram_diff(before: dict | None, after: dict | None) -> dict | None:
@@ -352,9 +381,13 @@ def gauge(samples: dict, name: str) -> float | None:
 
 
 def histogram(samples: dict, name: str) -> dict | None:
+    """A histogram summed over its label sets (the stacks)."""
     if f"{name}_bucket" not in samples:
         return None
-    return {"buckets": {labels["le"]: v for labels, v in samples[f"{name}_bucket"]},
+    buckets: dict[str, float] = collections.defaultdict(float)
+    for labels, v in samples[f"{name}_bucket"]:
+        buckets[labels["le"]] += v
+    return {"buckets": dict(buckets),
             "sum": counter_total(samples, f"{name}_sum"), "count": counter_total(samples, f"{name}_count")}
 
 
@@ -384,7 +417,10 @@ class Poller:
         while True:
             try:
                 s = await scrape(self.url)
-                self.samples.append([round(time.perf_counter() - t0, 3)] + [gauge(s, n) for n in self.NAMES])
+                # The idle fraction is the first stack's (the Stratum stack's: its engine measures its own
+                # idle gaps); the queue, running and prefill figures are summed over the stacks.
+                self.samples.append([round(time.perf_counter() - t0, 3)] + [
+                    gauge(s, n) if n == "stratum_gpu_idle_fraction" else counter_total(s, n) for n in self.NAMES])
             except (OSError, ValueError):      # a missed sample is counted, not fatal
                 self.errors += 1
             await asyncio.sleep(self.period_s)
@@ -560,6 +596,8 @@ async def one_request(stub, pb, p: Planned, t0: float, timeout_s: float, sem: as
                     r.stop_reason = pb.StopReason.Name(s.stop_reason).lower()
                     r.cached_tokens = s.usage.cached_input_tokens
                     r.server_queue_ms, r.server_ttft_ms = s.timings.queue_ms, s.timings.ttft_ms
+                    r.stack = s.stack or None
+                    r.metered_usd = s.metered.cost_usd if s.HasField("metered") else None
                     r.status = "OK"
     except grpc.aio.AioRpcError as e:
         r.status = e.code().name
@@ -781,8 +819,37 @@ async def run_rate(send, stub, pb, window, shape, rate, salt, args, metrics_url,
         preemptions=_delta(counter_total(before, "stratum_preemptions_total"),
                            counter_total(after, "stratum_preemptions_total")),
         metric_samples=samples, per_request=per_request_table(results))
+    s["cost"] = await cost_figures(stub, pb, planned, args.cost_samples)
     s["_token_times"] = [[round(t * 1e3, 2) for t in r.token_times] for r in results]
     return s
+
+
+async def cost_figures(stub, pb, planned: list[Planned], samples: int) -> dict | None:
+    """CostEstimate after the rate, for the first `samples` finished requests (their own prompts and
+    max_tokens, with each stack's step times as measured at the end of the rate): per stack, the estimated
+    USD per 1,000 output tokens; and for each request against its own stack's estimate, the metered usage's
+    error (metered - estimated) / estimated. None when the server has no per-stack CostEstimate."""
+    import grpc
+    done = [p for p in planned if p.result.ok and p.result.metered_usd is not None][:samples]
+    if not done:
+        return None
+    usd, tokens, errors = collections.defaultdict(float), 0, []
+    for p in done:
+        request = pb.CostEstimateRequest(messages=[pb.Message(role="user", content=p.text)],
+                                         max_tokens=p.result.target_out)
+        try:
+            r = await stub.CostEstimate(request, timeout=30)
+        except grpc.aio.AioRpcError as e:
+            return {"error": f"{e.code().name}: {e.details()}"}
+        tokens += request.max_tokens
+        for b in r.stacks:
+            usd[b.stack] += b.cost_usd
+            if b.stack == p.result.stack:
+                errors.append((p.result.metered_usd - b.cost_usd) / b.cost_usd)
+    return {"requests": len(done),
+            "estimated_usd_per_1k_output_tokens": {k: round(1e3 * v / tokens, 9) for k, v in usd.items()},
+            "metered_vs_estimated": {"mean": round(float(np.mean(errors)), 5),
+                                     "mean_abs": round(float(np.mean(np.abs(errors))), 5)} if errors else None}
 
 
 REQUEST_FIELDS = ("index", "arrival_s", "status", "send_lag_ms", "target_in", "target_out", "prompt_tokens",
@@ -857,15 +924,17 @@ def compare_at_fcfs_capacity(report: dict, baseline: str = "fcfs") -> dict | Non
         return None
     rate = max(holding)
     s = done[rate]
-    ratios = {}
+    ratios, p95 = {}, {baseline: (s.get("ttft_ms") or {}).get("p95")}
     for name, c in by_name.items():
         if name == baseline:
             continue
         other = next((o for k, o in c.get("rates", {}).items() if float(k) == rate and "skipped" not in o), None)
         ratios[name] = (round(other["goodput_rps"] / s["goodput_rps"], 3)
                         if other is not None and s["goodput_rps"] > 0 else None)
+        p95[name] = None if other is None else (other.get("ttft_ms") or {}).get("p95")
     return {"baseline": baseline, "rate": rate, "baseline_good_fraction": round(s["good_requests"] / s["requests"], 3),
-            "baseline_goodput_rps": s["goodput_rps"], "goodput_ratio": ratios, "rates_tried": sorted(done)}
+            "baseline_goodput_rps": s["goodput_rps"], "goodput_ratio": ratios, "ttft_p95_ms": p95,
+            "rates_tried": sorted(done)}
 
 
 def plot(report: dict, path: pathlib.Path) -> bool:
@@ -977,6 +1046,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send this many requests (own text, all at once) before the first rate, unmeasured")
     p.add_argument("--poll-s", type=float, default=0.5, help="period of the /metrics samples")
     p.add_argument("--out-prefix", default="serving", help="file names under benchmarks/results/")
+    p.add_argument("--compare-baseline", default="fcfs",
+                   help="the config the others' goodput is compared with, at its capacity (e.g. w0 for a "
+                        "--stratum-weight 0 config of a two-stack server)")
+    p.add_argument("--cost-samples", type=int, default=16,
+                   help="finished requests per rate priced with CostEstimate after the rate (0 = none)")
     p.add_argument("--server-log-dir", default=None, help="where server logs go (default: a temporary directory)")
     p.add_argument("--replot", type=pathlib.Path, metavar="JSON", help="only redraw the PNG of a result file")
     return p
@@ -1073,7 +1147,7 @@ def main(argv: list[str] | None = None) -> int:
         "configs": configs,
     }
     report["args"]["trace"] = str(args.trace)
-    report["comparison"] = compare_at_fcfs_capacity(report)
+    report["comparison"] = compare_at_fcfs_capacity(report, args.compare_baseline)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{args.out_prefix}.json"
     path.write_text(json.dumps(report, separators=(",", ":")) + "\n")

@@ -1,4 +1,5 @@
-"""The cost model behind CostEstimate: what one request costs on the stack being served.
+"""The cost model behind CostEstimate (what one request will cost, on each stack the server runs) and
+behind metered usage (what a finished request did cost: the same formula applied to what ran).
 
 Inputs
     P       billed prompt tokens: the exact chat-templated count (CountTokens); no padding
@@ -30,6 +31,26 @@ Formula
 Padding is never billed: P and M are the request's own tokens, not the prefill-chunk, batch-bucket or
 page-rounded sizes the engine computes over. The bytes per streamed token are the wire size of a
 one-token ContentDelta event (4 bytes of text, a 5-digit token id) plus gRPC's 5-byte message header.
+
+Per stack. Each stack (serving/stacks.py) is priced with its own measured t_step, r_pre and B (its own
+engine's), and its own kv (bf16 pages, or DKVC's delta bytes per token on the Stratum stack).
+
+Metered usage (`meter`, on each finished request's MessageStop and in stratum_metered_cost_usd_total). The
+same formula with what ran instead of what was asked: M = the tokens generated (not max_tokens), and the C
+prompt tokens served from the prefix cache are not prefilled, so only P - C are billed compute:
+    t_prefill   = (P - C) / r_pre
+    kv_token_s  = (C + (P - C) / 2) x t_prefill + (P + M / 2) x t_decode_wall
+with t_step, r_pre and B as measured when the request finished. For a request with no prefix-cache hit that
+runs to max_tokens, under steady step times, the bill equals the estimate; the differences are an early
+stop, cache hits, and the step times and batch moving between the estimate and the finish.
+
+Default prices. The figures issue #13 quotes for the design: $3.92 per GPU-hour, $0.01 per GB transferred and
+$0.00012 per GB-hour of HBM (DESIGN.md itself names the three prices but no figures). They are used as given
+and were not checked against a provider's price list here. Read them as: the GPU-hour is one H200's on-demand
+hour; the transfer price is in-region (behind a load balancer), not internet egress; the HBM price charges
+only the opportunity cost of the KV a request holds, since the HBM itself is paid for in the GPU-hour (so it
+is far below the GPU-hour spread over 141 GB, $3.92 / 141 = $0.028). All three are flags
+(--gpu-usd-per-hour, --transfer-usd-per-gb, --hbm-usd-per-gb-hour).
 """
 from __future__ import annotations
 
@@ -39,9 +60,10 @@ import statistics
 
 from serving.proto.stratum.v1 import stratum_pb2 as pb
 
-DEFAULT_GPU_USD_PER_HOUR = 3.50       # an on-demand H100/H200 hour, roughly
-DEFAULT_TRANSFER_USD_PER_GB = 0.09    # typical cloud internet egress
-DEFAULT_HBM_USD_PER_GB_HOUR = 0.025   # an H200 hour spread over its 141 GB of HBM
+# The prices issue #13 quotes for the design (the module docstring says what each one means).
+DEFAULT_GPU_USD_PER_HOUR = 3.92       # one H200 GPU-hour
+DEFAULT_TRANSFER_USD_PER_GB = 0.01    # in-region transfer
+DEFAULT_HBM_USD_PER_GB_HOUR = 0.00012 # holding 1 GB of HBM for an hour
 
 _GRPC_FRAME_BYTES = 5
 BYTES_PER_STREAMED_TOKEN = pb.MessagesEvent(
@@ -126,16 +148,29 @@ def kv_bytes_per_token(model_config) -> int:
 def estimate(prompt_tokens: int, max_tokens: int, request_bytes: int, kv_bytes: int,
              measured: Measured, prices: Prices) -> Cost:
     """The formula of the module docstring. Raises ValueError when the step times are not measured yet."""
+    return _cost(prompt_tokens, 0, max_tokens, request_bytes, kv_bytes, measured, prices)
+
+
+def meter(prompt_tokens: int, cached_prompt_tokens: int, output_tokens: int, request_bytes: int, kv_bytes: int,
+          measured: Measured, prices: Prices) -> Cost:
+    """Metered usage of a finished request (module docstring): the tokens it generated, and no prefill
+    compute for its prefix-cache hits. Raises ValueError when the step times are not measured yet."""
+    return _cost(prompt_tokens, min(cached_prompt_tokens, prompt_tokens), output_tokens, request_bytes, kv_bytes,
+                 measured, prices)
+
+
+def _cost(prompt_tokens: int, cached_tokens: int, output_tokens: int, request_bytes: int, kv_bytes: int,
+          measured: Measured, prices: Prices) -> Cost:
     if measured.decode_step_ms <= 0 or measured.prefill_tokens_per_s <= 0:
         raise ValueError("the server has not measured a representative decode step and prefill step yet: "
                          "send a request (a prompt of at least 64 tokens sets the prefill rate), then ask again")
-    p, m = float(prompt_tokens), float(max_tokens)
+    p, c, m = float(prompt_tokens), float(cached_tokens), float(output_tokens)
     t_step = measured.decode_step_ms / 1e3
-    t_prefill = p / measured.prefill_tokens_per_s
+    t_prefill = (p - c) / measured.prefill_tokens_per_s
     t_decode_wall = m * t_step
     compute_seconds = t_prefill + t_decode_wall / max(1.0, measured.decode_batch)
     compute_usd = compute_seconds / 3600 * prices.gpu_usd_per_hour
-    kv_token_s = (p / 2) * t_prefill + (p + m / 2) * t_decode_wall
+    kv_token_s = (c + (p - c) / 2) * t_prefill + (p + m / 2) * t_decode_wall
     kv_gb_hours = kv_bytes * kv_token_s / 1e9 / 3600
     hbm_usd = kv_gb_hours * prices.hbm_usd_per_gb_hour
     transfer_gb = (request_bytes + m * BYTES_PER_STREAMED_TOKEN) / 1e9

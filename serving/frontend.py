@@ -6,6 +6,11 @@ adapters over `Generation`: each turns its request into a `GenerateRequest`, its
 maps the `Failure` of a `RequestFailed` and the events (StepOutput deltas, then one `Finished`) into its
 own wire format. Every call ends in exactly one way, counted once in `stratum_requests_total` under the
 status names of gRPC (ok, invalid_argument, resource_exhausted, ...), whichever transport it came by.
+
+A server may run several pools (serving/stacks.py: the Stratum stack, the baseline, the long-context pool),
+each an engine on its own runner. `Generation.start` picks one per call (serving/routing.py: the route, then
+the x-stratum-weight split) and the call's metrics go to that pool's `stack` series; a call refused before a
+pool is chosen (a bad header, a malformed request) is counted under the first pool's.
 """
 from __future__ import annotations
 
@@ -17,7 +22,10 @@ import time
 import uuid
 from typing import AsyncIterator, Callable, Iterable, NoReturn
 
+from serving import cost
 from serving.headers import RequestHeaders, parse_headers
+from serving.routing import LONG_CONTEXT_ROUTE, RouteDecision, Router, goes_to_stratum
+from serving.stacks import BASELINE, LONG_CONTEXT, STRATUM
 from serving.proto.stratum.v1 import stratum_pb2 as pb
 from serving.runner import EngineRunner, RequestStream, RunnerClosedError
 from serving.translate import (STOP_REASON_NAMES, STOP_REASONS, GenerateRequest, Translator,
@@ -63,13 +71,42 @@ class RequestFailed(Exception):
 
 
 @dataclasses.dataclass
+class Pool:
+    """One engine the server runs: a stack (stratum, baseline) or the long-context pool."""
+
+    name: str                    # its `stack` label: stratum, baseline or long-context
+    runner: EngineRunner
+    translator: Translator       # with this pool's context cap
+    kv_bytes_per_token: int      # what its KV pages hold per token (the cost model's kv)
+    metrics: ServingMetrics | None = None   # its series; None = the frontend's (set by Frontend.set_served)
+
+    def measured(self) -> cost.Measured:
+        """Its measured step times (cost model inputs): the decode step EMA, the representative prefill rate
+        (cost.PrefillRate, not the warm-up's), and the mean decode batch."""
+        rate = self.runner.prefill_rate
+        return cost.Measured(self.runner.stats.decode_step_ms, rate.tokens_per_s if rate is not None else 0.0,
+                             self.runner.decode_batch)
+
+
+@dataclasses.dataclass
 class Served:
-    """Everything that exists once the model is loaded and warmed."""
+    """Everything that exists once the model is loaded and warmed. `runner`, `translator` and
+    `kv_bytes_per_token` are the Stratum stack's (the first pool's); `pools` holds every pool by name (just
+    the Stratum stack unless the server runs more); `router` decides the long-context route."""
 
     runner: EngineRunner
     translator: Translator
     model_info: pb.ModelInfo
     kv_bytes_per_token: int
+    pools: dict[str, Pool] = dataclasses.field(default_factory=dict)
+    router: Router | None = None
+    stratum_weight: float = 1.0     # the split of calls without x-stratum-weight
+
+    def __post_init__(self) -> None:
+        if not self.pools:
+            self.pools = {STRATUM: Pool(STRATUM, self.runner, self.translator, self.kv_bytes_per_token)}
+        if self.router is None:
+            self.router = Router(long_context=LONG_CONTEXT in self.pools)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +130,20 @@ class Finished:
     queue_ms: float      # arrival until the start of the engine step that gave the first output
     ttft_ms: float       # arrival until the first token (0 when there was none)
     total_ms: float      # arrival until the last token
+    stack: str = STRATUM          # the pool that served it
+    route: str = "default"        # default or long-context
+    metered: cost.Cost | None = None   # metered usage (None while the pool's step times are not measured)
+    measured: cost.Measured | None = None   # the step times it was metered with
+    kv_bytes_per_token: int = 0
 
 
 class Frontend:
     """The state both transports share: whether the model is served, the in-flight calls, the metrics."""
 
-    def __init__(self, metrics: ServingMetrics, max_message_bytes: int | None = None) -> None:
+    def __init__(self, metrics: ServingMetrics, max_message_bytes: int | None = None,
+                 prices: cost.Prices | None = None) -> None:
         self.metrics = metrics
+        self.prices = prices or cost.Prices()    # metered usage
         # Enforced here rather than by the transports (gRPC's is set to accept more, see server.py), so that
         # an oversized call is counted and its error says which flag raises the limit.
         self.max_message_bytes = max_message_bytes
@@ -108,8 +152,12 @@ class Frontend:
         self.active: set[RequestStream] = set()   # accepted streams not yet ended, of both transports
         self.idle = asyncio.Event()                # set whenever `active` is empty
         self.idle.set()
+        self._active_by_stack: dict[str, int] = {}
 
     def set_served(self, served: Served) -> None:
+        for pool in served.pools.values():
+            if pool.metrics is None:
+                pool.metrics = self.metrics if pool.name == self.metrics.stack else self.metrics.for_stack(pool.name)
         self.served = served
         self.state = SERVING
 
@@ -143,20 +191,42 @@ class Frontend:
             stream.shutdown = True
             stream.cancel()
 
-    def record_headers(self, headers: RequestHeaders) -> None:
-        # Recorded now, acted on later (the traffic split and the long-context engine).
-        self.metrics.routes.labels(headers.route).inc()
+    def choose_pool(self, served: Served, headers: RequestHeaders, request_id: str, prompt_tokens: int,
+                    prompt_text: str | None) -> tuple[Pool, RouteDecision]:
+        """The pool of one call: the long-context pool when routed there (the header, or the classifier),
+        else the Stratum stack or the baseline by the x-stratum-weight split of the call's key (its
+        x-stratum-session, else its request id). Logs and counts the decision."""
+        decision = served.router.decide(headers.route, prompt_tokens, prompt_text)
+        self.metrics.prompt_length_entropy.set(decision.entropy_bits)
+        if decision.route == LONG_CONTEXT_ROUTE:
+            if LONG_CONTEXT not in served.pools:
+                raise InvalidRequestError(
+                    "x-stratum-route: long-context needs a long-context pool, and this server runs none: send "
+                    "x-stratum-route: default, or start the server with long-context in --stacks")
+            pool = served.pools[LONG_CONTEXT]
+        else:
+            weight = served.stratum_weight if headers.weight is None else headers.weight
+            to_stratum = BASELINE not in served.pools or goes_to_stratum(headers.session or request_id, weight)
+            pool = served.pools[STRATUM if to_stratum else BASELINE]
+        pool.metrics.record_route(decision.route, decision.reason)
+        pool.metrics.routes.labels(headers.route).inc()
         if headers.weight is not None:
-            self.metrics.weights.observe(headers.weight)
+            pool.metrics.weights.observe(headers.weight)
+        log.debug("%s -> %s (route %s: %s, prompt-length entropy %.2f bits)", request_id, pool.name,
+                  decision.route, decision.reason, decision.entropy_bits)
+        return pool, decision
 
-    def _track(self, stream: RequestStream) -> None:
+    def _track(self, stream: RequestStream, metrics: ServingMetrics) -> None:
         self.active.add(stream)
-        self.metrics.in_flight.set(len(self.active))
+        self._active_by_stack[metrics.stack] = self._active_by_stack.get(metrics.stack, 0) + 1
+        metrics.in_flight.set(self._active_by_stack[metrics.stack])
         self.idle.clear()
 
-    def _untrack(self, stream: RequestStream) -> None:
-        self.active.discard(stream)
-        self.metrics.in_flight.set(len(self.active))
+    def _untrack(self, stream: RequestStream, metrics: ServingMetrics) -> None:
+        if stream in self.active:
+            self.active.discard(stream)
+            self._active_by_stack[metrics.stack] -= 1
+            metrics.in_flight.set(self._active_by_stack[metrics.stack])
         if not self.active:
             self.idle.set()
 
@@ -175,12 +245,20 @@ class Generation:
         self.deadline = None if timeout_s is None else self.arrival + timeout_s
         self.status: str | None = None
         self.stream: RequestStream | None = None
+        self.pool: Pool | None = None          # chosen in start()
+        self.route = "default"
+        self.size = 0                          # the request's bytes on the wire (metered transfer)
+
+    @property
+    def metrics(self) -> ServingMetrics:
+        """The series this call is counted in: its pool's, or the frontend's before a pool is chosen."""
+        return self.pool.metrics if self.pool is not None else self.frontend.metrics
 
     def end(self, status: str) -> None:
         """Records the terminal status; later calls are no-ops."""
         if self.status is None:
             self.status = status
-            self.frontend.metrics.request_ended(status)
+            self.metrics.request_ended(status)
 
     def fail(self, failure: Failure, message: str) -> NoReturn:
         self.end(failure.status)
@@ -191,6 +269,7 @@ class Generation:
         """Checks the call (size, state, headers, then `parse()` and the translation) and hands it to the
         engine; returns once the engine accepted it. `parse` raises InvalidRequestError for bad input."""
         frontend = self.frontend
+        self.size = size
         try:
             frontend.check_size(size)
             served = frontend.require_serving()
@@ -199,7 +278,15 @@ class Generation:
         try:
             routing = parse_headers(headers)
             request = parse()
-            prompt_ids, params = served.translator.generate_request(request)
+            # Tokenized with the widest context cap first (the long-context pool's, when there is one), so the
+            # router sees the length; a pool with a smaller cap then checks it against its own.
+            widest = max(served.pools.values(), key=lambda p: p.translator.limits.max_context)
+            prompt_ids, params = widest.translator.generate_request(request)
+            request_id = request.request_id or uuid.uuid4().hex
+            pool, decision = frontend.choose_pool(served, routing, request_id, len(prompt_ids), _prompt_text(request))
+            self.pool, self.route = pool, decision.route
+            if pool is not widest:
+                prompt_ids, params = pool.translator.generate_request(request)
         except UnknownModelError as e:
             self.fail(Failure.UNKNOWN_MODEL, str(e))
         except InvalidRequestError as e:
@@ -207,13 +294,11 @@ class Generation:
         except Exception as e:   # a bug (say, in a tokenizer), not the client's fault: still one clean status
             log.exception("could not read a request")
             self.fail(Failure.INTERNAL, f"the server could not read the request: {e}")
-        frontend.record_headers(routing)
         if self.deadline is not None and self.deadline <= time.monotonic():
             self.fail(Failure.DEADLINE_EXCEEDED,
                       "the deadline passed before the request was queued: give it a longer deadline")
-        request_id = request.request_id or uuid.uuid4().hex
         try:
-            stream = await served.runner.submit(prompt_ids, params, request_id)
+            stream = await pool.runner.submit(prompt_ids, params, request_id)
         except InvalidRequestError as e:
             self.fail(Failure.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:
@@ -226,10 +311,10 @@ class Generation:
         except RuntimeError as e:
             self.fail(Failure.INTERNAL, str(e))
         self.stream = stream
-        frontend._track(stream)
-        log.debug("%s accepted: %d prompt tokens, max_tokens %d, route %s, weight %s", request_id,
-                  len(prompt_ids), params.max_tokens, routing.route, routing.weight)
-        return Started(request_id, len(prompt_ids), served.translator.limits.model_name, params)
+        frontend._track(stream, self.metrics)
+        log.debug("%s accepted on %s: %d prompt tokens, max_tokens %d, route %s, weight %s", request_id,
+                  pool.name, len(prompt_ids), params.max_tokens, self.route, routing.weight)
+        return Started(request_id, len(prompt_ids), pool.translator.limits.model_name, params)
 
     async def events(self) -> AsyncIterator[StepOutput | Finished]:
         """The outputs with tokens or text, in order, then one Finished (or a RequestFailed)."""
@@ -259,13 +344,24 @@ class Generation:
                           "reply: retry on another server")
             end = delivery.step_end
             ttft = None if first_token is None else first_token - self.arrival
-            self.frontend.metrics.request_completed(
+            self.metrics.request_completed(
                 stop_reason=STOP_REASON_NAMES[STOP_REASONS[out.finish_reason]], output_tokens=out.output_tokens,
                 ttft_s=ttft, e2e_s=end - self.arrival)
+            pool = self.pool
+            measured = pool.measured()
+            try:
+                metered = cost.meter(out.prompt_tokens, out.cached_prompt_tokens, out.output_tokens, self.size,
+                                     pool.kv_bytes_per_token, measured, self.frontend.prices)
+            except ValueError:      # the pool has not measured a representative step yet: nothing to bill by
+                metered = None
+            if metered is not None:
+                self.metrics.record_metered(compute_usd=metered.compute_usd, hbm_usd=metered.hbm_usd,
+                                            transfer_usd=metered.transfer_usd, output_tokens=out.output_tokens)
             self.end("ok")
             yield Finished(out.finish_reason, out.prompt_tokens, out.cached_prompt_tokens, out.output_tokens,
                            queue_ms=1e3 * (first_start - self.arrival), ttft_ms=0.0 if ttft is None else 1e3 * ttft,
-                           total_ms=1e3 * (end - self.arrival))
+                           total_ms=1e3 * (end - self.arrival), stack=pool.name, route=self.route,
+                           metered=metered, measured=measured, kv_bytes_per_token=pool.kv_bytes_per_token)
             return
 
     def close(self) -> None:
@@ -274,8 +370,16 @@ class Generation:
         self.end(self._cancel_status())
         if self.stream is not None:
             self.stream.cancel()   # a no-op when it finished
-            self.frontend._untrack(self.stream)
+            self.frontend._untrack(self.stream, self.metrics)
             self.stream = None
 
     def _cancel_status(self) -> str:
         return "deadline_exceeded" if self.deadline is not None and time.monotonic() >= self.deadline else "cancelled"
+
+
+def _prompt_text(request: GenerateRequest) -> str | None:
+    """The text the --route-regex classifier reads: the system prompt and every message, or the plain
+    prompt; None for a prompt sent as token ids."""
+    if request.prompt is not None:
+        return request.prompt if isinstance(request.prompt, str) else None
+    return "\n".join([request.system] + [m.content for m in request.messages])

@@ -191,7 +191,7 @@ class OpenAIApp:
                 await reply
             return Response(status_code=499)
         try:
-            return JSONResponse(reply.result())
+            return JSONResponse(reply.result(), headers=_stack_header(generation))
         except RequestFailed as e:
             return error_response(e.failure, e.message)
 
@@ -233,13 +233,18 @@ class OpenAIApp:
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
+def _stack_header(generation: Generation) -> dict[str, str]:
+    """x-stratum-stack: the stack that serves the call (gRPC puts it on MessageStop)."""
+    return {} if generation.pool is None else {"x-stratum-stack": generation.pool.name}
+
+
 class _GenerationStream(StreamingResponse):
     """An SSE response that closes its call however the response ends: finished, failed, or cancelled by
     a disconnect, even one that comes before the body generator has started (whose own finally would then
     never run)."""
 
     def __init__(self, generation: Generation, body) -> None:
-        super().__init__(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+        super().__init__(body, media_type="text/event-stream", headers={**_SSE_HEADERS, **_stack_header(generation)})
         self.generation = generation
 
     async def __call__(self, scope, receive, send) -> None:

@@ -1,4 +1,5 @@
-"""The serving flags (network, security, limits, prices, profiling), validated once, next to RuntimeConfig's."""
+"""The serving flags (network, security, limits, prices, profiling, stacks and routing), validated once, next
+to RuntimeConfig's."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,9 @@ import ipaddress
 import pathlib
 
 from serving.cost import Prices
+from serving.routing import DEFAULT_ENTROPY_BITS, DEFAULT_ENTROPY_WINDOW, check_regex
+from serving.stacks import BASELINE, LONG_CONTEXT, STRATUM, parse_stacks
+from stratum_jax.config import PAGE_SIZE_CLASSES
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 
@@ -27,11 +31,55 @@ class ServerOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES   # largest request gRPC accepts
     drain_grace_s: float = 30.0          # how long in-flight requests may run after SIGTERM
     prices: Prices = dataclasses.field(default_factory=Prices)
+    # The stacks (serving/stacks.py) and the split and routing between them (serving/routing.py).
+    stacks: tuple[str, ...] = (STRATUM,)     # --stacks stratum[,baseline][,long-context]
+    stratum_weight: float = 1.0              # x-stratum-weight of requests that send none
+    baseline_kv_pool_tokens: int | None = None      # the baseline's KV pool; None = the Stratum stack's size
+    baseline_kv_memory_share: float | None = None   # ... or this share of the device's memory
+    long_context_page_size: int = 128
+    long_context_max_context: int | None = None     # None = the model's max_position_embeddings
+    long_context_kv_pool_tokens: int | None = None  # None = the Stratum stack's pool size
+    route_entropy_bits: float = DEFAULT_ENTROPY_BITS
+    route_entropy_window: int = DEFAULT_ENTROPY_WINDOW
+    route_long_prompt_tokens: int | None = None     # classify by length: prompts of >= this many tokens
+    route_regex: str | None = None                  # classify by text: prompts matching this (case-insensitive)
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(msg)
+
+        if isinstance(self.stacks, str):
+            object.__setattr__(self, "stacks", parse_stacks(self.stacks))
+        else:
+            object.__setattr__(self, "stacks", parse_stacks(",".join(self.stacks)))
+        need(isinstance(self.stratum_weight, (int, float)) and 0.0 <= self.stratum_weight <= 1.0,
+             f"--stratum-weight must be a number in [0, 1], got {self.stratum_weight!r}")
+        need(BASELINE in self.stacks or self.stratum_weight == 1.0,
+             f"--stratum-weight {self.stratum_weight} sends traffic to the baseline stack, which is not running: "
+             "add baseline to --stacks (e.g. --stacks stratum,baseline)")
+        need(self.baseline_kv_pool_tokens is None or self.baseline_kv_memory_share is None,
+             "--baseline-kv-pool-tokens and --baseline-kv-memory-share both size the baseline's KV pool: give one")
+        need(self.baseline_kv_pool_tokens is None or self.baseline_kv_pool_tokens > 0,
+             f"--baseline-kv-pool-tokens must be a positive integer, got {self.baseline_kv_pool_tokens!r}")
+        need(self.baseline_kv_memory_share is None or 0.0 < self.baseline_kv_memory_share < 1.0,
+             f"--baseline-kv-memory-share must lie in (0, 1), got {self.baseline_kv_memory_share!r}")
+        need(self.long_context_page_size in PAGE_SIZE_CLASSES,
+             f"--long-context-page-size must be one of {PAGE_SIZE_CLASSES}, got {self.long_context_page_size!r}")
+        for flag, value in (("--long-context-max-context", self.long_context_max_context),
+                            ("--long-context-kv-pool-tokens", self.long_context_kv_pool_tokens),
+                            ("--route-long-prompt-tokens", self.route_long_prompt_tokens)):
+            need(value is None or (isinstance(value, int) and value > 0),
+                 f"{flag} must be a positive integer, got {value!r}")
+        need(isinstance(self.route_entropy_bits, (int, float)) and self.route_entropy_bits >= 0,
+             f"--route-entropy-bits must be a number >= 0, got {self.route_entropy_bits!r}")
+        need(isinstance(self.route_entropy_window, int) and self.route_entropy_window >= 1,
+             f"--route-entropy-window must be an integer >= 1, got {self.route_entropy_window!r}")
+        check_regex(self.route_regex)
+        classifies = self.route_long_prompt_tokens is not None or bool(self.route_regex)
+        need(not classifies or LONG_CONTEXT in self.stacks,
+             "--route-long-prompt-tokens and --route-regex route to the long-context pool, which is not running: "
+             "add long-context to --stacks")
 
         need(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
         need(-1 <= self.metrics_port <= 65535, f"--metrics-port must be in [-1, 65535], got {self.metrics_port}")
@@ -85,6 +133,36 @@ class ServerOptions:
                        help="cost model: network transfer price")
         g.add_argument("--hbm-usd-per-gb-hour", type=float, default=p.hbm_usd_per_gb_hour,
                        help="cost model: price of holding 1 GB of HBM for an hour")
+
+        g = parser.add_argument_group("stacks and routing")
+        g.add_argument("--stacks", default=",".join(d.stacks),
+                       help="the stacks this server runs, over one copy of the weights: stratum (always), baseline "
+                            "(vLLM-like: FCFS, 16-token pages, LRU, bf16 KV, recompute), long-context (a pool with "
+                            "larger pages and a higher context cap), e.g. stratum,baseline")
+        g.add_argument("--stratum-weight", type=float, default=d.stratum_weight,
+                       help="share of requests without x-stratum-weight that go to the Stratum stack, in [0, 1] "
+                            "(the rest go to the baseline)")
+        g.add_argument("--baseline-kv-pool-tokens", type=int, default=None, metavar="TOKENS",
+                       help="the baseline stack's KV pool (default: as large as the Stratum stack's "
+                            "--kv-pool-tokens)")
+        g.add_argument("--baseline-kv-memory-share", type=float, default=None, metavar="FRACTION",
+                       help="size the baseline's KV pool as this share of the device's memory instead")
+        g.add_argument("--long-context-page-size", type=int, default=d.long_context_page_size,
+                       help=f"the long-context pool's page size, one of {PAGE_SIZE_CLASSES}")
+        g.add_argument("--long-context-max-context", type=int, default=None, metavar="TOKENS",
+                       help="the long-context pool's context cap (default: the model's max_position_embeddings)")
+        g.add_argument("--long-context-kv-pool-tokens", type=int, default=None, metavar="TOKENS",
+                       help="the long-context pool's KV pool (default: as large as --kv-pool-tokens)")
+        g.add_argument("--route-entropy-bits", type=float, default=d.route_entropy_bits, metavar="BITS",
+                       help="classify requests into pools only while the entropy of recent prompt lengths (log2 "
+                            "bins, stratum_prompt_length_entropy_bits) is above this")
+        g.add_argument("--route-entropy-window", type=int, default=d.route_entropy_window, metavar="REQUESTS",
+                       help="recent prompts whose lengths make the entropy")
+        g.add_argument("--route-long-prompt-tokens", type=int, default=None, metavar="TOKENS",
+                       help="when classifying: prompts of at least this many tokens go to the long-context pool")
+        g.add_argument("--route-regex", default=None, metavar="REGEX",
+                       help="when classifying: prompts matching this (case-insensitive, e.g. 'contract|agreement|"
+                            "nda') go to the long-context pool")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerOptions":

@@ -6,6 +6,10 @@ UNAVAILABLE (HTTP: /health and the completions endpoints answer 503); then the m
 then does health turn SERVING. Draining reverses it: health turns NOT_SERVING, new requests get
 UNAVAILABLE (HTTP 503), in-flight ones of both transports may finish within the grace period, and the
 rest end with UNAVAILABLE (an HTTP stream: an error event).
+
+With --stacks stratum,baseline[,long-context] the server runs one engine per pool (serving/stacks.py), all
+over the one model the first engine loaded (its weights are not copied), each warmed and calibrated before
+SERVING and each on its own EngineRunner thread; they share the device.
 """
 from __future__ import annotations
 
@@ -27,7 +31,10 @@ from serving.reflection import enable_reflection
 from serving.proto.stratum.v1 import stratum_pb2 as pb
 from serving.proto.stratum.v1 import stratum_pb2_grpc as pb_grpc
 from serving.runner import EngineRunner
-from serving.frontend import DRAINING, Frontend, Served
+from serving.frontend import DRAINING, Frontend, Pool, Served
+from serving.routing import Router
+from serving.stacks import BASELINE, LONG_CONTEXT, STRATUM, baseline_config, kv_pool_tokens_for_share, \
+    long_context_config
 from serving.servicer import StratumServicer
 from serving.translate import Limits, Translator
 from stratum_jax.config import RuntimeConfig
@@ -38,6 +45,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Stratum"].full_name   # "stratum.v1.Stratum"
 _TRANSPORT_FACTOR = 4    # gRPC's receive limit, as a multiple of --max-message-bytes
+_CALIBRATION_DECODE_TOKENS = 4   # tokens each calibration prompt generates: a few decode steps to time
 _LAST_STREAMS_S = 10.0   # after the grace period: time for cancelled streams to send their status
 
 
@@ -52,9 +60,10 @@ class StratumServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.http_port: int | None = None
-        self.frontend = Frontend(self.metrics, max_message_bytes=options.max_message_bytes)
+        self.frontend = Frontend(self.metrics, max_message_bytes=options.max_message_bytes, prices=options.prices)
         self.servicer: StratumServicer | None = None
-        self.runner: EngineRunner | None = None
+        self.runner: EngineRunner | None = None     # the Stratum stack's
+        self.runners: list[EngineRunner] = []       # every pool's, the Stratum stack's first
         self._server: grpc.aio.Server | None = None
         self._health = HealthServicer()
         self._metrics_httpd = None
@@ -129,14 +138,17 @@ class StratumServer:
             await asyncio.to_thread(self._stop_dmlp)
             return
         self.runner = served.runner
-        self.metrics.hbm_bandwidth.set(bandwidth)
+        self.runners = [pool.runner for pool in served.pools.values()]
         self.servicer.set_served(served, bandwidth)
-        self.runner.engine.mark_serving()       # a compile from here on is on the request path
+        for pool in served.pools.values():
+            pool.metrics.hbm_bandwidth.set(bandwidth)
+            pool.runner.engine.mark_serving()       # a compile from here on is on the request path
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self.runner.start()
-        log.info("serving %s on %s (%s), memory bandwidth %.1f GB/s", served.model_info.name,
-                 self.servicer.device.device, self.servicer.device.platform, bandwidth)
+        for runner in self.runners:
+            runner.start()
+        log.info("serving %s on %s (%s), memory bandwidth %.1f GB/s, stacks %s", served.model_info.name,
+                 self.servicer.device.device, self.servicer.device.platform, bandwidth, ",".join(served.pools))
 
     def _load_blocking(self) -> tuple[Served, float]:
         engine = self._engine
@@ -153,6 +165,19 @@ class StratumServer:
         prefill_rate = cost.PrefillRate(_representative_prefill_tokens(engine.config))
         _calibrate(engine, prefill_rate)
         log.info("warm-up and calibration took %.2f s", time.perf_counter() - start)
+        engines = {STRATUM: (engine, prefill_rate)}
+        for name, config in self._pool_configs(engine).items():
+            from stratum_jax.engine import Engine
+            start = time.perf_counter()
+            other = Engine(config, model=engine.model)     # the same weights and tokenizer: no second copy
+            other.warmup()
+            rate = cost.PrefillRate(_representative_prefill_tokens(other.config))
+            _calibrate(other, rate)
+            log.info("%s pool: scheduler %s, page size %s, cache policy %s, KV %s, %d KV token slots, context %d; "
+                     "built, warmed and calibrated in %.2f s", name, other.config.scheduler,
+                     other.config.page_size or "adaptive", other.config.cache_policy, other.kv_precision,
+                     other.num_slots, other.config.max_context, time.perf_counter() - start)
+            engines[name] = (other, rate)
         self._start_dmlp(engine)
         start = time.perf_counter()
         bandwidth = measure_copy_bandwidth_gbps()
@@ -166,9 +191,40 @@ class StratumServer:
                             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
                             max_context=resolved.max_context, max_tokens_cap=resolved.max_tokens_cap,
                             kv_bytes_per_token=kv_bytes)
-        translator = Translator(engine.tokenizer, Limits(name, resolved.max_context, resolved.max_tokens_cap))
-        runner = EngineRunner(engine, self.metrics, prefill_rate=prefill_rate)
-        return Served(runner, translator, info, kv_bytes), bandwidth
+        pools = {}
+        for pool_name, (pool_engine, rate) in engines.items():
+            metrics = self.metrics if pool_name == STRATUM else self.metrics.for_stack(pool_name)
+            pc = pool_engine.config
+            pools[pool_name] = Pool(
+                pool_name, EngineRunner(pool_engine, metrics, name=f"stratum-engine-{pool_name}", prefill_rate=rate),
+                Translator(pool_engine.tokenizer, Limits(name, pc.max_context, pc.max_tokens_cap)),
+                # The pool's own bytes per token: DKVC's deltas and scales on the Stratum stack, bf16 elsewhere.
+                pool_engine.stats().kv_bytes_per_token or kv_bytes, metrics)
+        opts = self.options
+        router = Router(long_context=LONG_CONTEXT in pools, entropy_threshold_bits=opts.route_entropy_bits,
+                        long_prompt_tokens=opts.route_long_prompt_tokens, prompt_regex=opts.route_regex,
+                        window=opts.route_entropy_window)
+        primary = pools[STRATUM]
+        return Served(primary.runner, primary.translator, info, kv_bytes, pools=pools, router=router,
+                      stratum_weight=opts.stratum_weight), bandwidth
+
+    def _pool_configs(self, engine) -> dict:
+        """The RuntimeConfig of each pool besides the Stratum stack's (serving/stacks.py), from the Stratum
+        engine's resolved config; the baseline's pool sized by --baseline-kv-pool-tokens or -memory-share."""
+        opts, base = self.options, engine.config
+        configs = {}
+        if BASELINE in opts.stacks:
+            tokens = opts.baseline_kv_pool_tokens
+            if opts.baseline_kv_memory_share is not None:
+                tokens = kv_pool_tokens_for_share(opts.baseline_kv_memory_share, _device_memory_bytes(),
+                                                  cost.kv_bytes_per_token(engine.model_config))
+            configs[BASELINE] = baseline_config(base, tokens)
+        if LONG_CONTEXT in opts.stacks:
+            configs[LONG_CONTEXT] = long_context_config(
+                base, page_size=opts.long_context_page_size,
+                max_context=opts.long_context_max_context or engine.model_config.max_position_embeddings,
+                kv_pool_tokens=opts.long_context_kv_pool_tokens)
+        return configs
 
     def _start_dmlp(self, engine) -> None:
         """With --cache-policy dmlp: exports stratum_dmlp_* and starts online fine-tuning (after warm-up,
@@ -205,8 +261,8 @@ class StratumServer:
         log.info("draining: %d requests in flight, grace %.1f s", len(frontend.active), grace)
         frontend.state = DRAINING
         await self._health.enter_graceful_shutdown()
-        if self.runner is not None:
-            self.runner.close("the server is draining")
+        for runner in self.runners:
+            runner.close("the server is draining")
         try:
             await asyncio.wait_for(frontend.idle.wait(), grace)
         except TimeoutError:
@@ -220,8 +276,8 @@ class StratumServer:
         if self._http is not None:
             await self._http.stop()
             self._http = None
-        if self.runner is not None:
-            await asyncio.to_thread(self.runner.stop)
+        for runner in self.runners:
+            await asyncio.to_thread(runner.stop)
         await asyncio.to_thread(self._stop_dmlp)
         self._stop_side_servers()
         self._drained.set()
@@ -238,6 +294,16 @@ class StratumServer:
         if self._profiler_started:
             jax.profiler.stop_server()
             self._profiler_started = False
+
+
+def _device_memory_bytes() -> int:
+    """The first device's memory (bytes), for --baseline-kv-memory-share; ValueError where it is unknown."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        raise ValueError("--baseline-kv-memory-share needs a device that reports its memory (a GPU); this one "
+                         "does not: size the baseline's pool with --baseline-kv-pool-tokens instead")
+    return int(limit)
 
 
 def transport_receive_limit(max_message_bytes: int) -> int:
@@ -261,14 +327,17 @@ def _calibrate(engine, rate: cost.PrefillRate) -> None:
 
     Warm-up only compiles, so nothing says yet how fast prompts prefill. Two prompts of one representative
     length run here: the first warms the device, the second is timed (its steps are fed to `rate`). They
-    differ, so the prefix cache does not skip the second one's prefill.
+    differ, so the prefix cache does not skip the second one's prefill. Each also decodes a few tokens, so
+    the engine has a decode step time too: a stack that takes no traffic yet (the Stratum stack at
+    --stratum-weight 0) can still be priced by CostEstimate.
     """
     config = engine.config
     length = max(rate.min_tokens, min(config.prefill_chunk, config.max_context // 2))
     vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
     for offset, observe in ((0, False), (1, True)):
         ids = [(offset + 7 * i) % vocab for i in range(length)]
-        engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        engine.add_request(ids, SamplingParams(max_tokens=_CALIBRATION_DECODE_TOKENS, temperature=0.0,
+                                               ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
             if observe:

@@ -71,12 +71,17 @@ class StratumServicer(pb_grpc.StratumServicer):
                                                          prompt_tokens=started.prompt_tokens, model=started.model))
             async for event in generation.events():
                 if isinstance(event, Finished):
+                    metered = None
+                    if event.metered is not None:
+                        metered = _breakdown(event.stack, event.metered, event.measured, event.kv_bytes_per_token,
+                                             event.prompt_tokens - event.cached_prompt_tokens, event.output_tokens)
                     yield pb.MessagesEvent(stop=pb.MessageStop(
                         stop_reason=STOP_REASONS[event.finish_reason],
                         usage=pb.Usage(input_tokens=event.prompt_tokens, output_tokens=event.output_tokens,
                                        cached_input_tokens=event.cached_prompt_tokens),
                         timings=pb.Timings(queue_ms=event.queue_ms, ttft_ms=event.ttft_ms,
-                                           total_ms=event.total_ms)))
+                                           total_ms=event.total_ms),
+                        stack=event.stack, route=event.route, metered=metered))
                 else:
                     yield delta_event(event)
         except RequestFailed as e:
@@ -106,26 +111,23 @@ class StratumServicer(pb_grpc.StratumServicer):
             served.translator.check_fits(len(ids), request.max_tokens)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        stats = served.runner.stats
-        # The prefill rate from representative steps only (cost.PrefillRate), not the engine's median over
-        # every step, which starts out as the tiny warm-up's.
-        rate = served.runner.prefill_rate
-        measured = cost.Measured(stats.decode_step_ms, rate.tokens_per_s if rate is not None else 0.0,
-                                 served.runner.decode_batch)
-        try:
-            c = cost.estimate(len(ids), request.max_tokens, request.ByteSize(), served.kv_bytes_per_token,
-                              measured, self.prices)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        # One breakdown per pool, each with its own measured step times (the prefill rate from representative
+        # steps only, cost.PrefillRate, not the engine's median over every step, which starts as the warm-up's).
+        breakdowns = []
+        for pool in served.pools.values():
+            measured = pool.measured()
+            try:
+                c = cost.estimate(len(ids), request.max_tokens, request.ByteSize(), pool.kv_bytes_per_token,
+                                  measured, self.prices)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{pool.name} stack: {e}")
+            breakdowns.append(_breakdown(pool.name, c, measured, pool.kv_bytes_per_token, len(ids),
+                                         request.max_tokens))
+        stratum = breakdowns[0]
         return pb.CostEstimateResponse(
-            estimated_cost_usd=c.estimated_cost_usd, input_tokens=len(ids), max_output_tokens=request.max_tokens,
+            estimated_cost_usd=stratum.cost_usd, input_tokens=len(ids), max_output_tokens=request.max_tokens,
             gpu_usd_per_hour=self.prices.gpu_usd_per_hour, transfer_usd_per_gb=self.prices.transfer_usd_per_gb,
-            hbm_usd_per_gb_hour=self.prices.hbm_usd_per_gb_hour,
-            breakdown=pb.CostBreakdown(
-                stack="stratum", compute_usd=c.compute_usd, hbm_usd=c.hbm_usd, transfer_usd=c.transfer_usd,
-                compute_seconds=c.compute_seconds, kv_gb_hours=c.kv_gb_hours, transfer_gb=c.transfer_gb,
-                decode_step_ms=measured.decode_step_ms, prefill_tokens_per_s=measured.prefill_tokens_per_s,
-                decode_batch=max(1.0, measured.decode_batch), kv_bytes_per_token=served.kv_bytes_per_token))
+            hbm_usd_per_gb_hour=self.prices.hbm_usd_per_gb_hour, breakdown=stratum, stacks=breakdowns)
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         served = self.served
@@ -182,6 +184,16 @@ class StratumServicer(pb_grpc.StratumServicer):
             return self.frontend.require_serving()
         except RequestFailed as e:
             await context.abort(GRPC_CODES[e.failure], e.message)
+
+
+def _breakdown(stack: str, c: cost.Cost, measured: cost.Measured, kv_bytes_per_token: int, input_tokens: int,
+               output_tokens: int) -> pb.CostBreakdown:
+    return pb.CostBreakdown(
+        stack=stack, cost_usd=c.estimated_cost_usd, compute_usd=c.compute_usd, hbm_usd=c.hbm_usd,
+        transfer_usd=c.transfer_usd, compute_seconds=c.compute_seconds, kv_gb_hours=c.kv_gb_hours,
+        transfer_gb=c.transfer_gb, decode_step_ms=measured.decode_step_ms,
+        prefill_tokens_per_s=measured.prefill_tokens_per_s, decode_batch=max(1.0, measured.decode_batch),
+        kv_bytes_per_token=kv_bytes_per_token, billed_input_tokens=input_tokens, billed_output_tokens=output_tokens)
 
 
 def _dmlp_status(engine) -> pb.DmlpStatus | None:

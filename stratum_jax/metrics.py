@@ -4,6 +4,11 @@ The engine never imports this module: the serving layer feeds it with `Engine.st
 the engine thread, after each step) and with per-request figures (from the gRPC handlers, when a
 request ends). Each server owns its own `CollectorRegistry`, so several servers can live in one process.
 
+Every series carries a `stack` label (the first label, before a metric's own): a server that runs several
+stacks (`--stacks stratum,baseline`, plus the long-context pool) feeds one `ServingMetrics` per stack, all in
+one registry (`ServingMetrics.for_stack`), so the stacks sit side by side on one dashboard under the same
+metric names. The stratum_dmlp_* metrics have no stack label: only the Stratum stack runs a DMLP.
+
 `python -m stratum_jax.metrics` prints the table of names that the README quotes.
 """
 from __future__ import annotations
@@ -60,7 +65,16 @@ METRICS: dict[str, tuple[str, str]] = {
     "stratum_cached_input_tokens_total": ("counter", "Prompt tokens served from the prefix cache."),
     "stratum_output_tokens_total": ("counter", "Tokens generated for requests that ended."),
     "stratum_routed_requests_total": ("counter", "Messages requests by their x-stratum-route header value."),
+    "stratum_route_decisions_total": ("counter", "Messages requests by the pool they were routed to and why: "
+                                      "route=default or long-context, reason=header, length, regex, "
+                                      "low_entropy (below --route-entropy-bits: one pool) or short."),
+    "stratum_prompt_length_entropy_bits": ("gauge", "Shannon entropy (bits) of the recent prompt lengths in log2 "
+                                           "bins; above --route-entropy-bits requests are classified."),
     "stratum_request_weight": ("histogram", "x-stratum-weight header values of Messages requests that sent one."),
+    "stratum_metered_cost_usd_total": ("counter", "Metered usage: the cost formula (serving/cost.py) applied to "
+                                       "what each finished request ran, USD, by cost term (compute, hbm, transfer)."),
+    "stratum_metered_output_tokens_total": ("counter", "Output tokens of the requests in "
+                                            "stratum_metered_cost_usd_total (cost per token = the ratio)."),
     "stratum_hbm_bandwidth_gbps": ("gauge", "Device memory copy bandwidth measured at start-up (GB/s)."),
     "stratum_jit_compilations_total": ("counter", "XLA compilations in the server process (counted through "
                                        "jax.monitoring); after SERVING each one is a bug and is logged."),
@@ -87,12 +101,16 @@ DMLP_METRICS: dict[str, tuple[str, str]] = {
     "stratum_dmlp_online_dropped_total": ("counter", "Online examples dropped because the queue was full."),
 }
 
-# name -> its one label, for the metrics that have one.
-LABELS = {"stratum_kv_pages_used": "tier", "stratum_kv_pages_free": "tier", "stratum_kv_tokens_used": "tier",
+# name -> its own label(s) beyond `stack`, for the metrics that have any (a tuple for more than one).
+LABELS: dict[str, str | tuple[str, ...]] = {"stratum_kv_pages_used": "tier", "stratum_kv_pages_free": "tier", "stratum_kv_tokens_used": "tier",
           "stratum_kv_tokens_total": "tier", "stratum_kv_bytes": "tier", "stratum_kv_precision": "precision",
           "stratum_kv_recall_choices_total": "choice",
           "stratum_requests_total": "status", "stratum_stop_reasons_total": "reason",
-          "stratum_routed_requests_total": "route"}
+          "stratum_routed_requests_total": "route", "stratum_route_decisions_total": ("route", "reason"),
+          "stratum_metered_cost_usd_total": "term"}
+
+STACK_LABEL = "stack"      # on every series of METRICS
+DEFAULT_STACK = "stratum"  # the stack a ServingMetrics feeds unless told otherwise
 
 KV_TIER = "device"
 HOST_TIER = "host"   # the host-memory tier (--kv-host-tokens), only when there is one
@@ -144,68 +162,107 @@ class _Recent:
                               _percentile(values, .50), _percentile(values, .95), _percentile(values, .99))
 
 
+def label_names(name: str) -> tuple[str, ...]:
+    """The labels of a metric of METRICS: `stack`, then its own (LABELS)."""
+    own = LABELS.get(name, ())
+    return (STACK_LABEL,) + ((own,) if isinstance(own, str) else tuple(own))
+
+
+class _StackBound:
+    """A family with a second label, its stack label fixed: `labels(value)` is the (stack, value) child."""
+
+    def __init__(self, family, stack: str) -> None:
+        self._family = family
+        self._stack = stack
+
+    def labels(self, *values: str):
+        return self._family.labels(self._stack, *values)
+
+
+class MetricFamilies:
+    """Every metric family of METRICS in one registry, each labelled (stack, [its own label])."""
+
+    def __init__(self, registry: prom.CollectorRegistry) -> None:
+        self.registry = registry
+        self.families: dict[str, object] = {}
+        buckets = {"stratum_ttft_seconds": _TTFT_BUCKETS, "stratum_tpot_seconds": _TPOT_BUCKETS,
+                   "stratum_e2e_latency_seconds": _E2E_BUCKETS, "stratum_kv_recall_seconds": _RECALL_BUCKETS,
+                   "stratum_gpu_idle_ms": _IDLE_MS_BUCKETS, "stratum_request_weight": _WEIGHT_BUCKETS}
+        for name, (kind, text) in METRICS.items():
+            labels = label_names(name)
+            if kind == "counter":   # prometheus_client appends the _total suffix itself
+                family = prom.Counter(name.removesuffix("_total"), text, labels, registry=registry)
+            elif kind == "gauge":
+                family = prom.Gauge(name, text, labels, registry=registry)
+            else:
+                family = prom.Histogram(name, text, labels, buckets=buckets[name], registry=registry)
+            self.families[name] = family
+
+    def bound(self, name: str, stack: str):
+        """The series of `stack`: a child (inc/set/observe) or, with a second label, a _StackBound."""
+        family = self.families[name]
+        return _StackBound(family, stack) if name in LABELS else family.labels(stack)
+
+
 class ServingMetrics:
-    """Every metric of one server, in its own registry. Safe to call from any thread."""
+    """Every metric of one stack of one server. Safe to call from any thread.
 
-    def __init__(self, registry: prom.CollectorRegistry | None = None) -> None:
-        self.registry = registry or prom.CollectorRegistry()
-        r = self.registry
+    `ServingMetrics()` makes a registry of its own; `for_stack(name)` gives the metrics of another stack in
+    the same registry (the same names, another `stack` label value).
+    """
 
-        def help_of(name: str) -> str:
-            return METRICS[name][1]
+    def __init__(self, registry: prom.CollectorRegistry | None = None, stack: str = DEFAULT_STACK,
+                 families: MetricFamilies | None = None) -> None:
+        self.registry = registry or (families.registry if families is not None else prom.CollectorRegistry())
+        self.stack = stack
+        self._families = families or MetricFamilies(self.registry)
 
-        def labels_of(name: str) -> tuple[str, ...]:
-            return (LABELS[name],) if name in LABELS else ()
+        def bound(name: str):
+            return self._families.bound(name, stack)
 
-        def counter(name: str) -> prom.Counter:
-            # prometheus_client appends the _total suffix itself.
-            return prom.Counter(name.removesuffix("_total"), help_of(name), labels_of(name), registry=r)
-
-        def gauge(name: str) -> prom.Gauge:
-            return prom.Gauge(name, help_of(name), labels_of(name), registry=r)
-
-        def histogram(name: str, buckets: tuple[float, ...]) -> prom.Histogram:
-            return prom.Histogram(name, help_of(name), buckets=buckets, registry=r)
-
-        self.ttft = histogram("stratum_ttft_seconds", _TTFT_BUCKETS)
-        self.tpot = histogram("stratum_tpot_seconds", _TPOT_BUCKETS)
-        self.e2e = histogram("stratum_e2e_latency_seconds", _E2E_BUCKETS)
-        self.queue_length = gauge("stratum_queue_length")
-        self.running = gauge("stratum_running_requests")
-        self.in_flight = gauge("stratum_in_flight_requests")
-        self.kv_pages_used = gauge("stratum_kv_pages_used")
-        self.kv_pages_free = gauge("stratum_kv_pages_free")
-        self.kv_tokens_used = gauge("stratum_kv_tokens_used")
-        self.kv_tokens_total = gauge("stratum_kv_tokens_total")
-        self.cache_hits = counter("stratum_prefix_cache_hits_total")
-        self.cache_queries = counter("stratum_prefix_cache_queries_total")
-        self.host_hits = counter("stratum_kv_host_hits_total")
-        self.prefetched = counter("stratum_kv_prefetched_pages_total")
-        self.offloaded = counter("stratum_kv_offloaded_pages_total")
-        self.recalled = counter("stratum_kv_recalled_pages_total")
-        self.recall_seconds = histogram("stratum_kv_recall_seconds", _RECALL_BUCKETS)
-        self.recall_choices = counter("stratum_kv_recall_choices_total")
-        self.kv_bytes = gauge("stratum_kv_bytes")
-        self.kv_precision = gauge("stratum_kv_precision")
-        self.cache_hit_rate = gauge("stratum_cache_hit_rate")
-        self.preemptions = counter("stratum_preemptions_total")
-        self.steps = counter("stratum_engine_steps_total")
-        self.decode_step = gauge("stratum_decode_step_seconds")
-        self.prefill_tps = gauge("stratum_prefill_tokens_per_second")
-        self.prefill_tokens = counter("stratum_prefill_tokens_total")
-        self.gpu_idle_fraction = gauge("stratum_gpu_idle_fraction")
-        self.gpu_idle_ms = histogram("stratum_gpu_idle_ms", _IDLE_MS_BUCKETS)
-        self.requests = counter("stratum_requests_total")
-        self.stop_reasons = counter("stratum_stop_reasons_total")
-        self.input_tokens = counter("stratum_input_tokens_total")
-        self.cached_input_tokens = counter("stratum_cached_input_tokens_total")
-        self.output_tokens = counter("stratum_output_tokens_total")
-        self.routes = counter("stratum_routed_requests_total")
-        self.weights = histogram("stratum_request_weight", _WEIGHT_BUCKETS)
-        self.hbm_bandwidth = gauge("stratum_hbm_bandwidth_gbps")
-        self.jit_compilations = counter("stratum_jit_compilations_total")
-        self.jit_compilations_after_serving = counter("stratum_jit_compilations_after_serving_total")
-        self.hab_triggers = counter("stratum_hab_triggers_total")
+        self.ttft = bound("stratum_ttft_seconds")
+        self.tpot = bound("stratum_tpot_seconds")
+        self.e2e = bound("stratum_e2e_latency_seconds")
+        self.queue_length = bound("stratum_queue_length")
+        self.running = bound("stratum_running_requests")
+        self.in_flight = bound("stratum_in_flight_requests")
+        self.kv_pages_used = bound("stratum_kv_pages_used")
+        self.kv_pages_free = bound("stratum_kv_pages_free")
+        self.kv_tokens_used = bound("stratum_kv_tokens_used")
+        self.kv_tokens_total = bound("stratum_kv_tokens_total")
+        self.cache_hits = bound("stratum_prefix_cache_hits_total")
+        self.cache_queries = bound("stratum_prefix_cache_queries_total")
+        self.host_hits = bound("stratum_kv_host_hits_total")
+        self.prefetched = bound("stratum_kv_prefetched_pages_total")
+        self.offloaded = bound("stratum_kv_offloaded_pages_total")
+        self.recalled = bound("stratum_kv_recalled_pages_total")
+        self.recall_seconds = bound("stratum_kv_recall_seconds")
+        self.recall_choices = bound("stratum_kv_recall_choices_total")
+        self.kv_bytes = bound("stratum_kv_bytes")
+        self.kv_precision = bound("stratum_kv_precision")
+        self.cache_hit_rate = bound("stratum_cache_hit_rate")
+        self.preemptions = bound("stratum_preemptions_total")
+        self.steps = bound("stratum_engine_steps_total")
+        self.decode_step = bound("stratum_decode_step_seconds")
+        self.prefill_tps = bound("stratum_prefill_tokens_per_second")
+        self.prefill_tokens = bound("stratum_prefill_tokens_total")
+        self.gpu_idle_fraction = bound("stratum_gpu_idle_fraction")
+        self.gpu_idle_ms = bound("stratum_gpu_idle_ms")
+        self.requests = bound("stratum_requests_total")
+        self.stop_reasons = bound("stratum_stop_reasons_total")
+        self.input_tokens = bound("stratum_input_tokens_total")
+        self.cached_input_tokens = bound("stratum_cached_input_tokens_total")
+        self.output_tokens = bound("stratum_output_tokens_total")
+        self.routes = bound("stratum_routed_requests_total")
+        self.route_decisions = bound("stratum_route_decisions_total")
+        self.prompt_length_entropy = bound("stratum_prompt_length_entropy_bits")
+        self.weights = bound("stratum_request_weight")
+        self.metered_usd = bound("stratum_metered_cost_usd_total")
+        self.metered_output_tokens = bound("stratum_metered_output_tokens_total")
+        self.hbm_bandwidth = bound("stratum_hbm_bandwidth_gbps")
+        self.jit_compilations = bound("stratum_jit_compilations_total")
+        self.jit_compilations_after_serving = bound("stratum_jit_compilations_after_serving_total")
+        self.hab_triggers = bound("stratum_hab_triggers_total")
 
         # The engine reports cumulative counts; Prometheus counters only go up by increments.
         self._last_engine_counts: dict[str, int] = {}
@@ -213,6 +270,15 @@ class ServingMetrics:
         self._tokens = collections.Counter()
         self._lock = threading.Lock()
         self.recent_ttft, self.recent_tpot, self.recent_e2e = _Recent(), _Recent(), _Recent()
+
+    def for_stack(self, stack: str) -> "ServingMetrics":
+        """The metrics of `stack` in this registry (its own series, counters and recent-latency windows)."""
+        return ServingMetrics(stack=stack, families=self._families)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """The current value of one of this stack's samples (tests, benchmarks), e.g.
+        value("stratum_requests_total", {"status": "ok"}); None when the series does not exist."""
+        return self.registry.get_sample_value(name, {STACK_LABEL: self.stack, **(labels or {})})
 
     # ---- engine side (engine thread, after each step) ----
 
@@ -303,6 +369,16 @@ class ServingMetrics:
             self._tokens["input"] += input_tokens
             self._tokens["output"] += output_tokens
 
+    def record_metered(self, *, compute_usd: float, hbm_usd: float, transfer_usd: float, output_tokens: int) -> None:
+        """Adds one finished request's metered usage (serving/cost.py meter), by cost term."""
+        for term, usd in (("compute", compute_usd), ("hbm", hbm_usd), ("transfer", transfer_usd)):
+            self.metered_usd.labels(term).inc(usd)
+        self.metered_output_tokens.inc(output_tokens)
+
+    def record_route(self, route: str, reason: str) -> None:
+        """Counts one routing decision (the pool, and why it was chosen)."""
+        self.route_decisions.labels(route, reason).inc()
+
     def status_counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._status_counts)
@@ -319,7 +395,8 @@ class ServingMetrics:
 
 def markdown_table() -> str:
     rows = ["| metric | type | labels | meaning |", "| --- | --- | --- | --- |"]
-    rows += [f"| `{name}` | {kind} | {LABELS.get(name, '')} | {text} |" for name, (kind, text) in METRICS.items()]
+    rows += [f"| `{name}` | {kind} | {', '.join(label_names(name))} | {text} |"
+             for name, (kind, text) in METRICS.items()]
     return "\n".join(rows)
 
 

@@ -242,7 +242,7 @@ def test_dkvc_metrics_from_engine_stats():
     m.observe_engine(EngineStats(**base, kv_recall_batches=2, kv_recall_seconds=(0.002, 0.004)))
     m.observe_engine(EngineStats(**{**base, "kv_recalled_pages": 3}, kv_recall_batches=3,
                                  kv_recall_seconds=(0.002, 0.004, 0.5), kv_recall_choices=3, kv_recompute_choices=1))
-    value = m.registry.get_sample_value
+    value = m.value
     assert value("stratum_kv_precision", {"precision": "fp8-delta"}) == 1
     assert value("stratum_kv_bytes", {"tier": "device"}) == 32 * 100
     assert value("stratum_kv_bytes", {"tier": "host"}) == 48 * 100

@@ -262,6 +262,10 @@ def _bad_cases(served) -> list[tuple[str, pb.MessagesRequest, tuple, grpc.Status
          "x-stratum-weight"),
         ("unknown route", ok, MD + (("x-stratum-route", "fast"),), grpc.StatusCode.INVALID_ARGUMENT,
          "x-stratum-route"),
+        ("long-context without the pool", ok, MD + (("x-stratum-route", "long-context"),),
+         grpc.StatusCode.INVALID_ARGUMENT, "long-context in --stacks"),
+        ("bad session key", ok, MD + (("x-stratum-session", "two words"),), grpc.StatusCode.INVALID_ARGUMENT,
+         "x-stratum-session"),
         ("oversized", user("z" * (MAX_MESSAGE_BYTES + 1)), MD, grpc.StatusCode.RESOURCE_EXHAUSTED,
          "--max-message-bytes"),
         ("no key", ok, (), grpc.StatusCode.UNAUTHENTICATED, "missing x-api-key"),
@@ -456,7 +460,7 @@ def test_metrics_endpoint_scrapes_and_parses(served):
     for name, (kind, _) in METRICS.items():
         base = name.removesuffix("_total") if kind == "counter" else name
         assert base in families, f"{name} missing from the exposition"
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+    samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "stack"))): s.value
                for f in families.values() for s in f.samples}
     assert samples[("stratum_requests_total", (("status", "ok"),))] >= 3
     assert samples[("stratum_ttft_seconds_count", ())] >= 3

@@ -216,3 +216,24 @@ def test_slot_arrivals_need_a_slot_width_when_the_window_has_one_timestamp(bench
     with pytest.raises(SystemExit):
         bench.main(["--trace", str(trace), "--num-requests", "3", "--arrival-slot-ms", "-5"])
     assert not (bench.RESULTS / "never_written.json").exists()
+
+
+def test_figures_per_stack_and_metered_cost_per_1k_output_tokens(bench):
+    """A two-stack replay's summary splits by the stack each reply named, and prices output tokens from the
+    metered usage on the replies; histograms sum over the stacks' series."""
+    def done(stack, usd, tokens, ttft_s):
+        r = bench.RequestResult(0, 0.0, 10, tokens, status="OK", output_tokens=tokens, stack=stack, metered_usd=usd)
+        r.token_times = [ttft_s + 0.01 * i for i in range(tokens)]
+        return r
+    results = [done("stratum", 2e-6, 4, 0.1), done("baseline", 6e-6, 4, 2.0), done("baseline", 2e-6, 2, 0.2)]
+    s = bench.summarize(results, 10.0, slo_ttft_s=1.0, slo_tpot_s=0.05)
+    assert s["metered_usd_per_1k_output_tokens"] == pytest.approx(1e3 * 10e-6 / 10)
+    assert s["by_stack"]["stratum"]["metered_usd_per_1k_output_tokens"] == pytest.approx(1e3 * 2e-6 / 4)
+    assert s["by_stack"]["baseline"]["finished"] == 2 and s["by_stack"]["baseline"]["goodput_rps"] == 0.1
+    text = ('# TYPE stratum_gpu_idle_ms histogram\n'
+            'stratum_gpu_idle_ms_bucket{stack="stratum",le="1.0"} 3\nstratum_gpu_idle_ms_bucket{stack="stratum",le="+Inf"} 5\n'
+            'stratum_gpu_idle_ms_bucket{stack="baseline",le="1.0"} 1\nstratum_gpu_idle_ms_bucket{stack="baseline",le="+Inf"} 2\n'
+            'stratum_gpu_idle_ms_sum{stack="stratum"} 7.5\nstratum_gpu_idle_ms_count{stack="stratum"} 5\n'
+            'stratum_gpu_idle_ms_sum{stack="baseline"} 1.5\nstratum_gpu_idle_ms_count{stack="baseline"} 2\n')
+    h = bench.histogram(bench.parse_metrics(text), "stratum_gpu_idle_ms")
+    assert h == {"buckets": {"1.0": 4.0, "+Inf": 7.0}, "sum": 9.0, "count": 7.0}

@@ -52,7 +52,7 @@ class Http:
     def metrics(self) -> dict[tuple[str, tuple], float]:
         status, text = self.get("/metrics")
         assert status == 200
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "stack"))): s.value
                 for f in text_string_to_metric_families(text.decode()) for s in f.samples}
 
     def status_count(self, status: str) -> float:
@@ -172,6 +172,8 @@ def test_completions_streamed_and_not(http):
     assert "".join(c.choices[0].text for c in chunks) == text.choices[0].text
     assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == ids
     assert all(c.usage is None for c in chunks)       # no usage chunk without stream_options.include_usage
+    raw = http.client.completions.with_raw_response.create(prompt="Once upon a time", **kw)
+    assert raw.headers["x-stratum-stack"] == "stratum"          # the stack that served it
     http.wait_idle()
 
 

@@ -146,7 +146,7 @@ def test_engine_counters_advance_by_deltas():
     m = ServingMetrics()
     m.observe_engine(Stats())
     m.observe_engine(Stats(prefix_cache_hits=5, prefix_cache_queries=8, steps=9))
-    value = m.registry.get_sample_value
+    value = m.value
     assert value("stratum_prefix_cache_hits_total") == 5
     assert value("stratum_prefix_cache_queries_total") == 8
     assert value("stratum_engine_steps_total") == 9
@@ -157,7 +157,7 @@ def test_engine_counters_advance_by_deltas():
 def test_host_tier_figures_only_with_a_host_tier():
     m = ServingMetrics()
     m.observe_engine(Stats())                                  # no host tier: no host series
-    value = m.registry.get_sample_value
+    value = m.value
     assert value("stratum_kv_tokens_total", {"tier": "host"}) is None
     host = dict(kv_host_tokens_total=4096, kv_host_tokens_used=1024, kv_host_hits=3, kv_prefetched_pages=2,
                 kv_offloaded_pages=7)
@@ -175,7 +175,7 @@ def test_request_figures_and_table():
     m.request_completed(stop_reason="max_tokens", output_tokens=11, ttft_s=0.5, e2e_s=1.5)
     m.request_ended("ok")
     m.record_tokens(7, 2, 11)
-    value = m.registry.get_sample_value
+    value = m.value
     assert value("stratum_tpot_seconds_sum") == pytest.approx(0.1)
     assert value("stratum_requests_total", {"status": "ok"}) == 1
     assert m.token_counts() == (7, 11) and m.recent_e2e.summary().p50_s == 1.5

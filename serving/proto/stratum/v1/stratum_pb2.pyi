@@ -123,14 +123,20 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class MessageStop(_message.Message):
-    __slots__ = ("stop_reason", "usage", "timings")
+    __slots__ = ("stop_reason", "usage", "timings", "stack", "route", "metered")
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    METERED_FIELD_NUMBER: _ClassVar[int]
     stop_reason: StopReason
     usage: Usage
     timings: Timings
-    def __init__(self, stop_reason: _Optional[_Union[StopReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    stack: str
+    route: str
+    metered: CostBreakdown
+    def __init__(self, stop_reason: _Optional[_Union[StopReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stack: _Optional[str] = ..., route: _Optional[str] = ..., metered: _Optional[_Union[CostBreakdown, _Mapping]] = ...) -> None: ...
 
 class CountTokensRequest(_message.Message):
     __slots__ = ("model", "system", "messages")
@@ -161,7 +167,7 @@ class CostEstimateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., system: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class CostBreakdown(_message.Message):
-    __slots__ = ("stack", "compute_usd", "hbm_usd", "transfer_usd", "compute_seconds", "kv_gb_hours", "transfer_gb", "decode_step_ms", "prefill_tokens_per_s", "decode_batch", "kv_bytes_per_token")
+    __slots__ = ("stack", "compute_usd", "hbm_usd", "transfer_usd", "compute_seconds", "kv_gb_hours", "transfer_gb", "decode_step_ms", "prefill_tokens_per_s", "decode_batch", "kv_bytes_per_token", "cost_usd", "billed_input_tokens", "billed_output_tokens")
     STACK_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_USD_FIELD_NUMBER: _ClassVar[int]
     HBM_USD_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +179,9 @@ class CostBreakdown(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COST_USD_FIELD_NUMBER: _ClassVar[int]
+    BILLED_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BILLED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     stack: str
     compute_usd: float
     hbm_usd: float
@@ -184,10 +193,13 @@ class CostBreakdown(_message.Message):
     prefill_tokens_per_s: float
     decode_batch: float
     kv_bytes_per_token: int
-    def __init__(self, stack: _Optional[str] = ..., compute_usd: _Optional[float] = ..., hbm_usd: _Optional[float] = ..., transfer_usd: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., kv_gb_hours: _Optional[float] = ..., transfer_gb: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_batch: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
+    cost_usd: float
+    billed_input_tokens: int
+    billed_output_tokens: int
+    def __init__(self, stack: _Optional[str] = ..., compute_usd: _Optional[float] = ..., hbm_usd: _Optional[float] = ..., transfer_usd: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., kv_gb_hours: _Optional[float] = ..., transfer_gb: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_batch: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., cost_usd: _Optional[float] = ..., billed_input_tokens: _Optional[int] = ..., billed_output_tokens: _Optional[int] = ...) -> None: ...
 
 class CostEstimateResponse(_message.Message):
-    __slots__ = ("estimated_cost_usd", "input_tokens", "max_output_tokens", "gpu_usd_per_hour", "transfer_usd_per_gb", "hbm_usd_per_gb_hour", "breakdown")
+    __slots__ = ("estimated_cost_usd", "input_tokens", "max_output_tokens", "gpu_usd_per_hour", "transfer_usd_per_gb", "hbm_usd_per_gb_hour", "breakdown", "stacks")
     ESTIMATED_COST_USD_FIELD_NUMBER: _ClassVar[int]
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +207,7 @@ class CostEstimateResponse(_message.Message):
     TRANSFER_USD_PER_GB_FIELD_NUMBER: _ClassVar[int]
     HBM_USD_PER_GB_HOUR_FIELD_NUMBER: _ClassVar[int]
     BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
     estimated_cost_usd: float
     input_tokens: int
     max_output_tokens: int
@@ -202,7 +215,8 @@ class CostEstimateResponse(_message.Message):
     transfer_usd_per_gb: float
     hbm_usd_per_gb_hour: float
     breakdown: CostBreakdown
-    def __init__(self, estimated_cost_usd: _Optional[float] = ..., input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., gpu_usd_per_hour: _Optional[float] = ..., transfer_usd_per_gb: _Optional[float] = ..., hbm_usd_per_gb_hour: _Optional[float] = ..., breakdown: _Optional[_Union[CostBreakdown, _Mapping]] = ...) -> None: ...
+    stacks: _containers.RepeatedCompositeFieldContainer[CostBreakdown]
+    def __init__(self, estimated_cost_usd: _Optional[float] = ..., input_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., gpu_usd_per_hour: _Optional[float] = ..., transfer_usd_per_gb: _Optional[float] = ..., hbm_usd_per_gb_hour: _Optional[float] = ..., breakdown: _Optional[_Union[CostBreakdown, _Mapping]] = ..., stacks: _Optional[_Iterable[_Union[CostBreakdown, _Mapping]]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
