@@ -405,7 +405,8 @@ class Poller:
     """Samples gauges from /metrics every period_s while the replay runs."""
 
     NAMES = ("stratum_gpu_idle_fraction", "stratum_queue_length", "stratum_running_requests",
-             "stratum_prefill_tokens_total")
+             "stratum_prefill_tokens_total", "stratum_hbm_bandwidth_utilization", "stratum_gpu_compute_utilization")
+    GAUGES = {"stratum_gpu_idle_fraction", "stratum_hbm_bandwidth_utilization", "stratum_gpu_compute_utilization"}
 
     def __init__(self, url: str | None, period_s: float) -> None:
         self.url, self.period_s = url, period_s
@@ -417,10 +418,10 @@ class Poller:
         while True:
             try:
                 s = await scrape(self.url)
-                # The idle fraction is the first stack's (the Stratum stack's: its engine measures its own
-                # idle gaps); the queue, running and prefill figures are summed over the stacks.
+                # The idle fraction and the utilizations are the first stack's (the Stratum stack's: its engine
+                # measures its own steps); the queue, running and prefill figures are summed over the stacks.
                 self.samples.append([round(time.perf_counter() - t0, 3)] + [
-                    gauge(s, n) if n == "stratum_gpu_idle_fraction" else counter_total(s, n) for n in self.NAMES])
+                    gauge(s, n) if n in self.GAUGES else counter_total(s, n) for n in self.NAMES])
             except (OSError, ValueError):      # a missed sample is counted, not fatal
                 self.errors += 1
             await asyncio.sleep(self.period_s)
@@ -436,7 +437,15 @@ class Poller:
         cols = list(zip(*self.samples)) if self.samples else [[] for _ in range(len(self.NAMES) + 1)]
         return {"fields": ["t_s", *self.NAMES], "rows": self.samples, "scrape_errors": self.errors,
                 **{n.removeprefix("stratum_"): series_summary(cols[i + 1]) for i, n in enumerate(self.NAMES)},
-                **while_queued(self.samples)}
+                **while_queued(self.samples), **utilization_while_running(self.samples)}
+
+
+def utilization_while_running(rows: list[list]) -> dict:
+    """The step utilization gauges (issue #18) over the Poller rows taken while requests ran (column 3 > 0):
+    the gauges are medians of the engine's latest steps, so an idle server keeps showing its last ones."""
+    busy = [r for r in rows if r[3]]
+    return {f"{name}_while_running": series_summary([r[col] for r in busy])
+            for name, col in (("hbm_bandwidth_utilization", 5), ("gpu_compute_utilization", 6))}
 
 
 def while_queued(rows: list[list]) -> dict:
@@ -872,7 +881,7 @@ def per_request_table(results: list[RequestResult]) -> dict:
 def print_table(report: dict) -> None:
     head = (f"{'config':<10} {'rate':>5} {'req/s':>7} {'ok/fail':>9} {'TTFT p50':>9} {'p95':>9} {'TPOT p50':>9} "
             f"{'p95':>8} {'ITL p95':>8} {'out tok/s':>10} {'goodput':>8} {'compiles':>8} {'queued: prefill tok/s':>21} "
-            f"{'idle':>5}")
+            f"{'idle':>5} {'HBM/MMA util':>12}")
     print(head)
     print("-" * len(head))
 
@@ -891,14 +900,17 @@ def print_table(report: dict) -> None:
             q = s.get("metric_samples") or {}
             idle = q.get("gpu_idle_fraction_while_queued")
             idle = "-" if idle is None else f"{idle:.0%}"
+            hbm, mma = (q.get(f"{k}_while_running") for k in ("hbm_bandwidth_utilization", "gpu_compute_utilization"))
+            util = f"{hbm['p50']:.0%}/{mma['p50']:.0%}" if hbm and mma else "-"
             print(f"{c['name']:<10} {rate + 'x':>5} {s['offered_rps']:>7.2f} {s['finished']:>4}/{s['failed']:<4} "
                   f"{f(s['ttft_ms'], 'p50', 9)} {f(s['ttft_ms'], 'p95', 9)} {f(s['tpot_ms'], 'p50', 9)} "
                   f"{f(s['tpot_ms'], 'p95', 8)} {f(s['itl_ms'], 'p95', 8)} {s['output_tokens_per_s']:>10.1f} "
                   f"{s['goodput_rps']:>8.3f} {comp:>8} {f(q, 'prefill_tokens_per_s_while_queued', 21)} "
-                  f"{idle:>5}")
+                  f"{idle:>5} {util:>12}")
     print("(times in ms; req/s offered; goodput: requests/s meeting "
           f"TTFT <= {report['args']['slo_ttft_ms']} ms and TPOT <= {report['args']['slo_tpot_ms']} ms; "
-          "queued: over the /metrics sample intervals with requests queued at both ends)")
+          "queued: over the /metrics sample intervals with requests queued at both ends; util: median "
+          "stratum_hbm_bandwidth_utilization / stratum_gpu_compute_utilization over the samples with requests running)")
     cmp = report.get("comparison")
     if cmp:
         ratios = ", ".join(f"{n} {r:.3f}x" if r is not None else f"{n} -" for n, r in cmp["goodput_ratio"].items())

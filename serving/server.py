@@ -26,6 +26,7 @@ from grpc_health.v1._async import HealthServicer
 from serving import cost
 from serving.auth import MESSAGES_METHOD, ApiKeyInterceptor, load_keys
 from serving.hardware import device_info, measure_copy_bandwidth_gbps
+from stratum_jax.bandwidth import measure_matmul_tflops, measure_read_bandwidth_gbps
 from serving.options import ServerOptions
 from serving.reflection import enable_reflection
 from serving.proto.stratum.v1 import stratum_pb2 as pb
@@ -56,6 +57,7 @@ class StratumServer:
         self.config = config
         self.options = options
         self._engine = engine            # None: built from config at start-up
+        self._device_peaks = (0.0, 0.0)  # read bytes/s, matmul FLOP/s: measured at start-up (_load_blocking)
         self.metrics = ServingMetrics()
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -142,6 +144,7 @@ class StratumServer:
         self.servicer.set_served(served, bandwidth)
         for pool in served.pools.values():
             pool.metrics.hbm_bandwidth.set(bandwidth)
+            pool.metrics.set_device_peaks(*self._device_peaks)
             pool.runner.engine.mark_serving()       # a compile from here on is on the request path
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -181,7 +184,12 @@ class StratumServer:
         self._start_dmlp(engine)
         start = time.perf_counter()
         bandwidth = measure_copy_bandwidth_gbps()
-        log.info("memory bandwidth measured in %.2f s", time.perf_counter() - start)
+        # The utilization gauges' ceilings, per device, times the devices a stack's step runs on.
+        devices = self.config.tensor_parallel
+        self._device_peaks = (measure_read_bandwidth_gbps() * 1e9 * devices, measure_matmul_tflops() * 1e12 * devices)
+        log.info("memory bandwidth (copy %.1f GB/s, read %.1f GB/s) and bf16 matmul rate (%.1f TFLOP/s) measured "
+                 "in %.2f s", bandwidth, self._device_peaks[0] / 1e9, self._device_peaks[1] / 1e12,
+                 time.perf_counter() - start)
         name = _model_name(self.config.model)
         mc = engine.model_config
         kv_bytes = cost.kv_bytes_per_token(mc)

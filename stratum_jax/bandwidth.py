@@ -63,12 +63,12 @@ def measure_read_bandwidth_gbps(nbytes: int | None = None, repeats: int = REPEAT
 
 def measure_matmul_tflops(size: int | None = None, repeats: int = REPEATS) -> float:
     """bf16 matmul rate (float32 accumulation inside, bf16 out) of a square [size, size] product, best of
-    `repeats`, in TFLOP/s: the compute ceiling a step's GEMMs can approach. size: 8192 on a GPU, 1024
-    elsewhere. Each product multiplies the previous one by itself (values overflow to inf; the tensor cores'
+    `repeats`, in TFLOP/s: the compute ceiling a step's GEMMs can approach. size: 8192 on a GPU, 512
+    elsewhere (servers in tests start often). Each product multiplies the previous one by itself (values overflow to inf; the tensor cores'
     rate does not depend on them)."""
     device = jax.devices()[0]
     if size is None:
-        size = 8192 if device.platform == "gpu" else 1024
+        size = 8192 if device.platform == "gpu" else 512
     a = jnp.full((size, size), 0.5, jnp.bfloat16, device=device)
     seconds = _best_seconds(jax.jit(lambda m: jnp.dot(m, m)), a, repeats, feed_back=True)
     return 2 * size**3 / seconds / 1e12

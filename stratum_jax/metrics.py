@@ -76,6 +76,17 @@ METRICS: dict[str, tuple[str, str]] = {
     "stratum_metered_output_tokens_total": ("counter", "Output tokens of the requests in "
                                             "stratum_metered_cost_usd_total (cost per token = the ratio)."),
     "stratum_hbm_bandwidth_gbps": ("gauge", "Device memory copy bandwidth measured at start-up (GB/s)."),
+    "stratum_read_bandwidth_gbps": ("gauge", "Device memory read bandwidth measured at start-up, a large bf16 sum "
+                                    "(GB/s, summed over the stack's devices): stratum_hbm_bandwidth_utilization's "
+                                    "ceiling."),
+    "stratum_matmul_tflops": ("gauge", "bf16 matmul rate measured at start-up (TFLOP/s, summed over the stack's "
+                              "devices): stratum_gpu_compute_utilization's ceiling."),
+    "stratum_hbm_bandwidth_utilization": ("gauge", "Bytes the recent steps must move (weights read, KV read and "
+                                          "written, counted by stratum_jax/step_work.py) per second of device "
+                                          "time, over stratum_read_bandwidth_gbps (median of recent steps)."),
+    "stratum_gpu_compute_utilization": ("gauge", "FLOPs of the recent steps (linear layers, LM head, attention, "
+                                        "counted by stratum_jax/step_work.py) per second of device time, over "
+                                        "stratum_matmul_tflops (median of recent steps)."),
     "stratum_jit_compilations_total": ("counter", "XLA compilations in the server process (counted through "
                                        "jax.monitoring); after SERVING each one is a bug and is logged."),
     "stratum_jit_compilations_after_serving_total": ("counter", "XLA compilations after the server reported "
@@ -260,6 +271,11 @@ class ServingMetrics:
         self.metered_usd = bound("stratum_metered_cost_usd_total")
         self.metered_output_tokens = bound("stratum_metered_output_tokens_total")
         self.hbm_bandwidth = bound("stratum_hbm_bandwidth_gbps")
+        self.read_bandwidth = bound("stratum_read_bandwidth_gbps")
+        self.matmul_tflops = bound("stratum_matmul_tflops")
+        self.hbm_utilization = bound("stratum_hbm_bandwidth_utilization")
+        self.compute_utilization = bound("stratum_gpu_compute_utilization")
+        self._peaks: tuple[float, float] | None = None      # (read bytes/s, matmul FLOP/s): set_device_peaks
         self.jit_compilations = bound("stratum_jit_compilations_total")
         self.jit_compilations_after_serving = bound("stratum_jit_compilations_after_serving_total")
         self.hab_triggers = bound("stratum_hab_triggers_total")
@@ -289,8 +305,17 @@ class ServingMetrics:
             counter.inc(delta)
         self._last_engine_counts[name] = int(value)
 
+    def set_device_peaks(self, read_bytes_per_s: float, matmul_flops_per_s: float) -> None:
+        """The start-up measurements the utilization gauges are taken against (stratum_jax/bandwidth.py)."""
+        self._peaks = (read_bytes_per_s, matmul_flops_per_s)
+        self.read_bandwidth.set(read_bytes_per_s / 1e9)
+        self.matmul_tflops.set(matmul_flops_per_s / 1e12)
+
     def observe_engine(self, stats: EngineStats) -> None:
         """Copies an `EngineStats` snapshot into the gauges and counters."""
+        if self._peaks is not None and stats.step_bytes_per_s > 0:
+            self.hbm_utilization.set(stats.step_bytes_per_s / self._peaks[0])
+            self.compute_utilization.set(stats.step_flops_per_s / self._peaks[1])
         self.queue_length.set(stats.queued)
         self.running.set(stats.running)
         self.kv_pages_used.labels(KV_TIER).set(stats.kv_pages_total - stats.kv_pages_free)

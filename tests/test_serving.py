@@ -468,3 +468,7 @@ def test_metrics_endpoint_scrapes_and_parses(served):
     assert samples[("stratum_output_tokens_total", ())] > 0
     assert samples[("stratum_prefix_cache_queries_total", ())] > 0
     assert 0 <= samples[("stratum_cache_hit_rate", ())] <= 1
+    # Counted step work over device time, against the start-up probes (issue #18's dashboard gauges).
+    assert samples[("stratum_read_bandwidth_gbps", ())] > 0 and samples[("stratum_matmul_tflops", ())] > 0
+    assert samples[("stratum_hbm_bandwidth_utilization", ())] > 0
+    assert samples[("stratum_gpu_compute_utilization", ())] > 0

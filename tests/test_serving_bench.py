@@ -188,6 +188,16 @@ def test_saturation_figures_count_only_intervals_with_requests_queued(bench):
                                                        "prefill_tokens_per_s_while_queued": None}
 
 
+def test_utilization_counts_only_samples_with_requests_running(bench):
+    # [t_s, idle, queue, running, prefill total, HBM utilization, compute utilization]
+    rows = [[0.0, 0.9, 0, 0, 0, 0.9, 0.9],          # idle: the gauges still show the last steps' figures
+            [0.5, 0.1, 2, 8, 100, 0.5, 0.1], [1.0, 0.1, 0, 4, 200, 0.7, 0.3]]
+    out = bench.utilization_while_running(rows)
+    assert out["hbm_bandwidth_utilization_while_running"]["p50"] == pytest.approx(0.6)
+    assert out["gpu_compute_utilization_while_running"]["n"] == 2
+    assert bench.utilization_while_running(rows[:1])["hbm_bandwidth_utilization_while_running"] is None
+
+
 def test_hab_is_compared_at_the_highest_rate_where_fcfs_holds_half(bench):
     def rate(good, goodput, n=10):
         return {"requests": n, "good_requests": good, "goodput_rps": goodput}

@@ -76,3 +76,19 @@ def test_the_engine_counts_each_step_it_dispatches(monkeypatch):
     assert seen[1] == engine.work.decode_call(contexts=[6], steps=[2])
     stats = engine.stats()
     assert stats.step_bytes_per_s > 0 and stats.step_flops_per_s > 0
+
+
+def test_the_utilization_gauges_divide_the_engines_rates_by_the_start_up_peaks():
+    from stratum_jax.engine_stats import EngineStats
+    from stratum_jax.metrics import ServingMetrics
+    metrics = ServingMetrics()
+    stats = EngineStats(queued=0, running=1, kv_pages_total=8, kv_pages_free=8, kv_tokens_total=64, kv_tokens_used=0,
+                        kv_tokens_written=0, prefix_cache_hits=0, prefix_cache_queries=0, preemptions=0, steps=1,
+                        decode_step_ms=1.0, prefill_tokens_per_s=0.0, step_bytes_per_s=2e12, step_flops_per_s=2e14)
+    metrics.observe_engine(stats)                     # no peaks yet: the gauges stay unset
+    assert metrics.value("stratum_hbm_bandwidth_utilization") in (None, 0.0)
+    metrics.set_device_peaks(read_bytes_per_s=4e12, matmul_flops_per_s=8e14)
+    metrics.observe_engine(stats)
+    assert metrics.value("stratum_hbm_bandwidth_utilization") == pytest.approx(0.5)
+    assert metrics.value("stratum_gpu_compute_utilization") == pytest.approx(0.25)
+    assert metrics.value("stratum_read_bandwidth_gbps") == pytest.approx(4000)
