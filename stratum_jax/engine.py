@@ -194,11 +194,12 @@ class Engine:
         """Launches the batch's step on the device without waiting for it."""
         with jax.profiler.TraceAnnotation(f"dispatch {batch.kind}"), self.phases.span("dispatch"):
             self.timeline.watch(self.inflight.step, self.clock())
-            # Counted before the dispatch is accounted (inflight.account_dispatch moves num_computed on).
-            work = self.work.scheduled([s.num_computed + 1 for s in batch.decode], batch.decode_steps,
-                                       [(s.num_computed, n) for s, n in zip(batch.prefill, batch.chunk_lens)])
             launched, self.kv_cache = self.runner.dispatch(batch, self.kv_cache, previous=self.inflight.step)
-            launched.work = work
+            # Counted once the device has the step (not delaying it), and before the dispatch is accounted
+            # (inflight.account_dispatch moves num_computed on).
+            launched.work = self.work.scheduled(
+                [s.num_computed + 1 for s in batch.decode], batch.decode_steps,
+                [(s.num_computed, n) for s, n in zip(batch.prefill, batch.chunk_lens)])
             self.timeline.dispatched(launched, self._ms(launched.dispatch_s))
         return launched
 
