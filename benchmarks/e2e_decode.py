@@ -43,9 +43,8 @@ from stratum_jax.distributed import init_distributed
 from stratum_jax.engine import Engine
 from stratum_jax.kv.precision import kv_bytes_per_slot
 from stratum_jax.model.loader import load_model
-from stratum_jax.bandwidth import measure_matmul_tflops, measure_read_bandwidth_gbps
+from stratum_jax.bandwidth import measure_device_peaks
 from stratum_jax.request import SamplingParams
-from stratum_jax.step_work import DevicePeaks
 from stratum_jax.tensor_parallel import make_tensor_parallel
 from tp_profile_split import WINDOW_FILE  # noqa: E402  (benchmarks/, this script's directory)
 
@@ -233,8 +232,8 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16") 
         # stratum_hbm_bandwidth_utilization / stratum_gpu_compute_utilization as the server computes them:
         # counted bytes and FLOPs per device second of recent steps (step_work.py) over peaks measured here.
         "read_tbps": args.peaks.read_bytes_per_s / 1e12, "matmul_tflops": args.peaks.matmul_flops_per_s / 1e12,
-        "hbm_bandwidth_utilization": stats.step_bytes_per_s / args.peaks.read_bytes_per_s,
-        "gpu_compute_utilization": stats.step_flops_per_s / args.peaks.matmul_flops_per_s,
+        **dict(zip(("hbm_bandwidth_utilization", "gpu_compute_utilization"),
+                   args.peaks.of_rates(stats.step_bytes_per_s, stats.step_flops_per_s))),
     }
 
 
@@ -282,8 +281,7 @@ def load(args):
     tp = make_tensor_parallel(args.tensor_parallel, embedding=args.tp_embedding)
     model = load_model(args.model, seed=0, tp=tp, dtype=args.dtype)
     # The peaks the utilization figures are taken against (the server's start-up measures the same).
-    args.peaks = DevicePeaks(measure_read_bandwidth_gbps() * 1e9 * args.tensor_parallel,
-                             measure_matmul_tflops() * 1e12 * args.tensor_parallel)
+    args.peaks = measure_device_peaks(args.tensor_parallel)
     return model, measure_copy_bandwidth(int(args.copy_gb * (1 << 30)))
 
 

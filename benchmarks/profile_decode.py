@@ -38,7 +38,6 @@ import jax
 import e2e_decode  # noqa: E402  (benchmarks/, this script's directory)
 from device_trace import (by_kind_us, decode_call_spans, kernel_kind, kernels, load_events,  # noqa: E402
                           newest_trace, top_kernels, union_us)
-from stratum_jax.bandwidth import measure_read_bandwidth_gbps
 from stratum_jax.step_work import ModelWork
 
 # (part, pattern over an op's op_name), first match wins; the scopes are set in stratum_jax/model/llama.py and
@@ -198,7 +197,7 @@ def main(argv=None) -> int:
     args.profile_dir = args.trace_dir or f"profiles/decode_{args.model}_b{args.batch}"
     args.profile_calls = args.calls
     model, copy_bw = e2e_decode.load(args)
-    read_bw = measure_read_bandwidth_gbps() * 1e9
+    read_bw = args.peaks.read_bytes_per_s       # measured by e2e_decode.load, summed over the devices
     run = e2e_decode.run_one(model, args, args.attention[0], copy_bw, args.kv_precision[0])
     root = pathlib.Path(args.profile_dir)
     try:

@@ -26,7 +26,8 @@ from grpc_health.v1._async import HealthServicer
 from serving import cost
 from serving.auth import MESSAGES_METHOD, ApiKeyInterceptor, load_keys
 from serving.hardware import device_info, measure_copy_bandwidth_gbps
-from stratum_jax.bandwidth import measure_matmul_tflops, measure_read_bandwidth_gbps
+from stratum_jax.bandwidth import measure_device_peaks
+from stratum_jax.step_work import DevicePeaks
 from serving.options import ServerOptions
 from serving.reflection import enable_reflection
 from serving.proto.stratum.v1 import stratum_pb2 as pb
@@ -57,7 +58,7 @@ class StratumServer:
         self.config = config
         self.options = options
         self._engine = engine            # None: built from config at start-up
-        self._device_peaks = (0.0, 0.0)  # read bytes/s, matmul FLOP/s: measured at start-up (_load_blocking)
+        self._device_peaks: DevicePeaks | None = None   # measured at start-up (_load_blocking)
         self.metrics = ServingMetrics()
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -144,7 +145,7 @@ class StratumServer:
         self.servicer.set_served(served, bandwidth)
         for pool in served.pools.values():
             pool.metrics.hbm_bandwidth.set(bandwidth)
-            pool.metrics.set_device_peaks(*self._device_peaks)
+            pool.metrics.set_device_peaks(self._device_peaks)
             pool.runner.engine.mark_serving()       # a compile from here on is on the request path
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -184,11 +185,9 @@ class StratumServer:
         self._start_dmlp(engine)
         start = time.perf_counter()
         bandwidth = measure_copy_bandwidth_gbps()
-        # The utilization gauges' ceilings, per device, times the devices a stack's step runs on.
-        devices = self.config.tensor_parallel
-        self._device_peaks = (measure_read_bandwidth_gbps() * 1e9 * devices, measure_matmul_tflops() * 1e12 * devices)
+        self._device_peaks = peaks = measure_device_peaks(self.config.tensor_parallel)
         log.info("memory bandwidth (copy %.1f GB/s, read %.1f GB/s) and bf16 matmul rate (%.1f TFLOP/s) measured "
-                 "in %.2f s", bandwidth, self._device_peaks[0] / 1e9, self._device_peaks[1] / 1e12,
+                 "in %.2f s", bandwidth, peaks.read_bytes_per_s / 1e9, peaks.matmul_flops_per_s / 1e12,
                  time.perf_counter() - start)
         name = _model_name(self.config.model)
         mc = engine.model_config

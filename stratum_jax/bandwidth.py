@@ -72,3 +72,10 @@ def measure_matmul_tflops(size: int | None = None, repeats: int = REPEATS) -> fl
     a = jnp.full((size, size), 0.5, jnp.bfloat16, device=device)
     seconds = _best_seconds(jax.jit(lambda m: jnp.dot(m, m)), a, repeats, feed_back=True)
     return 2 * size**3 / seconds / 1e12
+
+
+def measure_device_peaks(devices: int = 1):
+    """The utilization gauges' ceilings (step_work.DevicePeaks): one device's read bandwidth and bf16 matmul
+    rate, times the `devices` a step runs on (tensor parallelism: each reads and multiplies its shard)."""
+    from stratum_jax.step_work import DevicePeaks
+    return DevicePeaks(measure_read_bandwidth_gbps() * 1e9 * devices, measure_matmul_tflops() * 1e12 * devices)

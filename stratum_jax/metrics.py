@@ -20,6 +20,7 @@ import threading
 import prometheus_client as prom
 
 from stratum_jax.engine_stats import EngineStats
+from stratum_jax.step_work import DevicePeaks
 
 # name -> (type, help). The single source of the exported names; the README table is printed from it.
 METRICS: dict[str, tuple[str, str]] = {
@@ -275,7 +276,7 @@ class ServingMetrics:
         self.matmul_tflops = bound("stratum_matmul_tflops")
         self.hbm_utilization = bound("stratum_hbm_bandwidth_utilization")
         self.compute_utilization = bound("stratum_gpu_compute_utilization")
-        self._peaks: tuple[float, float] | None = None      # (read bytes/s, matmul FLOP/s): set_device_peaks
+        self._peaks: DevicePeaks | None = None      # the start-up ceilings: set_device_peaks
         self.jit_compilations = bound("stratum_jit_compilations_total")
         self.jit_compilations_after_serving = bound("stratum_jit_compilations_after_serving_total")
         self.hab_triggers = bound("stratum_hab_triggers_total")
@@ -305,17 +306,18 @@ class ServingMetrics:
             counter.inc(delta)
         self._last_engine_counts[name] = int(value)
 
-    def set_device_peaks(self, read_bytes_per_s: float, matmul_flops_per_s: float) -> None:
+    def set_device_peaks(self, peaks: DevicePeaks) -> None:
         """The start-up measurements the utilization gauges are taken against (stratum_jax/bandwidth.py)."""
-        self._peaks = (read_bytes_per_s, matmul_flops_per_s)
-        self.read_bandwidth.set(read_bytes_per_s / 1e9)
-        self.matmul_tflops.set(matmul_flops_per_s / 1e12)
+        self._peaks = peaks
+        self.read_bandwidth.set(peaks.read_bytes_per_s / 1e9)
+        self.matmul_tflops.set(peaks.matmul_flops_per_s / 1e12)
 
     def observe_engine(self, stats: EngineStats) -> None:
         """Copies an `EngineStats` snapshot into the gauges and counters."""
         if self._peaks is not None and stats.step_bytes_per_s > 0:
-            self.hbm_utilization.set(stats.step_bytes_per_s / self._peaks[0])
-            self.compute_utilization.set(stats.step_flops_per_s / self._peaks[1])
+            hbm, compute = self._peaks.of_rates(stats.step_bytes_per_s, stats.step_flops_per_s)
+            self.hbm_utilization.set(hbm)
+            self.compute_utilization.set(compute)
         self.queue_length.set(stats.queued)
         self.running.set(stats.running)
         self.kv_pages_used.labels(KV_TIER).set(stats.kv_pages_total - stats.kv_pages_free)

@@ -117,4 +117,8 @@ class DevicePeaks:
         """(share of the read bandwidth, share of the matmul rate) that `work` done in `seconds` uses."""
         if seconds <= 0:
             return 0.0, 0.0
-        return work.bytes_moved / seconds / self.read_bytes_per_s, work.flops / seconds / self.matmul_flops_per_s
+        return self.of_rates(work.bytes_moved / seconds, work.flops / seconds)
+
+    def of_rates(self, bytes_per_s: float, flops_per_s: float) -> tuple[float, float]:
+        """The same for work already expressed per second (EngineStats.step_bytes_per_s / step_flops_per_s)."""
+        return bytes_per_s / self.read_bytes_per_s, flops_per_s / self.matmul_flops_per_s

@@ -87,7 +87,7 @@ def test_the_utilization_gauges_divide_the_engines_rates_by_the_start_up_peaks()
                         decode_step_ms=1.0, prefill_tokens_per_s=0.0, step_bytes_per_s=2e12, step_flops_per_s=2e14)
     metrics.observe_engine(stats)                     # no peaks yet: the gauges stay unset
     assert metrics.value("stratum_hbm_bandwidth_utilization") in (None, 0.0)
-    metrics.set_device_peaks(read_bytes_per_s=4e12, matmul_flops_per_s=8e14)
+    metrics.set_device_peaks(DevicePeaks(read_bytes_per_s=4e12, matmul_flops_per_s=8e14))
     metrics.observe_engine(stats)
     assert metrics.value("stratum_hbm_bandwidth_utilization") == pytest.approx(0.5)
     assert metrics.value("stratum_gpu_compute_utilization") == pytest.approx(0.25)
