@@ -25,7 +25,9 @@ DERIVED_LINES = re.compile(r"^(XLA Modules|XLA Ops|Steps|Framework|TensorFlow|So
 # when its name says "reduce"; a Triton GEMM fusion ("gemm_fusion_dot") is a matmul, not a fusion.
 KERNEL_KINDS: tuple[tuple[str, re.Pattern], ...] = (
     ("communication", COMMUNICATION),
-    ("attention kernel (Pallas)", re.compile(r"mosaic|pallas|paged_attention|delta_attention", re.I)),
+    # The attention kernels show up as `body_mosaic_gpu_kernel`; the projections' Pallas GEMM as
+    # `decode_matmul_mosaic_gpu_kernel` (a matmul).
+    ("attention kernel (Pallas)", re.compile(r"^(?!.*matmul).*(mosaic|pallas|paged_attention|delta_attention)", re.I)),
     ("matmul", re.compile(r"nvjet|gemm|cutlass|cublas|xmma|matmul|dot", re.I)),
     ("KV write (scatter)", re.compile(r"scatter", re.I)),
     ("concatenate / copy", re.compile(r"concatenate|copy|memcpy|memset|transpose", re.I)),

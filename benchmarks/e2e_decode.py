@@ -38,7 +38,7 @@ import numpy as np
 import tqdm
 from jax._src import xla_bridge   # backends_are_initialized: no public equivalent in jax 0.11.2
 
-from stratum_jax.config import KV_PRECISIONS, SCHEDULERS, TP_EMBEDDINGS, RuntimeConfig
+from stratum_jax.config import KV_PRECISIONS, PROJECTION_BACKENDS, SCHEDULERS, TP_EMBEDDINGS, RuntimeConfig
 from stratum_jax.distributed import init_distributed
 from stratum_jax.engine import Engine
 from stratum_jax.kv.precision import kv_bytes_per_slot
@@ -165,7 +165,8 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16") 
                            tp_embedding=args.tp_embedding, scheduler=args.scheduler,
                            coordinator=args.coordinator, num_processes=args.num_processes,
                            process_id=args.process_id, kv_precision=kv_precision,
-                           interpret_kernels=args.interpret_kernels, async_scheduling=args.async_scheduling)
+                           interpret_kernels=args.interpret_kernels, async_scheduling=args.async_scheduling,
+                           projections=args.projections)
     engine = Engine(config, model=model)
     if engine.kv_precision != kv_precision:
         print(f"--kv-precision {kv_precision} fell back to {engine.kv_precision} (see the log)", flush=True)
@@ -211,7 +212,7 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16") 
     roofline_ms = (w_device + args.batch * mean_ctx * kv_per_token_device) / bw * 1e3
     return {
         "model": args.model, "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "attention": attention, "attention_backend": engine.attention_backend,
+        "attention": attention, "attention_backend": engine.attention_backend, "projections": engine.projections,
         "kv_precision_requested": kv_precision, "kv_precision": engine.kv_precision,
         "page_size": args.page_size or "adaptive", "tensor_parallel": tp,
         "tp_embedding": None if model.tp is None else ("vocab-parallel" if model.tp.splits_vocab() else "replicated"),
@@ -251,6 +252,8 @@ def build_parser(description: str = __doc__.splitlines()[0]) -> argparse.Argumen
     ap.add_argument("--interpret-kernels", action="store_true",
                     help="--attention kernel in the Pallas interpreter (CPU dry runs of this script; slow)")
     ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--projections", default="auto", choices=PROJECTION_BACKENDS,
+                    help="the decode step's q/k/v, o and down projections (RuntimeConfig.projections)")
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps per device call")
     ap.add_argument("--prefill-tokens", type=int, default=8192, help="prompt tokens per prefill step")
     ap.add_argument("--copy-gb", type=float, default=4.0)

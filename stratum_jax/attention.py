@@ -233,14 +233,19 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
 KERNEL_HEAD_DIMS = (64, 128)
 
 
+def on_hopper_gpu() -> bool:
+    """Whether jax's default device is a Hopper GPU (sm_90), the Mosaic GPU kernels' target."""
+    # jax's CUDA devices report compute_capability ("9.0" on H100/H200); if a build does not, trust
+    # the GPU to be one the kernels compile for (the compile then says so if not).
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    return jax.default_backend() == "gpu" and (cc is None or str(cc).startswith("9"))
+
+
 def resolve_backend(config, model_config) -> str:
     """The decode attention backend: --attention, with "auto" = the Pallas kernel where it runs (a Hopper
     GPU, bf16 KV, head_dim 64/128), else the jnp reference. An explicit "kernel" that cannot run is an
     error that says what to change."""
-    # jax's CUDA devices report compute_capability ("9.0" on H100/H200); if a build does not, trust
-    # the GPU to be one the kernel compiles for (the compile then says so if not).
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    on_hopper = jax.default_backend() == "gpu" and (cc is None or str(cc).startswith("9"))
+    on_hopper = on_hopper_gpu()
     fits = model_config.dtype == "bfloat16" and model_config.head_dim in KERNEL_HEAD_DIMS
     if config.attention == "auto":
         return "kernel" if on_hopper and fits else "reference"

@@ -7,6 +7,7 @@ import os
 
 PAGE_SIZE_CLASSES = (8, 16, 32, 64, 128, 256)   # tokens per page: 8 * 2^k
 ATTENTION_BACKENDS = ("auto", "reference", "kernel")
+PROJECTION_BACKENDS = ("auto", "kernel", "xla")
 TP_EMBEDDINGS = ("auto", "vocab-parallel", "replicated")   # --tp-embedding (stratum_jax/tensor_parallel.py)
 CACHE_POLICIES = ("lru", "dmlp")
 SCHEDULERS = ("hab", "fcfs")
@@ -90,6 +91,9 @@ class RuntimeConfig:
     page_size: int | None = None     # force one page size for every request; None = adaptive rule
     attention: str = "auto"          # "kernel" (Pallas Mosaic GPU), "reference" (pure jnp), or "auto": the
                                      # kernel on a Hopper GPU when the model fits it, else the reference
+    projections: str = "auto"        # a decode step's q/k/v, o and down projections: "kernel" (the Pallas
+                                     # weight-streaming GEMM), "xla", or "auto": the kernel on a Hopper GPU for
+                                     # a bf16 model on one device (stratum_jax/model/projection.py)
     interpret_kernels: bool = False  # run Pallas kernels in the Mosaic GPU interpreter (CPU tests)
     cache_policy: str = "lru"        # eviction/page-size policy for cached prefix pages: lru or dmlp
     dmlp_checkpoint: str | None = None   # DMLP checkpoint directory (train_dmlp --out); needed by dmlp
@@ -144,6 +148,8 @@ class RuntimeConfig:
              f"--page-size must be one of {PAGE_SIZE_CLASSES}, got {self.page_size!r}")
         need(self.attention in ATTENTION_BACKENDS,
              f"--attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+        need(self.projections in PROJECTION_BACKENDS,
+             f"--projections must be one of {PROJECTION_BACKENDS}, got {self.projections!r}")
         need(self.cache_policy in CACHE_POLICIES,
              f"--cache-policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
         need(self.kv_precision in KV_PRECISIONS,
@@ -303,6 +309,9 @@ class RuntimeConfig:
         g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
                        help="decode attention: the Pallas kernel, the jnp reference, or auto (the kernel on a "
                             "Hopper GPU for bf16 models with head_dim 64/128, else the reference)")
+        g.add_argument("--projections", default=d.projections, choices=PROJECTION_BACKENDS,
+                       help="a decode step's q/k/v, o and down projections: the Pallas weight-streaming GEMM, XLA's "
+                            "dot, or auto (the kernel on a Hopper GPU for a bf16 model on one device)")
         g.add_argument("--kv-precision", default=None, choices=KV_PRECISIONS,
                        help="KV pages: bf16, or DKVC deltas from a resident anchor built at start-up, as fp16 or "
                             f"fp8 e4m3 with per-granule scales (default: ${KV_PRECISION_ENV}, else bf16). fp8 "

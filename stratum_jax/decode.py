@@ -39,6 +39,7 @@ from jax import lax
 from stratum_jax.attention import RowTables
 from stratum_jax.kv.delta_cache import num_slots_of
 from stratum_jax.model import llama
+from stratum_jax.model.projection import step_matmul
 from stratum_jax.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
 from stratum_jax.tensor_parallel import TensorParallel, replicate, shard_vocab
 from stratum_jax.tp_attention import sharded_decode_attention, sharded_prefill_attention
@@ -57,7 +58,8 @@ class StepGeometry:
     prefill_tile: int           # query tokens per prefill tile
     decode_steps: int           # most decode steps per decode_steps call
     backend: str = "reference"  # decode attention: "kernel" (Pallas) or "reference"
-    interpret: bool = False     # run the Pallas kernel in the interpreter (CPU tests)
+    projections: str = "xla"    # the layers' projections: "kernel" (Pallas, for few rows) or "xla" (projection.py)
+    interpret: bool = False     # run the Pallas kernels in the interpreter (CPU tests)
     # Prefill attention kernel: "ws" (warp-specialised, three warpgroups per CTA) or "single" (the decode
     # kernel's pipeline). The interpreter runs a multi-warpgroup CTA as threads that each execute an XLA
     # CPU computation; with the engine's overlapped steps they can starve XLA's CPU execution threads
@@ -164,7 +166,8 @@ def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
 
     with jax.named_scope("forward"):
         hidden, kv_cache = llama.forward(params, cfg, batch.token_ids, jnp.maximum(batch.positions, 0), kv_cache,
-                                         batch.write_slots, attend)
+                                         batch.write_slots, attend,
+                                         step_matmul(geo.projections, interpret=geo.interpret))
     if layer_var:
         token_var = sum(layer_var[1:], layer_var[0]) / len(layer_var)
         row_of_token = jnp.concatenate([jnp.arange(rows, dtype=jnp.int32),

@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from stratum_jax.attention import resolve_backend
+from stratum_jax.attention import on_hopper_gpu, resolve_backend
 from stratum_jax.block_events import BlockEventFeed
 from stratum_jax.compile_watch import CompileWatch
 from stratum_jax.config import RuntimeConfig
@@ -28,6 +28,7 @@ from stratum_jax.kv.transfer import KvTransfers, committed
 from stratum_jax.kv.precision import kv_bytes_per_slot, start_kv_cache
 from stratum_jax.model.fused import fuse_projections
 from stratum_jax.model.loader import LoadedModel, load_model, params_nbytes
+from stratum_jax.model.projection import resolve_projections
 from stratum_jax.model_runner import InFlightStep, ModelRunner, RunResult, kv_layout_of
 from stratum_jax.outputs import OutputProcessor
 from stratum_jax.phase_times import PhaseTimes
@@ -65,6 +66,9 @@ class Engine:
         # max_context is fixed here, where the model's limit is known (None = that limit, capped).
         self.config = config = config.for_model(self.model_config.max_position_embeddings)
         self.attention_backend = resolve_backend(config, self.model_config)
+        # The decode step's projections: the Pallas weight-streaming GEMM or XLA's dot (model/projection.py).
+        self.projections = resolve_projections(config, self.model_config, on_hopper=on_hopper_gpu(),
+                                               tensor_parallel=config.tensor_parallel)
         self.num_slots = config.kv_pool_slots
         # bf16 pools, or DKVC's anchor + delta pools (--kv-precision; the precision run may be a fallback).
         self.kv_precision, self.kv_cache, self.kv_anchor = start_kv_cache(
@@ -108,7 +112,8 @@ class Engine:
         if self.pool.host is not None and config.kv_host_pin_at_start:
             self.transfers.pin(self.kv_cache, config.kv_host_tokens * self._kv_bytes_per_token)
         self.runner = ModelRunner(config, self.model, num_slots=self.num_slots, backend=self.attention_backend,
-                                  attn_stats=self._measure_attention_stats, kv_layout=kv_layout_of(self.kv_cache))
+                                  projections=self.projections, attn_stats=self._measure_attention_stats,
+                                  kv_layout=kv_layout_of(self.kv_cache))
         self.outputs = OutputProcessor(frozenset(self.tokenizer.eos_token_ids)
                                        | frozenset(self.model_config.eos_token_ids), config.max_context)
         self.requests = RequestTable(config, self.model_config.vocab_size, self.tokenizer, self.scheduler,

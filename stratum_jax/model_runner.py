@@ -116,7 +116,7 @@ def kv_layout_of(kv_cache) -> tuple:
 
 class ModelRunner:
     def __init__(self, config: RuntimeConfig, model, *, num_slots: int, backend: str, attn_stats: bool,
-                 kv_layout: tuple = ()):
+                 kv_layout: tuple = (), projections: str = "xla"):
         """kv_layout: what tells this engine's KV cache pytree apart from another's with the same slots (DKVC's
         precision and anchor length: `kv_layout_of`); part of the executables' key."""
         self.config = config
@@ -125,7 +125,8 @@ class ModelRunner:
         self.kv_layout = kv_layout
         self.geo = StepGeometry(rows=config.max_batch_size, table_width=-(-config.max_context // 8),
                                 prefill_tile=prefill_tile(config), decode_steps=config.decode_steps,
-                                backend=backend, interpret=config.interpret_kernels and backend == "kernel",
+                                backend=backend, projections=projections,
+                                interpret=config.interpret_kernels and "kernel" in (backend, projections),
                                 prefill_kernel="single" if config.interpret_kernels else "ws",
                                 attn_stats=attn_stats, tp=None if model is None else model.tp)
         self.buckets = prefill_buckets(config)

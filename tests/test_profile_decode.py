@@ -25,6 +25,7 @@ def pd(dt):
 
 @pytest.mark.parametrize("name, kind", [
     ("body_mosaic_gpu_kernel", "attention kernel (Pallas)"),
+    ("decode_matmul_mosaic_gpu_kernel", "matmul"),           # the projections' Pallas GEMM
     ("nvjet_sm90_tss_112x64_64x9_2x1_v_bz_TNN", "matmul"),
     ("gemm_fusion_dot_general_564", "matmul"),
     ("input_scatter_fusion_31", "KV write (scatter)"),

@@ -45,6 +45,7 @@ import numpy as np
 
 from stratum_jax.kv.delta_cache import DeltaKV
 from stratum_jax.model.config import ModelConfig
+from stratum_jax.model.projection import Matmul, xla_matmul
 
 log = logging.getLogger(__name__)
 
@@ -137,17 +138,22 @@ def attend_dense_causal(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, q_po
 
 
 class Linear(nn.Module):
-    """y = x @ weight.T (+ bias), weight [features, in] in torch's layout; y in out_dtype (default: dtype)."""
+    """y = x @ weight.T (+ bias), weight [features, in] in torch's layout; y in out_dtype (default: dtype).
+    matmul: how x @ weight.T is computed when out_dtype is the default (None: XLA's dot; projection.py)."""
 
     features: int
     use_bias: bool
     dtype: Any
     out_dtype: Any = None
+    matmul: Matmul | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.param("weight", _normal_init, (self.features, x.shape[-1]), self.dtype)
-        y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=self.out_dtype)
+        if self.out_dtype is None:
+            y = (self.matmul or xla_matmul)(x, w)
+        else:
+            y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=self.out_dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y
@@ -162,12 +168,16 @@ class ShardedFusedLinear(nn.Module):
     shards: int
     use_bias: bool
     dtype: Any
+    matmul: Matmul | None = None   # used when shards == 1 (None: XLA's dot); several shards are one einsum
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
         s = self.shards
         w = self.param("weight", _normal_init, (s, sum(self.features) // s, x.shape[-1]), self.dtype)
-        y = jnp.einsum("...i,soi->...so", x, w)                        # [..., S, sum(features) / S]
+        if s == 1 and self.matmul is not None:
+            y = self.matmul(x, w[0])[..., None, :]                     # [..., 1, sum(features)]
+        else:
+            y = jnp.einsum("...i,soi->...so", x, w)                    # [..., S, sum(features) / S]
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (s, sum(self.features) // s), self.dtype)
         bounds = np.cumsum([f // s for f in self.features])[:-1]
@@ -191,6 +201,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
     layer: int
     fused_shards: int = 0     # 0: HF's q/k/v_proj; S: one qkv_proj of S shard blocks (module docstring)
+    matmul: Matmul | None = None
 
     @nn.compact
     def __call__(self, x, positions, cache, write_slots, attend: Attend):
@@ -199,11 +210,11 @@ class Attention(nn.Module):
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         if self.fused_shards:
             q, k, v = ShardedFusedLinear((q_out, kv_out, kv_out), self.fused_shards, cfg.attention_bias, dtype,
-                                         name="qkv_proj")(x)
+                                         self.matmul, name="qkv_proj")(x)
         else:
-            q = Linear(q_out, cfg.attention_bias, dtype, name="q_proj")(x)
-            k = Linear(kv_out, cfg.attention_bias, dtype, name="k_proj")(x)
-            v = Linear(kv_out, cfg.attention_bias, dtype, name="v_proj")(x)
+            q = Linear(q_out, cfg.attention_bias, dtype, matmul=self.matmul, name="q_proj")(x)
+            k = Linear(kv_out, cfg.attention_bias, dtype, matmul=self.matmul, name="k_proj")(x)
+            v = Linear(kv_out, cfg.attention_bias, dtype, matmul=self.matmul, name="v_proj")(x)
         inv_freq = rope_inv_freq(cfg)
         # The named scopes label the compiled ops (HLO metadata op_name), so a profile can say which part
         # of the model a kernel belongs to (benchmarks/profile_decode.py); they change no computation.
@@ -227,40 +238,43 @@ class Attention(nn.Module):
             with jax.named_scope("attention"):
                 o = attend(self.layer, q, k_pool, v_pool).astype(dtype)
             cache = (k_pool, v_pool)
-        o = Linear(cfg.hidden_size, False, dtype, name="o_proj")(o.reshape(t, cfg.num_heads * cfg.head_dim))
+        o = Linear(cfg.hidden_size, False, dtype, matmul=self.matmul, name="o_proj")(
+            o.reshape(t, cfg.num_heads * cfg.head_dim))
         return o, cache
 
 
 class MLP(nn.Module):
     cfg: ModelConfig
     fused_shards: int = 0     # 0: HF's gate_proj and up_proj; S: one gate_up_proj of S shard blocks
+    matmul: Matmul | None = None
 
     @nn.compact
     def __call__(self, x):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         if self.fused_shards:
             gate, up = ShardedFusedLinear((cfg.intermediate_size,) * 2, self.fused_shards, False, dtype,
-                                          name="gate_up_proj")(x)
+                                          self.matmul, name="gate_up_proj")(x)
         else:
-            gate = Linear(cfg.intermediate_size, False, dtype, name="gate_proj")(x)
-            up = Linear(cfg.intermediate_size, False, dtype, name="up_proj")(x)
-        return Linear(cfg.hidden_size, False, dtype, name="down_proj")(jax.nn.silu(gate) * up)
+            gate = Linear(cfg.intermediate_size, False, dtype, matmul=self.matmul, name="gate_proj")(x)
+            up = Linear(cfg.intermediate_size, False, dtype, matmul=self.matmul, name="up_proj")(x)
+        return Linear(cfg.hidden_size, False, dtype, matmul=self.matmul, name="down_proj")(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     layer: int
     fused_shards: int = 0
+    matmul: Matmul | None = None
 
     @nn.compact
     def __call__(self, x, positions, cache, write_slots, attend: Attend):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x)
-        h, cache = Attention(cfg, self.layer, self.fused_shards, name="self_attn")(h, positions, cache, write_slots,
-                                                                                   attend)
+        h, cache = Attention(cfg, self.layer, self.fused_shards, self.matmul, name="self_attn")(
+            h, positions, cache, write_slots, attend)
         x = x + h
         h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
-        return x + MLP(cfg, self.fused_shards, name="mlp")(h), cache
+        return x + MLP(cfg, self.fused_shards, self.matmul, name="mlp")(h), cache
 
 
 class Embedding(nn.Module):
@@ -283,12 +297,13 @@ class Embedding(nn.Module):
 class Decoder(nn.Module):
     cfg: ModelConfig
     fused_shards: int = 0     # the projections' layout (module docstring): fused_shards_of(params)
+    matmul: Matmul | None = None   # the layers' projections (projection.py); None: XLA's dot
 
     def setup(self):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         # named layers_0, layers_1, ...
-        self.layers = [DecoderLayer(cfg, i, self.fused_shards) for i in range(cfg.num_layers)]
+        self.layers = [DecoderLayer(cfg, i, self.fused_shards, self.matmul) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.vocab_size, False, dtype, out_dtype=jnp.float32)
@@ -429,7 +444,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings: Params | None = None
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
-            write_slots: jax.Array, attend: Attend) -> tuple[jax.Array, KVCache]:
+            write_slots: jax.Array, attend: Attend, matmul: Matmul | None = None) -> tuple[jax.Array, KVCache]:
     """Runs the decoder over a flat (ragged) batch of T tokens.
 
     token_ids, positions, write_slots: [T] int32. positions are absolute (they drive RoPE); write_slots
@@ -440,8 +455,9 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     once per layer with that layer's pools after this batch's writes.
     Returns (hidden [T, hidden_size] after the final RMSNorm, in cfg.dtype; the updated cache).
     params: HF's layout or the fused one (module docstring); which one is read from the tree.
+    matmul: how the layers' projections multiply (stratum_jax/model/projection.py); None: XLA's dot.
     """
-    return Decoder(cfg, fused_shards_of(params)).apply({"params": params}, token_ids, positions, kv_cache,
+    return Decoder(cfg, fused_shards_of(params), matmul).apply({"params": params}, token_ids, positions, kv_cache,
                                                        write_slots, attend)
 
 

@@ -1,0 +1,205 @@
+"""The decode step's projections: XLA's dot vs the weight-streaming Pallas kernel (pallas_kernels/decode_matmul.py).
+
+For each projection of a preset (q/k/v fused, o, gate/up fused, down, LM head) at M token rows, times
+y = x @ w.T by XLA (`jnp.einsum`, what the model's Linear runs) and by `decode_matmul` under each --configs
+entry, as *device* time: every call's GPU kernels (the split-K partial sum and any padding included) summed
+from a jax.profiler trace, divided by the calls. The calls cycle over enough distinct weight copies (>= 3x
+the 50 MB L2) that each reads its weights from HBM, as a model's layers do. Bandwidth = weight bytes / time,
+against a read ceiling (a large bf16 sum) measured in the same run.
+
+    python benchmarks/decode_gemm.py --models llama-1b,llama-8b --rows 64 --out results/decode_gemm_h200.json
+    python benchmarks/decode_gemm.py --dry-run        # CPU, the interpreter, tiny shapes: the checks only
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from device_trace import kernels as trace_kernels, load_events, newest_trace  # noqa: E402
+from pallas_kernels.decode_matmul import (TuningConfig, decode_matmul, decode_matmul_reference,  # noqa: E402
+                                          default_k_splits, supports)
+from stratum_jax.model.config import PRESETS  # noqa: E402
+
+L2_BYTES = 50 * 2**20
+
+
+def projections(cfg) -> dict[str, tuple[int, int]]:
+    """{name: (N, K)} of a decode step's GEMMs in the engine's fused layout (tp = 1)."""
+    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"qkv": (q_out + 2 * kv_out, cfg.hidden_size), "o": (cfg.hidden_size, q_out),
+            "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size),
+            "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+
+
+def parse_configs(spec: str) -> list[TuningConfig]:
+    """'default;tile_n=64;num_stages=4,k_splits=2' -> TuningConfigs (field=value overrides of the default)."""
+    fields = {f.name for f in dataclasses.fields(TuningConfig)}
+    out = []
+    for item in spec.split(";"):
+        kw = {}
+        for pair in filter(None, item.strip().split(",")):
+            if pair == "default":
+                continue
+            name, _, value = pair.partition("=")
+            if name not in fields or not value:
+                raise SystemExit(f"--configs: {pair!r} is not field=value with a TuningConfig field ({sorted(fields)})")
+            try:
+                kw[name] = None if value == "None" else int(value)
+            except ValueError:
+                raise SystemExit(f"--configs: {pair!r}: the value must be an int or None") from None
+        try:
+            out.append(TuningConfig(**kw))
+        except ValueError as e:
+            raise SystemExit(f"--configs: {item!r}: {e}") from None
+    return out
+
+
+def device_us_per_call(fn, xs, ws, *, calls: int, trace_root: str) -> tuple[float, dict[str, float]]:
+    """Mean device µs per call of fn(x, w) over `calls` calls cycling through ws, and µs per call by kernel
+    name, from a jax.profiler trace (every GPU kernel of every call)."""
+    for i in range(3):
+        jax.block_until_ready(fn(xs, ws[i % len(ws)]))
+    with tempfile.TemporaryDirectory(dir=trace_root) as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            out = None
+            for i in range(calls):
+                out = fn(xs, ws[i % len(ws)])
+            jax.block_until_ready(out)
+        ks = trace_kernels(load_events(newest_trace(d)), device="GPU")
+    names: dict[str, float] = {}
+    for k in ks:
+        names[k.name] = names.get(k.name, 0.0) + k.us / calls
+    return sum(names.values()), names
+
+
+def read_ceiling_tbps(nbytes: int = 2 * 2**30, reps: int = 20) -> float:
+    """Bytes per second of a large bf16 sum (a read-only stream), best median of 3 rounds of `reps`."""
+    import time
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    jax.block_until_ready(f(x))
+    best = float("inf")
+    for _ in range(3):
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            jax.block_until_ready(f(x))
+            ts.append(time.perf_counter() - t)
+        best = min(best, statistics.median(ts))
+    return x.nbytes / best / 1e12
+
+
+def check(rows: int, n: int, k: int, config: TuningConfig, *, interpret: bool, seed: int = 0) -> float:
+    """Max |kernel - reference| / max |reference| on random data (bf16 output)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
+    got = decode_matmul(x, w, config=config, interpret=interpret).astype(jnp.float32)
+    ref = decode_matmul_reference(x, w).astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama-1b,llama-8b", help="comma-separated presets")
+    ap.add_argument("--rows", default="64", help="comma-separated M (token rows), each in [1, 256]")
+    ap.add_argument("--parts", default="qkv,o,gate_up,down,lm_head", help="comma-separated projections")
+    ap.add_argument("--configs", default="default", help="';'-separated TuningConfig overrides, e.g. "
+                    "'default;tile_n=64;num_stages=4'")
+    ap.add_argument("--calls", type=int, default=48, help="traced calls per method and shape")
+    ap.add_argument("--out", default=None, help="JSON path")
+    ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes, checks only")
+    return ap
+
+
+def main(argv=None) -> dict:
+    a = build_parser().parse_args(argv)
+    configs = parse_configs(a.configs)
+    try:
+        rows_list = [int(r) for r in a.rows.split(",")]
+    except ValueError:
+        raise SystemExit(f"--rows: {a.rows!r} is not a comma-separated list of ints") from None
+    if any(not 1 <= r <= 256 for r in rows_list):
+        raise SystemExit(f"--rows: every M must be in [1, 256], got {a.rows}")
+    if a.dry_run:
+        results = []
+        for rows, n, k in ((64, 256, 512), (5, 128, 1024)):
+            for config in configs:
+                cfg = dataclasses.replace(config, tile_n=min(config.tile_n, 128))
+                err = check(rows, n, k, cfg, interpret=True)
+                results.append(dict(rows=rows, n=n, k=k, config=dataclasses.asdict(cfg), rel_err=err))
+                print(f"dry run M={rows} N={n} K={k} {cfg}: rel err {err:.2e}")
+        return dict(benchmark="decode_gemm", dry_run=True, results=results)
+
+    models = [m for m in a.models.split(",") if m]
+    unknown = [m for m in models if m not in PRESETS]
+    if unknown:
+        raise SystemExit(f"--models: unknown presets {unknown}; choose from {sorted(PRESETS)}")
+    read_tbps = read_ceiling_tbps()
+    print(f"read ceiling {read_tbps:.2f} TB/s")
+    trace_root = tempfile.mkdtemp(prefix="decode_gemm_")
+    xla = jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32).astype(x.dtype))
+    results = []
+    for model in models:
+        shapes = projections(PRESETS[model])
+        for part in [p for p in a.parts.split(",") if p]:
+            if part not in shapes:
+                raise SystemExit(f"--parts: unknown projection {part!r}; choose from {sorted(shapes)}")
+            n, k = shapes[part]
+            wbytes = n * k * 2
+            copies = max(2, -(-3 * L2_BYTES // wbytes))
+            key = jax.random.key(0)
+            ws = [jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.bfloat16) * 0.02 for i in range(copies)]
+            for rows in rows_list:
+                x = jax.random.normal(jax.random.fold_in(key, 10_000 + rows), (rows, k), jnp.bfloat16)
+                row = dict(model=model, part=part, rows=rows, n=n, k=k, weight_bytes=wbytes, methods={})
+                us, names = device_us_per_call(xla, x, ws, calls=a.calls, trace_root=trace_root)
+                row["methods"]["xla"] = dict(us=us, tbps=wbytes / us / 1e6, kernels=names)
+                ref = xla(x, ws[0]).astype(jnp.float32)
+                for config in configs:
+                    label = "kernel " + ",".join(f"{f}={v}" for f, v in dataclasses.asdict(config).items()
+                                                 if v != getattr(TuningConfig(), f))
+                    if not supports(rows, n, k, config):
+                        row["methods"][label] = dict(error="shape not supported")
+                        continue
+                    fn = jax.jit(lambda x, w, c=config: decode_matmul(x, w, config=c))
+                    try:
+                        got = fn(x, ws[0]).astype(jnp.float32)
+                        err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+                        us, names = device_us_per_call(fn, x, ws, calls=a.calls, trace_root=trace_root)
+                    except Exception as e:   # a config that does not compile or fit is a result, not a crash
+                        row["methods"][label] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+                        continue
+                    splits = config.k_splits or default_k_splits(n, k, config.tile_n)
+                    row["methods"][label] = dict(us=us, tbps=wbytes / us / 1e6, rel_err=err, k_splits=splits,
+                                                 kernels=names)
+                results.append(row)
+                cells = "  ".join(f"{name} {m['us']:7.1f}us {100 * m['tbps'] / read_tbps:5.1f}%" if "us" in m
+                                  else f"{name} {m['error'][:40]}" for name, m in row["methods"].items())
+                print(f"{model:9s} {part:8s} M={rows:3d} N={n:6d} K={k:5d}  {cells}", flush=True)
+            del ws
+    out = dict(benchmark="decode_gemm", device=jax.devices()[0].device_kind, jax=jax.__version__,
+               date=datetime.date.today().isoformat(), command=" ".join(sys.argv), read_tbps=read_tbps,
+               calls=a.calls, results=results)
+    if a.out:
+        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(a.out).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Weight-streaming GEMM for the decode step: y = x @ w.T with few rows (a Pallas Mosaic GPU kernel for Hopper).
+
+In a decode step every projection multiplies a handful of token rows (M <= 64 at batch 64) by a large weight
+matrix, so the GEMM is bound by reading the weights once: the byte floor is N * K * 2 bytes over the read
+bandwidth. XLA's GEMMs reach 35-68% of that floor on the small llama-1b projections (BENCHMARKS.md, "The decode
+step, profiled by model part"): their output tiles give too few thread blocks to keep every SM streaming.
+
+Design
+------
+*Grid.* One CTA (one warpgroup) per (output column tile n, K split s). The CTA streams its weight slab
+w[n * tile_n : +tile_n, s * K/S : +K/S] through a ring of `num_stages` SMEM buffers (TMA copies of
+[tile_n, tile_k] tiles, 128-byte swizzled), alongside the matching [M, tile_k] tile of x (re-read from L2 by
+every CTA; x is tiny), and accumulates x @ w_tile.T with WGMMA into a [M, tile_n] fp32 accumulator. The
+weight tile is WGMMA's B operand as it lies in memory (K-major, torch's [out, in] layout), so nothing is
+transposed. The pipeline is `plgpu.emit_pipeline` with one WGMMA left in flight (delay_release=1).
+
+*Split-K.* A projection with few output tiles (llama-1b's o_proj and down_proj: N = 2048, 16 tiles of 128) would
+run on 16 of 132 SMs; splitting K over S CTAs gives every SM a slab. Each split writes an fp32 partial
+[S, M, N] and the wrapper sums them (XLA fuses that sum into the consumer, e.g. the residual add). The partials
+are M * N * 4 bytes per split, small beside the weights at decode sizes, and stay in L2.
+
+*Rows.* M is padded to a multiple of 64 (WGMMA's M); rows past M are zeros and their outputs are dropped.
+
+Numerics: bf16 inputs, fp32 accumulation, output rounded once to `out_dtype` (split-K sums the fp32
+partials first), as XLA's dot with fp32 accumulation does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
+
+_ROWS = 64             # WGMMA M
+_TILE_K = 64           # bf16 elements in one 128-byte swizzled row: one WGMMA K group per tile
+_NUM_SMS = 132         # H100 SXM / H200; for the default split only
+_MAX_ROWS = 256        # beyond this the GEMM is no longer weight-bound: use XLA's
+_TRANSFORMS = (plgpu.TilingTransform((8, _TILE_K)), plgpu.SwizzleTransform(128))
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """Static knobs (each distinct config compiles its own kernel).
+
+    Attributes:
+      tile_n: output columns per CTA (64, 128 or 256; WGMMA's N).
+      num_stages: weight tiles in flight per CTA (SMEM ring depth), >= 2. SMEM per CTA is about
+        num_stages * (tile_n + M) * 128 bytes plus the output tile.
+      k_splits: CTAs sharing one column tile's K range (split-K); None picks one from the grid size.
+    """
+
+    tile_n: int = 128
+    num_stages: int = 6
+    k_splits: int | None = None
+
+    def __post_init__(self):
+        if self.tile_n not in (64, 128, 256):
+            raise ValueError(f"tile_n must be 64, 128 or 256, got {self.tile_n}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 2:
+            raise ValueError(f"num_stages must be an int >= 2, got {self.num_stages!r}")
+        if self.k_splits is not None and (not isinstance(self.k_splits, int) or not 1 <= self.k_splits <= 64):
+            raise ValueError(f"k_splits must be None or an int in [1, 64], got {self.k_splits!r}")
+
+
+def default_k_splits(n: int, k: int, tile_n: int) -> int:
+    """The smallest split that gives at least about one CTA per SM, keeping each split's K range a
+    whole number of at least 4 tiles (so the pipeline has something to overlap)."""
+    tiles = n // tile_n
+    k_tiles = k // _TILE_K
+    best = 1
+    for s in range(1, 65):
+        if k_tiles % s or k_tiles // s < 4:
+            continue
+        best = s
+        if tiles * s >= _NUM_SMS * 0.9:
+            break
+    return best
+
+
+def decode_matmul_reference(x, w, *, out_dtype=None):
+    """x [M, K] @ w[N, K].T with fp32 accumulation -> [M, N] in out_dtype (default x.dtype)."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    return jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def check_inputs(x, w, config: TuningConfig) -> None:
+    """Raises ValueError, saying what to fix, for shapes and dtypes the kernel does not take."""
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"decode_matmul: x must be [M, K] and w [N, K], got {x.shape} and {w.shape}")
+    (m, k), (n, k2) = x.shape, w.shape
+    if k != k2:
+        raise ValueError(f"decode_matmul: K mismatch: x has {k} columns, w has {k2}")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"decode_matmul: x and w must be bfloat16, got {x.dtype} and {w.dtype}")
+    if not 1 <= m <= _MAX_ROWS:
+        raise ValueError(f"decode_matmul: M must be in [1, {_MAX_ROWS}] (a decode step's rows), got {m}")
+    if k % _TILE_K:
+        raise ValueError(f"decode_matmul: K ({k}) must be a multiple of {_TILE_K}")
+    if n % config.tile_n:
+        raise ValueError(f"decode_matmul: N ({n}) must be a multiple of tile_n ({config.tile_n})")
+    if config.k_splits is not None and (k // _TILE_K) % config.k_splits:
+        raise ValueError(f"decode_matmul: K / {_TILE_K} ({k // _TILE_K}) must be a multiple of k_splits "
+                         f"({config.k_splits})")
+
+
+def supports(m: int, n: int, k: int, config: TuningConfig | None = None) -> bool:
+    """Whether `decode_matmul` takes these shapes (for callers choosing between it and XLA's dot)."""
+    config = config or TuningConfig()
+    return 1 <= m <= _MAX_ROWS and k % _TILE_K == 0 and n % config.tile_n == 0
+
+
+def decode_matmul(x, w, *, out_dtype=None, config: TuningConfig | None = None, interpret: bool = False):
+    """y = x @ w.T for a decode step's few rows, streaming w once (Mosaic GPU kernel).
+
+    Args:
+      x: [M, K] bf16 activations, 1 <= M <= 256.
+      w: [N, K] bf16 weight in torch's [out_features, in_features] layout; K a multiple of 64, N a multiple
+        of config.tile_n.
+      out_dtype: output dtype (default x.dtype).
+      config: TuningConfig; k_splits None picks `default_k_splits`.
+      interpret: run in the Mosaic GPU interpreter on CPU (tests).
+    Returns [M, N] in out_dtype.
+    """
+    config = config or TuningConfig()
+    check_inputs(x, w, config)
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if config.k_splits is None:
+        config = dataclasses.replace(config, k_splits=default_k_splits(w.shape[0], w.shape[1], config.tile_n))
+    if interpret:
+        with mosaic_gpu_interpret():
+            return _decode_matmul(x, w, out_dtype=out_dtype, config=config)
+    return _decode_matmul(x, w, out_dtype=out_dtype, config=config, interpreted=interpret_mode_active())
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpreted"))
+def _decode_matmul(x, w, *, out_dtype, config, interpreted=False):
+    # `interpreted` only keys the jit cache: interpreted and compiled traces never share an entry.
+    del interpreted
+    m, k = x.shape
+    n = w.shape[0]
+    rows = -(-m // _ROWS) * _ROWS
+    if rows != m:
+        x = jnp.pad(x, ((0, rows - m), (0, 0)))
+    splits = config.k_splits
+    partial_dtype = out_dtype if splits == 1 else jnp.dtype(jnp.float32)
+    kernel = _build_kernel(rows=rows, n=n, k=k, out_dtype=partial_dtype, config=config)
+    y = kernel(x, w)
+    y = y[0] if splits == 1 else jnp.sum(y, axis=0)
+    return y[:m].astype(out_dtype)
+
+
+def _build_kernel(*, rows, n, k, out_dtype, config):
+    """Returns f(x [rows, K], w [N, K]) -> [S, rows, N] partials (S = config.k_splits) in out_dtype."""
+    tile_n, splits = config.tile_n, config.k_splits
+    k_len = k // splits
+    k_steps = k_len // _TILE_K
+    stages = min(config.num_stages, k_steps)
+
+    # The function's name is the kernel's name in a profile: `decode_matmul_mosaic_gpu_kernel`.
+    def decode_matmul(x_gmem, w_gmem, out_gmem, out_smem):
+        col = lax.axis_index("n")
+        split = lax.axis_index("k")
+        n0 = pl.multiple_of(col * tile_n, tile_n)
+        k0 = pl.multiple_of(split * k_len, _TILE_K)
+
+        def accumulate(acc_ref):
+            def step(_, x_tile, w_tile):
+                plgpu.wgmma(acc_ref, x_tile, w_tile.transpose((1, 0)))
+                plgpu.wgmma_wait(1)      # keep one WGMMA in flight; its slot is released a step late
+
+            pipeline = plgpu.emit_pipeline(
+                step, grid=(k_steps,), max_concurrent_steps=stages,
+                in_specs=[
+                    plgpu.BlockSpec((rows, _TILE_K), lambda kk: (0, kk), transforms=_TRANSFORMS, delay_release=1),
+                    plgpu.BlockSpec((tile_n, _TILE_K), lambda kk: (0, kk), transforms=_TRANSFORMS, delay_release=1),
+                ])
+            pipeline(x_gmem.at[:, pl.ds(k0, k_len)], w_gmem.at[pl.ds(n0, tile_n), pl.ds(k0, k_len)])
+            plgpu.wgmma_wait(0)
+            return acc_ref[...]
+
+        acc = pl.run_scoped(accumulate, plgpu.ACC((rows, tile_n), jnp.float32))
+        out_smem[...] = acc.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, :, pl.ds(n0, tile_n)])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        decode_matmul, out_type=jax.ShapeDtypeStruct((splits, rows, n), out_dtype), grid=(n // tile_n, splits),
+        grid_names=("n", "k"), scratch_types=[plgpu.SMEM((rows, tile_n), out_dtype)])

@@ -1,0 +1,145 @@
+"""pallas_kernels/decode_matmul.py (the weight-streaming decode GEMM, run in the Mosaic GPU interpreter) and
+stratum_jax/model/projection.py (which projections use it, and the engine's --projections choice)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.decode_matmul import TuningConfig, decode_matmul, decode_matmul_reference, default_k_splits
+from stratum_jax.config import RuntimeConfig
+from stratum_jax.model import llama
+from stratum_jax.model.config import PRESETS
+from stratum_jax.model.fused import fuse_layer
+from stratum_jax.model.projection import DecodeKernelMatmul, kernel_takes, resolve_projections
+
+
+def _operands(m, n, k, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
+    return x, w
+
+
+@pytest.mark.parametrize("m,n,k,config", [
+    (64, 256, 512, TuningConfig(tile_n=128, num_stages=3, k_splits=1)),     # one split, a full row tile
+    (5, 128, 1024, TuningConfig(tile_n=64, num_stages=2, k_splits=4)),      # few rows (padded), split-K
+    (100, 128, 256, TuningConfig(tile_n=64, num_stages=4, k_splits=None)),  # two row tiles, default split
+])
+def test_the_kernel_computes_x_times_w_transposed(m, n, k, config):
+    x, w = _operands(m, n, k)
+    got = decode_matmul(x, w, config=config, interpret=True)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    # Exact up to the one final bf16 rounding: both sum in fp32 (in a different order).
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(decode_matmul_reference(x, w), np.float32),
+                               rtol=2e-2, atol=2e-2)
+    # ... and it is not the reference by accident: a changed weight column changes that output column only.
+    w2 = w.at[3].set(-w[3])
+    got2 = decode_matmul(x, w2, config=config, interpret=True)
+    np.testing.assert_allclose(np.asarray(got2[:, 3], np.float32), -np.asarray(got[:, 3], np.float32), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got2[:, 4:]), np.asarray(got[:, 4:]))
+
+
+def test_split_k_sums_in_fp32_before_rounding():
+    x, w = _operands(8, 64, 2048, seed=1)
+    split = decode_matmul(x, w, out_dtype=jnp.float32, config=TuningConfig(tile_n=64, k_splits=8), interpret=True)
+    ref = decode_matmul_reference(x, w, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(split), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,dtype,config,match", [
+    ((4, 128), (64, 128), jnp.float32, None, "bfloat16"),
+    ((4, 100), (64, 100), jnp.bfloat16, None, "multiple of 64"),
+    ((4, 128), (96, 128), jnp.bfloat16, TuningConfig(tile_n=64), "multiple of tile_n"),
+    ((300, 128), (128, 128), jnp.bfloat16, None, r"M must be in \[1, 256\]"),
+    ((4, 128), (128, 256), jnp.bfloat16, None, "K mismatch"),
+    ((4, 192), (128, 192), jnp.bfloat16, TuningConfig(k_splits=2), "multiple of k_splits"),
+])
+def test_bad_shapes_are_refused_with_what_to_fix(x_shape, w_shape, dtype, config, match):
+    with pytest.raises(ValueError, match=match):
+        decode_matmul(jnp.zeros(x_shape, dtype), jnp.zeros(w_shape, dtype), config=config, interpret=True)
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(ValueError, match="tile_n"):
+        TuningConfig(tile_n=96)
+    with pytest.raises(ValueError, match="num_stages"):
+        TuningConfig(num_stages=1)
+    with pytest.raises(ValueError, match="k_splits"):
+        TuningConfig(k_splits=0)
+
+
+def test_default_split_fills_the_gpu_only_where_the_columns_do_not():
+    # llama-1b with 64-column tiles: o/down (N = 2048, 32 tiles) split K 4 ways (128 CTAs); gate/up (256 tiles)
+    # is not split; a short K keeps at least 4 tiles of 64 per split.
+    assert default_k_splits(2048, 8192, 64) == 4
+    assert default_k_splits(2048, 2048, 64) == 4
+    assert default_k_splits(16384, 2048, 64) == 1
+    assert default_k_splits(128, 256, 64) == 1
+    assert default_k_splits(3072, 2048, 64) == 4     # 48 tiles: 2 splits would give 96 CTAs
+
+
+def test_which_projections_take_the_kernel():
+    # llama-1b's and 8b's q/k/v, o and down at a decode batch; not gate/up or the LM head (XLA streams those
+    # as fast), not a prefill chunk's rows, not fp32.
+    for n, k in ((3072, 2048), (2048, 2048), (2048, 8192), (6144, 4096), (4096, 4096), (4096, 14336)):
+        assert kernel_takes(64, n, k, jnp.bfloat16)
+    assert not kernel_takes(64, 16384, 2048, jnp.bfloat16)
+    assert not kernel_takes(64, 128256, 2048, jnp.bfloat16)
+    assert not kernel_takes(512, 2048, 2048, jnp.bfloat16)
+    assert not kernel_takes(64, 2048, 2048, jnp.float32)
+
+
+def test_the_model_on_the_kernel_computes_what_xlas_dot_does():
+    """A tiny bf16 model's forward with its projections on the kernel (interpreter) against XLA's dot."""
+    cfg = dataclasses.replace(PRESETS["tiny"], dtype="bfloat16")
+    params = llama.init_params(cfg, seed=3)
+    params = {k: fuse_layer(v, 1) if k.startswith("layers_") else v for k, v in params.items()}
+    q_out = cfg.num_heads * cfg.head_dim
+    for n, k in (((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size),
+                 (cfg.hidden_size, q_out), (cfg.hidden_size, cfg.intermediate_size)):
+        assert kernel_takes(8, n, k, jnp.bfloat16)
+    tokens = jnp.asarray([5, 17, 99, 3, 250, 7, 1, 42], jnp.int32)
+    pos = jnp.arange(8, dtype=jnp.int32)
+
+    def run(matmul):
+        cache = [(jnp.zeros((cfg.num_kv_heads, 64, cfg.head_dim), jnp.bfloat16),) * 2 for _ in range(cfg.num_layers)]
+        hidden, _ = llama.forward(params, cfg, tokens, pos, cache, pos,
+                                  lambda layer, q, k, v: llama.attend_dense_causal(q, k, v, pos), matmul)
+        return np.asarray(hidden, np.float32)
+
+    kernel, xla = run(DecodeKernelMatmul(interpret=True)), run(None)
+    # bf16 activations through 2 layers: the two sum in a different order, so allow bf16 rounding steps.
+    np.testing.assert_allclose(kernel, xla, rtol=0.05, atol=0.05)
+    assert np.mean(np.abs(kernel - xla)) < 0.01 * np.mean(np.abs(xla))
+
+
+def test_projections_choice():
+    bf16, fp32 = dataclasses.replace(PRESETS["tiny"], dtype="bfloat16"), PRESETS["tiny"]
+    auto = RuntimeConfig(model="tiny")
+    assert resolve_projections(auto, bf16, on_hopper=True, tensor_parallel=1) == "kernel"
+    assert resolve_projections(auto, bf16, on_hopper=False, tensor_parallel=1) == "xla"
+    assert resolve_projections(auto, bf16, on_hopper=True, tensor_parallel=2) == "xla"
+    assert resolve_projections(auto, fp32, on_hopper=True, tensor_parallel=1) == "xla"
+    kernel = RuntimeConfig(model="tiny", projections="kernel")
+    with pytest.raises(ValueError, match="--interpret-kernels"):
+        resolve_projections(kernel, bf16, on_hopper=False, tensor_parallel=1)
+    with pytest.raises(ValueError, match="--dtype bfloat16"):
+        resolve_projections(kernel, fp32, on_hopper=True, tensor_parallel=1)
+    with pytest.raises(ValueError, match="--tensor-parallel 2"):
+        resolve_projections(kernel, bf16, on_hopper=True, tensor_parallel=2)
+    with pytest.raises(ValueError, match="--projections must be one of"):
+        RuntimeConfig(model="tiny", projections="cublas")
+
+
+def test_the_engine_hands_its_choice_to_the_step():
+    from stratum_jax.engine import Engine
+    from stratum_jax.model.projection import step_matmul
+    engine = Engine(RuntimeConfig(model="tiny", dtype="bfloat16", projections="kernel", interpret_kernels=True,
+                                  max_batch_size=2, max_context=256, kv_pool_tokens=4096))
+    geo = engine.runner.geo
+    assert engine.projections == geo.projections == "kernel" and geo.interpret
+    assert step_matmul(geo.projections, interpret=geo.interpret) == DecodeKernelMatmul(interpret=True)
+    assert Engine(RuntimeConfig(model="tiny", max_batch_size=2, max_context=256,
+                                kv_pool_tokens=4096)).runner.geo.projections == "xla"      # auto, on CPU
