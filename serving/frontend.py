@@ -24,6 +24,7 @@ from typing import AsyncIterator, Callable, Iterable, NoReturn
 
 from serving import cost
 from serving.headers import RequestHeaders, parse_headers
+from serving.recent_rates import RecentRates
 from serving.routing import LONG_CONTEXT_ROUTE, RouteDecision, Router, goes_to_stratum
 from serving.stacks import BASELINE, LONG_CONTEXT, STRATUM
 from serving.proto.stratum.v1 import stratum_pb2 as pb
@@ -79,13 +80,18 @@ class Pool:
     translator: Translator       # with this pool's context cap
     kv_bytes_per_token: int      # what its KV pages hold per token (the cost model's kv)
     metrics: ServingMetrics | None = None   # its series; None = the frontend's (set by Frontend.set_served)
+    recent: RecentRates = dataclasses.field(default_factory=RecentRates)   # its recent bills' rates
 
     def measured(self) -> cost.Measured:
-        """Its measured step times (cost model inputs): the decode step EMA, the representative prefill rate
-        (cost.PrefillRate, not the warm-up's), and the mean decode batch."""
+        """What CostEstimate prices a request with on this pool: the medians of its recent bills' per-token rates
+        (serving/recent_rates.py); before its first bill, the step times measured at start-up (the decode step
+        median, cost.PrefillRate's representative prefill rate) with the steps to itself (B = S = 1)."""
+        return self.recent.measured(self.calibrated())
+
+    def calibrated(self) -> cost.Measured:
         rate = self.runner.prefill_rate
         return cost.Measured(self.runner.stats.decode_step_ms, rate.tokens_per_s if rate is not None else 0.0,
-                             self.runner.decode_batch)
+                             decode_batch=1.0)
 
 
 @dataclasses.dataclass
@@ -132,8 +138,8 @@ class Finished:
     total_ms: float      # arrival until the last token
     stack: str = STRATUM          # the pool that served it
     route: str = "default"        # default or long-context
-    metered: cost.Cost | None = None   # metered usage (None while the pool's step times are not measured)
-    measured: cost.Measured | None = None   # the step times it was metered with
+    metered: cost.Cost | None = None   # metered usage (None from an engine that reports no usage)
+    measured: cost.Measured | None = None   # the rates that reproduce the bill (cost.meter with them)
     kv_bytes_per_token: int = 0
 
 
@@ -348,13 +354,14 @@ class Generation:
                 stop_reason=STOP_REASON_NAMES[STOP_REASONS[out.finish_reason]], output_tokens=out.output_tokens,
                 ttft_s=ttft, e2e_s=end - self.arrival)
             pool = self.pool
-            measured = pool.measured()
-            try:
-                metered = cost.meter(out.prompt_tokens, out.cached_prompt_tokens, out.output_tokens, self.size,
-                                     pool.kv_bytes_per_token, measured, self.frontend.prices)
-            except ValueError:      # the pool has not measured a representative step yet: nothing to bill by
-                metered = None
-            if metered is not None:
+            metered = measured = None
+            if out.usage is not None:       # what it was charged of its steps (stratum_jax/request_usage.py)
+                metered = cost.bill(out.prompt_tokens, out.cached_prompt_tokens, out.output_tokens, self.size,
+                                    pool.kv_bytes_per_token, out.usage, self.frontend.prices)
+                rates = cost.TokenRates.of_usage(out.usage, out.prompt_tokens - out.cached_prompt_tokens,
+                                                 out.output_tokens)
+                measured = cost.Measured.of_rates(rates)
+                pool.recent.add(rates)
                 self.metrics.record_metered(compute_usd=metered.compute_usd, hbm_usd=metered.hbm_usd,
                                             transfer_usd=metered.transfer_usd, output_tokens=out.output_tokens)
             self.end("ok")

@@ -111,8 +111,7 @@ class StratumServicer(pb_grpc.StratumServicer):
             served.translator.check_fits(len(ids), request.max_tokens)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        # One breakdown per pool, each with its own measured step times (the prefill rate from representative
-        # steps only, cost.PrefillRate, not the engine's median over every step, which starts as the warm-up's).
+        # One breakdown per pool, each at its own rates: the medians of its recent bills (Pool.measured).
         breakdowns = []
         for pool in served.pools.values():
             measured = pool.measured()
@@ -193,7 +192,8 @@ def _breakdown(stack: str, c: cost.Cost, measured: cost.Measured, kv_bytes_per_t
         transfer_usd=c.transfer_usd, compute_seconds=c.compute_seconds, kv_gb_hours=c.kv_gb_hours,
         transfer_gb=c.transfer_gb, decode_step_ms=measured.decode_step_ms,
         prefill_tokens_per_s=measured.prefill_tokens_per_s, decode_batch=max(1.0, measured.decode_batch),
-        kv_bytes_per_token=kv_bytes_per_token, billed_input_tokens=input_tokens, billed_output_tokens=output_tokens)
+        prefill_batch=max(1.0, measured.prefill_batch), kv_bytes_per_token=kv_bytes_per_token,
+        billed_input_tokens=input_tokens, billed_output_tokens=output_tokens)
 
 
 def _dmlp_status(engine) -> pb.DmlpStatus | None:

@@ -291,14 +291,23 @@ def test_cost_estimate_has_one_breakdown_per_stack_and_metered_usage_matches_the
     for b in r.stacks:
         assert b.cost_usd == pytest.approx(b.compute_usd + b.hbm_usd + b.transfer_usd) and b.cost_usd > 0
         assert b.decode_step_ms > 0 and b.prefill_tokens_per_s > 0 and b.billed_output_tokens == 8
-    # The bill on the final event is the formula applied to what ran, with the step times it reports.
+    # The bill on the final event is what the request was charged of its steps; the rates it reports give it
+    # back through the formula.
     _, stop = ask(stacks.stub, "bill me", max_tokens=5, metadata=(("x-stratum-weight", "0"),))
     m = stop.metered
     assert m.stack == "baseline" and m.billed_output_tokens == stop.usage.output_tokens
+    assert m.compute_seconds > 0 and m.decode_batch >= 1 and m.prefill_batch >= 1
     again = cost.meter(stop.usage.input_tokens, stop.usage.cached_input_tokens, stop.usage.output_tokens,
                        0, m.kv_bytes_per_token,
-                       cost.Measured(m.decode_step_ms, m.prefill_tokens_per_s, m.decode_batch), cost.Prices())
+                       cost.Measured(m.decode_step_ms, m.prefill_tokens_per_s, m.decode_batch, m.prefill_batch),
+                       cost.Prices())
     assert m.compute_usd == pytest.approx(again.compute_usd) and m.hbm_usd == pytest.approx(again.hbm_usd)
+    # The next estimate on the baseline is priced from its bills' rates.
+    baseline = stacks.bg.server.frontend.served.pools["baseline"]
+    assert len(baseline.recent) >= 2
+    b = stacks.stub.CostEstimate(request, timeout=30).stacks[1]
+    assert b.stack == "baseline" and b.decode_step_ms == pytest.approx(baseline.recent.measured(
+        baseline.calibrated()).decode_step_ms)
 
 
 def test_every_metric_has_a_stack_label(stacks):
