@@ -10,7 +10,8 @@ status names of gRPC (ok, invalid_argument, resource_exhausted, ...), whichever 
 A server may run several pools (serving/stacks.py: the Stratum stack, the baseline, the long-context pool),
 each an engine on its own runner. `Generation.start` picks one per call (serving/routing.py: the route, then
 the x-stratum-weight split) and the call's metrics go to that pool's `stack` series; a call refused before a
-pool is chosen (a bad header, a malformed request) is counted under the first pool's.
+pool is chosen (a bad header, a malformed request) belongs to no pool and is counted under stack="router"
+(`Frontend.router_metrics`, stratum_jax/metrics.py RouterMetrics), as is the prompt-length entropy.
 """
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ class Frontend:
 
     def __init__(self, metrics: ServingMetrics, max_message_bytes: int | None = None,
                  prices: cost.Prices | None = None) -> None:
-        self.metrics = metrics
+        self.metrics = metrics                       # the Stratum stack's series
+        self.router_metrics = metrics.router()       # stack="router": what happens before a pool is chosen
         self.prices = prices or cost.Prices()    # metered usage
         # Enforced here rather than by the transports (gRPC's is set to accept more, see server.py), so that
         # an oversized call is counted and its error says which flag raises the limit.
@@ -203,7 +205,7 @@ class Frontend:
         else the Stratum stack or the baseline by the x-stratum-weight split of the call's key (its
         x-stratum-session, else its request id). Logs and counts the decision."""
         decision = served.router.decide(headers.route, prompt_tokens, prompt_text)
-        self.metrics.prompt_length_entropy.set(decision.entropy_bits)
+        self.router_metrics.prompt_length_entropy.set(decision.entropy_bits)
         if decision.route == LONG_CONTEXT_ROUTE:
             if LONG_CONTEXT not in served.pools:
                 raise InvalidRequestError(
@@ -221,6 +223,10 @@ class Frontend:
         log.debug("%s -> %s (route %s: %s, prompt-length entropy %.2f bits)", request_id, pool.name,
                   decision.route, decision.reason, decision.entropy_bits)
         return pool, decision
+
+    def in_flight(self, stack: str) -> int:
+        """Accepted streams of `stack` not ended yet."""
+        return self._active_by_stack.get(stack, 0)
 
     def _track(self, stream: RequestStream, metrics: ServingMetrics) -> None:
         self.active.add(stream)
@@ -257,14 +263,15 @@ class Generation:
 
     @property
     def metrics(self) -> ServingMetrics:
-        """The series this call is counted in: its pool's, or the frontend's before a pool is chosen."""
-        return self.pool.metrics if self.pool is not None else self.frontend.metrics
+        """The series of this call's pool (chosen in start())."""
+        return self.pool.metrics
 
     def end(self, status: str) -> None:
-        """Records the terminal status; later calls are no-ops."""
+        """Records the terminal status, under its pool, or under stack="router" when it ended before a pool was
+        chosen; later calls are no-ops."""
         if self.status is None:
             self.status = status
-            self.metrics.request_ended(status)
+            (self.pool.metrics if self.pool is not None else self.frontend.router_metrics).request_ended(status)
 
     def fail(self, failure: Failure, message: str) -> NoReturn:
         self.end(failure.status)

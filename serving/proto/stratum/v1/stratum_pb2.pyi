@@ -291,8 +291,15 @@ class LatencySummary(_message.Message):
     def __init__(self, count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ...) -> None: ...
 
 class MetricsSnapshot(_message.Message):
-    __slots__ = ("queued", "running", "in_flight", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_tokens_total", "kv_tokens_used", "prefix_cache_hits", "prefix_cache_queries", "cache_hit_rate", "preemptions", "steps", "decode_step_ms", "prefill_tokens_per_s", "input_tokens", "output_tokens", "requests_by_status", "accepted", "finished", "ttft", "tpot", "e2e", "draining", "dmlp")
+    __slots__ = ("queued", "running", "in_flight", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_tokens_total", "kv_tokens_used", "prefix_cache_hits", "prefix_cache_queries", "cache_hit_rate", "preemptions", "steps", "decode_step_ms", "prefill_tokens_per_s", "input_tokens", "output_tokens", "requests_by_status", "accepted", "finished", "ttft", "tpot", "e2e", "draining", "dmlp", "stack", "stacks", "router_requests_by_status", "prompt_length_entropy_bits")
     class RequestsByStatusEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RouterRequestsByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +331,10 @@ class MetricsSnapshot(_message.Message):
     E2E_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     DMLP_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_REQUESTS_BY_STATUS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_ENTROPY_BITS_FIELD_NUMBER: _ClassVar[int]
     queued: int
     running: int
     in_flight: int
@@ -349,7 +360,11 @@ class MetricsSnapshot(_message.Message):
     e2e: LatencySummary
     draining: bool
     dmlp: DmlpStatus
-    def __init__(self, queued: _Optional[int] = ..., running: _Optional[int] = ..., in_flight: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., decode_step_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., requests_by_status: _Optional[_Mapping[str, int]] = ..., accepted: _Optional[int] = ..., finished: _Optional[int] = ..., ttft: _Optional[_Union[LatencySummary, _Mapping]] = ..., tpot: _Optional[_Union[LatencySummary, _Mapping]] = ..., e2e: _Optional[_Union[LatencySummary, _Mapping]] = ..., draining: _Optional[bool] = ..., dmlp: _Optional[_Union[DmlpStatus, _Mapping]] = ...) -> None: ...
+    stack: str
+    stacks: _containers.RepeatedCompositeFieldContainer[MetricsSnapshot]
+    router_requests_by_status: _containers.ScalarMap[str, int]
+    prompt_length_entropy_bits: float
+    def __init__(self, queued: _Optional[int] = ..., running: _Optional[int] = ..., in_flight: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., decode_step_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., requests_by_status: _Optional[_Mapping[str, int]] = ..., accepted: _Optional[int] = ..., finished: _Optional[int] = ..., ttft: _Optional[_Union[LatencySummary, _Mapping]] = ..., tpot: _Optional[_Union[LatencySummary, _Mapping]] = ..., e2e: _Optional[_Union[LatencySummary, _Mapping]] = ..., draining: _Optional[bool] = ..., dmlp: _Optional[_Union[DmlpStatus, _Mapping]] = ..., stack: _Optional[str] = ..., stacks: _Optional[_Iterable[_Union[MetricsSnapshot, _Mapping]]] = ..., router_requests_by_status: _Optional[_Mapping[str, int]] = ..., prompt_length_entropy_bits: _Optional[float] = ...) -> None: ...
 
 class DmlpStatus(_message.Message):
     __slots__ = ("confidence", "online", "accuracy", "updates", "dropped")
