@@ -678,7 +678,8 @@ async def wait_idle(stub, pb, timeout_s: float) -> bool:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         s = await stub.GetMetrics(pb.GetMetricsRequest(), timeout=10)
-        if s.in_flight == 0 and s.running == 0 and s.queued == 0:
+        stacks = list(s.stacks) or [s]      # every stack's engine (a server from before `stacks`: the one)
+        if s.in_flight == 0 and all(x.running == 0 and x.queued == 0 for x in stacks):
             return True
         await asyncio.sleep(0.2)
     return False

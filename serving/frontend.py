@@ -10,7 +10,8 @@ status names of gRPC (ok, invalid_argument, resource_exhausted, ...), whichever 
 A server may run several pools (serving/stacks.py: the Stratum stack, the baseline, the long-context pool),
 each an engine on its own runner. `Generation.start` picks one per call (serving/routing.py: the route, then
 the x-stratum-weight split) and the call's metrics go to that pool's `stack` series; a call refused before a
-pool is chosen (a bad header, a malformed request) is counted under the first pool's.
+pool is chosen (a bad header, a malformed request) belongs to no pool and is counted under stack="router"
+(`Frontend.router_metrics`, stratum_jax/metrics.py RouterMetrics), as is the prompt-length entropy.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import AsyncIterator, Callable, Iterable, NoReturn
 
 from serving import cost
 from serving.headers import RequestHeaders, parse_headers
+from serving.recent_rates import RecentRates
 from serving.routing import LONG_CONTEXT_ROUTE, RouteDecision, Router, goes_to_stratum
 from serving.stacks import BASELINE, LONG_CONTEXT, STRATUM
 from serving.proto.stratum.v1 import stratum_pb2 as pb
@@ -79,13 +81,18 @@ class Pool:
     translator: Translator       # with this pool's context cap
     kv_bytes_per_token: int      # what its KV pages hold per token (the cost model's kv)
     metrics: ServingMetrics | None = None   # its series; None = the frontend's (set by Frontend.set_served)
+    recent: RecentRates = dataclasses.field(default_factory=RecentRates)   # its recent bills' rates
 
     def measured(self) -> cost.Measured:
-        """Its measured step times (cost model inputs): the decode step EMA, the representative prefill rate
-        (cost.PrefillRate, not the warm-up's), and the mean decode batch."""
+        """What CostEstimate prices a request with on this pool: the medians of its recent bills' per-token rates
+        (serving/recent_rates.py); before its first bill, the step times measured at start-up (the decode step
+        median, cost.PrefillRate's representative prefill rate) with the steps to itself (B = S = 1)."""
+        return self.recent.measured(self.calibrated())
+
+    def calibrated(self) -> cost.Measured:
         rate = self.runner.prefill_rate
         return cost.Measured(self.runner.stats.decode_step_ms, rate.tokens_per_s if rate is not None else 0.0,
-                             self.runner.decode_batch)
+                             decode_batch=1.0)
 
 
 @dataclasses.dataclass
@@ -132,8 +139,8 @@ class Finished:
     total_ms: float      # arrival until the last token
     stack: str = STRATUM          # the pool that served it
     route: str = "default"        # default or long-context
-    metered: cost.Cost | None = None   # metered usage (None while the pool's step times are not measured)
-    measured: cost.Measured | None = None   # the step times it was metered with
+    metered: cost.Cost | None = None   # metered usage (None from an engine that reports no usage)
+    measured: cost.Measured | None = None   # the rates that reproduce the bill (cost.meter with them)
     kv_bytes_per_token: int = 0
 
 
@@ -142,7 +149,8 @@ class Frontend:
 
     def __init__(self, metrics: ServingMetrics, max_message_bytes: int | None = None,
                  prices: cost.Prices | None = None) -> None:
-        self.metrics = metrics
+        self.metrics = metrics                       # the Stratum stack's series
+        self.router_metrics = metrics.router()       # stack="router": what happens before a pool is chosen
         self.prices = prices or cost.Prices()    # metered usage
         # Enforced here rather than by the transports (gRPC's is set to accept more, see server.py), so that
         # an oversized call is counted and its error says which flag raises the limit.
@@ -197,7 +205,7 @@ class Frontend:
         else the Stratum stack or the baseline by the x-stratum-weight split of the call's key (its
         x-stratum-session, else its request id). Logs and counts the decision."""
         decision = served.router.decide(headers.route, prompt_tokens, prompt_text)
-        self.metrics.prompt_length_entropy.set(decision.entropy_bits)
+        self.router_metrics.prompt_length_entropy.set(decision.entropy_bits)
         if decision.route == LONG_CONTEXT_ROUTE:
             if LONG_CONTEXT not in served.pools:
                 raise InvalidRequestError(
@@ -215,6 +223,10 @@ class Frontend:
         log.debug("%s -> %s (route %s: %s, prompt-length entropy %.2f bits)", request_id, pool.name,
                   decision.route, decision.reason, decision.entropy_bits)
         return pool, decision
+
+    def in_flight(self, stack: str) -> int:
+        """Accepted streams of `stack` not ended yet."""
+        return self._active_by_stack.get(stack, 0)
 
     def _track(self, stream: RequestStream, metrics: ServingMetrics) -> None:
         self.active.add(stream)
@@ -251,14 +263,15 @@ class Generation:
 
     @property
     def metrics(self) -> ServingMetrics:
-        """The series this call is counted in: its pool's, or the frontend's before a pool is chosen."""
-        return self.pool.metrics if self.pool is not None else self.frontend.metrics
+        """The series of this call's pool (chosen in start())."""
+        return self.pool.metrics
 
     def end(self, status: str) -> None:
-        """Records the terminal status; later calls are no-ops."""
+        """Records the terminal status, under its pool, or under stack="router" when it ended before a pool was
+        chosen; later calls are no-ops."""
         if self.status is None:
             self.status = status
-            self.metrics.request_ended(status)
+            (self.pool.metrics if self.pool is not None else self.frontend.router_metrics).request_ended(status)
 
     def fail(self, failure: Failure, message: str) -> NoReturn:
         self.end(failure.status)
@@ -348,13 +361,14 @@ class Generation:
                 stop_reason=STOP_REASON_NAMES[STOP_REASONS[out.finish_reason]], output_tokens=out.output_tokens,
                 ttft_s=ttft, e2e_s=end - self.arrival)
             pool = self.pool
-            measured = pool.measured()
-            try:
-                metered = cost.meter(out.prompt_tokens, out.cached_prompt_tokens, out.output_tokens, self.size,
-                                     pool.kv_bytes_per_token, measured, self.frontend.prices)
-            except ValueError:      # the pool has not measured a representative step yet: nothing to bill by
-                metered = None
-            if metered is not None:
+            metered = measured = None
+            if out.usage is not None:       # what it was charged of its steps (stratum_jax/request_usage.py)
+                metered = cost.bill(out.prompt_tokens, out.cached_prompt_tokens, out.output_tokens, self.size,
+                                    pool.kv_bytes_per_token, out.usage, self.frontend.prices)
+                rates = cost.TokenRates.of_usage(out.usage, out.prompt_tokens - out.cached_prompt_tokens,
+                                                 out.output_tokens)
+                measured = cost.Measured.of_rates(rates)
+                pool.recent.add(rates)
                 self.metrics.record_metered(compute_usd=metered.compute_usd, hbm_usd=metered.hbm_usd,
                                             transfer_usd=metered.transfer_usd, output_tokens=out.output_tokens)
             self.end("ok")

@@ -23,7 +23,6 @@ from stratum_jax.request import FinishReason, InvalidRequestError, QueueFullErro
 log = logging.getLogger(__name__)
 
 _MAX_STEP_FAILURES = 3   # consecutive engine.step() exceptions before the runner stops taking work
-_BATCH_EMA = 0.1         # smoothing of the mean decode batch the cost model uses
 
 
 class RunnerClosedError(RuntimeError):
@@ -148,7 +147,6 @@ class EngineRunner:
         self._publish_stats()
         self.accepted = 0
         self.finished = 0
-        self.decode_batch = 1.0
 
     # ---- any thread ----
 
@@ -299,8 +297,6 @@ class EngineRunner:
                     self.metrics.record_tokens(out.prompt_tokens, out.cached_prompt_tokens, out.output_tokens)
         self._busy = self.engine.has_unfinished()
         self._publish_stats()
-        if self.stats.running > 0:
-            self.decode_batch += _BATCH_EMA * (self.stats.running - self.decode_batch)
         # Bookkeeping and stats first, deliveries last: a handler that sees this step's outputs then reads
         # counters and stats at least as new as the step (a cancelled request's pages already free), so
         # nothing needs to sleep or poll for them.

@@ -252,8 +252,8 @@ class StratumServer:
             log.info("online DMLP fine-tuning stopped (%d updates); final checkpoint %s", tuner.updates, path)
 
     def _on_auth_reject(self, method: str) -> None:
-        if method == MESSAGES_METHOD:
-            self.metrics.request_ended("unauthenticated")
+        if method == MESSAGES_METHOD:     # refused before any routing: the router's series
+            self.frontend.router_metrics.request_ended("unauthenticated")
 
     # ---- shutdown ----
 

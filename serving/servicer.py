@@ -7,6 +7,7 @@ with the HTTP endpoint; this file maps it to stratum.v1 messages and gRPC status
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import pathlib
 
@@ -15,7 +16,7 @@ import jax
 
 import stratum_jax
 from serving import cost, profiling
-from serving.frontend import DRAINING, SERVING, Failure, Finished, Frontend, RequestFailed, Served
+from serving.frontend import DRAINING, SERVING, Failure, Finished, Frontend, Pool, RequestFailed, Served
 from serving.hardware import DeviceInfo
 from serving.headers import parse_headers
 from serving.proto.stratum.v1 import stratum_pb2 as pb
@@ -42,7 +43,6 @@ class StratumServicer(pb_grpc.StratumServicer):
     def __init__(self, frontend: Frontend, device: DeviceInfo, prices: cost.Prices,
                  profile_root: str | pathlib.Path) -> None:
         self.frontend = frontend
-        self.metrics = frontend.metrics
         self.device = device
         self.prices = prices
         self.profile_root = pathlib.Path(profile_root)
@@ -111,8 +111,7 @@ class StratumServicer(pb_grpc.StratumServicer):
             served.translator.check_fits(len(ids), request.max_tokens)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        # One breakdown per pool, each with its own measured step times (the prefill rate from representative
-        # steps only, cost.PrefillRate, not the engine's median over every step, which starts as the warm-up's).
+        # One breakdown per pool, each at its own rates: the medians of its recent bills (Pool.measured).
         breakdowns = []
         for pool in served.pools.values():
             measured = pool.measured()
@@ -139,20 +138,38 @@ class StratumServicer(pb_grpc.StratumServicer):
 
     async def GetMetrics(self, request: pb.GetMetricsRequest, context) -> pb.MetricsSnapshot:
         served = await self._loaded(context)
-        s = served.runner.stats
-        input_tokens, output_tokens = self.metrics.token_counts()
+        frontend = self.frontend
+        stacks = [self._stack_snapshot(pool) for pool in served.pools.values()]
+        router = frontend.router_metrics.status_counts()
+        everyone = collections.Counter(router)
+        for snapshot in stacks:
+            everyone.update(dict(snapshot.requests_by_status))
+        top = pb.MetricsSnapshot()
+        top.CopyFrom(stacks[0])          # the Stratum stack's (proto: MetricsSnapshot)
+        top.in_flight = len(frontend.active)
+        top.requests_by_status.clear()
+        top.requests_by_status.update(everyone)
+        top.stacks.extend(stacks)
+        top.router_requests_by_status.update(router)
+        top.prompt_length_entropy_bits = served.router.lengths.bits()
+        return top
+
+    def _stack_snapshot(self, pool: Pool) -> pb.MetricsSnapshot:
+        """One stack's figures: its engine's stats, its requests' counts and latencies."""
+        s, metrics, runner = pool.runner.stats, pool.metrics, pool.runner
+        input_tokens, output_tokens = metrics.token_counts()
         return pb.MetricsSnapshot(
-            queued=s.queued, running=s.running, in_flight=len(self.frontend.active),
+            stack=pool.name, queued=s.queued, running=s.running, in_flight=self.frontend.in_flight(pool.name),
             kv_pages_total=s.kv_pages_total, kv_pages_used=s.kv_pages_total - s.kv_pages_free,
             kv_pages_free=s.kv_pages_free, kv_tokens_total=s.kv_tokens_total, kv_tokens_used=s.kv_tokens_used,
             prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
             cache_hit_rate=s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
             preemptions=s.preemptions, steps=s.steps, decode_step_ms=s.decode_step_ms,
             prefill_tokens_per_s=s.prefill_tokens_per_s, input_tokens=input_tokens, output_tokens=output_tokens,
-            requests_by_status=self.metrics.status_counts(), accepted=served.runner.accepted,
-            finished=served.runner.finished, ttft=_summary(self.metrics.recent_ttft.summary()),
-            tpot=_summary(self.metrics.recent_tpot.summary()), e2e=_summary(self.metrics.recent_e2e.summary()),
-            draining=self.state == DRAINING, dmlp=_dmlp_status(served.runner.engine))
+            requests_by_status=metrics.status_counts(), accepted=runner.accepted, finished=runner.finished,
+            ttft=_summary(metrics.recent_ttft.summary()), tpot=_summary(metrics.recent_tpot.summary()),
+            e2e=_summary(metrics.recent_e2e.summary()), draining=self.state == DRAINING,
+            dmlp=_dmlp_status(runner.engine))
 
     async def Profile(self, request: pb.ProfileRequest, context) -> pb.ProfileResponse:
         served = await self._loaded(context)
@@ -193,7 +210,8 @@ def _breakdown(stack: str, c: cost.Cost, measured: cost.Measured, kv_bytes_per_t
         transfer_usd=c.transfer_usd, compute_seconds=c.compute_seconds, kv_gb_hours=c.kv_gb_hours,
         transfer_gb=c.transfer_gb, decode_step_ms=measured.decode_step_ms,
         prefill_tokens_per_s=measured.prefill_tokens_per_s, decode_batch=max(1.0, measured.decode_batch),
-        kv_bytes_per_token=kv_bytes_per_token, billed_input_tokens=input_tokens, billed_output_tokens=output_tokens)
+        prefill_batch=max(1.0, measured.prefill_batch), kv_bytes_per_token=kv_bytes_per_token,
+        billed_input_tokens=input_tokens, billed_output_tokens=output_tokens)
 
 
 def _dmlp_status(engine) -> pb.DmlpStatus | None:

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
+from stratum_jax.request_usage import charge_step
+
 if TYPE_CHECKING:      # only for annotations: this module stays importable without jax (metrics, tests)
     from stratum_jax.scheduler.base import ScheduledBatch
     from stratum_jax.sequence import Sequence
@@ -88,6 +90,7 @@ class StepRecorder:
         self.last_step = StepTiming(batch.kind, device_s, len(batch.seqs), batch.num_tokens, prefill_tokens)
         if device_s <= 0:
             return
+        charge_step(batch, device_s)      # each row's share, for its request's metered bill
         if work is not None:
             self.recent_bytes_per_s.append(work.bytes_moved / device_s)
             self.recent_flops_per_s.append(work.flops / device_s)

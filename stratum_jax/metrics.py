@@ -7,7 +7,12 @@ request ends). Each server owns its own `CollectorRegistry`, so several servers 
 Every series carries a `stack` label (the first label, before a metric's own): a server that runs several
 stacks (`--stacks stratum,baseline`, plus the long-context pool) feeds one `ServingMetrics` per stack, all in
 one registry (`ServingMetrics.for_stack`), so the stacks sit side by side on one dashboard under the same
-metric names. The stratum_dmlp_* metrics have no stack label: only the Stratum stack runs a DMLP.
+metric names. What happens before a stack is chosen belongs to no stack: it is counted under
+`stack="router"` (`RouterMetrics`): the Messages calls refused before routing (a bad header, a malformed or
+oversized request, a missing API key, a server still loading or draining) in stratum_requests_total, and the
+router's stratum_prompt_length_entropy_bits (only there: ROUTER_ONLY). The label stays on every series, so a
+`sum by (status)` still adds them all up. The stratum_dmlp_* metrics have no stack label: only the Stratum
+stack runs a DMLP.
 
 `python -m stratum_jax.metrics` prints the table of names that the README quotes.
 """
@@ -70,7 +75,8 @@ METRICS: dict[str, tuple[str, str]] = {
                                       "route=default or long-context, reason=header, length, regex, "
                                       "low_entropy (below --route-entropy-bits: one pool) or short."),
     "stratum_prompt_length_entropy_bits": ("gauge", "Shannon entropy (bits) of the recent prompt lengths in log2 "
-                                           "bins; above --route-entropy-bits requests are classified."),
+                                           "bins; above --route-entropy-bits requests are classified "
+                                           "(stack=\"router\" only)."),
     "stratum_request_weight": ("histogram", "x-stratum-weight header values of Messages requests that sent one."),
     "stratum_metered_cost_usd_total": ("counter", "Metered usage: the cost formula (serving/cost.py) applied to "
                                        "what each finished request ran, USD, by cost term (compute, hbm, transfer)."),
@@ -123,6 +129,8 @@ LABELS: dict[str, str | tuple[str, ...]] = {"stratum_kv_pages_used": "tier", "st
 
 STACK_LABEL = "stack"      # on every series of METRICS
 DEFAULT_STACK = "stratum"  # the stack a ServingMetrics feeds unless told otherwise
+ROUTER_STACK = "router"    # the `stack` of what happens before a stack is chosen (RouterMetrics)
+ROUTER_ONLY = frozenset({"stratum_prompt_length_entropy_bits"})   # exported under stack="router" alone
 
 KV_TIER = "device"
 HOST_TIER = "host"   # the host-memory tier (--kv-host-tokens), only when there is one
@@ -212,6 +220,8 @@ class MetricFamilies:
 
     def bound(self, name: str, stack: str):
         """The series of `stack`: a child (inc/set/observe) or, with a second label, a _StackBound."""
+        if name in ROUTER_ONLY and stack != ROUTER_STACK:
+            raise ValueError(f"{name} is the router's (stack={ROUTER_STACK!r}), not stack {stack!r}'s")
         family = self.families[name]
         return _StackBound(family, stack) if name in LABELS else family.labels(stack)
 
@@ -267,7 +277,6 @@ class ServingMetrics:
         self.output_tokens = bound("stratum_output_tokens_total")
         self.routes = bound("stratum_routed_requests_total")
         self.route_decisions = bound("stratum_route_decisions_total")
-        self.prompt_length_entropy = bound("stratum_prompt_length_entropy_bits")
         self.weights = bound("stratum_request_weight")
         self.metered_usd = bound("stratum_metered_cost_usd_total")
         self.metered_output_tokens = bound("stratum_metered_output_tokens_total")
@@ -290,7 +299,13 @@ class ServingMetrics:
 
     def for_stack(self, stack: str) -> "ServingMetrics":
         """The metrics of `stack` in this registry (its own series, counters and recent-latency windows)."""
+        if stack == ROUTER_STACK:
+            raise ValueError(f"{ROUTER_STACK!r} is the router's stack label, not a stack: use router()")
         return ServingMetrics(stack=stack, families=self._families)
+
+    def router(self) -> "RouterMetrics":
+        """The series of the router (stack="router") in this registry."""
+        return RouterMetrics(self._families)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         """The current value of one of this stack's samples (tests, benchmarks), e.g.
@@ -418,6 +433,30 @@ class ServingMetrics:
         """Serves the exposition format on http://host:port/metrics; port 0 picks a free one."""
         httpd, _thread = prom.start_http_server(port, addr=host, registry=self.registry)
         return httpd, httpd.server_port
+
+
+class RouterMetrics:
+    """What happens before a stack is chosen (the module docstring): the calls refused then, by status, and the
+    prompt-length entropy the router decides by. Only these two series exist under stack="router" (binding
+    every metric would export empty stack="router" KV and latency series). Safe to call from any thread."""
+
+    stack = ROUTER_STACK
+
+    def __init__(self, families: MetricFamilies) -> None:
+        self.requests = families.bound("stratum_requests_total", ROUTER_STACK)
+        self.prompt_length_entropy = families.bound("stratum_prompt_length_entropy_bits", ROUTER_STACK)
+        self._status_counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def request_ended(self, status: str) -> None:
+        """Counts one Messages call that ended before it reached a stack, by its terminal status."""
+        self.requests.labels(status).inc()
+        with self._lock:
+            self._status_counts[status] += 1
+
+    def status_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._status_counts)
 
 
 def markdown_table() -> str:

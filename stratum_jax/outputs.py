@@ -82,6 +82,7 @@ class OutputProcessor:
         seq.finish_reason = reason
         out.finished = True
         out.finish_reason = reason
+        out.usage = seq.usage.snapshot()
         return out
 
     @staticmethod

@@ -8,6 +8,8 @@ import dataclasses
 import enum
 import math
 
+from stratum_jax.request_usage import RequestUsage
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses; the message says what to fix. Other requests are not affected."""
@@ -104,6 +106,7 @@ class StepOutput:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     output_tokens: int = 0       # total so far
+    usage: RequestUsage | None = None   # on the final output: the device time it was charged (request_usage.py)
 
 
 @dataclasses.dataclass

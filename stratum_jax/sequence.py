@@ -7,6 +7,7 @@ import time
 
 from stratum_jax.kv.block_table import BlockTable
 from stratum_jax.request import FinishReason, RequestState, SamplingParams, TokenLogprob
+from stratum_jax.request_usage import RequestUsage
 
 
 @dataclasses.dataclass(eq=False)
@@ -47,6 +48,8 @@ class Sequence:
     # Chain hashes of the tokens while queued, per page size (host-tier prefetch looks them up each step):
     # (token count they cover, {page size: hashes}).
     queued_chain_hashes: tuple[int, dict[int, list[bytes]]] | None = None
+    # Its share of the device time of the steps that ran it (request_usage.py): the metered bill's input.
+    usage: RequestUsage = dataclasses.field(default_factory=RequestUsage)
 
     @property
     def attn_var5(self) -> float | None:

@@ -7,6 +7,7 @@ drain test comes last, as it ends the server.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import socket
@@ -50,10 +51,15 @@ class Http:
         return raw(self.url + path, headers=headers)
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
+        """The samples by name and labels other than `stack`, summed over stacks (a call refused before
+        routing is counted under stack="router", one refused by the engine under its stack's)."""
         status, text = self.get("/metrics")
         assert status == 200
-        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "stack"))): s.value
-                for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+        samples = collections.defaultdict(float)
+        for f in text_string_to_metric_families(text.decode()):
+            for s in f.samples:
+                samples[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "stack")))] += s.value
+        return dict(samples)
 
     def status_count(self, status: str) -> float:
         return self.metrics().get(("stratum_requests_total", (("status", status),)), 0.0)

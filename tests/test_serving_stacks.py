@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from serving import cost
 from serving.background import BackgroundServer
@@ -291,14 +293,23 @@ def test_cost_estimate_has_one_breakdown_per_stack_and_metered_usage_matches_the
     for b in r.stacks:
         assert b.cost_usd == pytest.approx(b.compute_usd + b.hbm_usd + b.transfer_usd) and b.cost_usd > 0
         assert b.decode_step_ms > 0 and b.prefill_tokens_per_s > 0 and b.billed_output_tokens == 8
-    # The bill on the final event is the formula applied to what ran, with the step times it reports.
+    # The bill on the final event is what the request was charged of its steps; the rates it reports give it
+    # back through the formula.
     _, stop = ask(stacks.stub, "bill me", max_tokens=5, metadata=(("x-stratum-weight", "0"),))
     m = stop.metered
     assert m.stack == "baseline" and m.billed_output_tokens == stop.usage.output_tokens
+    assert m.compute_seconds > 0 and m.decode_batch >= 1 and m.prefill_batch >= 1
     again = cost.meter(stop.usage.input_tokens, stop.usage.cached_input_tokens, stop.usage.output_tokens,
                        0, m.kv_bytes_per_token,
-                       cost.Measured(m.decode_step_ms, m.prefill_tokens_per_s, m.decode_batch), cost.Prices())
+                       cost.Measured(m.decode_step_ms, m.prefill_tokens_per_s, m.decode_batch, m.prefill_batch),
+                       cost.Prices())
     assert m.compute_usd == pytest.approx(again.compute_usd) and m.hbm_usd == pytest.approx(again.hbm_usd)
+    # The next estimate on the baseline is priced from its bills' rates.
+    baseline = stacks.bg.server.frontend.served.pools["baseline"]
+    assert len(baseline.recent) >= 2
+    b = stacks.stub.CostEstimate(request, timeout=30).stacks[1]
+    assert b.stack == "baseline" and b.decode_step_ms == pytest.approx(baseline.recent.measured(
+        baseline.calibrated()).decode_step_ms)
 
 
 def test_every_metric_has_a_stack_label(stacks):
@@ -314,5 +325,59 @@ def test_every_metric_has_a_stack_label(stacks):
                      if sample.name == "stratum_route_decisions_total" and sample.labels["stack"] == stack]
         assert sum(s.value for s in decisions) >= 1
     value = stacks.bg.server.metrics.registry.get_sample_value
-    assert value("stratum_prompt_length_entropy_bits", {"stack": "stratum"}) >= 0
     assert value("stratum_kv_tokens_total", {"stack": "baseline", "tier": "device"}) == 1024
+
+
+def _scrape(stacks) -> list:
+    """Every sample of the server's Prometheus endpoint, as served over HTTP."""
+    text = urllib.request.urlopen(stacks.bg.metrics_url, timeout=10).read().decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def test_what_happens_before_routing_is_counted_under_the_router_label(stacks):
+    """A call refused before a stack is chosen, and the prompt-length entropy, belong to no stack: they are
+    exported under stack="router", and those two are the only series there."""
+    router_before = stacks.bg.server.frontend.router_metrics.status_counts().get("invalid_argument", 0)
+    with pytest.raises(grpc.RpcError) as e:
+        ask(stacks.stub, "weighed wrong", metadata=(("x-stratum-weight", "lots"),))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    ask(stacks.stub, "routed", max_tokens=2, metadata=(("x-stratum-weight", "1"),))
+    samples = _scrape(stacks)
+    router = {(s.name, s.labels.get("status")): s.value for s in samples
+              if s.labels.get("stack") == "router" and not s.name.endswith("_created")}
+    assert set(router) == {("stratum_requests_total", "invalid_argument"),
+                           ("stratum_prompt_length_entropy_bits", None)}
+    assert router[("stratum_requests_total", "invalid_argument")] == router_before + 1
+    assert router[("stratum_prompt_length_entropy_bits", None)] >= 0
+    entropy = [s for s in samples if s.name == "stratum_prompt_length_entropy_bits"]
+    assert [s.labels for s in entropy] == [{"stack": "router"}]
+    # Every series of the stratum_* families still has the label (one label set per metric name).
+    assert all("stack" in s.labels for s in samples if s.name.startswith("stratum_") and
+               not s.name.startswith("stratum_dmlp_"))
+
+
+def test_get_metrics_reports_every_stack(stacks):
+    ask(stacks.stub, "on the baseline", max_tokens=3, metadata=(("x-stratum-weight", "0"),))
+    ask(stacks.stub, "on stratum", max_tokens=3, metadata=(("x-stratum-weight", "1"),))
+    with pytest.raises(grpc.RpcError):
+        ask(stacks.stub, "refused", metadata=(("x-stratum-route", "nowhere"),))
+    snap = stacks.stub.GetMetrics(pb.GetMetricsRequest(), timeout=10)
+    assert [s.stack for s in snap.stacks] == ["stratum", "baseline", "long-context"]
+    pools = stacks.bg.server.frontend.served.pools
+    for s in snap.stacks:
+        pool = pools[s.stack]
+        assert (s.kv_tokens_total, s.accepted, s.finished) == (pool.runner.stats.kv_tokens_total,
+                                                               pool.runner.accepted, pool.runner.finished)
+        assert dict(s.requests_by_status) == pool.metrics.status_counts()
+        assert not s.stacks and not s.router_requests_by_status
+    stratum, baseline = snap.stacks[0], snap.stacks[1]
+    assert (stratum.kv_tokens_total, baseline.kv_tokens_total) == (2048, 1024)
+    assert baseline.requests_by_status["ok"] >= 1 and baseline.output_tokens >= 3 and baseline.ttft.count >= 1
+    assert baseline.accepted >= 1 and baseline.steps > 0
+    # The top level: the Stratum stack's figures (as a one-stack server answers), with the server's counts.
+    assert snap.stack == "stratum" and snap.kv_tokens_total == 2048 and snap.accepted == stratum.accepted
+    assert snap.router_requests_by_status["invalid_argument"] >= 1
+    for status, count in snap.requests_by_status.items():
+        assert count == sum(s.requests_by_status.get(status, 0) for s in snap.stacks) + \
+            snap.router_requests_by_status.get(status, 0)
+    assert snap.prompt_length_entropy_bits == stacks.bg.server.frontend.served.router.lengths.bits()

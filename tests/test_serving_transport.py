@@ -52,7 +52,8 @@ def test_reflection_answers_both_versions(bg, version):
 
 
 def _requests_by_status(bg) -> dict[str, float]:
-    return bg.server.metrics.status_counts()
+    """The calls refused before a stack was chosen (stack="router"), by status."""
+    return bg.server.frontend.router_metrics.status_counts()
 
 
 def test_oversized_request_is_counted_and_names_the_flag(bg):

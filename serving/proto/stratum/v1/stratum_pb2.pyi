@@ -167,7 +167,7 @@ class CostEstimateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., system: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class CostBreakdown(_message.Message):
-    __slots__ = ("stack", "compute_usd", "hbm_usd", "transfer_usd", "compute_seconds", "kv_gb_hours", "transfer_gb", "decode_step_ms", "prefill_tokens_per_s", "decode_batch", "kv_bytes_per_token", "cost_usd", "billed_input_tokens", "billed_output_tokens")
+    __slots__ = ("stack", "compute_usd", "hbm_usd", "transfer_usd", "compute_seconds", "kv_gb_hours", "transfer_gb", "decode_step_ms", "prefill_tokens_per_s", "decode_batch", "kv_bytes_per_token", "cost_usd", "billed_input_tokens", "billed_output_tokens", "prefill_batch")
     STACK_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_USD_FIELD_NUMBER: _ClassVar[int]
     HBM_USD_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class CostBreakdown(_message.Message):
     COST_USD_FIELD_NUMBER: _ClassVar[int]
     BILLED_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BILLED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BATCH_FIELD_NUMBER: _ClassVar[int]
     stack: str
     compute_usd: float
     hbm_usd: float
@@ -196,7 +197,8 @@ class CostBreakdown(_message.Message):
     cost_usd: float
     billed_input_tokens: int
     billed_output_tokens: int
-    def __init__(self, stack: _Optional[str] = ..., compute_usd: _Optional[float] = ..., hbm_usd: _Optional[float] = ..., transfer_usd: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., kv_gb_hours: _Optional[float] = ..., transfer_gb: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_batch: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., cost_usd: _Optional[float] = ..., billed_input_tokens: _Optional[int] = ..., billed_output_tokens: _Optional[int] = ...) -> None: ...
+    prefill_batch: float
+    def __init__(self, stack: _Optional[str] = ..., compute_usd: _Optional[float] = ..., hbm_usd: _Optional[float] = ..., transfer_usd: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., kv_gb_hours: _Optional[float] = ..., transfer_gb: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_batch: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., cost_usd: _Optional[float] = ..., billed_input_tokens: _Optional[int] = ..., billed_output_tokens: _Optional[int] = ..., prefill_batch: _Optional[float] = ...) -> None: ...
 
 class CostEstimateResponse(_message.Message):
     __slots__ = ("estimated_cost_usd", "input_tokens", "max_output_tokens", "gpu_usd_per_hour", "transfer_usd_per_gb", "hbm_usd_per_gb_hour", "breakdown", "stacks")
@@ -289,8 +291,15 @@ class LatencySummary(_message.Message):
     def __init__(self, count: _Optional[int] = ..., mean_ms: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ...) -> None: ...
 
 class MetricsSnapshot(_message.Message):
-    __slots__ = ("queued", "running", "in_flight", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_tokens_total", "kv_tokens_used", "prefix_cache_hits", "prefix_cache_queries", "cache_hit_rate", "preemptions", "steps", "decode_step_ms", "prefill_tokens_per_s", "input_tokens", "output_tokens", "requests_by_status", "accepted", "finished", "ttft", "tpot", "e2e", "draining", "dmlp")
+    __slots__ = ("queued", "running", "in_flight", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_tokens_total", "kv_tokens_used", "prefix_cache_hits", "prefix_cache_queries", "cache_hit_rate", "preemptions", "steps", "decode_step_ms", "prefill_tokens_per_s", "input_tokens", "output_tokens", "requests_by_status", "accepted", "finished", "ttft", "tpot", "e2e", "draining", "dmlp", "stack", "stacks", "router_requests_by_status", "prompt_length_entropy_bits")
     class RequestsByStatusEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RouterRequestsByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +331,10 @@ class MetricsSnapshot(_message.Message):
     E2E_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     DMLP_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_REQUESTS_BY_STATUS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_ENTROPY_BITS_FIELD_NUMBER: _ClassVar[int]
     queued: int
     running: int
     in_flight: int
@@ -347,7 +360,11 @@ class MetricsSnapshot(_message.Message):
     e2e: LatencySummary
     draining: bool
     dmlp: DmlpStatus
-    def __init__(self, queued: _Optional[int] = ..., running: _Optional[int] = ..., in_flight: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., decode_step_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., requests_by_status: _Optional[_Mapping[str, int]] = ..., accepted: _Optional[int] = ..., finished: _Optional[int] = ..., ttft: _Optional[_Union[LatencySummary, _Mapping]] = ..., tpot: _Optional[_Union[LatencySummary, _Mapping]] = ..., e2e: _Optional[_Union[LatencySummary, _Mapping]] = ..., draining: _Optional[bool] = ..., dmlp: _Optional[_Union[DmlpStatus, _Mapping]] = ...) -> None: ...
+    stack: str
+    stacks: _containers.RepeatedCompositeFieldContainer[MetricsSnapshot]
+    router_requests_by_status: _containers.ScalarMap[str, int]
+    prompt_length_entropy_bits: float
+    def __init__(self, queued: _Optional[int] = ..., running: _Optional[int] = ..., in_flight: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., cache_hit_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., steps: _Optional[int] = ..., decode_step_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., requests_by_status: _Optional[_Mapping[str, int]] = ..., accepted: _Optional[int] = ..., finished: _Optional[int] = ..., ttft: _Optional[_Union[LatencySummary, _Mapping]] = ..., tpot: _Optional[_Union[LatencySummary, _Mapping]] = ..., e2e: _Optional[_Union[LatencySummary, _Mapping]] = ..., draining: _Optional[bool] = ..., dmlp: _Optional[_Union[DmlpStatus, _Mapping]] = ..., stack: _Optional[str] = ..., stacks: _Optional[_Iterable[_Union[MetricsSnapshot, _Mapping]]] = ..., router_requests_by_status: _Optional[_Mapping[str, int]] = ..., prompt_length_entropy_bits: _Optional[float] = ...) -> None: ...
 
 class DmlpStatus(_message.Message):
     __slots__ = ("confidence", "online", "accuracy", "updates", "dropped")

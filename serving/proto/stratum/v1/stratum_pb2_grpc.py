@@ -99,7 +99,8 @@ class StratumServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetMetrics(self, request, context):
-        """A snapshot of the server's metrics (the same figures as the Prometheus endpoint).
+        """A snapshot of the server's metrics (the same figures as the Prometheus endpoint): the Stratum stack's at
+        the top level, and one snapshot per stack the server runs in `stacks`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
