@@ -49,6 +49,26 @@ def test_predictor_pads_batches():
     np.testing.assert_allclose(pred.predict(raw[:3]), direct[:3], rtol=1e-5, atol=1e-6)
 
 
+def test_predictor_runs_only_the_warmed_buckets():
+    """Any row count runs at one of `batch_buckets()` (more than MAX_BATCH rows in pieces), so warming those
+    is every compile a server will see: 2,500 rows once compiled a new bucket after SERVING."""
+    from stratum_jax.dmlp.policy import DmlpPolicy
+    from stratum_jax.dmlp.runtime import warm_predictor
+    cfg = DmlpConfig(num_inputs(), hidden=(16,))
+    params = init_params(cfg, 0)
+    raw = np.random.default_rng(1).uniform(0, 5, (2500, len(FEATURE_NAMES))).astype(np.float32)
+    norm = Normalizer.fit(raw)
+    pred = Predictor(cfg, params, norm)
+    assert pred.batch_buckets() == [64, 128, 256, 512, 1024]
+    warm_predictor(DmlpPolicy(pred))
+    warmed = pred._fn._cache_size()
+    assert warmed == len(pred.batch_buckets())
+    direct = hazard_to_prob(DmlpNet(cfg).apply({"params": params}, feature_matrix(raw, norm)))
+    for n in (2500, 1024, 1025, 700, 1):
+        np.testing.assert_allclose(pred.predict(raw[:n]), direct[:n], rtol=1e-5, atol=1e-6)
+    assert pred._fn._cache_size() == warmed
+
+
 @pytest.mark.parametrize("h", [(), (10.0, 10.0), (50.0, 10.0), (-1.0, 5.0)])
 def test_bad_horizons_are_refused(h):
     with pytest.raises(ValueError, match="horizons_ms"):

@@ -72,9 +72,19 @@ class Predictor:
     """Batched, jitted inference from raw features: `predict(raw [N, F]) -> P(reuse) [N, H]` (numpy).
 
     Batches are padded to a power of two (at least 64) so that a busy server triggers only a handful
-    of compilations, not one per candidate count. `params` may be replaced at any time (the online
-    fine-tuner hot-swaps them); a call uses whichever params it read first.
+    of compilations, not one per candidate count; more rows than MAX_BATCH run in pieces of MAX_BATCH, so
+    the shapes are the fixed set `batch_buckets()` that `runtime.warm_predictor` compiles before serving (a
+    long prompt's blocks scored on access once compiled a 1,024-row bucket after SERVING). `params` may be
+    replaced at any time (the online fine-tuner hot-swaps them); a call uses whichever params it read first.
     """
+
+    MIN_BATCH = 64
+    MAX_BATCH = 1024
+
+    @classmethod
+    def batch_buckets(cls) -> list[int]:
+        """Every row count `predict` runs the network at: 64, 128, ..., MAX_BATCH."""
+        return [1 << k for k in range(cls.MIN_BATCH.bit_length() - 1, cls.MAX_BATCH.bit_length())]
 
     def __init__(self, config: DmlpConfig, params, normalizer: Normalizer):
         self.config = config
@@ -85,8 +95,16 @@ class Predictor:
 
     def predict(self, raw: np.ndarray) -> np.ndarray:
         x = feature_matrix(raw, self.normalizer)
+        if len(x) > self.MAX_BATCH:
+            params = self.params        # one set of weights for every piece of this call
+            return np.concatenate([self._predict_padded(params, x[i:i + self.MAX_BATCH])
+                                   for i in range(0, len(x), self.MAX_BATCH)])
+        return self._predict_padded(self.params, x)
+
+    def _predict_padded(self, params, x: np.ndarray) -> np.ndarray:
+        """x [n, F] normalised features, n <= MAX_BATCH -> [n, H], the network run at n's bucket."""
         n = len(x)
-        size = max(64, 1 << max(0, (n - 1).bit_length()))
+        size = max(self.MIN_BATCH, 1 << max(0, (n - 1).bit_length()))
         padded = np.zeros((size, x.shape[1]), np.float32)
         padded[:n] = x
-        return np.asarray(self._fn(self.params, padded))[:n]
+        return np.asarray(self._fn(params, padded))[:n]

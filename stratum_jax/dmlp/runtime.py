@@ -98,14 +98,13 @@ def dmlp_status(policy, tuner) -> dict | None:
     return out
 
 
-def warm_predictor(policy, max_rows: int = 256) -> None:
-    """Compiles the predictor's batch buckets (64, 128, ... max_rows) so serving never waits on a compile."""
+def warm_predictor(policy) -> None:
+    """Compiles every batch bucket the predictor runs at (`Predictor.batch_buckets`), so serving never waits
+    on a compile."""
     if not isinstance(policy, DmlpPolicy):
         return
     import numpy as np
 
     n_features = len(policy.predictor.normalizer.mean)
-    rows = 64
-    while rows <= max_rows:
+    for rows in policy.predictor.batch_buckets():
         policy.predictor.predict(np.full((rows, n_features), np.nan, np.float32))
-        rows *= 2
