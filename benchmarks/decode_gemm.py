@@ -27,9 +27,8 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from device_trace import kernels as trace_kernels, load_events, newest_trace  # noqa: E402
+from device_trace import kernels as trace_kernels, load_events, newest_trace  # noqa: E402  (beside this script)
 from pallas_kernels.decode_matmul import (TuningConfig, decode_matmul, decode_matmul_reference,  # noqa: E402
                                           default_k_splits, supports)
 from stratum_jax.model.config import PRESETS  # noqa: E402

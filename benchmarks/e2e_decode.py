@@ -196,6 +196,10 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16") 
     decode = [t for t in timings if t.kind == "decode"]
     prefill = [t for t in timings if t.kind in ("prefill", "mixed")]
     full_decode = [t for t in decode if t.num_seqs == args.batch]
+    if not decode:
+        raise RuntimeError(f"no decode-only step was timed ({len(timings)} steps, kinds "
+                           f"{sorted({t.kind for t in timings})}): every step carried prefill; raise --new-tokens "
+                           f"(now {args.new_tokens}) above --decode-steps ({args.decode_steps}) x a few")
     decode_s = sum(t.seconds for t in decode)
     # A decode call runs up to --decode-steps steps; per-step time = call time / steps in the call.
     step_ms = (statistics.median(t.seconds / (t.num_tokens / t.num_seqs) for t in full_decode) * 1e3
