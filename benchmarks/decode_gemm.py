@@ -28,6 +28,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from config_flags import parse_overrides  # noqa: E402  (beside this script)
 from device_trace import kernels as trace_kernels, load_events, newest_trace  # noqa: E402  (beside this script)
 from pallas_kernels.decode_matmul import (TuningConfig, decode_matmul, decode_matmul_reference,  # noqa: E402
                                           default_k_splits, supports)
@@ -46,25 +47,7 @@ def projections(cfg) -> dict[str, tuple[int, int]]:
 
 def parse_configs(spec: str) -> list[TuningConfig]:
     """'default;tile_n=64;num_stages=4,k_splits=2' -> TuningConfigs (field=value overrides of the default)."""
-    fields = {f.name for f in dataclasses.fields(TuningConfig)}
-    out = []
-    for item in spec.split(";"):
-        kw = {}
-        for pair in filter(None, item.strip().split(",")):
-            if pair == "default":
-                continue
-            name, _, value = pair.partition("=")
-            if name not in fields or not value:
-                raise SystemExit(f"--configs: {pair!r} is not field=value with a TuningConfig field ({sorted(fields)})")
-            try:
-                kw[name] = None if value == "None" else int(value)
-            except ValueError:
-                raise SystemExit(f"--configs: {pair!r}: the value must be an int or None") from None
-        try:
-            out.append(TuningConfig(**kw))
-        except ValueError as e:
-            raise SystemExit(f"--configs: {item!r}: {e}") from None
-    return out
+    return parse_overrides(spec, TuningConfig())
 
 
 def device_us_per_call(fn, xs, ws, *, calls: int, trace_root: str) -> tuple[float, dict[str, float]]:

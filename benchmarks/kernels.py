@@ -71,6 +71,7 @@ import jax                                     # noqa: E402
 import jax.numpy as jnp                        # noqa: E402
 import numpy as np                             # noqa: E402
 
+from config_flags import parse_overrides       # noqa: E402  (beside this script)
 from pallas_kernels.testing import float64_attention, random_paged_case   # noqa: E402
 from pallas_kernels.paged_attention import (   # noqa: E402
     PAGE_SIZES, PREFILL_KERNEL_CONFIG, TuningConfig, default_config, paged_attention, paged_prefill_attention,
@@ -136,27 +137,7 @@ def parse_configs(spec: str, head_dim: int) -> list[TuningConfig]:
     """`--configs`: TuningConfigs separated by ';', each 'default' (what the kernel runs with no config at
     this head_dim, `default_config`) or comma-separated field=value overrides of it, e.g.
     'default;block_kv=128;num_stages=3,num_splits=2'."""
-    fields = [f.name for f in dataclasses.fields(TuningConfig)]
-    literals = {"True": True, "False": False, "None": None}
-    out = []
-    for item in spec.split(";"):
-        kw = {}
-        for pair in filter(None, item.strip().split(",")):
-            if pair == "default":
-                continue
-            name, _, value = pair.partition("=")
-            if name not in fields or not value:
-                raise SystemExit(f"--configs: {pair!r} is not field=value with a TuningConfig field "
-                                 f"({', '.join(fields)})")
-            if value in literals:
-                kw[name] = literals[value]
-                continue
-            try:
-                kw[name] = int(value)
-            except ValueError:
-                raise SystemExit(f"--configs: {pair!r}: the value must be an int, True, False or None") from None
-        out.append(dataclasses.replace(default_config(head_dim), **kw))
-    return out
+    return parse_overrides(spec, default_config(head_dim))
 
 
 def copy_ceiling(nbytes, reps, rounds=3):

@@ -10,14 +10,15 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHARED_HELPERS = ("device_trace",)     # benchmarks/<name>.py that other scripts import by bare name
+SHARED_HELPERS = ("device_trace", "config_flags")   # benchmarks/<name>.py that other scripts import by bare name
 
 
 def load_benchmark(script: str, name: str):
     """benchmarks/<script> as a module called `name` (left in sys.modules; `forget` removes it)."""
-    for helper in SHARED_HELPERS:
-        if helper not in sys.modules and helper != name:
-            load_benchmark(f"{helper}.py", helper)
+    if name not in SHARED_HELPERS:       # the helpers import no benchmark script, nor each other
+        for helper in SHARED_HELPERS:
+            if helper not in sys.modules:
+                load_benchmark(f"{helper}.py", helper)
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -1,16 +1,10 @@
 """benchmarks/kernels.py --delta: #12's speed bars are judged on the worst page layout of each context >= 4K,
 and a layout whose every config failed counts as a miss."""
-import importlib.util
 import math
-from pathlib import Path
 
-# Loaded from its file: putting benchmarks/ on sys.path would shadow the `serving` package with
-# benchmarks/serving.py for every test after this one.
-_spec = importlib.util.spec_from_file_location(
-    "bench_kernels", Path(__file__).resolve().parent.parent / "benchmarks" / "kernels.py")
-_module = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_module)
-delta_targets = _module.delta_targets
+from benchmark_module import load_benchmark
+
+delta_targets = load_benchmark("kernels.py", "bench_kernels").delta_targets
 
 
 def _shape(ctx, **x_by_precision):
