@@ -8,6 +8,7 @@ import os
 PAGE_SIZE_CLASSES = (8, 16, 32, 64, 128, 256)   # tokens per page: 8 * 2^k
 ATTENTION_BACKENDS = ("auto", "reference", "kernel")
 PROJECTION_BACKENDS = ("auto", "kernel", "xla")
+DMLP_DEVICES = ("default", "cpu")
 TP_EMBEDDINGS = ("auto", "vocab-parallel", "replicated")   # --tp-embedding (stratum_jax/tensor_parallel.py)
 CACHE_POLICIES = ("lru", "dmlp")
 SCHEDULERS = ("hab", "fcfs")
@@ -102,6 +103,9 @@ class RuntimeConfig:
     dmlp_online_dir: str | None = None   # where the online fine-tuner writes its orbax checkpoints
     dmlp_online_cores: tuple[int, ...] | None = None   # CPU cores to pin the fine-tuning worker to
     dmlp_online_track: float = 0.25  # share of KV blocks (by id) whose accesses become online examples
+    dmlp_device: str = "default"     # where the DMLP runs its predictions: "default" (jax's default device, the
+                                     # GPU on a server) or "cpu" (overlaps the step in flight instead of queueing
+                                     # behind it on the GPU; slower per call: BENCHMARKS.md, #13 session 13)
     dmlp_guard: bool = True          # shadow-LRU guard: evict in LRU order while the DMLP trails LRU
     kv_precision: str = dataclasses.field(default_factory=_kv_precision_default)   # KV pages: bf16, or
                                      # deltas from a resident anchor (fp16/fp8); the engine may fall back
@@ -209,11 +213,13 @@ class RuntimeConfig:
         need(not self.kv_host_tokens, "--num-processes > 1 does not support --kv-host-tokens")
 
     def _check_dmlp(self, need) -> None:
+        need(self.dmlp_device in DMLP_DEVICES, f"--dmlp-device must be one of {DMLP_DEVICES}, got {self.dmlp_device!r}")
         dmlp = self.cache_policy == "dmlp"
         if not dmlp:
             for flag, value in (("--dmlp-checkpoint", self.dmlp_checkpoint), ("--dmlp-online", self.dmlp_online or None),
                                 ("--dmlp-online-dir", self.dmlp_online_dir),
-                                ("--dmlp-online-cores", self.dmlp_online_cores)):
+                                ("--dmlp-online-cores", self.dmlp_online_cores),
+                                ("--dmlp-device", None if self.dmlp_device == "default" else self.dmlp_device)):
                 need(value is None, f"{flag} only applies with --cache-policy dmlp (the policy is "
                                     f"{self.cache_policy!r}): add --cache-policy dmlp or drop {flag}")
             return
@@ -335,6 +341,9 @@ class RuntimeConfig:
         g.add_argument("--dmlp-online-track", type=float, default=d.dmlp_online_track, metavar="FRACTION",
                        help="share of KV blocks, sampled by block id, whose accesses become online training "
                             "examples (each costs the engine thread a little), in (0, 1]")
+        g.add_argument("--dmlp-device", default=d.dmlp_device, choices=DMLP_DEVICES,
+                       help="where the DMLP's predictions run: jax's default device (the GPU on a server, where a "
+                            "call queues behind the step in flight) or the host CPU (overlaps it, slower per call)")
         g.add_argument("--dmlp-guard", action=argparse.BooleanOptionalAction, default=d.dmlp_guard,
                        help="shadow-LRU guard: evict in LRU order while the DMLP's recent hit rate trails "
                             "what LRU would have had (stratum_dmlp_guard_active); on by default")

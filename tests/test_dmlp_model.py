@@ -73,3 +73,26 @@ def test_predictor_runs_only_the_warmed_buckets():
 def test_bad_horizons_are_refused(h):
     with pytest.raises(ValueError, match="horizons_ms"):
         DmlpConfig(num_inputs(), horizons_ms=h)
+
+
+def test_predictor_on_a_chosen_device_keeps_swapped_params_there():
+    """--dmlp-device cpu: predictions run on the host CPU, and a hot swap (the online tuner sets `params`) lands
+    there too, not on the default device."""
+    import jax
+    from stratum_jax.config import RuntimeConfig
+    cpu = jax.devices("cpu")[0]
+    cfg = DmlpConfig(num_inputs(), hidden=(16,))
+    params = init_params(cfg, 0)
+    raw = np.random.default_rng(2).uniform(0, 5, (10, len(FEATURE_NAMES))).astype(np.float32)
+    norm = Normalizer.fit(raw)
+    pred = Predictor(cfg, params, norm, device=cpu)
+    leaves = jax.tree_util.tree_leaves(pred.params)
+    assert all(leaf.devices() == {cpu} for leaf in leaves)
+    before = pred.predict(raw)
+    pred.params = jax.tree_util.tree_map(lambda x: np.asarray(x) * 0.5, params)
+    assert all(leaf.devices() == {cpu} for leaf in jax.tree_util.tree_leaves(pred.params))
+    assert not np.allclose(pred.predict(raw), before)
+    with pytest.raises(ValueError, match="--dmlp-device must be one of"):
+        RuntimeConfig(model="tiny", dmlp_device="tpu")
+    with pytest.raises(ValueError, match="--dmlp-device only applies with --cache-policy dmlp"):
+        RuntimeConfig(model="tiny", dmlp_device="cpu")

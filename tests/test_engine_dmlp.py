@@ -323,7 +323,18 @@ def test_bad_flags_say_what_to_fix(ckpt, tmp_path):
                                       "--dmlp-online-track", "0.5"])
     cfg = RuntimeConfig.from_cli_args(args)
     assert cfg.dmlp_online and cfg.dmlp_online_cores == (0,) and cfg.dmlp_confidence == 0.75
-    assert cfg.dmlp_online_track == 0.5
+    assert cfg.dmlp_online_track == 0.5 and cfg.dmlp_device == "default"
+
+
+def test_dmlp_device_cpu_puts_the_predictor_on_the_host(ckpt):
+    import jax
+    from stratum_jax.dmlp.runtime import build_dmlp
+    from stratum_jax.serve import build_parser
+    args = build_parser().parse_args(["--cache-policy", "dmlp", "--dmlp-checkpoint", ckpt, "--dmlp-device", "cpu"])
+    wired, _ = build_dmlp(RuntimeConfig.from_cli_args(args))
+    predictor = wired.policy.predictor
+    assert predictor.device == jax.devices("cpu")[0]
+    assert {d for leaf in jax.tree_util.tree_leaves(predictor.params) for d in leaf.devices()} == {predictor.device}
 
 
 def test_corrupt_checkpoint_fails_at_start_up_naming_the_file(tmp_path):

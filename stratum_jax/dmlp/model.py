@@ -86,12 +86,23 @@ class Predictor:
         """Every row count `predict` runs the network at: 64, 128, ..., MAX_BATCH."""
         return [1 << k for k in range(cls.MIN_BATCH.bit_length() - 1, cls.MAX_BATCH.bit_length())]
 
-    def __init__(self, config: DmlpConfig, params, normalizer: Normalizer):
+    def __init__(self, config: DmlpConfig, params, normalizer: Normalizer, device: jax.Device | None = None):
+        """device: where predictions run (None: jax's default device); params set later (a hot swap) go there
+        too."""
         self.config = config
+        self.device = device
         self.params = params
         self.normalizer = normalizer
         net = DmlpNet(config)
         self._fn = jax.jit(lambda p, x: hazard_to_prob(net.apply({"params": p}, x)))
+
+    @property
+    def params(self):
+        return self._params
+
+    @params.setter
+    def params(self, value) -> None:
+        self._params = value if self.device is None else jax.device_put(value, self.device)
 
     def predict(self, raw: np.ndarray) -> np.ndarray:
         x = feature_matrix(raw, self.normalizer)

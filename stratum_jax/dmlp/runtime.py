@@ -51,7 +51,10 @@ def build_dmlp(config: RuntimeConfig):
     from stratum_jax.dmlp.wiring import wire_policy
 
     ckpt = load_checkpoint(config.dmlp_checkpoint)
-    predictor = Predictor(ckpt.config, ckpt.params, ckpt.normalizer)
+    import jax
+
+    device = jax.devices("cpu")[0] if config.dmlp_device == "cpu" else None
+    predictor = Predictor(ckpt.config, ckpt.params, ckpt.normalizer, device=device)
     threshold = ConfidenceThreshold(config.dmlp_confidence)
     # The decision horizon and the label rule (hold_reuse) are OnlineConfig's defaults, the ones the
     # replay uses (`wiring.wire_policy`), whether or not this server fine-tunes online.
