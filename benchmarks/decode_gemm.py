@@ -5,7 +5,7 @@ y = x @ w.T by XLA (`jnp.einsum`, what the model's Linear runs) and by `decode_m
 entry, as *device* time: every call's GPU kernels (the split-K partial sum and any padding included) summed
 from a jax.profiler trace, divided by the calls. The calls cycle over enough distinct weight copies (>= 3x
 the 50 MB L2) that each reads its weights from HBM, as a model's layers do. Bandwidth = weight bytes / time,
-against a read ceiling (a large bf16 sum) measured in the same run.
+against the read ceiling `stratum_jax.bandwidth` measures (a large bf16 sum) in the same run.
 
     python benchmarks/decode_gemm.py --models llama-1b,llama-8b --rows 64 --out results/decode_gemm_h200.json
     python benchmarks/decode_gemm.py --dry-run        # CPU, the interpreter, tiny shapes: the checks only
@@ -17,7 +17,6 @@ import dataclasses
 import datetime
 import json
 import pathlib
-import statistics
 import sys
 import tempfile
 
@@ -32,6 +31,7 @@ from config_flags import parse_overrides  # noqa: E402  (beside this script)
 from device_trace import kernels as trace_kernels, load_events, newest_trace  # noqa: E402  (beside this script)
 from pallas_kernels.decode_matmul import (TuningConfig, decode_matmul, decode_matmul_reference,  # noqa: E402
                                           default_k_splits, supports)
+from stratum_jax.bandwidth import measure_read_bandwidth_gbps  # noqa: E402
 from stratum_jax.model.config import PRESETS  # noqa: E402
 
 L2_BYTES = 50 * 2**20
@@ -66,23 +66,6 @@ def device_us_per_call(fn, xs, ws, *, calls: int, trace_root: str) -> tuple[floa
     for k in ks:
         names[k.name] = names.get(k.name, 0.0) + k.us / calls
     return sum(names.values()), names
-
-
-def read_ceiling_tbps(nbytes: int = 2 * 2**30, reps: int = 20) -> float:
-    """Bytes per second of a large bf16 sum (a read-only stream), best median of 3 rounds of `reps`."""
-    import time
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    jax.block_until_ready(f(x))
-    best = float("inf")
-    for _ in range(3):
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.block_until_ready(f(x))
-            ts.append(time.perf_counter() - t)
-        best = min(best, statistics.median(ts))
-    return x.nbytes / best / 1e12
 
 
 def check(rows: int, n: int, k: int, config: TuningConfig, *, interpret: bool, seed: int = 0) -> float:
@@ -131,7 +114,7 @@ def main(argv=None) -> dict:
     unknown = [m for m in models if m not in PRESETS]
     if unknown:
         raise SystemExit(f"--models: unknown presets {unknown}; choose from {sorted(PRESETS)}")
-    read_tbps = read_ceiling_tbps()
+    read_tbps = measure_read_bandwidth_gbps() / 1e3     # the server's own probe (chains of calls on a GPU)
     print(f"read ceiling {read_tbps:.2f} TB/s")
     trace_root = tempfile.mkdtemp(prefix="decode_gemm_")
     xla = jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32).astype(x.dtype))

@@ -72,19 +72,10 @@ def hf_config(cfg: ModelConfig, attn_implementation: str | None = None):
     rope_theta and the RoPE scaling go together in `rope_parameters`)."""
     from transformers import LlamaConfig
 
-    if cfg.attention_bias:
-        raise ValueError("this preset has q/k/v biases (Qwen2-shaped); hf_decode.py builds LlamaForCausalLM only")
-    rope = {"rope_type": "default", **(cfg.rope_scaling_dict() or {}), "rope_theta": cfg.rope_theta}
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    return LlamaConfig(
-        architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=False, mlp_bias=False, hidden_act="silu", rope_parameters=rope,
-        bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids) or None, pad_token_id=None,
-        **kwargs)
+    fields = {k: v for k, v in cfg.to_hf_llama_config().items() if k != "model_type"}   # LlamaConfig sets it
+    return LlamaConfig(**fields, bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids) or None,
+                       pad_token_id=None, **kwargs)
 
 
 def build_model(cfg: ModelConfig, device: str, dtype: str, attn_implementation: str | None):

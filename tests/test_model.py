@@ -547,3 +547,16 @@ def test_bad_generation_config_eos_names_the_file(ckpt):
     _set_eos(ckpt, None, 100_000)
     with pytest.raises(CheckpointError, match="generation_config.json.*eos_token_ids"):
         load_model(str(ckpt))
+
+
+def test_to_hf_llama_config_reads_back_as_the_same_config():
+    """`to_hf_llama_config` is `from_hf_config`'s inverse for every Llama-shaped preset (RoPE scaling included);
+    a Qwen2-shaped config (q/k/v biases) is refused."""
+    scaled = dataclasses.replace(PRESETS["llama-1b"], rope_scaling=freeze_rope_scaling(
+        {"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+         "original_max_position_embeddings": 8192}))
+    for cfg in [c for c in PRESETS.values() if not c.attention_bias] + [scaled]:
+        d = {**cfg.to_hf_llama_config(), "bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}
+        assert ModelConfig.from_hf_config(d, dtype=cfg.dtype) == cfg
+    with pytest.raises(ValueError, match="q/k/v biases"):
+        dataclasses.replace(PRESETS["tiny"], attention_bias=True).to_hf_llama_config()

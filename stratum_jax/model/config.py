@@ -193,6 +193,33 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
+    def to_hf_llama_config(self) -> dict[str, Any]:
+        """The shape and numerics fields of this config as a transformers-5 LlamaForCausalLM `config.json` (the
+        inverse of `from_hf_config` for them; callers add token ids, dtype and the like). Raises ValueError for
+        q/k/v biases (a Qwen2 shape, which LlamaForCausalLM cannot hold)."""
+        if self.attention_bias:
+            raise ValueError("this config has q/k/v biases (Qwen2-shaped); a LlamaForCausalLM config cannot hold them")
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            # transformers 5: rope_theta and the RoPE scaling go together in `rope_parameters`.
+            "rope_parameters": {"rope_type": "default", **(self.rope_scaling_dict() or {}),
+                                "rope_theta": self.rope_theta},
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+
 
 def hf_eos_ids(value) -> tuple[int, ...]:
     """An HF `eos_token_id` field (None, an int, or a list of ints) -> a tuple of ids."""
