@@ -22,6 +22,9 @@ such prompt, so each prompt evicts the one before it to the host tier. Order: P0
 (recomputed: the recompute times), P1, P2 and P1 again (recalled from the tier: the recall times, the
 first of which may include compiling the copies' shapes and the tail's step). A time is the request's
 wall time to its first token (the tail of the prompt past its last full page is always prefilled).
+Each run also counts how the other prompt's pages left HBM to make room: copied out (device -> host), or
+returned to the tier with the host copy kept since their recall (no copy: from the second recall on, the
+prompt being evicted was itself recalled; kv/host_tier.py). The recall time is the fastest recall run.
 
 Each run's time is split into the engine's host phases (`Engine.phases`, stratum_jax/phase_times.py):
 add_requests; schedule (of which schedule.match_prefix: hashing and lookups over every page size, and
@@ -173,6 +176,7 @@ def recall_vs_recompute(model, args) -> dict:
     runs = []
     for label, i in (("compile", 0), ("recompute", 1), ("recompute", 2), ("recall", 1), ("recall", 2), ("recall", 1)):
         s0, u0 = engine.stats(), engine.transfers.stats.upload_s
+        o0 = engine.transfers.stats.offloaded_bytes
         p0, c0, n0 = engine.phases.snapshot(), engine.compiles.seconds, dict(engine.compiles.by_function)
         t = time.perf_counter()
         [res] = engine.generate([prompts[i]], params)
@@ -182,11 +186,18 @@ def recall_vs_recompute(model, args) -> dict:
         compiled = {k: v - n0.get(k, 0) for k, v in engine.compiles.by_function.items() if v > n0.get(k, 0)}
         runs.append({"run": label, "prompt": i, "seconds": wall, "cached_prompt_tokens": res.cached_prompt_tokens,
                      "host_hit_pages": st.kv_host_hits - s0.kv_host_hits,
+                     # The other prompt's pages evicted to make room: copied to the host, or back with the
+                     # copy kept since their recall (no copy; kv/host_tier.py).
+                     "offloaded_pages": st.kv_offloaded_pages - s0.kv_offloaded_pages,
+                     "offloaded_gb": (engine.transfers.stats.offloaded_bytes - o0) / 1e9,
+                     "reused_host_copies": st.kv_host_reused_pages - s0.kv_host_reused_pages,
                      "recall_upload_s": engine.transfers.stats.upload_s - u0,
                      "breakdown_s": dict(sorted(phases.items()), other=wall - top_level_total(phases)),
                      "compile_s": engine.compiles.seconds - c0, "compiled": compiled})
         print(f"  {label:<9} P{i}: {wall * 1e3:9.1f} ms  cached {res.cached_prompt_tokens:>6} tokens  host pages "
-              f"{runs[-1]['host_hit_pages']:>4}  upload {runs[-1]['recall_upload_s'] * 1e3:7.1f} ms", flush=True)
+              f"{runs[-1]['host_hit_pages']:>4}  upload {runs[-1]['recall_upload_s'] * 1e3:7.1f} ms  evicted: "
+              f"{runs[-1]['offloaded_pages']} copied out ({runs[-1]['offloaded_gb']:.2f} GB), "
+              f"{runs[-1]['reused_host_copies']} with a kept copy", flush=True)
         print("      " + format_breakdown(runs[-1]), flush=True)
     recompute = min(r["seconds"] for r in runs if r["run"] == "recompute")
     recalls = [r for r in runs if r["run"] == "recall"]

@@ -36,7 +36,8 @@ class EngineStats:
     gpu_idle_frac: float | None = None   # share of the last second with no step on the device (gpu_idle.py)
     gpu_idle_gap_ms: float | None = None # idle gap between the previous step's results and the latest dispatch
     kv_host_tokens_total: int = 0        # host tier capacity (0: no host tier)
-    kv_host_tokens_used: int = 0         # tokens of the pages it holds
+    kv_host_tokens_used: int = 0         # tokens of the pages it holds, kept copies included (kv/host_tier.py)
+    kv_host_reused_pages: int = 0        # evicted pages that went back to the tier with their kept copy (no copy)
     kv_host_hits: int = 0                # prefix pages a request got from the host tier (also in prefix_cache_hits)
     kv_prefetched_pages: int = 0         # host-tier pages recalled ahead of their request's admission
     kv_offloaded_pages: int = 0          # pages copied HBM -> host

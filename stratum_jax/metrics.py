@@ -46,6 +46,8 @@ METRICS: dict[str, tuple[str, str]] = {
                                    "not recomputed); also counted in stratum_prefix_cache_hits_total."),
     "stratum_kv_prefetched_pages_total": ("counter", "Host-tier pages copied back ahead of their request's admission."),
     "stratum_kv_offloaded_pages_total": ("counter", "KV pages copied from HBM to the host tier on eviction."),
+    "stratum_kv_host_reused_pages_total": ("counter", "KV pages evicted from HBM back to the host tier with the "
+                                           "host copy kept since their recall (no copy)."),
     "stratum_kv_recalled_pages_total": ("counter", "KV pages copied from the host tier back to HBM (prefix hits "
                                         "and prefetches)."),
     "stratum_kv_recall_choices_total": ("counter", "Host-tier prefix hits by what the recall choice did with them: "
@@ -257,6 +259,7 @@ class ServingMetrics:
         self.host_hits = bound("stratum_kv_host_hits_total")
         self.prefetched = bound("stratum_kv_prefetched_pages_total")
         self.offloaded = bound("stratum_kv_offloaded_pages_total")
+        self.host_reused = bound("stratum_kv_host_reused_pages_total")
         self.recalled = bound("stratum_kv_recalled_pages_total")
         self.recall_seconds = bound("stratum_kv_recall_seconds")
         self.recall_choices = bound("stratum_kv_recall_choices_total")
@@ -363,6 +366,7 @@ class ServingMetrics:
                              ("preemptions", self.preemptions), ("steps", self.steps),
                              ("kv_host_hits", self.host_hits), ("kv_prefetched_pages", self.prefetched),
                              ("kv_offloaded_pages", self.offloaded), ("kv_recalled_pages", self.recalled),
+                             ("kv_host_reused_pages", self.host_reused),
                              ("jit_compilations", self.jit_compilations),
                              ("jit_compilations_after_serving", self.jit_compilations_after_serving),
                              ("hab_triggers", self.hab_triggers), ("prefill_tokens", self.prefill_tokens)):

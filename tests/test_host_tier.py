@@ -113,7 +113,7 @@ def test_recalls_after_the_first_compile_nothing_and_their_time_is_broken_down(t
     engine.generate([a], sp)
     engine.generate([b], sp)                       # pushes a's pages out
     engine.generate([a], sp)                       # the first recall (compiles the copies' shapes)
-    compiles = engine.compiles.total
+    compiles, offloaded = engine.compiles.total, engine.stats().kv_offloaded_pages
     for prompt in (b, a):
         before, t = engine.phases.snapshot(), time.perf_counter()
         [res] = engine.generate([prompt], sp)
@@ -121,6 +121,10 @@ def test_recalls_after_the_first_compile_nothing_and_their_time_is_broken_down(t
         assert res.cached_prompt_tokens == 14 * PS
     assert engine.compiles.total == compiles, dict(engine.compiles.by_function)
     assert engine.stats().kv_host_hits == 3 * 14
+    # The last two runs evicted a prompt that had itself been recalled: its 14 recalled pages went back to the
+    # tier with the copies kept since (kv/host_tier.py); only the page computed after its recall was copied out.
+    st = engine.stats()
+    assert st.kv_host_reused_pages == 2 * 14 and st.kv_offloaded_pages - offloaded == 2, st
     assert {"add_requests", "schedule", "schedule.match_prefix", "schedule.acquire_prefix", "transfers",
             "transfers.offload_start", "transfers.upload", "transfers.scatter", "dispatch", "collect",
             "postprocess"} <= set(parts)
@@ -295,8 +299,10 @@ def test_recalled_then_evicted_again_in_one_pass_keeps_its_data():
     assert list(pending.recalls) == [again.start_slot]        # the first recall's copy was dropped
     cache = run_transfers(cache, pending)
     np.testing.assert_array_equal(_page_values(cache, again), want)
-    # Recalled pages let go of their host memory (the first recall's source and the alias).
-    assert ha not in pool.host and pending.recalls[again.start_slot].data is None
+    # The first recall's source let go of its host memory (the alias took it); the second recall's source
+    # stays as the clean copy of the HBM page (a kept copy: not a tier page).
+    source = pending.recalls[again.start_slot]
+    assert ha not in pool.host and source.kept and again.host_copy is source and source.data is not None
     pool.check_invariants()
 
 
@@ -349,12 +355,13 @@ def test_host_tier_drops_oldest_beyond_capacity():
     assert dropped == [pages[0], pages[2]]
 
 
-def test_many_offloads_recalls_and_drops_keep_every_pages_values():
+@pytest.mark.parametrize("host_tokens", [256, 768])
+def test_many_offloads_recalls_and_drops_keep_every_pages_values(host_tokens):
     """Offload, recall and drop pages through a small tier for many steps, copies asynchronous as in the
     engine; every recall must bring back exactly the page's values (pinned host arrays shared between
     an alias and its source, or a page taking another's data, would not)."""
     rng = np.random.default_rng(0)
-    pool = PagePool(512, host_tokens=256)
+    pool = PagePool(512, host_tokens=host_tokens)
     cache = _cache(512)
     transfers = KvTransfers()                                 # asynchronous, as in the engine
     truth = {}                                                # content hash -> its values when written
@@ -390,7 +397,11 @@ def test_many_offloads_recalls_and_drops_keep_every_pages_values():
         for p in live:
             value = np.asarray(cache[0][0])[0, p.start_slot, 0]
             assert value == truth[p.content_hash], f"step {step}: page holds {value}, wants {truth[p.content_hash]}"
-    assert transfers.stats.recalled_pages > 20 and pool.host.dropped > 50
+    assert transfers.stats.recalled_pages > 20 and pool.host.dropped > 20
+    # Kept copies let go for room (both tiers) and, with the larger tier, pages evicted again with the copy
+    # kept since their recall (no device -> host copy) were exercised, and every value above still matched.
+    assert pool.host.kept_dropped >= 1, pool.host.kept_dropped
+    assert host_tokens < 512 or pool.host.reused >= 5, pool.host.reused
     pool.check_invariants()
 
 
@@ -427,3 +438,54 @@ def test_a_step_waits_for_no_pinned_offload_still_on_its_way():
     assert [j.finished for j in many] == [True, True] + [False] * MAX_OFFLOADS_IN_FLIGHT
     assert transfers._in_flight == many[2:]
 
+
+
+def test_a_recalled_page_evicted_again_goes_back_with_its_kept_copy_and_no_copy():
+    """Recall, then evict again in a later pass: the page returns to the tier with the host data its recall
+    came from (the same array, no device -> host copy booked), and a third recall brings back its values.
+    A tier with no room left for the kept copy copies as before."""
+    pool = PagePool(256, host_tokens=1024)
+    cache = _cache(256)
+    a, ha = _fill(pool, list(range(16)))
+    want = _page_values(cache, a)
+    pool.release(a)
+    hogs = [pool.allocate(PS) for _ in range(16)]            # full: a is offloaded
+    cache = run_transfers(cache, pool.take_transfers())
+    for p in hogs:
+        pool.release(p)
+    [page] = pool.acquire_prefix(pool.match_prefix(list(range(16)) + [0], PS, 1), 1)
+    pending = pool.take_transfers()
+    source = pending.recalls[page.start_slot]
+    cache = run_transfers(cache, pending)
+    assert page.host_copy is source and source.kept and pool.host.kept_tokens == PS
+    pool.release(page)
+    hogs = [pool.allocate(PS) for _ in range(16)]            # full again: a is evicted a second time
+    assert ha in pool.host and pool.host.reused == 1 and pool.host.kept_tokens == 0
+    pending = pool.take_transfers()
+    assert pending.offloads == [] and pool.host.get(ha).data is source.data   # the same host array, no copy
+    cache = run_transfers(cache, pending)
+    for p in hogs:
+        pool.release(p)
+    [again] = pool.acquire_prefix(pool.match_prefix(list(range(16)) + [0], PS, 1), 1)
+    cache = run_transfers(cache, pool.take_transfers())
+    np.testing.assert_array_equal(_page_values(cache, again), want)
+    pool.check_invariants()
+
+
+def test_kept_copies_make_room_first_and_only_when_their_recall_ran():
+    """A kept copy is let go (oldest first) before any tier page when the tier needs room, and a recall
+    keeps its source only if the tier has room without letting anything go."""
+    tier = HostTier(48)
+    pages = [HostPage(bytes([i]) * 16, None, PS, meta=None, data=np.full(1, i)) for i in range(4)]
+    tier.put(pages[0])
+    tier.put(pages[1])
+    taken = tier.take(pages[0].content_hash)
+    assert tier.keep(taken) and tier.kept_tokens == PS and tier.tokens == PS
+    tier.put(pages[2])                                       # 48 tokens: full, nothing let go
+    assert tier.keep(tier.take(pages[1].content_hash)) is True and tier.kept_tokens == 2 * PS
+    tier.put(pages[3])                                       # room: the oldest kept copy goes, no tier page
+    assert not pages[0].kept and pages[0].data is None and pages[1].kept and tier.kept_dropped == 1
+    assert len(tier) == 2 and tier.dropped == 0
+    full = HostTier(16)
+    full.put(HostPage(b"\x07" * 16, None, PS, meta=None))
+    assert full.keep(HostPage(b"\x08" * 16, None, PS, meta=None)) is False and full.kept_tokens == 0

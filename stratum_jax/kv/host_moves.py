@@ -61,12 +61,15 @@ class HostTierMoves:
         """Books the move of an evicted HBM page to the host tier. Its KV is in the device cache as it was
         when this step's scheduling began, unless the page was itself recalled during this scheduling
         (then it is that recall's data)."""
+        kept = self.host.release_kept(page.host_copy) if page.host_copy is not None else None
         hp = HostPage(page.content_hash, page.parent_hash, page.page_size, page.meta,
-                      src_slot=None if page.recall_source is not None else page.start_slot,
-                      same_as=page.recall_source)
+                      src_slot=None if page.recall_source is not None or kept is not None else page.start_slot,
+                      same_as=page.recall_source, data=kept)
         if page.recall_source is not None:     # its own recall copy is moot now
             del self._transfers.recalls[page.start_slot]
             self._transfers.aliases.append(hp)
+        elif kept is not None:                 # its host copy was kept since its recall: nothing to copy
+            self.host.reused += 1
         if hp.src_slot is not None:
             self._transfers.offloads.append(hp)
         self._record("evicted", self.clock(), page.content_hash, None, page.meta)
@@ -133,6 +136,8 @@ class HostTierMoves:
         """The copies booked since the last call (the engine runs them before its next device step)."""
         out, self._transfers = self._transfers, PendingTransfers()
         for page in self._recalled_pages:
+            if page.recall_source is not None and self.host.keep(page.recall_source):
+                page.host_copy = page.recall_source    # still in HBM: its source stays as its clean copy
             page.recall_source = None
         self._recalled_pages = []
         return out

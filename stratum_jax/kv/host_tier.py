@@ -15,6 +15,14 @@ per page, see kv/transfer.py), or uint8 rows for a DKVC cache. Arrays are immuta
 the same as another (`same_as`) shares its array, and a page leaving the tier just lets go of it (jax's
 host allocator reuses the memory).
 
+*Kept copies.* A recalled page's host data is not let go: HBM holds the page again, and its host copy
+stays (`HostTier.keep`) as a clean copy of it, so when the page is evicted again it goes back to the tier
+with that data and no device -> host copy at all (a conversation's prefix recalled, then evicted again
+while the user types, is moved once, not twice). Kept copies count against the tier's capacity and are the
+first to go when room is needed (HBM still has their pages, so dropping one costs only a later copy).
+A hash is in the tier (`pages`) or in HBM, never both; a kept copy is not a tier page (it is not a prefix
+hit, HBM is).
+
 Why the host tier is LRU whatever the HBM policy: its job is to hold what HBM could not, and a block
 reaches it only after the HBM policy judged it the least likely to be reused soon; past that, recency
 is the signal that is left (the DMLP knows nothing beyond its longest horizon, 500 ms by default).
@@ -43,6 +51,7 @@ class HostPage:
     src_slot: int | None = None
     same_as: "HostPage | None" = None
     dropped: bool = False               # left the tier: its data is no longer wanted
+    kept: bool = False                  # its data stays as the clean copy of the HBM page recalled from it
 
     def resolved(self) -> jax.Array:
         """The page's KV [page_size, ...] in host memory; its copy must have been started."""
@@ -87,6 +96,12 @@ class HostTier:
         self.stored = 0        # pages moved in from HBM
         self.recalled = 0      # pages moved back to HBM
         self.dropped = 0       # pages pushed out for lack of room
+        # Kept copies (module docstring): content hash -> the host page recalled into HBM whose data stays,
+        # oldest first; their tokens count against the capacity.
+        self._kept: collections.OrderedDict[bytes, HostPage] = collections.OrderedDict()
+        self.kept_tokens = 0
+        self.kept_dropped = 0  # kept copies let go to make room
+        self.reused = 0        # evicted pages that went back with their kept copy (no device -> host copy)
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -111,6 +126,9 @@ class HostTier:
             self.tokens -= old.page_size
         self._pages[page.content_hash] = page
         self.tokens += page.page_size
+        while self.tokens + self.kept_tokens > self.capacity_tokens and self._kept:
+            self._let_go(self._kept.popitem(last=False)[1])      # a kept copy first: HBM has its page
+            self.kept_dropped += 1
         while self.tokens > self.capacity_tokens:
             _, dropped = self._pages.popitem(last=False)
             self.tokens -= dropped.page_size
@@ -137,6 +155,39 @@ class HostTier:
         page = self._pages.pop(content_hash)
         self.tokens -= page.page_size
         page.data = None
+
+    def keep(self, page: HostPage) -> bool:
+        """A page taken for a recall into HBM keeps its data as the HBM page's clean copy (module docstring),
+        if the tier has room for it without letting anything go; returns whether it was kept.
+
+        Called when the pass's copies are handed to the engine (`take_transfers`), so the kept copies that a
+        later `put` lets go for room have had their recall copies run. Letting one go here could drop the
+        data of a recall this very pass still has to copy."""
+        if self.tokens + self.kept_tokens + page.page_size > self.capacity_tokens:
+            return False
+        page.kept = True
+        self._kept[page.content_hash] = page
+        self.kept_tokens += page.page_size
+        return True
+
+    def release_kept(self, page: HostPage) -> jax.Array | None:
+        """The HBM page of a kept copy is leaving HBM (or was evicted again before its recall copy ran):
+        the copy stops being kept. Returns its data if it was still kept (the caller hands it on), else None
+        (it was let go for room)."""
+        if not page.kept:
+            return None
+        del self._kept[page.content_hash]
+        self.kept_tokens -= page.page_size
+        page.kept = False
+        return page.data
+
+    def _let_go(self, page: HostPage) -> None:
+        self.kept_tokens -= page.page_size
+        page.kept = False
+        page.data = None
+
+    def kept_pages(self):
+        return self._kept.values()
 
     def give_back(self, page: HostPage) -> None:
         """Returns a page taken for a recall that could not get HBM room (as the newest: a request just

@@ -55,6 +55,7 @@ class Page:
     meta: BlockMeta | None = None       # set while the page is in the prefix cache (_by_hash)
     parent_hash: bytes | None = None    # the previous page's hash in the chain (None for the first)
     recall_source: HostPage | None = None   # set while this step's host->device copy into it is pending
+    host_copy: HostPage | None = None       # the host page it was recalled from, kept as its clean copy
 
 
 class PagePool(HostTierMoves):
@@ -373,6 +374,7 @@ class PagePool(HostTierMoves):
             if not self._pool_lru:
                 self.policy.forget((page.content_hash,))
         page.recall_source = None
+        page.host_copy = None
         page.parent_hash = None
         page.content_hash = None
         page.meta = None
@@ -388,3 +390,6 @@ class PagePool(HostTierMoves):
         if self.host is not None:
             assert self.host.tokens == sum(p.page_size for p in self.host.pages()) <= self.host.capacity_tokens
             assert not any(p.content_hash in self._by_hash for p in self.host.pages())
+            assert self.host.tokens + self.host.kept_tokens <= self.host.capacity_tokens
+            assert self.host.kept_tokens == sum(p.page_size for p in self.host.kept_pages())
+            assert all(hp.kept and self._by_hash[hp.content_hash].host_copy is hp for hp in self.host.kept_pages())

@@ -350,8 +350,8 @@ class KvTransfers:
             starts = list(pending.recalls)
             cache = self._recall(cache, starts, [pending.recalls[s].resolved() for s in starts])
             spent += [pending.recalls[s] for s in starts]
-        for hp in spent:                         # recalled pages left the tier: their host memory is let go
-            if hp is not None:
+        for hp in spent:     # recalled pages left the tier: their host memory is let go, unless kept as the
+            if hp is not None and not hp.kept:   # clean copy of their HBM page (kv/host_tier.py)
                 hp.data = None
         stats.seconds += time.perf_counter() - t0
         return cache
