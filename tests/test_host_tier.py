@@ -126,10 +126,10 @@ def test_recalls_after_the_first_compile_nothing_and_their_time_is_broken_down(t
     st = engine.stats()
     assert st.kv_host_reused_pages == 2 * 14 and st.kv_offloaded_pages - offloaded == 2, st
     assert {"add_requests", "schedule", "schedule.match_prefix", "schedule.acquire_prefix", "transfers",
-            "transfers.offload_start", "transfers.upload", "transfers.scatter", "dispatch", "collect",
+            "transfers.offload_start", "transfers.upload", "transfers.upload.scatter", "dispatch", "collect",
             "postprocess"} <= set(parts)
     assert 0 < top_level_total(parts) <= wall
-    assert parts["transfers.upload"] + parts["transfers.scatter"] <= parts["transfers"]
+    assert parts["transfers.upload.scatter"] + parts["transfers.upload.wait"] <= parts["transfers.upload"] <= parts["transfers"]
     engine.pool.check_invariants()
 
 
