@@ -213,7 +213,11 @@ def recall_vs_recompute(model, args) -> dict:
         "recall_median_s": statistics.median(warm) if warm else None,
         "recompute_over_recall_median": recompute / statistics.median(warm) if warm else None,
         "all_recalled": all(r["cached_prompt_tokens"] >= ctx - page for r in recalls),
+        # Over every recall, the first's compiles included (the old figure); the warm recalls' median below.
         "tier_upload_gbps": ts.recalled_bytes / ts.upload_s / 1e9 if ts.upload_s else None,
+        "tier_upload_gbps_warm_median": statistics.median(
+            ts.recalled_bytes / ts.recalled_pages * r["host_hit_pages"] / r["recall_upload_s"] / 1e9
+            for r in recalls[1:]) if len(recalls) > 1 and ts.recalled_pages else None,
         "tier_recalled_gb": ts.recalled_bytes / 1e9,
         "recall_choices": {"recalled": engine.pool.recall_choice.recalled,
                            "recomputed": engine.pool.recall_choice.recomputed},
@@ -334,7 +338,7 @@ def main(argv=None) -> int:
               f"{r['recompute_s'] * 1e3:.1f} ms, recall {r['recall_s'] * 1e3:.1f} ms -> {r['recompute_over_recall']:.1f}x "
               f"(#12 asks >= 10x; median of the warm recalls {(r['recall_median_s'] or 0) * 1e3:.1f} ms -> "
               f"{r['recompute_over_recall_median'] or 0:.1f}x); all recalled: {r['all_recalled']}; tier upload "
-              f"{r['tier_upload_gbps'] or 0:.1f} GB/s", flush=True)
+              f"{r['tier_upload_gbps_warm_median'] or 0:.1f} GB/s (median of the warm recalls)", flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
