@@ -140,8 +140,6 @@ def run_condition(name: str, config, model, prompts, concurrency: int) -> dict:
     policy = engine.cache_policy
     log = CallLog()
     policy_s = {}
-    if name == "dmlp-lazy":          # the policy as it was before score-ahead: every curve scored when read
-        policy.score_ahead = False
     if isinstance(policy, DmlpPolicy):
         log.wrap_predictor(policy.predictor, engine)
         policy_s = time_methods(policy, POLICY_METHODS)
@@ -212,7 +210,7 @@ def main(argv=None) -> int:
                 max_queue=args.num_requests + 8, max_num_batched_tokens=1024, prefill_chunk=1024)
     dmlp = dict(base, cache_policy="dmlp", dmlp_checkpoint=args.checkpoint)
     configs = {"lru": RuntimeConfig(**base), "dmlp": RuntimeConfig(**dmlp),
-               "dmlp-lazy": RuntimeConfig(**dmlp), "dmlp-cpu": RuntimeConfig(**dmlp, dmlp_device="cpu"),
+               "dmlp-lazy": RuntimeConfig(**dmlp, dmlp_score_ahead=False), "dmlp-cpu": RuntimeConfig(**dmlp, dmlp_device="cpu"),
                "dmlp-noguard": RuntimeConfig(**dmlp, dmlp_guard=False)}
     names = [c for c in args.conditions.split(",") if c]
     unknown = [n for n in names if n not in configs]

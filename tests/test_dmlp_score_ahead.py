@@ -150,6 +150,20 @@ def test_score_ahead_needs_lazy_scoring():
         DmlpPolicy(FakePredictor(), score_on_access=True, score_ahead=True)
 
 
+def test_the_flag_reaches_the_policy_and_is_refused_without_the_dmlp(tmp_path):
+    from dmlp_checkpoint import write_checkpoint
+    from stratum_jax.config import RuntimeConfig
+    from stratum_jax.dmlp.runtime import build_cache_policy
+
+    ckpt = str(write_checkpoint(tmp_path / "ck"))
+    for ahead in (True, False):
+        policy, _ = build_cache_policy(RuntimeConfig(model="tiny", cache_policy="dmlp", dmlp_checkpoint=ckpt,
+                                                     dmlp_score_ahead=ahead))
+        assert policy.score_ahead is ahead and policy.score_on_access is False
+    with pytest.raises(ValueError, match="--no-dmlp-score-ahead only applies with --cache-policy dmlp"):
+        RuntimeConfig(model="tiny", dmlp_score_ahead=False)
+
+
 def test_predictor_places_its_params_once_and_dispatch_gives_what_predict_gives():
     cfg = DmlpConfig(num_inputs(), hidden=(32, 32))
     norm = Normalizer(np.zeros(len(FEATURE_NAMES), np.float32), np.ones(len(FEATURE_NAMES), np.float32))
