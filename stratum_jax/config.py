@@ -107,6 +107,9 @@ class RuntimeConfig:
                                      # GPU on a server) or "cpu" (overlaps the step in flight instead of queueing
                                      # behind it on the GPU; slower per call: BENCHMARKS.md, #13 session 13)
     dmlp_guard: bool = True          # shadow-LRU guard: evict in LRU order while the DMLP trails LRU
+    dmlp_score_ahead: bool = True    # dispatch each step's block accesses to the predictor without waiting and read
+                                     # the curves when a decision needs them (else: scored, waiting, at each
+                                     # decision; the engine thread then waits behind the step in flight)
     kv_precision: str = dataclasses.field(default_factory=_kv_precision_default)   # KV pages: bf16, or
                                      # deltas from a resident anchor (fp16/fp8); the engine may fall back
     dmlp_guard_window: int = 2048    # block accesses per guard judgement (ShadowLruGuard's window)
@@ -219,7 +222,8 @@ class RuntimeConfig:
             for flag, value in (("--dmlp-checkpoint", self.dmlp_checkpoint), ("--dmlp-online", self.dmlp_online or None),
                                 ("--dmlp-online-dir", self.dmlp_online_dir),
                                 ("--dmlp-online-cores", self.dmlp_online_cores),
-                                ("--dmlp-device", None if self.dmlp_device == "default" else self.dmlp_device)):
+                                ("--dmlp-device", None if self.dmlp_device == "default" else self.dmlp_device),
+                                ("--no-dmlp-score-ahead", None if self.dmlp_score_ahead else False)):
                 need(value is None, f"{flag} only applies with --cache-policy dmlp (the policy is "
                                     f"{self.cache_policy!r}): add --cache-policy dmlp or drop {flag}")
             return
@@ -347,6 +351,10 @@ class RuntimeConfig:
         g.add_argument("--dmlp-guard", action=argparse.BooleanOptionalAction, default=d.dmlp_guard,
                        help="shadow-LRU guard: evict in LRU order while the DMLP's recent hit rate trails "
                             "what LRU would have had (stratum_dmlp_guard_active); on by default")
+        g.add_argument("--dmlp-score-ahead", action=argparse.BooleanOptionalAction, default=d.dmlp_score_ahead,
+                       help="launch the DMLP on each step's block accesses without waiting and read its curves "
+                            "when an eviction needs them (the same decisions; the engine thread does not wait "
+                            "behind the step in flight); --no-dmlp-score-ahead scores at each decision instead")
         g.add_argument("--dmlp-guard-window", type=int, default=d.dmlp_guard_window, metavar="ACCESSES",
                        help="block accesses per guard judgement: a shorter window reacts sooner, a longer one "
                             "trips less on noise")

@@ -59,7 +59,7 @@ def test_predictor_runs_only_the_warmed_buckets():
     raw = np.random.default_rng(1).uniform(0, 5, (2500, len(FEATURE_NAMES))).astype(np.float32)
     norm = Normalizer.fit(raw)
     pred = Predictor(cfg, params, norm)
-    assert pred.batch_buckets() == [64, 128, 256, 512, 1024]
+    assert pred.batch_buckets() == [8, 16, 32, 64, 128, 256, 512, 1024]
     warm_predictor(DmlpPolicy(pred))
     warmed = pred._fn._cache_size()
     assert warmed == len(pred.batch_buckets())

@@ -71,14 +71,20 @@ def bce_from_hazard(hazard: jax.Array, labels: jax.Array) -> jax.Array:
 class Predictor:
     """Batched, jitted inference from raw features: `predict(raw [N, F]) -> P(reuse) [N, H]` (numpy).
 
-    Batches are padded to a power of two (at least 64) so that a busy server triggers only a handful
+    Batches are padded to a power of two (at least MIN_BATCH: 8 rows, for the few rows a step usually
+    brings, cost about half a 64-row bucket on a CPU) so that a busy server triggers only a handful
     of compilations, not one per candidate count; more rows than MAX_BATCH run in pieces of MAX_BATCH, so
     the shapes are the fixed set `batch_buckets()` that `runtime.warm_predictor` compiles before serving (a
     long prompt's blocks scored on access once compiled a 1,024-row bucket after SERVING). `params` may be
     replaced at any time (the online fine-tuner hot-swaps them); a call uses whichever params it read first.
+
+    `dispatch(raw)` launches a prediction without waiting for it and returns a `PendingPrediction` to read
+    later (the policy's score-ahead, policy.py): on a GPU the read would wait behind the step in flight.
+    The params live on the predictor's device (set once, not uploaded per call: a checkpoint's numpy params
+    were copied to the GPU at every call before).
     """
 
-    MIN_BATCH = 64
+    MIN_BATCH = 8
     MAX_BATCH = 1024
 
     @classmethod
@@ -102,20 +108,43 @@ class Predictor:
 
     @params.setter
     def params(self, value) -> None:
-        self._params = value if self.device is None else jax.device_put(value, self.device)
+        # Placed once (on jax's default device when `device` is None), so a call never uploads weights.
+        self._params = jax.device_put(value, self.device if self.device is not None else jax.devices()[0])
 
     def predict(self, raw: np.ndarray) -> np.ndarray:
-        x = feature_matrix(raw, self.normalizer)
-        if len(x) > self.MAX_BATCH:
-            params = self.params        # one set of weights for every piece of this call
-            return np.concatenate([self._predict_padded(params, x[i:i + self.MAX_BATCH])
-                                   for i in range(0, len(x), self.MAX_BATCH)])
-        return self._predict_padded(self.params, x)
+        """P(reuse within each horizon) [N, H] for raw features [N, F]; waits for the result."""
+        return self.dispatch(raw).result()
 
-    def _predict_padded(self, params, x: np.ndarray) -> np.ndarray:
-        """x [n, F] normalised features, n <= MAX_BATCH -> [n, H], the network run at n's bucket."""
+    def dispatch(self, raw: np.ndarray) -> "PendingPrediction":
+        """Launches `predict(raw)` on the predictor's device and returns at once."""
+        x = feature_matrix(raw, self.normalizer)
+        params = self.params            # one set of weights for every piece of this call
+        pieces = [self._dispatch_padded(params, x[i:i + self.MAX_BATCH]) for i in range(0, len(x), self.MAX_BATCH)]
+        return PendingPrediction(pieces, len(x), len(self.config.horizons_ms))
+
+    def _dispatch_padded(self, params, x: np.ndarray) -> tuple[jax.Array, int]:
+        """x [n, F] normalised features, n <= MAX_BATCH -> (the network's output at n's bucket, n)."""
         n = len(x)
         size = max(self.MIN_BATCH, 1 << max(0, (n - 1).bit_length()))
         padded = np.zeros((size, x.shape[1]), np.float32)
         padded[:n] = x
-        return np.asarray(self._fn(params, padded))[:n]
+        return self._fn(params, padded), n
+
+
+class PendingPrediction:
+    """A dispatched prediction: `ready()` without waiting, `result()` [N, H] numpy (waits if not ready)."""
+
+    def __init__(self, pieces: list, rows: int, horizons: int):
+        self._pieces = pieces           # [(device array [bucket, H], rows used)]
+        self._rows, self._horizons = rows, horizons
+        self._value: np.ndarray | None = None
+
+    def ready(self) -> bool:
+        return self._value is not None or all(a.is_ready() for a, _ in self._pieces)
+
+    def result(self) -> np.ndarray:
+        if self._value is None:
+            parts = [np.asarray(a)[:n] for a, n in self._pieces]
+            self._value = np.concatenate(parts) if parts else np.zeros((self._rows, self._horizons), np.float32)
+            self._pieces = []
+        return self._value

@@ -22,6 +22,8 @@ recently used. A cache whose victims are all that old therefore behaves exactly 
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import threading
 from typing import TYPE_CHECKING, Sequence
 
@@ -189,6 +191,29 @@ class ConfidenceThreshold:
                    "horizon).", registry=registry).set_function(lambda: self._value)
 
 
+@dataclasses.dataclass
+class ScoreStats:
+    """How the policy ran its model: lazy calls made when a decision found no curve (each waits for its
+    result), score-ahead calls (dispatched, not waited for), and reads of a dispatched batch that had to
+    wait because the device had not finished it. With score-ahead, page-size choices never wait (see
+    `DmlpPolicy._known_reuse_probability`)."""
+    sync_calls: int = 0
+    sync_rows: int = 0
+    ahead_calls: int = 0
+    ahead_rows: int = 0
+    blocking_reads: int = 0
+    page_size_defaults: int = 0        # page-size choices with no prefix curve computed yet (default rule)
+    page_size_older_curves: int = 0    # prefix blocks judged by the curve of an earlier access
+
+
+@dataclasses.dataclass(eq=False)
+class _AheadBatch:
+    """One dispatched batch of accesses: the prediction, and the block ids and access times of its rows."""
+    pending: object              # model.PendingPrediction (or anything with ready() and result())
+    block_ids: list
+    access_ms: list
+
+
 def tracked_block(block_id, fraction: float) -> bool:
     """Whether a block belongs to the sampled `fraction` of blocks (by its id's hash: stable within a
     process, independent of the block's features, so the sample is unbiased)."""
@@ -211,6 +236,13 @@ class DmlpPolicy:
     score_on_access: run the model in `observe_access` (True), or only when a decision needs a block's
     curve (False: the engine's choice; a block accessed and evicted without ever being ranked is never
     scored, and a cache whose victims are all idle past the horizons never runs the model at all).
+    score_ahead: with score_on_access False, launch the model on each batch of accesses in `observe_access`
+    without waiting (`predictor.dispatch`), and read the curves only when a decision needs them, by which
+    time they are usually computed. The curves are the ones lazy scoring would compute (the features of the
+    same access, the same weights unless a swap came in between), so decisions are the same; what changes
+    is when the work runs. Why: a synchronous prediction on the engine thread waits for the device queue,
+    behind the step in flight (issue #13: the GPU sat idle 23-45% of the time under the DMLP), and lazy
+    scoring made one such call per admission and per ranking. Counted in `score_stats`.
     track_fraction: the share of blocks whose accesses reach `on_access` (chosen by block id, so a tracked
     block has every access tracked and its labels stay exact). Online fine-tuning does not need every
     access of a busy server, and the engine thread pays for each one it hands over.
@@ -226,7 +258,9 @@ class DmlpPolicy:
 
     def __init__(self, predictor: "Predictor", threshold: ConfidenceThreshold | None = None,
                  decision_horizon: int = -1, on_access=None, score_on_access: bool = True, on_idle=None,
-                 track_fraction: float = 1.0, guard: ShadowLruGuard | None = None):
+                 track_fraction: float = 1.0, guard: ShadowLruGuard | None = None, score_ahead: bool = False):
+        if score_ahead and score_on_access:
+            raise ValueError("score_ahead applies to lazy scoring: pass score_on_access=False with it")
         if not 0.0 < track_fraction <= 1.0:
             raise ValueError(f"track_fraction must lie in (0, 1], got {track_fraction}")
         self.track_fraction = track_fraction
@@ -235,6 +269,10 @@ class DmlpPolicy:
         self.on_access = on_access
         self.on_idle = on_idle
         self.score_on_access = score_on_access
+        self.score_ahead = score_ahead
+        self._ahead: dict[object, tuple[_AheadBatch, int, float]] = {}   # block id -> (batch, row, access ms)
+        self._ahead_batches: collections.deque[_AheadBatch] = collections.deque()   # oldest first
+        self.score_stats = ScoreStats()
         self.horizons_ms = tuple(predictor.config.horizons_ms)
         self.decision_horizon = decision_horizon
         self.residency = Residency(initial_ms=self.horizons_ms[-1])
@@ -355,8 +393,11 @@ class DmlpPolicy:
         # In LRU mode the real ranking never runs, so the guard's ghost DMLP gets the step's features
         # here and scores them itself when it ranks (in DMLP mode it learns the curves the real
         # ranking computes, through _score).
-        raw = raw_from_infos(infos) if self.score_on_access else None
+        ahead = self.score_ahead and not self.lru_mode     # in LRU mode no ranking reads the curves
+        raw = raw_from_infos(infos) if self.score_on_access or ahead else None
         probs = self._score(infos, raw) if self.score_on_access else None
+        if ahead:
+            self._score_ahead(infos, raw)
         self.guard_accessed([b.block_id for b in infos], probs, max(b.last_access_ms for b in infos),
                             infos if self.lru_mode and probs is None else None)
         if not self.score_on_access:
@@ -371,6 +412,63 @@ class DmlpPolicy:
                 self.on_access([b.block_id for b in tracked],
                                raw[keep] if raw is not None else raw_from_infos(tracked), now)
         return probs
+
+    # Score-ahead: at most this many dispatched batches stay unread; older ones are read (waiting if need
+    # be) so a device that never reports ready cannot grow the store without bound.
+    MAX_AHEAD_BATCHES = 8
+
+    def _score_ahead(self, infos: Sequence[BlockInfo], raw: np.ndarray) -> None:
+        """Launches the model on this batch of accesses; first reads the batches already computed."""
+        self._read_ready_batches()
+        batch = _AheadBatch(self.predictor.dispatch(raw), [b.block_id for b in infos],
+                            [b.last_access_ms for b in infos])
+        self.score_stats.ahead_calls += 1
+        self.score_stats.ahead_rows += len(infos)
+        with self._lock:
+            for row, b in enumerate(infos):
+                self._ahead[b.block_id] = (batch, row, b.last_access_ms)
+        self._ahead_batches.append(batch)
+        while len(self._ahead_batches) > self.MAX_AHEAD_BATCHES:
+            self._read_batch(self._ahead_batches[0])
+
+    def _read_ready_batches(self) -> None:
+        """Stores the curves of every dispatched batch the device has finished, oldest first, no waiting."""
+        while self._ahead_batches and self._ahead_batches[0].pending.ready():
+            self._read_batch(self._ahead_batches[0])
+
+    def _read_batch(self, batch: "_AheadBatch") -> None:
+        """Reads one dispatched batch (waiting if it is not done: counted) and stores its curves for the
+        blocks not accessed again since."""
+        if not batch.pending.ready():
+            self.score_stats.blocking_reads += 1
+        probs = batch.pending.result()
+        keep = []
+        with self._lock:
+            for row, (block_id, t) in enumerate(zip(batch.block_ids, batch.access_ms)):
+                entry = self._ahead.get(block_id)
+                if entry is not None and entry[0] is batch and entry[1] == row:
+                    del self._ahead[block_id]
+                    self._curves[block_id] = (probs[row], t)
+                    keep.append(row)
+        try:
+            self._ahead_batches.remove(batch)
+        except ValueError:
+            pass
+        if self.guard is not None and keep:
+            self.guard.note_curves([batch.block_ids[r] for r in keep], probs[keep], [batch.access_ms[r] for r in keep])
+
+    def _take_ahead(self, blocks: Sequence[BlockInfo], stale: list[int], got: list) -> list[int]:
+        """Fills `got` for the stale blocks whose current access was dispatched ahead (reading their
+        batches); returns the indices still without a curve."""
+        with self._lock:
+            entries = [self._ahead.get(blocks[i].block_id) for i in stale]
+        for e, i in zip(entries, stale):
+            if e is not None and e[2] == blocks[i].last_access_ms and e[0] in self._ahead_batches:
+                self._read_batch(e[0])
+        with self._lock:
+            for i in stale:
+                got[i] = self._curves.get(blocks[i].block_id)
+        return [i for i in stale if got[i] is None or got[i][1] != blocks[i].last_access_ms]
 
     def _score(self, infos: Sequence[BlockInfo], raw: np.ndarray) -> np.ndarray:
         probs = self.predictor.predict(raw)
@@ -389,6 +487,7 @@ class DmlpPolicy:
         with self._lock:
             for b in block_ids:
                 self._curves.pop(b, None)
+                self._ahead.pop(b, None)
 
     def choose_victims(self, candidates: Sequence[BlockInfo], n: int, now_ms: float,
                        cached: int | None = None, evicting: int | None = None) -> list:
@@ -421,7 +520,16 @@ class DmlpPolicy:
         size = DefaultPageSizeRule()(hints)
         if not prefix_blocks:
             return size
-        p = float(np.mean(self.reuse_probability(prefix_blocks, now_ms)))
+        if self.score_ahead:
+            # Admission never waits for the model: the prefix's curves as computed so far (see
+            # `_known_reuse_probability`); none yet: the default rule.
+            probs = self._known_reuse_probability(prefix_blocks, now_ms)
+            if probs is None:
+                self.score_stats.page_size_defaults += 1
+                return size
+            p = float(np.mean(probs))
+        else:
+            p = float(np.mean(self.reuse_probability(prefix_blocks, now_ms)))
         i = PAGE_SIZE_CLASSES.index(size)
         if p >= self.threshold.value:
             i -= 1
@@ -435,13 +543,36 @@ class DmlpPolicy:
         window = self.horizons_ms[self.decision_horizon]
         return reuse_within(self._curves_of(blocks), self.horizons_ms, idle, window)
 
+    def _known_reuse_probability(self, blocks: Sequence[BlockInfo], now_ms: float) -> np.ndarray | None:
+        """`reuse_probability` over the blocks that have a computed curve, without running or waiting for
+        the model (None if none has). A block accessed again since its curve was predicted keeps that
+        curve, with its idle time counted from its latest access: a block's reuse curves at successive
+        accesses are alike, while counting from the older access would call a block just reused idle.
+        Why: a prefix block is typically accessed by the admission before this one, in the same pass, so
+        its current curve is still on the device behind the step in flight (issue #13)."""
+        self._read_ready_batches()
+        with self._lock:
+            got = [self._curves.get(b.block_id) for b in blocks]
+        known = [i for i, g in enumerate(got) if g is not None]
+        self.score_stats.page_size_older_curves += sum(got[i][1] != blocks[i].last_access_ms for i in known)
+        if not known:
+            return None
+        idle = np.array([now_ms - blocks[i].last_access_ms for i in known], np.float64)
+        window = self.horizons_ms[self.decision_horizon]
+        curves = np.stack([got[i][0] for i in known]).astype(np.float64)
+        return reuse_within(curves, self.horizons_ms, idle, window)
+
     def _curves_of(self, blocks: Sequence[BlockInfo]) -> np.ndarray:
         """Stored curves [N, H]; blocks scored at an older access (or never) are scored now from their
         BlockInfo, which holds the features of their last access."""
         with self._lock:
             got = [self._curves.get(b.block_id) for b in blocks]
         stale = [i for i, (b, g) in enumerate(zip(blocks, got)) if g is None or g[1] != b.last_access_ms]
+        if stale and self._ahead:
+            stale = self._take_ahead(blocks, stale, got)
         if stale:
+            self.score_stats.sync_calls += 1
+            self.score_stats.sync_rows += len(stale)
             infos = [blocks[i] for i in stale]
             fresh = self._score(infos, raw_from_infos(infos))
             for i, p in zip(stale, fresh):

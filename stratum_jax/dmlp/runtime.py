@@ -66,7 +66,8 @@ def build_dmlp(config: RuntimeConfig):
         tuner = OnlineFineTuner(predictor, online, config.dmlp_online_dir, threshold=threshold)
     guard = ShadowLruGuard(window=config.dmlp_guard_window) if config.dmlp_guard else None
     wired = wire_policy(predictor, threshold, online, sink=tuner.observe if tuner else None,
-                        track_fraction=config.dmlp_online_track, guard=guard)
+                        track_fraction=config.dmlp_online_track, guard=guard,
+                        score_ahead=config.dmlp_score_ahead)
     log.info("cache policy dmlp: %s (horizons %s ms, confidence %.2f, online %s, guard %s, %s)", config.dmlp_checkpoint,
              list(ckpt.config.horizons_ms), threshold.value, "on" if tuner else "off", "on" if guard else "off",
              wired.settings())

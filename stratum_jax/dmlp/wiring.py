@@ -39,13 +39,16 @@ class WiredPolicy:
 
 def wire_policy(predictor, threshold: ConfidenceThreshold, config: OnlineConfig,
                 sink: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
-                track_fraction: float = 1.0, guard: ShadowLruGuard | None = None) -> WiredPolicy:
-    """A `DmlpPolicy` deciding at `config`'s decision horizon, scoring lazily (`score_on_access=False`), and,
+                track_fraction: float = 1.0, guard: ShadowLruGuard | None = None,
+                score_ahead: bool = True) -> WiredPolicy:
+    """A `DmlpPolicy` deciding at `config`'s decision horizon, scoring lazily (`score_on_access=False`)
+    with each step's accesses dispatched ahead (`score_ahead`: the curves are computed by the time a decision
+    reads them, so the engine thread does not wait on the device for them), and,
     with `sink` (a fine-tuner's `observe`), an `OutcomeTracker` feeding it the tracked share of accesses
     (`track_fraction`) labelled as `config.hold_reuse` says."""
     horizons = predictor.config.horizons_ms
     tracker = None if sink is None else OutcomeTracker(horizons, sink, hold_reuse=config.hold_reuse)
     policy = DmlpPolicy(predictor, threshold, decision_horizon=decision_index(horizons, config.decision_horizon_ms),
-                        on_access=tracker.accessed if tracker else None, score_on_access=False,
+                        on_access=tracker.accessed if tracker else None, score_on_access=False, score_ahead=score_ahead,
                         on_idle=tracker.idle if tracker else None, track_fraction=track_fraction, guard=guard)
     return WiredPolicy(policy, tracker)
