@@ -35,7 +35,7 @@ class BlockEventFeed:
             queue_wait_ms=self.recorder.mean_queue_ms,
             prompt_pages=len(seq.prompt_ids) // seq.blocks.page_size if seq.blocks is not None else None,
             kv_hbm_frac=self.pool.hbm_fraction,   # cached pages in HBM / in HBM and the host tier
-            attn_var5=seq.attn_var5,       # from the steps' score statistics; None before the first step
+            attn_var5=seq.attn_var5,       # from the decode steps' score statistics; None before the first
             gpu_idle_frac=self.gpu_idle.idle_fraction(self.clock()))
 
     def write(self) -> None:

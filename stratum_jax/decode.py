@@ -20,12 +20,15 @@ sampling, the top-K of logprobs) is a static `SamplerVariant` the host picks per
 samples greedily and hands its logits to the small `sample_step` executable when a row needs more. The KV cache is donated: XLA updates the
 pools in place.
 
-Attention-score variance (`attn_score_var`, for the page-size rule and the DMLP's `attn_var5`).
-For one query row (one q head of one token), s_j = sm_scale * q . k_j is the softmax input for key j,
-and its score variance is the population variance of s_j over the keys it sees. A token's value is the
-mean over all q heads and layers; a row's value is the weighted sum `stats_weight` gives (the host puts
-1/n on the row's last n = min(ATTN_VAR_LAST_TOKENS, tokens of the row in the step) tokens). For a
-decode token that is the token's value. Computed only with StepGeometry.attn_stats (zeros otherwise).
+Attention-score variance (`attn_score_var`, for the page-size rule and the DMLP's `attn_var5`, the
+variance over a request's last 5 *decoded* tokens). For one query row (one q head of one token),
+s_j = sm_scale * q . k_j is the softmax input for key j, and its score variance is the population variance
+of s_j over the keys it sees. A token's value is the mean over all q heads and layers; a row's value is its
+decode token's value times `stats_weight` (the host puts 1 on a row with a decode token, 0 elsewhere).
+Computed only with StepGeometry.attn_stats (zeros otherwise), and only for decode tokens: prompt tokens
+are not decoded tokens, and measuring them kept prefill off the warp-specialised kernel (which computes no
+statistics): the DMLP servers of the H200 replay prefilled 16-17% fewer tokens/s than LRU (BENCHMARKS.md, #13
+session 14).
 """
 from __future__ import annotations
 
@@ -43,10 +46,6 @@ from stratum_jax.model.projection import step_matmul
 from stratum_jax.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
 from stratum_jax.tensor_parallel import TensorParallel, replicate, shard_vocab
 from stratum_jax.tp_attention import sharded_decode_attention, sharded_prefill_attention
-
-# A row's attn_score_var covers its last this-many tokens of the step (the DMLP's "variance of attention
-# scores over the last 5 tokens").
-ATTN_VAR_LAST_TOKENS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +79,7 @@ class PackedBatch:
     """One step's inputs (module docstring for the layout). T = rows + prefill_tokens.
 
     token_ids [T] int32; positions [T] int32 (-1: padding); write_slots [T] int32 (>= num_slots:
-    dropped); stats_weight [T] float32 (module docstring); prompt_next [T] int32, the prompt token
+    dropped); stats_weight [T] float32 (module docstring; only the decode rows' entries are read); prompt_next [T] int32, the prompt token
     after each position, for prompt logprobs (-1: none); tile_rows [prefill_tokens / tile] int32;
     tables: RowTables over [rows]; sample_index [rows] int32, the token whose logits row r samples.
     """
@@ -150,29 +149,24 @@ def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
                                        backend=geo.backend, interpret=geo.interpret, max_context=geo.max_context,
                                        return_score_stats=geo.attn_stats)
         out, var = res if geo.attn_stats else (res, None)
-        outs, variances = [out], [var]
-        if tiles:
-            res = sharded_prefill_attention(geo.tp, q[rows:].reshape(tiles, tile, *q.shape[1:]),
-                                            batch.positions[rows:].reshape(tiles, tile), batch.tile_rows,
-                                            batch.tables, k_pool, v_pool, backend=geo.backend,
-                                            interpret=geo.interpret, max_context=geo.max_context,
-                                            return_score_stats=geo.attn_stats, kernel_variant=geo.prefill_kernel)
-            pre, pre_var = res if geo.attn_stats else (res, None)
-            outs.append(pre.reshape(prefill, *q.shape[1:]))
-            variances.append(None if pre_var is None else pre_var.reshape(prefill, -1))
         if geo.attn_stats:
-            layer_var.append(jnp.mean(jnp.concatenate(variances), axis=-1))          # [T]
-        return jnp.concatenate(outs) if tiles else out
+            layer_var.append(jnp.mean(var, axis=-1))                                 # [rows]
+        if not tiles:
+            return out
+        # Prompt tokens: no statistics (module docstring), so the prefill runs its fastest kernel.
+        pre = sharded_prefill_attention(geo.tp, q[rows:].reshape(tiles, tile, *q.shape[1:]),
+                                        batch.positions[rows:].reshape(tiles, tile), batch.tile_rows,
+                                        batch.tables, k_pool, v_pool, backend=geo.backend,
+                                        interpret=geo.interpret, max_context=geo.max_context,
+                                        kernel_variant=geo.prefill_kernel)
+        return jnp.concatenate([out, pre.reshape(prefill, *q.shape[1:])])
 
     with jax.named_scope("forward"):
         hidden, kv_cache = llama.forward(params, cfg, batch.token_ids, jnp.maximum(batch.positions, 0), kv_cache,
                                          batch.write_slots, attend,
                                          step_matmul(geo.projections, interpret=geo.interpret))
     if layer_var:
-        token_var = sum(layer_var[1:], layer_var[0]) / len(layer_var)
-        row_of_token = jnp.concatenate([jnp.arange(rows, dtype=jnp.int32),
-                                        jnp.repeat(jnp.maximum(batch.tile_rows, 0), tile)])
-        attn_var = jax.ops.segment_sum(token_var * batch.stats_weight, row_of_token, num_segments=rows)
+        attn_var = sum(layer_var[1:], layer_var[0]) / len(layer_var) * batch.stats_weight[:rows]
     else:
         attn_var = jnp.zeros((rows,), jnp.float32)
     return hidden, attn_var, kv_cache

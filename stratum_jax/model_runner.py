@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from stratum_jax.attention import RowTables
 from stratum_jax.config import RuntimeConfig
-from stratum_jax.decode import (ATTN_VAR_LAST_TOKENS, PROMPT_LOGPROB_PIECE, DecodeResult, PackedBatch,
+from stratum_jax.decode import (PROMPT_LOGPROB_PIECE, DecodeResult, PackedBatch,
                                 SamplerVariant, StepGeometry, StepResult, TokenFeed, decode_steps, packed_step,
                                 packed_step_compiler_options, prompt_logprobs_piece, sample_step)
 from stratum_jax.executable_cache import ExportedSteps
@@ -389,8 +389,6 @@ class ModelRunner:
                 tokens[off:off + n] = seq.token_slice(start, start + n)
                 positions[off:off + n] = np.arange(start, start + n)
                 slots[off:off + n] = seq.blocks.slots(start, n)
-                last = min(ATTN_VAR_LAST_TOKENS, n)
-                weight[off + n - last:off + n] = 1.0 / last
                 if seq.wants_prompt_logprobs:
                     nxt = np.arange(start + 1, start + n + 1)
                     ok = nxt < len(seq.prompt_ids)

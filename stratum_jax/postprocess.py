@@ -44,10 +44,6 @@ class Postprocessor:
                 self.processor.collect_prompt_logprobs(seq, start, n, res.prompt_logprob[off:off + n],
                                                        res.prompt_top_ids[off:off + n],
                                                        res.prompt_top_logprobs[off:off + n])
-            if self.attn_stats:
-                # One value for the chunk's last <= 5 prompt tokens replaces what an earlier chunk gave.
-                seq.recent_attn_var.clear()
-                seq.recent_attn_var.append(float(res.attn_score_var[r]))
             register_full_pages(seq)
             if start + n < seq.num_known_tokens:
                 continue                     # a middle prefill chunk: nothing sampled

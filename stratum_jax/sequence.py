@@ -42,8 +42,8 @@ class Sequence:
     first_token_time: float | None = None
     admit_time: float | None = None             # first admission (queue wait = admit - arrival)
     queue_wait_recorded: bool = False
-    # Attention-score variance of the latest tokens (decode: one value per token; prefill: one value for
-    # the chunk's last <= 5 tokens), newest last. Feeds the page-size rule and the DMLP's attn_var5.
+    # Attention-score variance of the latest decoded tokens (one value per token; prompt tokens are not
+    # measured: decode.py), newest last. Feeds the page-size rule and the DMLP's attn_var5.
     recent_attn_var: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=5))
     # Chain hashes of the tokens while queued, per page size (host-tier prefetch looks them up each step):
     # (token count they cover, {page size: hashes}).

@@ -2,8 +2,7 @@
 
 Definition: for a query row (one q head of one token), s_j = sm_scale * q . k_j over the keys it sees;
 its variance is mean(s^2) - mean(s)^2; a token's value is the mean over q heads and layers; a row's value
-in a step is the weighted sum of its tokens' values with the host's stats_weight, which puts 1/n on the
-row's last n = min(5, tokens of the row in the step) tokens (a decode row: its one token).
+in a step is its decode token's value (prompt tokens are not measured: 0 for a row that only prefills).
 
 Three levels: packed_step on batches packed by the engine's own ModelRunner (so the host's weights are
 tested too), the attention functions' per-query variance, and decode_steps with both backends.
@@ -22,7 +21,7 @@ from attention_cases import float64_truth, per_query_case, tiled_case
 from pallas_kernels.testing import float64_score_variance, random_paged_case
 from stratum_jax.attention import RowTables, decode_attention, tiled_paged_attention
 from stratum_jax.config import RuntimeConfig
-from stratum_jax.decode import ATTN_VAR_LAST_TOKENS, SamplerVariant, decode_steps, packed_step
+from stratum_jax.decode import SamplerVariant, decode_steps, packed_step
 from stratum_jax.kv.block_table import BlockTable
 from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.model import llama
@@ -109,22 +108,8 @@ def _float64_token_var(cfg, params, cache, packed, tile):
     return np.mean(layer_vars, axis=0)
 
 
-def _row_values(token_var, packed, tile, last):
-    """Per row [rows]: the mean of token_var over the row's last `last` valid tokens of the step (None:
-    all of them), in position order; 0 for a row with no token."""
-    token_rows, positions = _token_rows(packed, tile), np.asarray(packed.positions)
-    out = np.zeros(packed.sample_index.shape[0])
-    for r in range(len(out)):
-        mine = np.nonzero((token_rows == r) & (positions >= 0))[0]
-        mine = mine[np.argsort(positions[mine])][-last if last else 0:]
-        out[r] = token_var[mine].mean() if len(mine) else 0.0
-    return out
-
-
-def _greedy_step(runner, params, cfg, cache, batch, prefill_tokens, geo=None, stats_weight=None):
+def _greedy_step(runner, params, cfg, cache, batch, prefill_tokens, geo=None):
     packed, _ = runner._packed_inputs(batch, prefill_tokens)
-    if stats_weight is not None:
-        packed = dataclasses.replace(packed, stats_weight=stats_weight)
     res, new_cache = packed_step(params, jax.tree.map(jnp.copy, cache), packed, cfg=cfg, geo=geo or runner.geo)
     return jax.device_get(res), new_cache, packed
 
@@ -132,9 +117,9 @@ def _greedy_step(runner, params, cfg, cache, batch, prefill_tokens, geo=None, st
 def test_packed_step_attn_score_var_matches_float64():
     """Two packed steps on the fp32 tiny model: (1) prefill of three prompts, one of them chunked (22 of
     30 tokens), plus a padding row and a padding tile; (2) a mixed step: two decode rows and the rest of
-    the chunked prompt (a chunk that starts at position 22). Each row's attn_score_var equals the float64
-    recomputation over its last <= 5 tokens; with other weights, packed_step gives their weighted sum;
-    with attn_stats off, the same tokens and zero stats."""
+    the chunked prompt (a chunk that starts at position 22). A decode row's attn_score_var equals the
+    float64 recomputation of its token's variance; prompt tokens are not measured (decode.py), so a row
+    that only prefilled reads 0; with attn_stats off, the same tokens and zero stats."""
     cfg, params = _model("float32", 32)
     runner = _runner()
     a, b, c = _sequences()
@@ -147,22 +132,13 @@ def test_packed_step_attn_score_var_matches_float64():
         res, new_cache, packed = _greedy_step(runner, params, cfg, cache, batch, prefill_tokens)
         var = res.attn_score_var
         assert var.shape == (ROWS,) and var.dtype == np.float32
-        token_var = _float64_token_var(cfg, params, cache, packed, TILE)
-        want = _row_values(token_var, packed, TILE, last=ATTN_VAR_LAST_TOKENS)
-        every = _row_values(token_var, packed, TILE, last=None)
-        assert var[3] == 0.0                                         # the padding row
-        assert np.all(want[:3] > 0.05)                               # non-trivial values
-        np.testing.assert_allclose(var, want, rtol=1e-4, atol=1e-6)
         if i == 0:
-            # The check is sharp: "last 5 tokens" and "all tokens" differ in the rows with > 5 tokens...
-            assert np.all(np.abs(every[1:3] - want[1:3]) > 1e-2 * want[1:3])
-            # ...and packed_step applies whatever weights it is given: 1/n on all of a row's tokens.
-            rows_of = _token_rows(packed, TILE)
-            ok = np.asarray(packed.positions) >= 0
-            counts = np.bincount(rows_of[ok], minlength=ROWS)
-            uniform = np.where(ok, 1.0 / np.maximum(counts[rows_of], 1), 0.0).astype(np.float32)
-            res_all, _, _ = _greedy_step(runner, params, cfg, cache, batch, prefill_tokens, stats_weight=uniform)
-            np.testing.assert_allclose(res_all.attn_score_var, every, rtol=1e-4, atol=1e-6)
+            assert np.all(var == 0)                                  # prompt tokens only: not measured
+        else:
+            token_var = _float64_token_var(cfg, params, cache, packed, TILE)
+            want = np.where(np.arange(ROWS) < 2, token_var[:ROWS], 0.0)   # rows 0-1 decode, 2 prefills, 3 pads
+            assert np.all(want[:2] > 0.05)                           # non-trivial values
+            np.testing.assert_allclose(var, want, rtol=1e-4, atol=1e-6)
             # attn_stats=False: the same tokens, zeros for the stats.
             off, _, _ = _greedy_step(runner, params, cfg, cache, batch, prefill_tokens,
                                      geo=dataclasses.replace(runner.geo, attn_stats=False))
