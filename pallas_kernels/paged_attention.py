@@ -423,6 +423,22 @@ def _paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sca
                                      p_via_smem=p_via_smem, score_stats=score_stats)
 
 
+def q_row_blocks(q, num_kv_heads: int):
+    """The decode kernels' q rows: q [batch, num_q_heads, head_dim] -> (q2 [rows, head_dim], rows_per_b,
+    rows_per_h, copy_rows). A CTA TMA-copies the 8-row-aligned block of `copy_rows` rows of q2 that holds
+    its group's rows: row b * rows_per_b + h * rows_per_h is the first q head of (sequence b, kv head h),
+    at (that row % 8) inside the block. When the group's rows can't sit inside such a block (the group
+    neither divides nor is a multiple of 8, or batch * num_q_heads isn't a multiple of 8), each group is
+    padded to 8k rows (rows_per_h = copy_rows = 8k)."""
+    batch, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    if (group % 8 == 0 or 8 % group == 0) and (batch * num_q_heads) % 8 == 0:
+        return q.reshape(batch * num_q_heads, head_dim), num_q_heads, group, max(8, group)
+    gp = -(-group // 8) * 8
+    q2 = jnp.pad(q.reshape(batch * num_kv_heads, group, head_dim), ((0, 0), (0, gp - group), (0, 0)))
+    return q2.reshape(-1, head_dim), num_kv_heads * gp, gp, gp
+
+
 def decode_attention_pipeline(q, kv_inputs, lengths, page_starts, page_sizes, *, kv_format, num_kv_heads, scale,
                               soft_cap, config, p_via_smem, score_stats=False):
     """The decode kernel's wrapper for any KV format (traced inside a jit): lays q out in 8-row blocks,
@@ -435,21 +451,7 @@ def decode_attention_pipeline(q, kv_inputs, lengths, page_starts, page_sizes, *,
     splits = config.num_splits
     out_dtype = q.dtype
 
-    # q rows: the kernel TMA-copies an 8-row-aligned block of rows of a 2-D q that contains the
-    # group's rows; when the group's rows can't sit inside such a block (group neither divides nor is
-    # a multiple of 8, or batch * num_q_heads isn't a multiple of 8), pad each group to 8k rows.
-    q_mma = q.astype(kv_format.mma_dtype)
-    aligned = (group % 8 == 0 or 8 % group == 0) and (batch * num_q_heads) % 8 == 0
-    if aligned:
-        rows_per_b, rows_per_h = num_q_heads, group
-        copy_rows = max(8, group)
-        q2 = q_mma.reshape(batch * num_q_heads, head_dim)
-    else:
-        gp = -(-group // 8) * 8
-        rows_per_b, rows_per_h = num_kv_heads * gp, gp
-        copy_rows = gp
-        q2 = jnp.pad(q_mma.reshape(batch * num_kv_heads, group, head_dim),
-                     ((0, 0), (0, gp - group), (0, 0))).reshape(-1, head_dim)
+    q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q.astype(kv_format.mma_dtype), num_kv_heads)
 
     max_pages = page_starts.shape[1]
     table = _flat_table(page_starts, splits, config.block_kv)
