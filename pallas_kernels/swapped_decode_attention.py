@@ -102,15 +102,17 @@ class SwappedConfig:
         if self.num_splits is not None and (not isinstance(self.num_splits, int) or not 1 <= self.num_splits <= 64):
             raise ValueError(f"num_splits must be None or an int in [1, 64], got {self.num_splits!r}")
 
-    def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 4) -> int:
+    def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2) -> int:
         """SMEM of one CTA in bytes (the K/V ring dominates): ring 2 * stages * T * D * 2, q [N, D] bf16,
-        P [N, T] bf16, out [N, D], lse [N] f32, the page-table window, the cross-warp reduction scratch,
-        barriers and alignment slack."""
+        P [N, T] bf16, out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32, the
+        page-table window, the cross-warp reduction scratch, and 2 KB for barriers and alignment. Checked
+        against the lowered kernels (B=64, Hq=32, Hkv=8, 128 table entries, bf16 q): 72,880 bytes lowered vs
+        73,376 estimated at D=64, T=128, 2 stages; 73,872 vs 74,400 at D=128, T=64, 2 stages."""
         n = query_columns(group)
         ring = 2 * self.num_stages * self.block_kv * head_dim * 2
         tiles = n * head_dim * 2 + n * self.block_kv * 2 + n * head_dim * out_itemsize + n * 4
         table = 4 * _table_window(max_pages, self.num_splits or 1, self.block_kv)
-        return ring + tiles + table + reduction_scratch_bytes(n) + 1024
+        return ring + tiles + table + reduction_scratch_bytes(n) + 2048
 
     def ctas_per_sm(self, head_dim: int, max_pages: int, group: int = 4) -> int:
         """CTAs of this config an H200 SM holds by SMEM alone (registers are not the limit here: the
@@ -123,7 +125,10 @@ def default_swapped_config(head_dim: int) -> SwappedConfig:
     picked for 3 CTAs per SM by SMEM (~70 KB each, `SwappedConfig.ctas_per_sm`) with 128-token tiles at
     head_dim 64 (two M groups per MMA, 8 KB copies per K or V tile at 128-token pages) and 64-token
     tiles at head_dim 128 (the same bytes per tile). 4 CTAs per SM (one even wave of 528 >= 512 CTAs at
-    B=64, Hkv=8) take T=64 with 3 stages at head_dim 64: see the benchmark's swapped configs."""
+    B=64, Hkv=8) take T=64 with 3 stages at head_dim 64: see the benchmark's swapped configs.
+    The page-table window counts too: without split-K it is the sequence's whole table row (4 bytes a page
+    entry), so a table of more than ~1000 entries (the engine's width is max_context / 8: 8K context and up)
+    leaves room for 2 CTAs per SM at head_dim 64 with this default."""
     return SwappedConfig(block_kv=128 if head_dim == 64 else 64)
 
 
