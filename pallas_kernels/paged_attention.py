@@ -848,13 +848,7 @@ class Bf16Pages:
         k_ring, v_ring = ctx.smem
         ctx.wait_k(slot)
         ctx.wait_v(slot)
-
-        @pl.when(n_valid < ctx.block_kv)
-        def _():
-            v = v_ring[slot]
-            rows = plgpu.broadcasted_iota(jnp.int32, (ctx.block_kv, ctx.head_dim), 0, layout=plgpu.Layout.WGMMA)
-            v_ring[slot] = jnp.where(rows < n_valid, v, jnp.zeros_like(v))
-            plgpu.commit_smem()     # make the stores visible to the async proxy (WGMMA)
+        zero_rows_past(v_ring, slot, n_valid)
         return k_ring.at[slot], v_ring.at[slot]
 
     def columns(self, ctx, state, slot, tile, n_valid):
@@ -865,6 +859,20 @@ class Bf16Pages:
 
 
 BF16_PAGES = Bf16Pages()
+
+
+def zero_rows_past(ring, slot, n_valid) -> None:
+    """In a kernel: zero the rows >= n_valid of ring slot `slot` ([stages, T, D] bf16 SMEM) when the tile is
+    partial (n_valid < T), so stale or NaN slots past a sequence's end can't poison P @ V (P is 0 there, but
+    0 * NaN = NaN inside the MMA); the stores are committed to the async proxy for WGMMA."""
+    block_kv, head_dim = ring.shape[1:]
+
+    @pl.when(n_valid < block_kv)
+    def _():
+        v = ring[slot]
+        rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA)
+        ring[slot] = jnp.where(rows < n_valid, v, jnp.zeros_like(v))
+        plgpu.commit_smem()     # make the stores visible to the async proxy (WGMMA)
 
 
 # ---------------------------------------------------------------------------------------------

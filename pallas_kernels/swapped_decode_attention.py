@@ -43,7 +43,7 @@ once after the loop, which drops one cross-warp reduction (two warpgroup barrier
 registers.
 
 What is shared with `paged_attention` (imported, not copied): the page-size classes and their stage barriers,
-the tile copy issue (`issue_tile_copies` with `Bf16Pages.fetch_page`), the V-tail zeroing (`Bf16Pages.materialize`),
+the tile copy issue (`issue_tile_copies` with `Bf16Pages.fetch_page`), the V-tail zeroing (`zero_rows_past`),
 the page-table window, the per-sequence scalars, the q row blocks, split-K's tile partition and merge.
 Not supported (refused at the entry): soft cap, score statistics, the causal prefill variant.
 """
@@ -65,7 +65,7 @@ from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpre
 from pallas_kernels.paged_attention import (
     BF16_PAGES, MMA_TRANSFORMS, TileContext, _check_inputs, _combine_splits, _flat_table, _table_window,
     default_num_splits, issue_tile_copies, page_classes, paged_attention_reference, q_row_blocks,
-    sequence_scalars, wait_page_class)
+    sequence_scalars, wait_page_class, zero_rows_past)
 
 _LOG2E = math.log2(math.e)
 _COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)     # [N] vectors: one value per column (query head) of S^T / O^T
@@ -306,10 +306,14 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                                                                        v_bars[gi].at[slot]))
 
         # --- one tile: S^T, column softmax, O^T += V^T P^T ----------------------------------------
-        def attend(carry, k_tile, v_tile, n_valid):
+        def attend(carry, slot, n_valid):
             """carry: acc [D, N] f32 (O^T, unnormalised), m [N] f32 column max (base 2), l [T, N] f32
-            per-row partial column sums."""
+            per-row partial column sums. K is awaited before S^T, V only before P V (its copy may still land
+            while S^T and the softmax run)."""
             acc, m_i, l_tile = carry
+            k_ring, v_ring = kv_smem
+            k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
+            ctx.wait_k(slot)
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
@@ -327,6 +331,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             # K-major B operand P^T. Every warp's store must land before the MMA reads: commit_smem is a
             # proxy fence plus a warpgroup barrier.
             p_smem.transpose((1, 0))[...] = p.astype(jnp.bfloat16)
+            ctx.wait_v(slot)
+            zero_rows_past(v_ring, slot, n_valid)     # P is 0 there, but 0 * NaN (a stale slot) = NaN in the MMA
             plgpu.commit_smem()
 
             def pv(acc_ref):
@@ -344,9 +350,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             slot = lax.rem(i, stages)
             tile = tile_lo + i
             n_valid = length - tile * T
-            # Awaits K and V and zeroes V's rows past the length (P is 0 there, but 0 * NaN = NaN in the MMA).
-            k_tile, v_tile = BF16_PAGES.materialize(ctx, None, slot, tile, n_valid)
-            carry = attend(carry, k_tile, v_tile, n_valid)
+            carry = attend(carry, slot, n_valid)
             # attend() awaited its WGMMAs (each warp its share), so after one warpgroup sync the slot is free.
             @pl.when(i + stages < num_steps)
             def _():

@@ -41,20 +41,20 @@ def test_reference_matches_float64():
     check(out, float64_attention(case), tol=2e-5)
 
 
-@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads,block_kv,splits,q_dtype", [
-    (64, 8, 2, 128, 1, jnp.bfloat16),     # llama's GQA 4 (N = 8 with the neighbour group), D=64's default tile
-    (128, 4, 4, 64, 1, jnp.bfloat16),     # GQA 1, D=128's default tile
-    (64, 16, 2, 64, 2, jnp.float32),      # GQA 8, fp32 q and output, split-K 2
-    (128, 12, 4, 64, 3, jnp.bfloat16),    # GQA 3: groups padded to 8 rows, split-K 3
-    (64, 32, 2, 256, 1, jnp.bfloat16),    # GQA 16: N = 16, 256-token tiles (four M groups)
+@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads,block_kv,splits,q_dtype,sm_scale", [
+    (64, 8, 2, 128, 1, jnp.bfloat16, None),    # llama's GQA 4 (N = 8 with the neighbour group), D=64's default tile
+    (128, 2, 2, 64, 1, jnp.bfloat16, 0.2),     # GQA 1, D=128's default tile, a given sm_scale
+    (64, 16, 2, 64, 2, jnp.float32, None),     # GQA 8, fp32 q and output, split-K 2
+    (128, 6, 2, 64, 3, jnp.bfloat16, None),    # GQA 3: groups padded to 8 rows, split-K 3
+    (64, 16, 1, 256, 1, jnp.bfloat16, None),   # GQA 16: N = 16, 256-token tiles (four M groups)
 ])
-def test_kernel_matches_float64(head_dim, num_q_heads, num_kv_heads, block_kv, splits, q_dtype):
+def test_kernel_matches_float64(head_dim, num_q_heads, num_kv_heads, block_kv, splits, q_dtype, sm_scale):
     case = random_paged_case(1, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=num_q_heads,
                              num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype)
     config = SwappedConfig(block_kv=block_kv, num_splits=splits)
-    out = swapped_paged_attention(**case, config=config, interpret=True)
+    out = swapped_paged_attention(**case, sm_scale=sm_scale, config=config, interpret=True)
     assert out.shape == case["q"].shape and out.dtype == q_dtype
-    got = check(out, float64_attention(case))
+    got = check(out, float64_attention(case, sm_scale=sm_scale))
     assert np.all(got[LENGTHS.index(0)] == 0.0), "a length-0 row must give zeros"
 
 
@@ -68,13 +68,6 @@ def test_no_config_picks_the_default_tile_and_the_grid_split(monkeypatch):
     jaxpr = str(jax.make_jaxpr(lambda c: swapped_paged_attention(**c))(case))
     assert jaxpr == str(jax.make_jaxpr(lambda c: swapped_paged_attention(
         **c, config=SwappedConfig(block_kv=128, num_splits=2)))(case))
-
-
-def test_sm_scale():
-    case = random_paged_case(3, lengths=[33, 200], page_sizes=[32, 8], num_q_heads=8, num_kv_heads=2, head_dim=128)
-    out = swapped_paged_attention(**case, sm_scale=0.2, config=SwappedConfig(block_kv=64, num_splits=1),
-                                  interpret=True)
-    check(out, float64_attention(case, sm_scale=0.2))
 
 
 def test_entry_checks():
