@@ -218,6 +218,25 @@ def issue_tile_copies(t0, *, log2_p, page, n_pages, page_entry, small_classes, b
             after(-1)
 
 
+def split_tile_range(n_tiles, k_split, splits: int):
+    """In a kernel: (tile_lo, tile_hi), the tiles [lo, hi) of a sequence of n_tiles that split k_split of
+    `splits` covers (ceil(n_tiles / splits) each, the last ones short or empty); all of them unsplit."""
+    if splits == 1:
+        return jnp.int32(0), n_tiles
+    per_split = lax.div(n_tiles + (splits - 1), jnp.int32(splits))
+    tile_lo = jnp.minimum(k_split * per_split, n_tiles)
+    return tile_lo, jnp.minimum(tile_lo + per_split, n_tiles)
+
+
+def table_window_start(b, tile_lo, log2_p, *, max_pages: int, block_kv: int, table_len: int, window: int):
+    """In a kernel: the flat-table index (a multiple of 4, for the 16-byte bulk copy) where the `window`
+    entries a CTA copies to SMEM start: at or before sequence b's page holding tile tile_lo, clamped so the
+    window ends inside the table (`_flat_table` pads it for that)."""
+    page_lo = jnp.minimum(lax.shift_right_logical(tile_lo * block_kv, log2_p), max_pages - 1)
+    first = b * max_pages + page_lo
+    return pl.multiple_of(jnp.minimum(first - lax.rem(first, 4), table_len - window), 4)
+
+
 def _table_window(max_pages: int, num_splits: int, block_kv: int) -> int:
     """Page-table entries one CTA copies to SMEM (static bound, multiple of 32 = 128 bytes).
 
@@ -946,12 +965,7 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
         # --- per-sequence scalars -----------------------------------------------------------
         log2_p, page, length, n_pages, n_tiles = sequence_scalars(psizes_ref[b], lengths_ref[b],
                                                                   max_pages=max_pages, block_kv=T)
-        if splits > 1:
-            per_split = lax.div(n_tiles + (splits - 1), jnp.int32(splits))
-            tile_lo = jnp.minimum(k_split * per_split, n_tiles)
-            tile_hi = jnp.minimum(tile_lo + per_split, n_tiles)
-        else:
-            tile_lo, tile_hi = jnp.int32(0), n_tiles
+        tile_lo, tile_hi = split_tile_range(n_tiles, k_split, splits)
         num_steps = tile_hi - tile_lo
         if causal:
             # Row r's keys end at its own token's position (+1): a [64, T] bound, the same every tile.
@@ -968,9 +982,8 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
             return cols < n_valid
 
         # --- page-table window and q rows -> SMEM --------------------------------------------
-        page_lo = jnp.minimum(lax.shift_right_logical(tile_lo * T, log2_p), max_pages - 1)
-        first = b * max_pages + page_lo
-        win_start = pl.multiple_of(jnp.minimum(first - lax.rem(first, 4), table_len - window), 4)
+        win_start = table_window_start(b, tile_lo, log2_p, max_pages=max_pages, block_kv=T, table_len=table_len,
+                                       window=window)
         plgpu.copy_gmem_to_smem(table_ref.at[pl.ds(win_start, window)], table_smem, meta_bar.at[0],
                                 oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
         q_row = b * rows_per_b + h * rows_per_h

@@ -65,13 +65,12 @@ from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpre
 from pallas_kernels.paged_attention import (
     BF16_PAGES, MMA_TRANSFORMS, TileContext, _check_inputs, _combine_splits, _flat_table, _table_window,
     default_num_splits, issue_tile_copies, page_classes, paged_attention_reference, q_row_blocks,
-    sequence_scalars, wait_page_class, zero_rows_past)
+    sequence_scalars, split_tile_range, table_window_start, wait_page_class, zero_rows_past)
 
 _LOG2E = math.log2(math.e)
 _COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)     # [N] vectors: one value per column (query head) of S^T / O^T
 _SMEM_PER_SM = 228 * 1024                      # H100/H200: shared memory per SM ...
 _SMEM_PER_CTA_RESERVED = 1024                  # ... of which the driver reserves 1 KB per resident CTA
-_MAX_SMEM_PER_CTA = 227 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,8 +222,8 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     o_part, lse = res
     o_part = o_part.reshape(batch, splits, num_kv_heads, rows_per_h, head_dim)[:, :, :, :group]
     # lse [B * S, Hkv, N]: the group's columns start at its first q row's offset in the 8-row block.
-    first_row = np.arange(batch)[:, None] * rows_per_b + np.arange(num_kv_heads)[None, :] * rows_per_h   # [B, Hkv]
-    cols = (first_row % 8)[:, None, :, None] + np.arange(group)[None, None, None, :]                     # [B, 1, Hkv, G]
+    first_row = np.arange(batch)[:, None] * rows_per_b + np.arange(num_kv_heads)[None, :] * rows_per_h  # [B, Hkv]
+    cols = (first_row % 8)[:, None, :, None] + np.arange(group)[None, None, None, :]              # [B, 1, Hkv, G]
     lse = jnp.take_along_axis(lse.reshape(batch, splits, num_kv_heads, copy_rows),
                               jnp.asarray(np.broadcast_to(cols, (batch, splits, num_kv_heads, group))), axis=3)
     return _combine_splits(o_part, lse).reshape(batch, num_q_heads, head_dim).astype(q.dtype)
@@ -268,18 +267,12 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         # --- per-sequence scalars and this CTA's tiles ------------------------------------------
         log2_p, page, length, n_pages, n_tiles = sequence_scalars(psizes_ref[b], lengths_ref[b],
                                                                   max_pages=max_pages, block_kv=T)
-        if splits > 1:
-            per_split = lax.div(n_tiles + (splits - 1), jnp.int32(splits))
-            tile_lo = jnp.minimum(k_split * per_split, n_tiles)
-            tile_hi = jnp.minimum(tile_lo + per_split, n_tiles)
-        else:
-            tile_lo, tile_hi = jnp.int32(0), n_tiles
+        tile_lo, tile_hi = split_tile_range(n_tiles, k_split, splits)
         num_steps = tile_hi - tile_lo
 
         # --- page-table window and q rows -> SMEM ------------------------------------------------
-        page_lo = jnp.minimum(lax.shift_right_logical(tile_lo * T, log2_p), max_pages - 1)
-        first = b * max_pages + page_lo
-        win_start = pl.multiple_of(jnp.minimum(first - lax.rem(first, 4), table_len - window), 4)
+        win_start = table_window_start(b, tile_lo, log2_p, max_pages=max_pages, block_kv=T, table_len=table_len,
+                                       window=window)
         plgpu.copy_gmem_to_smem(table_ref.at[pl.ds(win_start, window)], table_smem, meta_bar.at[0],
                                 oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
         q_row = b * rows_per_b + h * rows_per_h
