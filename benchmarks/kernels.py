@@ -31,6 +31,13 @@ is needed. A read ceiling (a large bf16 sum) and a copy ceiling are measured in 
 Writes the full JSON (`--out`) and a PNG (bandwidth vs page size per context) next to it. `--configs`
 times given TuningConfigs instead of the sweep; `--head-dim 64` is llama-1b's decode shape.
 
+`--kernels paged,swapped` also times the swapped-operand kernel (pallas_kernels/swapped_decode_attention.py:
+keys on WGMMA's M, the GQA group on N) at the same shapes, page layouts and timing, with `--swapped-configs`
+(SwappedConfig overrides of `default_swapped_config(head_dim)`, ';'-separated; default: that config). Each
+record in "ours" names its kernel; a shape's "best" stays the paged kernel's (what the table and plot show),
+"best_by_kernel" has each kernel's, and a swapped-vs-paged table (time ratio, % of the read ceiling) is
+printed at the end. `--kernels swapped` times only the swapped kernel.
+
 `--delta` times instead the delta-KV kernel (pallas_kernels/delta_attention.py) with fp16 and fp8
 deltas (a mean anchor, i.e. the folded path unless $STRATUM_DKVC_FOLD_MEAN_ANCHOR=0, and/or a 256-row
 position-aligned anchor, the rebuild path; a few configs that fit SMEM, best kept) beside
@@ -76,11 +83,14 @@ from pallas_kernels.testing import float64_attention, random_paged_case   # noqa
 from pallas_kernels.paged_attention import (   # noqa: E402
     PAGE_SIZES, PREFILL_KERNEL_CONFIG, TuningConfig, default_config, paged_attention, paged_prefill_attention,
     prefill_block_tokens)
+from pallas_kernels.swapped_decode_attention import (   # noqa: E402
+    SwappedConfig, default_swapped_config, swapped_paged_attention)
 from pallas_kernels.delta_attention import (   # noqa: E402
     DELTA_DTYPES, default_fold_mean_anchor, delta_attention, delta_prefill_attention, delta_smem_bytes,
     rebuild_reference)
 
 MIXED = "mixed"
+KERNELS = ("paged", "swapped")     # --kernels: the decode kernels this benchmark can time side by side
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +148,24 @@ def parse_configs(spec: str, head_dim: int) -> list[TuningConfig]:
     this head_dim, `default_config`) or comma-separated field=value overrides of it, e.g.
     'default;block_kv=128;num_stages=3,num_splits=2'."""
     return parse_overrides(spec, default_config(head_dim))
+
+
+def parse_swapped_configs(spec: str, head_dim: int) -> list[SwappedConfig]:
+    """`--swapped-configs`: SwappedConfigs as `parse_configs` writes TuningConfigs, overriding
+    `default_swapped_config(head_dim)`, e.g. 'default;block_kv=64,num_stages=3'."""
+    return parse_overrides(spec, default_swapped_config(head_dim))
+
+
+def parse_kernels(spec: str) -> tuple[str, ...]:
+    """`--kernels`: comma-separated names from KERNELS, in the given order, at least one."""
+    names = tuple(n.strip() for n in spec.split(",") if n.strip())
+    bad = [n for n in names if n not in KERNELS]
+    if bad or not names:
+        raise SystemExit(f"--kernels: {spec!r}: give one or more of {', '.join(KERNELS)}")
+    return names
+
+
+KERNEL_FNS = {"paged": paged_attention, "swapped": swapped_paged_attention}
 
 
 def copy_ceiling(nbytes, reps, rounds=3):
@@ -211,7 +239,9 @@ def xla_decode_attention(q, k, v, lengths, *, scale):
 # Small float64 correctness checks (every page size, GQA, D, soft cap, split, NaN slots)
 # ---------------------------------------------------------------------------------------------
 
-def run_checks(configs, *, interpret):
+def run_checks(configs, *, interpret, kernel="paged"):
+    """The small float64 checks of `configs` of one kernel (KERNEL_FNS name); the swapped kernel has no
+    soft cap, so its cases skip that one. Each record names its kernel."""
     lengths = [1, 15, 33, 65, 127, 300, 0, 1000]
     sizes = [8, 16, 32, 64, 128, 256, 8, 32]
     cases = [dict(Hq=32, Hkv=8, D=128), dict(Hq=8, Hkv=8, D=128), dict(Hq=16, Hkv=2, D=64),
@@ -219,22 +249,26 @@ def run_checks(configs, *, interpret):
     if interpret:
         lengths, sizes = [1, 65, 0, 300], [8, 64, 8, 256]
         cases = [dict(Hq=4, Hkv=1, D=64)]
+    if kernel != "paged":
+        cases = [c for c in cases if "soft_cap" not in c]
+    fn = KERNEL_FNS[kernel]
     results = []
     for seed, case in enumerate(cases):
         inputs = random_paged_case(seed, lengths=lengths, page_sizes=sizes, num_q_heads=case["Hq"],
                                    num_kv_heads=case["Hkv"], head_dim=case["D"])
         want = float64_attention(inputs, soft_cap=case.get("soft_cap"))
         for cfg in configs:
-            rec = dict(case=case, config=dataclasses.asdict(cfg))
+            rec = dict(kernel=kernel, case=case, config=dataclasses.asdict(cfg))
             try:
-                out = paged_attention(**inputs, soft_cap=case.get("soft_cap"), config=cfg, interpret=interpret)
+                cap = {"soft_cap": case["soft_cap"]} if "soft_cap" in case else {}
+                out = fn(**inputs, **cap, config=cfg, interpret=interpret)
                 out = np.asarray(out.astype(jnp.float32))
                 rec.update(max_abs_err=float(np.abs(out - want).max()), has_nan=bool(np.isnan(out).any()))
                 rec["ok"] = rec["max_abs_err"] <= 2e-2 and not rec["has_nan"]
             except Exception as e:  # noqa: BLE001 - one failing config must not kill the run
                 rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
             results.append(rec)
-            print(f"check {case} {cfg}: {'OK' if rec['ok'] else 'FAIL'} "
+            print(f"check {kernel} {case} {cfg}: {'OK' if rec['ok'] else 'FAIL'} "
                   f"{rec.get('max_abs_err', rec.get('error'))}", flush=True)
     return results
 
@@ -324,6 +358,13 @@ def main(argv=None):
     ap.add_argument("--configs", default=None,
                     help="time these TuningConfigs instead of a sweep: ';'-separated, each 'default' or "
                          "field=value overrides, e.g. 'default;block_kv=128;num_stages=3,num_splits=2'")
+    ap.add_argument("--kernels", default="paged",
+                    help="comma-separated decode kernels to time side by side: paged (paged_attention, its configs "
+                         "from --configs/--default-only/the sweep) and/or swapped (swapped_paged_attention)")
+    ap.add_argument("--swapped-configs", default="default",
+                    help="with --kernels ...swapped: SwappedConfigs, ';'-separated, each 'default' "
+                         "(default_swapped_config(head_dim)) or field=value overrides, e.g. "
+                         "'default;block_kv=64,num_stages=3'")
     ap.add_argument("--timing", default="host", choices=["host", "device", "both"],
                     help="host: one kernel per jitted call (the published figures); device: chains of kernel "
                          "calls in one executable, dispatch cancelled (see the module docstring)")
@@ -360,16 +401,18 @@ def main(argv=None):
         return run_delta(a)
 
     interpret = a.dry_run
+    kernel_names = parse_kernels(a.kernels)
     if a.dry_run:
         a.batch, a.q_heads, a.kv_heads, a.head_dim = 2, 4, 1, 64
         a.contexts, a.reps, a.inner, a.quick, a.no_triton = "512", 1, 1, True, True
+    swapped_cfgs = parse_swapped_configs(a.swapped_configs, a.head_dim) if "swapped" in kernel_names else []
     contexts = [int(c) for c in a.contexts.split(",")]
     pages = [p if p == MIXED else int(p) for p in a.pages.split(",")]
     dev = jax.devices()[0]
     meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, platform=dev.platform,
                 jax=jax.__version__, batch=a.batch, q_heads=a.q_heads, kv_heads=a.kv_heads,
                 head_dim=a.head_dim, reps=a.reps, inner=a.inner, rounds=a.rounds, dry_run=a.dry_run,
-                timing=a.timing, chain=a.chain)
+                timing=a.timing, chain=a.chain, kernels=list(kernel_names))
     print(json.dumps(meta), flush=True)
     out_path = pathlib.Path(a.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -384,7 +427,11 @@ def main(argv=None):
                       TuningConfig(num_stages=4, num_splits=1, no_auto_barriers=True)]
         if a.check_configs == "default":
             check_cfgs = [TuningConfig(num_splits=1), TuningConfig()]   # the default: auto split
-        result["checks"] = run_checks(check_cfgs, interpret=interpret)
+        result["checks"] = run_checks(check_cfgs, interpret=interpret) if "paged" in kernel_names else []
+        if swapped_cfgs:    # unsplit, and with the grid's split (the check batch of 8 picks split-K)
+            first = swapped_cfgs[0]
+            checked = [dataclasses.replace(first, num_splits=1), dataclasses.replace(first, num_splits=None)]
+            result["checks"] += run_checks(checked, interpret=interpret, kernel="swapped")
         save()
 
     copy = copy_ceiling(64 << 20 if a.dry_run else 2 << 30, reps=a.reps, rounds=a.rounds)
@@ -421,9 +468,11 @@ def main(argv=None):
         lengths = jnp.full((B,), ctx, jnp.int32)
         kv_bytes = 2 * B * Hkv * ctx * D * 2
         io_bytes = kv_bytes + 2 * q.nbytes
-        configs = [] if a.triton_only else (
+        configs = [] if a.triton_only or "paged" not in kernel_names else (
             parse_configs(a.configs, D) if a.configs else
             [default_config(D)] if a.default_only else sweep_configs(D, table_width, a.quick, a.short_sweep))
+        # (kernel name, config) pairs, the paged kernel's first; ours_jits is keyed by the pair.
+        runs = [("paged", c) for c in configs] + ([] if a.triton_only else [("swapped", c) for c in swapped_cfgs])
         xla_time = None
         for page in pages:
             sizes = [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(B)] if page == MIXED else [page] * B
@@ -446,12 +495,13 @@ def main(argv=None):
                 first = times[timings[0]]
                 return dict(timing=times, **{k: first[k] for k in ("ms", "tbps", "pct_copy", "pct_read")})
 
-            for cfg in configs:
-                r = dict(config=dataclasses.asdict(cfg))
+            for kname, cfg in runs:
+                r = dict(kernel=kname, config=dataclasses.asdict(cfg))
                 try:
-                    if cfg not in ours_jits:
-                        ours_jits[cfg] = jax.jit(functools.partial(paged_attention, config=cfg, interpret=interpret))
-                    fn = ours_jits[cfg]
+                    if (kname, cfg) not in ours_jits:
+                        ours_jits[kname, cfg] = jax.jit(functools.partial(KERNEL_FNS[kname], config=cfg,
+                                                                          interpret=interpret))
+                    fn = ours_jits[kname, cfg]
                     args = (q, k_pool, v_pool, lengths, starts, psz)
                     got = np.asarray(fn(*args).astype(jnp.float32))
                     r["max_abs_err"] = float(np.abs(got - ref).max())
@@ -461,7 +511,7 @@ def main(argv=None):
                     if "--verbose" in sys.argv:
                         traceback.print_exc()
                 rec["ours"].append(r)
-                print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} {cfg}: " + (
+                print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} {kname} {cfg}: " + (
                     " ".join(f"{k} {v['ms']:.4f} ms {v['pct_read']:.1f}% of read" for k, v in r["timing"].items())
                     + f" err {r['max_abs_err']:.2g}" if "ms" in r else r["error"][:200]), flush=True)
             if triton is not None and page != MIXED:
@@ -490,7 +540,10 @@ def main(argv=None):
                 xla_time = xla_rec["ms"]
             rec["xla_dense"] = xla_rec if xla_time is not None else None
             ok = [r for r in rec["ours"] if "ms" in r and r["max_abs_err"] <= 2e-2]
-            rec["best"] = min(ok, key=lambda r: r["ms"]) if ok else None
+            rec["best_by_kernel"] = {k: min((r for r in ok if r["kernel"] == k), key=lambda r: r["ms"], default=None)
+                                     for k in kernel_names}
+            # "best" stays the paged kernel's (the table, the plot); the first kernel's when paged isn't run.
+            rec["best"] = rec["best_by_kernel"]["paged" if "paged" in kernel_names else kernel_names[0]]
             okt = [r for r in rec["triton"] if "ms" in r and r["max_abs_err"] <= 2e-2]
             rec["triton_best"] = min(okt, key=lambda r: r["ms"]) if okt else None
             rec["triton_default"] = next((r for r in okt if r["config"].get("default")), None)
@@ -522,12 +575,33 @@ def main(argv=None):
         for r in rec["ours"]:
             cfg = r["config"]
             cells = " | ".join(f"{k} {v['ms']:7.4f} {v['pct_read']:5.1f}%" for k, v in r.get("timing", {}).items())
-            print(f"{rec['context']:>6} {rec['page']:>6} | T={cfg['block_kv']} st={cfg['num_stages']} "
+            print(f"{rec['context']:>6} {rec['page']:>6} | {r['kernel']:>7} T={cfg['block_kv']} st={cfg['num_stages']} "
                   f"sp={cfg['num_splits']} | {cells or r.get('error', '')[:100]}")
+    if len(kernel_names) > 1:
+        print_kernel_comparison(result["shapes"], kernel_names, read["tbps"])
     save()
     plot(result, out_path.with_suffix(".png"))
     print(f"wrote {out_path} and {out_path.with_suffix('.png')}")
     return 0
+
+
+def print_kernel_comparison(shapes, kernel_names, read_tbps):
+    """Each kernel's best config per shape: ms, % of the read ceiling, and its time over the first kernel's."""
+    base = kernel_names[0]
+    print(f"\nbest config per kernel (ms, % of read {read_tbps:.2f} TB/s, time / {base}'s)")
+    for rec in shapes:
+        bests = rec.get("best_by_kernel", {})
+        ref = bests.get(base)
+        cells = []
+        for k in kernel_names:
+            b = bests.get(k)
+            if b is None:
+                cells.append(f"{k} FAILED")
+                continue
+            ratio = f" x{b['ms'] / ref['ms']:.2f}" if ref and k != base else ""
+            cells.append(f"{k} {b['ms']:.4f} {b['pct_read']:5.1f}%{ratio} (T={b['config']['block_kv']} "
+                         f"st={b['config']['num_stages']})")
+        print(f"{rec['context']:>6} {rec['page']:>6} | " + " | ".join(cells))
 
 
 def delta_configs(head_dim, dtype, anchor_len, table_width, quick):

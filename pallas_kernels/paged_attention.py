@@ -218,6 +218,25 @@ def issue_tile_copies(t0, *, log2_p, page, n_pages, page_entry, small_classes, b
             after(-1)
 
 
+def split_tile_range(n_tiles, k_split, splits: int):
+    """In a kernel: (tile_lo, tile_hi), the tiles [lo, hi) of a sequence of n_tiles that split k_split of
+    `splits` covers (ceil(n_tiles / splits) each, the last ones short or empty); all of them unsplit."""
+    if splits == 1:
+        return jnp.int32(0), n_tiles
+    per_split = lax.div(n_tiles + (splits - 1), jnp.int32(splits))
+    tile_lo = jnp.minimum(k_split * per_split, n_tiles)
+    return tile_lo, jnp.minimum(tile_lo + per_split, n_tiles)
+
+
+def table_window_start(b, tile_lo, log2_p, *, max_pages: int, block_kv: int, table_len: int, window: int):
+    """In a kernel: the flat-table index (a multiple of 4, for the 16-byte bulk copy) where the `window`
+    entries a CTA copies to SMEM start: at or before sequence b's page holding tile tile_lo, clamped so the
+    window ends inside the table (`_flat_table` pads it for that)."""
+    page_lo = jnp.minimum(lax.shift_right_logical(tile_lo * block_kv, log2_p), max_pages - 1)
+    first = b * max_pages + page_lo
+    return pl.multiple_of(jnp.minimum(first - lax.rem(first, 4), table_len - window), 4)
+
+
 def _table_window(max_pages: int, num_splits: int, block_kv: int) -> int:
     """Page-table entries one CTA copies to SMEM (static bound, multiple of 32 = 128 bytes).
 
@@ -423,6 +442,22 @@ def _paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sca
                                      p_via_smem=p_via_smem, score_stats=score_stats)
 
 
+def q_row_blocks(q, num_kv_heads: int):
+    """The decode kernels' q rows: q [batch, num_q_heads, head_dim] -> (q2 [rows, head_dim], rows_per_b,
+    rows_per_h, copy_rows). A CTA TMA-copies the 8-row-aligned block of `copy_rows` rows of q2 that holds
+    its group's rows: row b * rows_per_b + h * rows_per_h is the first q head of (sequence b, kv head h),
+    at (that row % 8) inside the block. When the group's rows can't sit inside such a block (the group
+    neither divides nor is a multiple of 8, or batch * num_q_heads isn't a multiple of 8), each group is
+    padded to 8k rows (rows_per_h = copy_rows = 8k)."""
+    batch, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    if (group % 8 == 0 or 8 % group == 0) and (batch * num_q_heads) % 8 == 0:
+        return q.reshape(batch * num_q_heads, head_dim), num_q_heads, group, max(8, group)
+    gp = -(-group // 8) * 8
+    q2 = jnp.pad(q.reshape(batch * num_kv_heads, group, head_dim), ((0, 0), (0, gp - group), (0, 0)))
+    return q2.reshape(-1, head_dim), num_kv_heads * gp, gp, gp
+
+
 def decode_attention_pipeline(q, kv_inputs, lengths, page_starts, page_sizes, *, kv_format, num_kv_heads, scale,
                               soft_cap, config, p_via_smem, score_stats=False):
     """The decode kernel's wrapper for any KV format (traced inside a jit): lays q out in 8-row blocks,
@@ -435,21 +470,7 @@ def decode_attention_pipeline(q, kv_inputs, lengths, page_starts, page_sizes, *,
     splits = config.num_splits
     out_dtype = q.dtype
 
-    # q rows: the kernel TMA-copies an 8-row-aligned block of rows of a 2-D q that contains the
-    # group's rows; when the group's rows can't sit inside such a block (group neither divides nor is
-    # a multiple of 8, or batch * num_q_heads isn't a multiple of 8), pad each group to 8k rows.
-    q_mma = q.astype(kv_format.mma_dtype)
-    aligned = (group % 8 == 0 or 8 % group == 0) and (batch * num_q_heads) % 8 == 0
-    if aligned:
-        rows_per_b, rows_per_h = num_q_heads, group
-        copy_rows = max(8, group)
-        q2 = q_mma.reshape(batch * num_q_heads, head_dim)
-    else:
-        gp = -(-group // 8) * 8
-        rows_per_b, rows_per_h = num_kv_heads * gp, gp
-        copy_rows = gp
-        q2 = jnp.pad(q_mma.reshape(batch * num_kv_heads, group, head_dim),
-                     ((0, 0), (0, gp - group), (0, 0))).reshape(-1, head_dim)
+    q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q.astype(kv_format.mma_dtype), num_kv_heads)
 
     max_pages = page_starts.shape[1]
     table = _flat_table(page_starts, splits, config.block_kv)
@@ -846,13 +867,7 @@ class Bf16Pages:
         k_ring, v_ring = ctx.smem
         ctx.wait_k(slot)
         ctx.wait_v(slot)
-
-        @pl.when(n_valid < ctx.block_kv)
-        def _():
-            v = v_ring[slot]
-            rows = plgpu.broadcasted_iota(jnp.int32, (ctx.block_kv, ctx.head_dim), 0, layout=plgpu.Layout.WGMMA)
-            v_ring[slot] = jnp.where(rows < n_valid, v, jnp.zeros_like(v))
-            plgpu.commit_smem()     # make the stores visible to the async proxy (WGMMA)
+        zero_rows_past(v_ring, slot, n_valid)
         return k_ring.at[slot], v_ring.at[slot]
 
     def columns(self, ctx, state, slot, tile, n_valid):
@@ -863,6 +878,20 @@ class Bf16Pages:
 
 
 BF16_PAGES = Bf16Pages()
+
+
+def zero_rows_past(ring, slot, n_valid) -> None:
+    """In a kernel: zero the rows >= n_valid of ring slot `slot` ([stages, T, D] bf16 SMEM) when the tile is
+    partial (n_valid < T), so stale or NaN slots past a sequence's end can't poison P @ V (P is 0 there, but
+    0 * NaN = NaN inside the MMA); the stores are committed to the async proxy for WGMMA."""
+    block_kv, head_dim = ring.shape[1:]
+
+    @pl.when(n_valid < block_kv)
+    def _():
+        v = ring[slot]
+        rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA)
+        ring[slot] = jnp.where(rows < n_valid, v, jnp.zeros_like(v))
+        plgpu.commit_smem()     # make the stores visible to the async proxy (WGMMA)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -936,12 +965,7 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
         # --- per-sequence scalars -----------------------------------------------------------
         log2_p, page, length, n_pages, n_tiles = sequence_scalars(psizes_ref[b], lengths_ref[b],
                                                                   max_pages=max_pages, block_kv=T)
-        if splits > 1:
-            per_split = lax.div(n_tiles + (splits - 1), jnp.int32(splits))
-            tile_lo = jnp.minimum(k_split * per_split, n_tiles)
-            tile_hi = jnp.minimum(tile_lo + per_split, n_tiles)
-        else:
-            tile_lo, tile_hi = jnp.int32(0), n_tiles
+        tile_lo, tile_hi = split_tile_range(n_tiles, k_split, splits)
         num_steps = tile_hi - tile_lo
         if causal:
             # Row r's keys end at its own token's position (+1): a [64, T] bound, the same every tile.
@@ -958,9 +982,8 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
             return cols < n_valid
 
         # --- page-table window and q rows -> SMEM --------------------------------------------
-        page_lo = jnp.minimum(lax.shift_right_logical(tile_lo * T, log2_p), max_pages - 1)
-        first = b * max_pages + page_lo
-        win_start = pl.multiple_of(jnp.minimum(first - lax.rem(first, 4), table_len - window), 4)
+        win_start = table_window_start(b, tile_lo, log2_p, max_pages=max_pages, block_kv=T, table_len=table_len,
+                                       window=window)
         plgpu.copy_gmem_to_smem(table_ref.at[pl.ds(win_start, window)], table_smem, meta_bar.at[0],
                                 oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
         q_row = b * rows_per_b + h * rows_per_h

@@ -1,5 +1,6 @@
 """benchmarks/kernels.py --timing device: the chained calls really run (none folded or merged), the
-per-call device time is the slope between two chain lengths, and --configs parses into TuningConfigs."""
+per-call device time is the slope between two chain lengths, --configs parses into TuningConfigs, and
+--swapped-configs / --kernels into SwappedConfigs and kernel names."""
 import dataclasses
 
 import jax.numpy as jnp
@@ -51,3 +52,16 @@ def test_configs_parse_into_tuning_configs():
         kernels.parse_configs("stages=3", 128)
     with pytest.raises(SystemExit, match="must be an int"):
         kernels.parse_configs("block_kv=big", 128)
+
+
+def test_swapped_configs_and_kernel_names_parse():
+    from pallas_kernels.swapped_decode_attention import SwappedConfig, default_swapped_config
+    got = kernels.parse_swapped_configs("default;block_kv=64,num_stages=3", 64)
+    assert got == [default_swapped_config(64), SwappedConfig(block_kv=64, num_stages=3)]
+    assert kernels.parse_swapped_configs("default", 128) == [default_swapped_config(128)]
+    with pytest.raises(SystemExit, match="block_kv"):
+        kernels.parse_swapped_configs("block_kv=32", 64)       # SwappedConfig refuses it
+    assert kernels.parse_kernels("paged,swapped") == ("paged", "swapped")
+    assert kernels.parse_kernels("swapped") == ("swapped",)
+    with pytest.raises(SystemExit, match="--kernels"):
+        kernels.parse_kernels("paged,triton")

@@ -1,0 +1,396 @@
+"""Paged decode attention with the operands swapped: keys on WGMMA's M, the GQA group on N (Mosaic GPU, Hopper).
+
+Same contract as `paged_attention` (pallas_kernels/paged_attention.py): one decode query per sequence over its
+KV pages (8..256 tokens, sizes mixed per batch) in one layer's slot pool.
+
+Why
+---
+`paged_attention` computes S = q K^T with a 64-row q tile because WGMMA's M is fixed at 64, yet in decode only
+the GQA group's rows are real (4 for llama-1b and llama-8b). The 60 padding rows still cost registers (S is a
+64 x T fp32 tile, O a 64 x D one: 32-64 registers a thread each) and softmax work; ptxas reports 146-230
+registers, so only 2-3 CTAs fit an SM and each tile's chain (MMA, softmax, MMA) is long. On the H200 that kernel
+streams 48-68% of the read ceiling at head_dim 64 and 1K context (benchmarks/KERNEL_NOTES.md, "Device time").
+
+Here the keys are the M side and the group is the N side, padded to N = 8 (or the group rounded up to 8):
+    S^T [T, N] = K_tile [T, D] @ q^T [D, N]    A = the K ring slot (K-major, as TMA lands it),
+                                               B = the group's q rows [N, D] in SMEM, viewed transposed;
+    online softmax per column (query head) over the T rows;
+    O^T [D, N] += V_tile^T [D, T] @ P^T [T, N] A = the V ring slot viewed transposed (MN-major A, allowed for
+                                               16-bit types), B = P [N, T] in SMEM viewed transposed.
+Per thread that is T*N/128 fp32 registers for S^T (8 at T=128, N=8) and D*N/128 for O^T (4-8), instead of
+T/2 and D/2 for the 64-row tiles, so the register file no longer limits CTAs per SM; SMEM (the K/V ring) does.
+
+Mosaic GPU capabilities this rests on (jax 0.11.2; each verified by lowering to Mosaic GPU on a CPU and by the
+interpreter, see tests/test_swapped_decode_attention.py; ptxas and the hardware are the GPU tests' job):
+  - WGMMA with M = T (64/128/256: one to four M groups) and N = 8/16/...; A and B must share one swizzle, so
+    every MMA operand here is a bf16 tile with 64-element rows and the 128-byte swizzle (`MMA_TRANSFORMS`).
+  - Column reductions (axis 0 of a WGMMA-layout array) cross warps through SMEM scratch
+    (`CompilerParams.reduction_scratch_bytes`, 1 KB per 8 columns for all of them at once) and two warpgroup
+    barriers; the column vectors have layout `WGMMA.reduce(0)` and broadcast back along dim 1.
+  - P^T [T, N] leaves registers through a store into the *transposed view* of a swizzled [N, T] SMEM tile,
+    which lowers to `stmatrix ... .trans` (layout = col). Storing P^T into a [T, N] tile would need N-wide
+    swizzled rows (32 bytes at N = 16: swizzle 32), and WGMMA refuses mixed swizzles (the V ring has 128).
+  - The epilogue stores O^T the same way into a transposed [N, D] view after a cast to the WGMMA_TRANSPOSED
+    register layout (an f32 tile is not transferable otherwise), so the output TMA copy writes rows of
+    [B * Hq, D] directly, as `paged_attention` does; no transpose in the wrapper.
+  - The interpreter runs this exact kernel: nothing here needs `pl.run_state` or a register A operand (the
+    PV product goes into a fresh accumulator that is added to the running one, as `paged_attention`'s
+    interpreter variant does), so the GPU and CPU paths are one.
+
+Softmax bookkeeping: the column max is reduced over the tile every tile (exp2 needs it); the column sum is
+not: l stays a [T, N] tile, rescaled and accumulated elementwise (l_tile = l_tile * alpha + P), and is reduced
+once after the loop, which drops one cross-warp reduction (two warpgroup barriers) per tile for T*N/128 more
+registers.
+
+What is shared with `paged_attention` (imported, not copied): the page-size classes and their stage barriers,
+the tile copy issue (`issue_tile_copies` with `Bf16Pages.fetch_page`), the V-tail zeroing (`zero_rows_past`),
+the page-table window, the per-sequence scalars, the q row blocks, split-K's tile partition and merge.
+Not supported (refused at the entry): soft cap, score statistics, the causal prefill variant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
+from pallas_kernels.paged_attention import (
+    BF16_PAGES, MMA_TRANSFORMS, TileContext, _check_inputs, _combine_splits, _flat_table, _table_window,
+    default_num_splits, issue_tile_copies, page_classes, paged_attention_reference, q_row_blocks,
+    sequence_scalars, split_tile_range, table_window_start, wait_page_class, zero_rows_past)
+
+_LOG2E = math.log2(math.e)
+_COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)     # [N] vectors: one value per column (query head) of S^T / O^T
+_SMEM_PER_SM = 228 * 1024                      # H100/H200: shared memory per SM ...
+_SMEM_PER_CTA_RESERVED = 1024                  # ... of which the driver reserves 1 KB per resident CTA
+
+
+@dataclasses.dataclass(frozen=True)
+class SwappedConfig:
+    """Static knobs of the swapped kernel (each distinct config compiles its own kernel).
+
+    Attributes:
+      block_kv: keys per pipeline tile T (64, 128 or 256): WGMMA's M, so T/64 M groups per MMA.
+      num_stages: K/V tiles in flight per CTA (SMEM ring depth), >= 2.
+      num_splits: split-K factor (CTAs per (sequence, kv head)); None picks one from the grid size
+        (`default_num_splits`, as `paged_attention` does: 1 when batch * num_kv_heads >= 132).
+      approx_math: fast approximate exp2 (MUFU).
+      no_auto_barriers: drop Pallas' warpgroup barrier before every TMA issue; the kernel syncs once per
+        refilled tile instead (as `paged_attention` does).
+    """
+
+    block_kv: int = 128
+    num_stages: int = 2
+    num_splits: int | None = None
+    approx_math: bool = True
+    no_auto_barriers: bool = True
+
+    def __post_init__(self):
+        if self.block_kv not in (64, 128, 256):
+            raise ValueError(f"block_kv must be 64, 128 or 256, got {self.block_kv}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 2:
+            raise ValueError(f"num_stages must be an int >= 2, got {self.num_stages!r}")
+        if self.num_splits is not None and (not isinstance(self.num_splits, int) or not 1 <= self.num_splits <= 64):
+            raise ValueError(f"num_splits must be None or an int in [1, 64], got {self.num_splits!r}")
+
+    def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2) -> int:
+        """SMEM of one CTA in bytes (the K/V ring dominates): ring 2 * stages * T * D * 2, q [N, D] bf16,
+        P [N, T] bf16, out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32, the
+        page-table window, the cross-warp reduction scratch, and 2 KB for barriers and alignment. Checked
+        against the lowered kernels (B=64, Hq=32, Hkv=8, 128 table entries, bf16 q): 72,880 bytes lowered vs
+        73,376 estimated at D=64, T=128, 2 stages; 73,872 vs 74,400 at D=128, T=64, 2 stages."""
+        n = query_columns(group)
+        ring = 2 * self.num_stages * self.block_kv * head_dim * 2
+        tiles = n * head_dim * 2 + n * self.block_kv * 2 + n * head_dim * out_itemsize + n * 4
+        table = 4 * _table_window(max_pages, self.num_splits or 1, self.block_kv)
+        return ring + tiles + table + reduction_scratch_bytes(n) + 2048
+
+    def ctas_per_sm(self, head_dim: int, max_pages: int, group: int = 4) -> int:
+        """CTAs of this config an H200 SM holds by SMEM alone (registers are not the limit here: the
+        tiles need T*N/64 + D*N/128 + T*N/256 registers a thread)."""
+        return _SMEM_PER_SM // (self.smem_bytes(head_dim, max_pages, group) + _SMEM_PER_CTA_RESERVED)
+
+
+def default_swapped_config(head_dim: int) -> SwappedConfig:
+    """The config when the caller gives none (num_splits from the grid size). Not yet measured on a GPU:
+    picked for 3 CTAs per SM by SMEM (~70 KB each, `SwappedConfig.ctas_per_sm`) with 128-token tiles at
+    head_dim 64 (two M groups per MMA, 8 KB copies per K or V tile at 128-token pages) and 64-token
+    tiles at head_dim 128 (the same bytes per tile). 4 CTAs per SM (one even wave of 528 >= 512 CTAs at
+    B=64, Hkv=8) take T=64 with 3 stages at head_dim 64: see the benchmark's swapped configs.
+    The page-table window counts too: without split-K it is the sequence's whole table row (4 bytes a page
+    entry), so a table of more than ~1000 entries (the engine's width is max_context / 8: 8K context and up)
+    leaves room for 2 CTAs per SM at head_dim 64 with this default."""
+    return SwappedConfig(block_kv=128 if head_dim == 64 else 64)
+
+
+def query_columns(group: int) -> int:
+    """N of the MMAs: the q rows a CTA copies (the GQA group rounded up to a multiple of 8; groups of 1, 2
+    and 4 share an 8-row block with their neighbours' rows, which are computed and dropped)."""
+    return max(8, -(-group // 8) * 8)
+
+
+def reduction_scratch_bytes(n: int) -> int:
+    """SMEM for reducing [T, n] fp32 over its rows across the 4 warps in one round: each thread holds 2
+    adjacent columns of every 8, and every (warp, lane) stores them (4 * 32 * 2 * 4 bytes per 8 columns)."""
+    return 1024 * (n // 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+def swapped_paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sm_scale=None):
+    """Pure-jnp fp32 decode attention with `swapped_paged_attention`'s contract (it is `paged_attention`'s:
+    the swap changes how the kernel computes, not what). q [B, Hq, D] -> [B, Hq, D] in q.dtype."""
+    return paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, page_sizes, sm_scale=sm_scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sm_scale: float | None = None,
+                            config: SwappedConfig | None = None, interpret: bool = False) -> jax.Array:
+    """Decode attention over a paged KV pool with per-sequence page sizes, keys on WGMMA's M (module docstring).
+
+    Args:
+      q: [batch, num_q_heads, head_dim] bf16 or fp32 (rounded to bf16 for the MMA).
+      k_pool, v_pool: [num_kv_heads, num_slots, head_dim] bf16; num_slots a multiple of 256.
+      lengths: [batch] int32 context length per sequence; 0 gives zeros. Slots past a length may hold NaN.
+      page_starts: [batch, max_pages] int32 first slot of each page; entries past a sequence's last page are
+        never read.
+      page_sizes: [batch] int32, one of PAGE_SIZES per sequence.
+      sm_scale: score scale, default 1/sqrt(head_dim).
+      config: SwappedConfig; None gives `default_swapped_config(head_dim)` with split-K from the grid size.
+      interpret: run the kernel in the Mosaic GPU interpreter on CPU (tests).
+
+    Returns [batch, num_q_heads, head_dim] in q.dtype; q head j uses kv head j // (num_q_heads // num_kv_heads).
+    head_dim 64 or 128; num_q_heads // num_kv_heads <= 64. No soft cap and no score statistics (use
+    `paged_attention` for those).
+    """
+    _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[0]
+    if head_dim not in (64, 128):
+        raise ValueError(f"swapped_paged_attention: head_dim must be 64 or 128, got {head_dim}")
+    group = num_q_heads // num_kv_heads
+    if group > 64:
+        raise ValueError(f"swapped_paged_attention: num_q_heads // num_kv_heads = {group} > 64 is not supported")
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"swapped_paged_attention: sm_scale must be > 0, got {sm_scale}")
+    config = config or default_swapped_config(head_dim)
+    if not isinstance(config, SwappedConfig):
+        raise TypeError(f"swapped_paged_attention: config must be a SwappedConfig, got {type(config).__name__}")
+    if config.num_splits is None:
+        config = dataclasses.replace(config, num_splits=default_num_splits(batch, num_kv_heads))
+    scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
+    args = (q, k_pool, v_pool, lengths, page_starts, page_sizes)
+    if interpret:
+        with mosaic_gpu_interpret():
+            return _swapped_paged_attention(*args, scale=scale, config=config, interpreted=True)
+    # `interpreted` is a static jit argument so interpreted and compiled traces never share a cache entry.
+    return _swapped_paged_attention(*args, scale=scale, config=config, interpreted=interpret_mode_active())
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpreted"))
+def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, scale, config, interpreted):
+    """The wrapper traced inside a jit: q row blocks, flat page table, the kernel, split-K merge."""
+    del interpreted
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[0]
+    group = num_q_heads // num_kv_heads
+    splits = config.num_splits
+    q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q.astype(jnp.bfloat16), num_kv_heads)
+    max_pages = page_starts.shape[1]
+    table = _flat_table(page_starts, splits, config.block_kv)
+    kernel = _build_swapped_kernel(
+        batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
+        table_len=table.shape[0], rows_per_b=rows_per_b, rows_per_h=rows_per_h, n_cols=copy_rows,
+        out_dtype=jnp.dtype(q.dtype if splits == 1 else jnp.float32), scale=scale, config=config)
+    res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool)
+    if splits == 1:
+        out = res[0].reshape(batch, num_kv_heads, rows_per_h, head_dim)[:, :, :group]
+        return out.reshape(batch, num_q_heads, head_dim)
+    o_part, lse = res
+    o_part = o_part.reshape(batch, splits, num_kv_heads, rows_per_h, head_dim)[:, :, :, :group]
+    # lse [B * S, Hkv, N]: the group's columns start at its first q row's offset in the 8-row block.
+    first_row = np.arange(batch)[:, None] * rows_per_b + np.arange(num_kv_heads)[None, :] * rows_per_h  # [B, Hkv]
+    cols = (first_row % 8)[:, None, :, None] + np.arange(group)[None, None, None, :]              # [B, 1, Hkv, G]
+    lse = jnp.take_along_axis(lse.reshape(batch, splits, num_kv_heads, copy_rows),
+                              jnp.asarray(np.broadcast_to(cols, (batch, splits, num_kv_heads, group))), axis=3)
+    return _combine_splits(o_part, lse).reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------
+
+def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len, rows_per_b, rows_per_h,
+                          n_cols, out_dtype, scale, config: SwappedConfig):
+    """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or, split, (o_part, lse).
+
+    q2 [rows, D] bf16 (`q_row_blocks`): the CTA (b, h[, k]) copies the 8-aligned block of n_cols rows holding
+    row q_row = b * rows_per_b + h * rows_per_h and writes its group's `group` output rows to o [rows, D] at
+    q_row (split: o_part [B * S * rows_per_b, D] f32 at (b * S + k) * rows_per_b + h * rows_per_h, and lse
+    [B * S, Hkv, n_cols] f32, the base-2 log-sum-exp of every column, -inf for an empty split)."""
+    T, D, N = config.block_kv, head_dim, n_cols
+    stages, splits = config.num_stages, config.num_splits
+    window = _table_window(max_pages, splits, T)
+    small_classes = page_classes(T)                                   # (log2 P, copies) for P < T
+    arrivals = [n for _, n in small_classes] + [1]                    # one copy per page piece, K and V each
+    qk_scale = scale * _LOG2E                                         # exp2 below
+    wgmma_layout = plgpu.Layout.WGMMA
+
+    def cols(x, shape):
+        """A [N] column vector broadcast along the rows of a [rows, N] tile."""
+        return lax.broadcast_in_dim(x, shape, [1])
+
+    def body(lengths_ref, psizes_ref, table_ref, q_ref, k_ref, v_ref, *rest):
+        if splits == 1:
+            (o_ref,), rest = rest[:1], rest[1:]
+            lse_ref = None
+        else:
+            (o_ref, lse_ref), rest = rest[:2], rest[2:]
+        table_smem, q_smem, kv_smem, p_smem, o_smem, lse_smem, meta_bar, k_bars, v_bars = rest
+        b = lax.axis_index("b")
+        h = lax.axis_index("h")
+        k_split = lax.axis_index("k") if splits > 1 else 0
+
+        # --- per-sequence scalars and this CTA's tiles ------------------------------------------
+        log2_p, page, length, n_pages, n_tiles = sequence_scalars(psizes_ref[b], lengths_ref[b],
+                                                                  max_pages=max_pages, block_kv=T)
+        tile_lo, tile_hi = split_tile_range(n_tiles, k_split, splits)
+        num_steps = tile_hi - tile_lo
+
+        # --- page-table window and q rows -> SMEM ------------------------------------------------
+        win_start = table_window_start(b, tile_lo, log2_p, max_pages=max_pages, block_kv=T, table_len=table_len,
+                                       window=window)
+        plgpu.copy_gmem_to_smem(table_ref.at[pl.ds(win_start, window)], table_smem, meta_bar.at[0],
+                                oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+        q_row = b * rows_per_b + h * rows_per_h
+        q_row0 = pl.multiple_of(q_row - lax.rem(q_row, 8), 8)       # tiled TMA wants 8-row alignment
+        row_off = q_row - q_row0                                      # the group's first column in S^T
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0, N)], q_smem, meta_bar.at[1])
+        plgpu.barrier_wait(meta_bar.at[0])
+
+        def page_entry(p):   # slot of page p of this sequence (p inside this CTA's window)
+            return table_smem[b * max_pages + p - win_start]
+
+        def wait(bars, slot):
+            wait_page_class(bars, slot, log2_p, small_classes, T)
+
+        ctx = TileContext(h=h, inputs=(k_ref, v_ref), smem=kv_smem, block_kv=T, head_dim=D, log2_p=log2_p,
+                          n_pages=n_pages, page_entry=page_entry, small_classes=tuple(small_classes),
+                          wait_k=functools.partial(wait, k_bars), wait_v=functools.partial(wait, v_bars))
+
+        def fetch(tile, slot):
+            issue_tile_copies(
+                tile * T, log2_p=log2_p, page=page, n_pages=n_pages, page_entry=page_entry,
+                small_classes=small_classes, block_kv=T,
+                piece=lambda gi, src, off, size: BF16_PAGES.fetch_page(ctx, src, off, size, slot, k_bars[gi].at[slot],
+                                                                       v_bars[gi].at[slot]))
+
+        # --- one tile: S^T, column softmax, O^T += V^T P^T ----------------------------------------
+        def attend(carry, slot, n_valid):
+            """carry: acc [D, N] f32 (O^T, unnormalised), m [N] f32 column max (base 2), l [T, N] f32
+            per-row partial column sums. K is awaited before S^T, V only before P V (its copy may still land
+            while S^T and the softmax run)."""
+            acc, m_i, l_tile = carry
+            k_ring, v_ring = kv_smem
+            k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
+            ctx.wait_k(slot)
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
+                return acc_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((T, N), jnp.float32)) * qk_scale
+            # Keys past the length (stale slots, maybe NaN) drop out; every tile has >= 1 valid key, so
+            # every column's max is finite.
+            rows = plgpu.broadcasted_iota(jnp.int32, (T, N), 0, layout=wgmma_layout)
+            s = jnp.where(rows < n_valid, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=0))
+            alpha = jnp.exp2(m_i - m_new)                              # 0 on the first tile (m_i = -inf)
+            p = jnp.exp2(s - cols(m_new, s.shape))
+            l_tile = l_tile * cols(alpha, s.shape) + p
+            # P^T leaves registers transposed (stmatrix.trans) into P [N, T]; WGMMA reads it back as the
+            # K-major B operand P^T. Every warp's store must land before the MMA reads: commit_smem is a
+            # proxy fence plus a warpgroup barrier.
+            p_smem.transpose((1, 0))[...] = p.astype(jnp.bfloat16)
+            ctx.wait_v(slot)
+            zero_rows_past(v_ring, slot, n_valid)     # P is 0 there, but 0 * NaN (a stale slot) = NaN in the MMA
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)))
+                return acc_ref[...]
+            acc = acc * cols(alpha, acc.shape) + pl.run_scoped(pv, plgpu.ACC((D, N), jnp.float32))
+            return acc, m_new, l_tile
+
+        # --- pipeline -----------------------------------------------------------------------------
+        for s_ in range(stages):
+            pl.when(s_ < num_steps)(functools.partial(fetch, tile_lo + s_, s_))
+        plgpu.barrier_wait(meta_bar.at[1])
+
+        def step(i, carry):
+            slot = lax.rem(i, stages)
+            tile = tile_lo + i
+            n_valid = length - tile * T
+            carry = attend(carry, slot, n_valid)
+            # attend() awaited its WGMMAs (each warp its share), so after one warpgroup sync the slot is free.
+            @pl.when(i + stages < num_steps)
+            def _():
+                if config.no_auto_barriers:
+                    plgpu.commit_smem()
+                fetch(tile + stages, slot)
+            return carry
+
+        acc0 = plgpu.layout_cast(jnp.zeros((D, N), jnp.float32), wgmma_layout)
+        m0 = plgpu.layout_cast(jnp.full((N,), -jnp.inf, jnp.float32), _COL_LAYOUT)
+        l0 = plgpu.layout_cast(jnp.zeros((T, N), jnp.float32), wgmma_layout)
+        acc, m_i, l_tile = lax.fori_loop(0, num_steps, step, (acc0, m0, l0))
+
+        # --- epilogue: normalise, write the group's rows -----------------------------------------
+        l_i = l_tile.sum(axis=0)
+        o = acc / cols(jnp.where(l_i == 0.0, 1.0, l_i), acc.shape)    # an empty row (or split) gives zeros
+        # O^T leaves registers transposed into the [N, D] output tile (the WGMMA_TRANSPOSED register layout
+        # makes the f32 store transferable), so the TMA below writes q-head rows of the output.
+        o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+        if lse_ref is not None:
+            lse_smem[...] = m_i + jnp.log2(l_i)                       # -inf for an empty split
+        plgpu.commit_smem()
+        out_row = q_row if splits == 1 else (b * splits + k_split) * rows_per_b + h * rows_per_h
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row_off, group)], o_ref.at[pl.ds(out_row, group)])
+        if lse_ref is not None:
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b * splits + k_split, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = [jax.ShapeDtypeStruct((batch * rows_per_b * splits, D), out_dtype)]
+    if splits > 1:
+        out_type.append(jax.ShapeDtypeStruct((batch * splits, num_kv_heads, N), jnp.float32))
+    scratch = [
+        plgpu.SMEM((window,), jnp.int32),
+        plgpu.SMEM((N, D), jnp.bfloat16, transforms=MMA_TRANSFORMS),
+        BF16_PAGES.scratch_types(stages=stages, block_kv=T, head_dim=D),
+        plgpu.SMEM((N, T), jnp.bfloat16, transforms=MMA_TRANSFORMS),
+        plgpu.SMEM((N, D), out_dtype),
+        plgpu.SMEM((N,), jnp.float32),
+        plgpu.Barrier(num_barriers=2),
+        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
+        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
+    ]
+    grid, names = (batch, num_kv_heads), ("b", "h")
+    if splits > 1:
+        grid, names = (batch, num_kv_heads, splits), ("b", "h", "k")
+    return plgpu.kernel(
+        body, out_type=out_type, grid=grid, grid_names=names, scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(approx_math=config.approx_math,
+                                             unsafe_no_auto_barriers=config.no_auto_barriers,
+                                             reduction_scratch_bytes=reduction_scratch_bytes(N)))

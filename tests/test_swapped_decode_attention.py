@@ -1,0 +1,156 @@
+"""The swapped-operand paged decode kernel (keys on WGMMA's M): in the Mosaic GPU interpreter against float64
+numpy on ragged mixed-page batches, its lowering to Mosaic GPU (on a CPU) at the engine's shapes, and, on a GPU,
+the compiled kernel against the jnp reference.
+
+Interpret mode simulates every thread, barrier and TMA copy, so the shapes here are tiny (the file runs in
+about a minute on 2 CPU cores)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels.swapped_decode_attention as swapped_module
+from pallas_kernels.paged_attention import PAGE_SIZES
+from pallas_kernels.swapped_decode_attention import (
+    SwappedConfig, default_swapped_config, query_columns, swapped_paged_attention,
+    swapped_paged_attention_reference)
+from pallas_kernels.testing import float64_attention, random_paged_case
+
+BF16_TOL = 2e-2
+
+# Lengths 0 and 1, one under / over a page (7, 65, 129) and a tile (63, 127, 129), a full 256 page and more,
+# every page size in one batch; every slot outside a sequence holds NaN, table entries past it are garbage.
+LENGTHS = [1, 7, 0, 65, 129, 300, 63, 127]
+SIZES = [8, 8, 16, 64, 128, 256, 32, 16]
+
+
+def check(out, want, tol=BF16_TOL):
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32))
+    assert not np.isnan(out).any(), "NaN in the output"
+    err = np.abs(out - want).max()
+    assert err <= tol, f"max abs err {err:.3g} > {tol}"
+    return out
+
+
+def test_reference_matches_float64():
+    case = random_paged_case(0, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    out = swapped_paged_attention_reference(**{**case, "q": case["q"].astype(jnp.float32)})
+    check(out, float64_attention(case), tol=2e-5)
+
+
+@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads,block_kv,splits,q_dtype,sm_scale", [
+    (64, 8, 2, 128, 1, jnp.bfloat16, None),    # llama's GQA 4 (N = 8 with the neighbour group), D=64's default tile
+    (128, 2, 2, 64, 1, jnp.bfloat16, 0.2),     # GQA 1, D=128's default tile, a given sm_scale
+    (64, 16, 2, 64, 2, jnp.float32, None),     # GQA 8, fp32 q and output, split-K 2
+    (128, 6, 2, 64, 3, jnp.bfloat16, None),    # GQA 3: groups padded to 8 rows, split-K 3
+    (64, 16, 1, 256, 1, jnp.bfloat16, None),   # GQA 16: N = 16, 256-token tiles (four M groups)
+])
+def test_kernel_matches_float64(head_dim, num_q_heads, num_kv_heads, block_kv, splits, q_dtype, sm_scale):
+    case = random_paged_case(1, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=num_q_heads,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype)
+    config = SwappedConfig(block_kv=block_kv, num_splits=splits)
+    out = swapped_paged_attention(**case, sm_scale=sm_scale, config=config, interpret=True)
+    assert out.shape == case["q"].shape and out.dtype == q_dtype
+    got = check(out, float64_attention(case, sm_scale=sm_scale))
+    assert np.all(got[LENGTHS.index(0)] == 0.0), "a length-0 row must give zeros"
+
+
+def test_no_config_picks_the_default_tile_and_the_grid_split(monkeypatch):
+    """config=None runs default_swapped_config(head_dim) with default_num_splits(batch, num_kv_heads)."""
+    seen = []
+    monkeypatch.setattr(swapped_module, "default_num_splits", lambda batch, kv: seen.append((batch, kv)) or 2)
+    case = random_paged_case(2, lengths=[40, 300], page_sizes=[16, 128], num_q_heads=4, num_kv_heads=1, head_dim=64)
+    check(swapped_paged_attention(**case, interpret=True), float64_attention(case))
+    assert seen == [(2, 1)]
+    jaxpr = str(jax.make_jaxpr(lambda c: swapped_paged_attention(**c))(case))
+    assert jaxpr == str(jax.make_jaxpr(lambda c: swapped_paged_attention(
+        **c, config=SwappedConfig(block_kv=128, num_splits=2)))(case))
+
+
+def test_entry_checks():
+    case = random_paged_case(4, lengths=[5], page_sizes=[8], num_q_heads=4, num_kv_heads=2, head_dim=64)
+    with pytest.raises(ValueError, match="head_dim"):
+        bad = {**case, "q": jnp.zeros((1, 4, 96), jnp.bfloat16), "k_pool": jnp.zeros((2, 256, 96), jnp.bfloat16),
+               "v_pool": jnp.zeros((2, 256, 96), jnp.bfloat16)}
+        swapped_paged_attention(**bad)
+    with pytest.raises(ValueError, match="bfloat16"):
+        swapped_paged_attention(**{**case, "k_pool": case["k_pool"].astype(jnp.float32)})
+    with pytest.raises(ValueError, match="lengths"):
+        swapped_paged_attention(**{**case, "lengths": jnp.zeros((2,), jnp.int32)})
+    with pytest.raises(TypeError, match="SwappedConfig"):
+        from pallas_kernels.paged_attention import TuningConfig
+        swapped_paged_attention(**case, config=TuningConfig())
+    with pytest.raises(ValueError, match="block_kv"):
+        SwappedConfig(block_kv=32)
+
+
+def test_default_configs_fit_three_ctas_per_sm():
+    """The defaults' point: more CTAs per SM than `paged_attention`'s 2 (SMEM is the limit, not registers), with
+    the page table of a 1K-context benchmark (128 entries; the whole row is the CTA's window without split-K)."""
+    for head_dim in (64, 128):
+        cfg = default_swapped_config(head_dim)
+        assert cfg.ctas_per_sm(head_dim, max_pages=1024 // 8) >= 3, (head_dim, cfg)
+        assert cfg.smem_bytes(head_dim, max_pages=16384 // 8) <= 227 * 1024
+    assert [query_columns(g) for g in (1, 2, 4, 8, 12, 16)] == [8, 8, 8, 8, 16, 16]
+
+
+def _lowered_text(batch, head_dim, config=None):
+    """The jitted kernel lowered for CUDA on this CPU: Mosaic GPU's Python passes (layout inference, the
+    dialect lowering: WGMMA operand checks, transposed SMEM stores, cross-warp reductions, TMA) all run; only
+    ptxas and the hardware don't."""
+    shape = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+    args = (shape(batch, 32, head_dim), shape(8, 1 << 16, head_dim), shape(8, 1 << 16, head_dim),
+            shape(batch, dt=jnp.int32), shape(batch, 4096 // 8, dt=jnp.int32), shape(batch, dt=jnp.int32))
+    fn = jax.jit(lambda *a: swapped_paged_attention(*a, config=config))
+    return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_default_config_lowers_to_mosaic_gpu(head_dim):
+    """llama-1b (D 64) and llama-8b (D 128) decode shapes, B=64, Hq=32, Hkv=8: the default config, no split."""
+    assert "mosaic_gpu" in _lowered_text(64, head_dim)
+
+
+def test_split_k_lowers_to_mosaic_gpu():
+    """A batch of 2: the grid picks split-K (the lse output path)."""
+    assert "mosaic_gpu" in _lowered_text(2, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the compiled kernel (approximate exp2) against the fp32 reference at the engine's shapes
+# ---------------------------------------------------------------------------------------------
+
+def _gpu_case(batch, head_dim, context, seed=0, page_sizes=None):
+    sizes = page_sizes or [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(batch)]
+    rng = np.random.default_rng(seed)
+    lengths = [context - int(x) for x in rng.integers(0, 130, batch)]
+    lengths[0], lengths[1] = 0, 1
+    return random_paged_case(seed, lengths=lengths, page_sizes=sizes, num_q_heads=32, num_kv_heads=8,
+                             head_dim=head_dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_compiled_matches_reference_1k(head_dim):
+    """B=64, Hq=32, Hkv=8, ~1K context, every page size mixed, NaN in free slots: the default config (no split)
+    and the other tile size, against the fp32 reference and against float64 numpy."""
+    case = _gpu_case(64, head_dim, 1024)
+    want = np.asarray(swapped_paged_attention_reference(**{**case, "q": case["q"].astype(jnp.float32)}))
+    for config in (None, SwappedConfig(block_kv=64 if head_dim == 64 else 128, num_splits=1),
+                   SwappedConfig(block_kv=64, num_stages=3, num_splits=1)):
+        check(jax.jit(lambda c: swapped_paged_attention(**c, config=config))(case), want)
+    check(swapped_paged_attention(**case), float64_attention(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_split_k_and_fp32_q(head_dim):
+    """A small batch (the grid picks split-K) with fp32 q and output."""
+    case = _gpu_case(4, head_dim, 1024, seed=1)
+    case["q"] = case["q"].astype(jnp.float32)
+    out = swapped_paged_attention(**case)
+    assert out.dtype == jnp.float32
+    check(out, np.asarray(swapped_paged_attention_reference(**case)))
