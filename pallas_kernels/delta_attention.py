@@ -76,7 +76,10 @@ block's length (the furthest key any row sees), the causal bound is the pipeline
 the epilogue's anchor_v goes to every row that saw a key (every real token does: q_start >= 0). The q tile
 is f16 on the folded path (clipped as above), bf16 on the rebuild path. Score statistics come from the
 pipeline unchanged. Default config: PREFILL_KERNEL_CONFIG (128-token tiles) where it fits SMEM, else 64-token
-tiles (`default_delta_prefill_config`; not yet swept on a GPU).
+tiles (`default_delta_prefill_config`; not yet swept on a GPU). The folded path also runs in the warp-specialised
+prefill kernel (`prefill_attention.ws_delta_prefill_attention`, 128-row CTAs, what the engine's "ws" variant uses
+without score statistics); the format's in-kernel pieces both kernels use are the module-level functions below
+(`fetch_scale_granules`, `scale_index`, `granule_columns`, `convert_to_f16`, `add_anchor_v`).
 
 SMEM per CTA (`delta_smem_bytes`; 227 KB at most; two CTAs per SM below ~113 KB) at D=128, 2 stages,
 B=64 (no split), 4K-16K contexts, T=64: folded fp16 103-109 KB, the bf16 paged kernel's 99-105 KB plus

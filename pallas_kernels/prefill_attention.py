@@ -32,6 +32,35 @@ Numerics as in the decode kernel: fp32 scores, online softmax in base 2 with the
 folded into one FMA, fp32 accumulation, bf16 P. Output is bf16 (cast to q's dtype by the wrapper).
 Score statistics are not computed here (the engine asks for them only with the DMLP policy, and then
 uses `paged_prefill_attention`).
+
+*The delta-KV (DKVC) format, folded mean-anchor path (`ws_delta_prefill_attention`).* The same kernel
+(`_build_ws_kernel(delta_dtype=...)`; with delta_dtype None its jaxpr is the bf16 kernel's, compared
+before and after the change) over delta_attention.py's format with anchor_len 1 and no soft cap (that
+module's docstring has the math): q . anchor_k cancels in the softmax, so the MMAs take q (f16, clipped
+to 65280) and the f16 deltas; per key, the granule's score scale multiplies the scores, the softmax max
+is taken over s + log2(value scale), P * value scale (<= 1) is the f16 A operand of P @ V, l sums P
+without it, and anchor_v is added in the epilogue to rows that saw a key. Per page piece the memory
+warpgroup copies the delta rows and the K and V scale granules (`fetch_scale_granules`, shared with
+`DeltaPages`), the V scales on K's barrier: the softmax needs them before P @ V, and both compute
+warpgroups read them (`granule_columns` at `scale_index`, through the page table they also wait for)
+before releasing K's slot, whose refill brings the next ones. Stale slots: NaN scores are masked to
+-inf, granules with no live key get score scale 0 / value scale 1, V rows past the length are zeroed.
+  fp16 deltas: the ring slots are WGMMA's B operands as TMA lands them (the bf16 kernel's ring layout).
+  fp8 deltas: WGMMA cannot take them with f16 q/P (delta_attention.py), so each tile is converted once
+  to f16 tiles in SMEM that both compute warpgroups read: warpgroup 0 converts K, warpgroup 1 converts
+  V (and zeroes its rows past the length), each while the other's GEMMs run, signalling one-arrival
+  barriers (`_convert_fp8_tile` says why not the memory warpgroup and why not half a side each).
+  The f16 ring has as many stages as the fp8 ring and is free when a tile lands (the memory warpgroup
+  refills a slot only once both compute warpgroups released it), so no barrier guards it.
+  Each compute warpgroup writes its output through a bf16 tile of its own (its q tile is f16).
+SMEM per CTA (`ws_delta_smem_bytes`, 227 KB at most), 2 stages, a 16K-token table of 8-token pages
+(8 KB): fp16 T=128: D=128 209 KB (ring 128, q/o 64, scale areas 8), D=64 113 KB; fp16 T=64: D=128
+141 KB; fp8 T=64 (the fp8 default: T=128 would take 273 KB at D=128): D=128 173 KB (fp8 ring 32 KB
+plus the 64 KB f16 ring), D=64 93 KB. Defaults (`default_ws_delta_config`): fp16 128-token tiles
+where they fit, else 64; fp8 64. None of this is measured on a GPU yet: correctness is checked in the
+Mosaic GPU interpreter and the lowering on a CPU (tests/test_ws_delta_prefill_attention.py); register
+spills (the scale columns add T / 4 registers per vector per thread to the compute warpgroups) and
+speed wait for the H200 (`benchmarks/kernels.py --delta-prefill`).
 """
 
 from __future__ import annotations
@@ -188,10 +217,11 @@ def ws_delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, max_pa
 
 
 def default_ws_delta_config(head_dim: int, delta_dtype, max_pages: int, interpret: bool = False) -> TuningConfig:
-    """fp16 deltas: the bf16 kernel's default (128-token tiles, 2 stages) where it fits SMEM (D=128: about 202 KB
-    at 16K-token tables; a page table past ~28K tokens of 8-token pages does not fit), else 64-token tiles. fp8
-    deltas: 64-token tiles, 2 stages (128-token ones need ~232 KB at D=128 with the f16 tiles, and at D=64 would
-    add 32 registers of scale columns per thread to a full compute warpgroup). Not swept on a GPU yet."""
+    """fp16 deltas: the bf16 kernel's default (128-token tiles, 2 stages) where it fits SMEM (D=128: 209 KB with
+    a 16K-token table of 8-token pages; past ~28K tokens of them it does not fit), else 64-token tiles. fp8
+    deltas: 64-token tiles, 2 stages (128-token ones need 273 KB at D=128 with the f16 ring, and at D=64 would
+    add 32 registers of scale columns per vector per thread to a full compute warpgroup). Not swept on a GPU
+    yet."""
     big = TuningConfig(block_kv=128, num_stages=2, num_splits=1)
     if jnp.dtype(delta_dtype).itemsize == 2 and ws_delta_smem_bytes(big, head_dim, delta_dtype, max_pages,
                                                                      interpret) <= _SMEM_LIMIT:
