@@ -54,7 +54,11 @@ engine's "single" prefill variant runs), both at their default configs, on --pre
 whose last --prefill-tokens positions of a --contexts context (default 4K and 16K) are the query blocks
 (blocks of prefill_block_tokens(Hq, Hkv) tokens, every block seeing its causal prefix). Each delta output
 is checked against the paged prefill kernel over the same K/V rebuilt and rounded to bf16. Reported: time
-and the delta/paged time ratio. JSON: --out (default benchmarks/results/delta_prefill_kernels_h200.json).
+and the delta/paged time ratio. Beside them, the warp-specialised kernels (pallas_kernels/prefill_attention.py,
+what the engine's default "ws" variant runs) on the same query tokens in blocks of 128 // group tokens:
+`ws_prefill_attention` on the bf16 pools ("ws_paged": ms) and, for a mean anchor (A=1),
+`ws_delta_prefill_attention` ("ws" in each delta entry: ms, x_ws_paged = its time / ws_paged's, checked
+against the same reference). JSON: --out (default benchmarks/results/delta_prefill_kernels_h200.json).
 """
 from __future__ import annotations
 
@@ -88,6 +92,8 @@ from pallas_kernels.swapped_decode_attention import (   # noqa: E402
 from pallas_kernels.delta_attention import (   # noqa: E402
     DELTA_DTYPES, default_fold_mean_anchor, delta_attention, delta_prefill_attention, delta_smem_bytes,
     rebuild_reference)
+from pallas_kernels.prefill_attention import (  # noqa: E402
+    ws_delta_prefill_attention, ws_prefill_attention, ws_prefill_block_tokens)
 
 MIXED = "mixed"
 KERNELS = ("paged", "swapped")     # --kernels: the decode kernels this benchmark can time side by side
@@ -785,9 +791,10 @@ def run_delta_prefill(a):
         a.contexts, a.reps, a.inner, a.rounds, a.pages, a.anchor_lens = "256", 1, 1, 1, "64", "1"
     B, Hq, Hkv, D, n_q = a.prefill_batch, a.q_heads, a.kv_heads, a.head_dim, a.prefill_tokens
     tokens = prefill_block_tokens(Hq, Hkv)
-    if tokens is None or n_q % tokens:
-        raise SystemExit(f"--prefill-tokens ({n_q}) must be a multiple of the block's {tokens} tokens "
-                         f"(64 // the GQA group, a power of 2)")
+    ws_tokens = ws_prefill_block_tokens(Hq, Hkv)
+    if tokens is None or n_q % ws_tokens:
+        raise SystemExit(f"--prefill-tokens ({n_q}) must be a multiple of the WS kernel's {ws_tokens}-token blocks "
+                         f"(128 // the GQA group, a power of 2)")
     contexts = [int(c) for c in a.contexts.split(",")]
     pages = [p if p == MIXED else int(p) for p in a.pages.split(",")]
     precisions, anchor_lens = a.precisions.split(","), [int(x) for x in a.anchor_lens.split(",")]
@@ -825,6 +832,13 @@ def run_delta_prefill(a):
                       rounds=a.rounds)
             rec["paged"] = dict(ms=t * 1e3)
             print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} paged prefill: {t * 1e3:.3f} ms", flush=True)
+            ws_blocks = _ws_blocks(q, q_starts, starts, psz, ws_tokens)     # the same tokens, 128-row blocks
+            ws_paged = jitted("ws_paged", functools.partial(ws_prefill_attention, interpret=interpret))
+            t = bench(ws_paged, (ws_blocks[0], k_pool, v_pool, *ws_blocks[1:]), reps=a.reps, inner=a.inner,
+                      rounds=a.rounds)
+            rec["ws_paged"] = dict(ms=t * 1e3)
+            print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} ws paged prefill: {t * 1e3:.3f} ms",
+                  flush=True)
             t_np = np.arange(ctx)
             slot = np.stack([starts_np[b, t_np // P] + t_np % P for b, P in enumerate(sizes)])      # [B, ctx]
             for prec in precisions:
@@ -845,6 +859,14 @@ def run_delta_prefill(a):
                     r = measure_variant(
                         lambda: jitted((prec, A), functools.partial(delta_prefill_attention, interpret=interpret)),
                         args, ref, rec["paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} A={A}")
+                    if A == 1:      # the WS delta kernel (folded mean anchor only), output back in q's blocks
+                        ws_args = (ws_blocks[0], kd, vd, scales[0], scales[1], ak, av, *ws_blocks[1:])
+                        r["ws"] = measure_variant(
+                            lambda: _as_blocks(jitted(("ws", prec), functools.partial(
+                                ws_delta_prefill_attention, interpret=interpret)), q.shape),
+                            ws_args, ref, rec["ws_paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} A=1 ws")
+                        if "x_paged" in r["ws"]:
+                            r["ws"]["x_ws_paged"] = r["ws"].pop("x_paged")
                     rec["delta"].append(dict(precision=prec, anchor_len=A, **r))
                 del kd, vd
             result["shapes"].append(rec)
@@ -854,11 +876,30 @@ def run_delta_prefill(a):
           f"{n_q} query tokens per sequence")
     for rec in result["shapes"]:
         cells = [f"{d['precision'][:4]} A={d['anchor_len']}: " + (f"{d['ms']:.3f} ms x{d['x_paged']:.2f}"
-                                                                   if d.get("ok") else "FAILED") for d in rec["delta"]]
-        print(f"{rec['context']:>6} {rec['page']:>6} | paged {rec['paged']['ms']:.3f} ms | " + " | ".join(cells))
+                                                                   if d.get("ok") else "FAILED") +
+                 ("" if "ws" not in d else f", ws {d['ws']['ms']:.3f} ms x{d['ws']['x_ws_paged']:.2f}"
+                  if d["ws"].get("ok") else ", ws FAILED") for d in rec["delta"]]
+        print(f"{rec['context']:>6} {rec['page']:>6} | paged {rec['paged']['ms']:.3f} ms, ws paged "
+              f"{rec['ws_paged']['ms']:.3f} ms | " + " | ".join(cells))
     save()
     print(f"wrote {out_path}")
     return 0
+
+
+def _ws_blocks(q, q_starts, page_starts, page_sizes, ws_tokens):
+    """The single-pipeline benchmark's query blocks (q [blocks, tokens, Hq, D], consecutive blocks of a sequence
+    in order) as the WS kernel's blocks of ws_tokens = 2 x tokens: (q, q_starts, lengths, page_starts,
+    page_sizes), every token at the same position and seeing the same causal prefix."""
+    blocks, tokens = q.shape[:2]
+    per = ws_tokens // tokens
+    q_ws = q.reshape(blocks // per, ws_tokens, *q.shape[2:])
+    starts = q_starts[::per]
+    return q_ws, starts, starts + ws_tokens, page_starts[::per], page_sizes[::per]
+
+
+def _as_blocks(fn, q_shape):
+    """fn's [blocks / 2, 2 x tokens, Hq, D] output reshaped to the single-pipeline blocks q_shape (for the check)."""
+    return lambda *args: fn(*args).reshape(q_shape)
 
 
 def plot(result, path):

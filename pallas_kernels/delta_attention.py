@@ -76,7 +76,10 @@ block's length (the furthest key any row sees), the causal bound is the pipeline
 the epilogue's anchor_v goes to every row that saw a key (every real token does: q_start >= 0). The q tile
 is f16 on the folded path (clipped as above), bf16 on the rebuild path. Score statistics come from the
 pipeline unchanged. Default config: PREFILL_KERNEL_CONFIG (128-token tiles) where it fits SMEM, else 64-token
-tiles (`default_delta_prefill_config`; not yet swept on a GPU).
+tiles (`default_delta_prefill_config`; not yet swept on a GPU). The folded path also runs in the warp-specialised
+prefill kernel (`prefill_attention.ws_delta_prefill_attention`, 128-row CTAs, what the engine's "ws" variant uses
+without score statistics); the format's in-kernel pieces both kernels use are the module-level functions below
+(`fetch_scale_granules`, `scale_index`, `granule_columns`, `convert_to_f16`, `add_anchor_v`).
 
 SMEM per CTA (`delta_smem_bytes`; 227 KB at most; two CTAs per SM below ~113 KB) at D=128, 2 stages,
 B=64 (no split), 4K-16K contexts, T=64: folded fp16 103-109 KB, the bf16 paged kernel's 99-105 KB plus
@@ -120,7 +123,7 @@ _MIN_VALUE_SCALE = 2.0 ** -100
 # before the folded path's f16 MMA, so no score turns inf/NaN. Within the range bf16 -> f16 is exact for
 # |q| >= 2^-14 (f16 has 3 more mantissa bits) and fp32 -> f16 keeps 11 bits (bf16: 8); smaller components
 # become f16 subnormals, off by at most 2^-25 each: negligible in q . k.
-_F16_SAFE_MAX = 65280.0
+F16_SAFE_MAX = 65280.0
 FOLD_MEAN_ANCHOR_ENV = "STRATUM_DKVC_FOLD_MEAN_ANCHOR"
 
 
@@ -160,16 +163,8 @@ class DeltaPages:
         return jnp.dtype(self.delta_dtype).itemsize == 1
 
     def scratch_types(self, *, stages, block_kv, head_dim):
-        dt = jnp.dtype(self.delta_dtype)
-        swizzle = min(128, head_dim * dt.itemsize)     # fp8 rows of D=64 are 64 bytes
-        # fp16 rows are 128-byte swizzled in (8, 64) tiles, i.e. MMA_TRANSFORMS: WGMMA reads them in place.
-        ring = plgpu.SMEM((stages, block_kv, head_dim), dt,
-                          transforms=(plgpu.TilingTransform((8, swizzle // dt.itemsize)),
-                                      plgpu.SwizzleTransform(swizzle)))
-        # Scale entries per slot: one 128-byte area (32 granules) per page piece of the tile (T / 8 pieces
-        # at most, for 8-token pages): a TMA copy into SMEM must land on a 128-byte boundary (a 16-byte
-        # one is not enough: CUDA_ERROR_MISALIGNED_ADDRESS on the H200).
-        scales = plgpu.SMEM((stages, (block_kv // GRANULE) * SCALE_AREA), jnp.float32)
+        ring = delta_ring_type(stages, block_kv, head_dim, self.delta_dtype)
+        scales = scale_areas_type(stages, block_kv)
         out = [ring, ring, scales, scales]
         if self.fold:
             if self._fp8:   # the f16 copies of the fp8 slot that WGMMA reads (module docstring)
@@ -192,15 +187,8 @@ class DeltaPages:
         dst = (slot, pl.ds(row, n)) if n < ctx.block_kv else (slot,)
         plgpu.copy_gmem_to_smem(kd.at[ctx.h, pl.ds(src, n)], k_ring.at[dst], k_bar)
         plgpu.copy_gmem_to_smem(vd.at[ctx.h, pl.ds(src, n)], v_ring.at[dst], v_bar)
-        granule = lax.shift_right_logical(src, 3)
-        if n >= 32:     # P / 8 granules from a multiple of 4 (src is a multiple of 32)
-            g_src, count = granule, n // GRANULE
-        else:           # the 16-byte group of 4 granules holding this page's 1 or 2
-            g_src, count = granule - lax.rem(granule, 4), 4
-        g_src = pl.multiple_of(g_src, 4)
-        g_dst = SCALE_AREA * (row // n)      # the piece's own 128-byte area
-        plgpu.copy_gmem_to_smem(ks.at[ctx.h, pl.ds(g_src, count)], k_sc.at[slot, pl.ds(g_dst, count)], k_bar)
-        plgpu.copy_gmem_to_smem(vs.at[ctx.h, pl.ds(g_src, count)], v_sc.at[slot, pl.ds(g_dst, count)], v_bar)
+        fetch_scale_granules(ks.at[ctx.h], src, row, n, k_sc.at[slot], k_bar)
+        fetch_scale_granules(vs.at[ctx.h], src, row, n, v_sc.at[slot], v_bar)
 
     def fetch_tile(self, ctx: TileContext, t0, slot, k_bar, v_bar):
         if self.fold:
@@ -213,16 +201,8 @@ class DeltaPages:
 
     def _scale_index(self, ctx: TileContext, tile, j):
         """Index in a slot's scale buffer of the tile's granule j (rows 8j..8j+7), as fetch_page put it."""
-        log2_p = ctx.log2_p
-        log2_n = jnp.minimum(log2_p, ctx.block_kv.bit_length() - 1)     # rows per piece: min(P, T)
-        piece = lax.shift_right_logical(jnp.int32(GRANULE * j), log2_n)
-        within = jnp.int32(j) & (lax.shift_left(jnp.int32(1), log2_n - 3) - 1)   # granule within the piece
-        first_page = lax.shift_right_logical(tile * ctx.block_kv, log2_p)
-        # The same clamp as the fetch (copies past the last page re-read it).
-        entry = ctx.page_entry(jnp.minimum(first_page + piece, ctx.n_pages - 1))
-        # 8/16-token pages: their granules sit at their place in the aligned group of 4 that was copied.
-        offset = jnp.where(log2_p <= 4, lax.shift_right_logical(entry, 3) & 3, 0)
-        return SCALE_AREA * piece + offset + within
+        return scale_index(tile, j, log2_p=ctx.log2_p, n_pages=ctx.n_pages, page_entry=ctx.page_entry,
+                           block_kv=ctx.block_kv)
 
     def materialize(self, ctx: TileContext, state, slot, tile, n_valid):
         if not self.fold:
@@ -235,11 +215,9 @@ class DeltaPages:
             # before any thread overwrites them (commit_smem syncs the warpgroup).
             plgpu.commit_smem()
             ctx.wait_k(slot)
-            for r0 in range(0, T, _CHUNK):     # a plain convert (e4m3 pairs -> f16x2), no math
-                k_out[pl.ds(r0, _CHUNK)] = k_ring[slot, pl.ds(r0, _CHUNK)].astype(jnp.float16)
+            convert_to_f16(k_ring.at[slot], k_out)
             ctx.wait_v(slot)
-            for r0 in range(0, T, _CHUNK):
-                v_out[pl.ds(r0, _CHUNK)] = v_ring[slot, pl.ds(r0, _CHUNK)].astype(jnp.float16)
+            convert_to_f16(v_ring.at[slot], v_out)
         else:
             ctx.wait_k(slot)
             ctx.wait_v(slot)
@@ -266,35 +244,15 @@ class DeltaPages:
         if not self.fold:
             return None
         k_sc, v_sc = ctx.smem[2:4]
-        T = ctx.block_kv
-        # In the column layout each thread holds 2 adjacent columns of every 8-column group, so the
-        # granule of each of its registers is a compile-time constant (col >> 3 of a register is its
-        # group index): the selects below reduce to one move per register once that folds.
-        granule = lax.shift_right_logical(plgpu.broadcasted_iota(jnp.int32, (T,), 0, layout=_COL_LAYOUT), 3)
-        zero = plgpu.layout_cast(jnp.zeros((T,), jnp.float32), _COL_LAYOUT)
-        ks, vs, lvs = zero, zero, zero
-        for j in range(T // GRANULE):
-            idx = self._scale_index(ctx, tile, j)
-            live = GRANULE * j < n_valid
-            sk = jnp.where(live, k_sc[slot, idx], 0.0)
-            # Clamped below: log2(0) = -inf would make the softmax max -inf for a row of zero scales.
-            sv = jnp.where(live, jnp.maximum(v_sc[slot, idx], _MIN_VALUE_SCALE), 1.0)
-            here = granule == j
-            ks = jnp.where(here, sk, ks)
-            vs = jnp.where(here, sv, vs)
-            lvs = jnp.where(here, jnp.log2(sv), lvs)
-        return TileColumns(score_scale=ks, value_scale=vs, log2_value_scale=lvs)
+        idx = functools.cache(lambda j: self._scale_index(ctx, tile, j))     # once per granule, for both sides
+        return granule_columns(lambda j: k_sc[slot, idx(j)], lambda j: v_sc[slot, idx(j)], n_valid, ctx.block_kv)
 
     def finish(self, ctx: TileContext, state, o, l):
         """Folded: out = anchor_v + (sum_j P_j sv_j dv_j) / l for the rows that saw a key (l > 0); rows
         with no key (length 0, an empty split) stay 0."""
         if not self.fold:
             return o
-        av = ctx.inputs[5]
-        # A plain (element-wise) load: the optimized vector path only reads SMEM; it runs once per CTA.
-        a = plgpu.load(av.at[ctx.h, 0], layout=_COL_LAYOUT, optimized=False).astype(jnp.float32)      # [D]
-        seen = jnp.where(l > 0, 1.0, 0.0)
-        return o + lax.broadcast_in_dim(a, o.shape, [1]) * lax.broadcast_in_dim(seen, o.shape, [0])
+        return add_anchor_v(ctx.inputs[5].at[ctx.h, 0], o, l)
 
     def _rebuild(self, ctx: TileContext, slot, tile, n_valid):
         """The rebuild path: K/V = anchor + scale * delta in fp32 registers, rounded to bf16 in place of
@@ -330,6 +288,107 @@ class DeltaPages:
         return k_out, v_out
 
 
+# ---------------------------------------------------------------------------------------------
+# The format's in-kernel pieces, shared by DeltaPages (the single-warpgroup pipeline) and the
+# warp-specialised prefill kernel (pallas_kernels/prefill_attention.py)
+# ---------------------------------------------------------------------------------------------
+
+def delta_ring_type(stages: int, block_kv: int, head_dim: int, delta_dtype):
+    """SMEM ring of delta rows [stages, T, D] as TMA lands them: swizzled rows (fp8 rows of D=64 are 64
+    bytes, so a 64-byte swizzle); f16 rows get MMA_TRANSFORMS' layout, so WGMMA reads them in place."""
+    dt = jnp.dtype(delta_dtype)
+    swizzle = min(128, head_dim * dt.itemsize)
+    return plgpu.SMEM((stages, block_kv, head_dim), dt,
+                      transforms=(plgpu.TilingTransform((8, swizzle // dt.itemsize)), plgpu.SwizzleTransform(swizzle)))
+
+
+def scale_areas_type(stages: int, block_kv: int):
+    """SMEM of the scale granules [stages, (T / 8) * SCALE_AREA] f32: one 128-byte area (32 granules) per
+    page piece of a tile (T / 8 pieces at most, for 8-token pages), since a TMA copy into SMEM must land on a
+    128-byte boundary (a 16-byte one is not enough: CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
+    return plgpu.SMEM((stages, (block_kv // GRANULE) * SCALE_AREA), jnp.float32)
+
+
+def fetch_scale_granules(scale_row, src, row: int, n: int, areas, bar) -> None:
+    """In a kernel: the TMA copy of the scale granules of the page piece of n slots [src, src + n) (src a
+    multiple of 8) that lands in rows [row, row + n) of a tile. scale_row: one kv head's scales [S // 8]
+    (GMEM); areas: one ring slot's scale buffer [(T / 8) * SCALE_AREA] (SMEM); the copy arrives on `bar`.
+    TMA moves multiples of 16 bytes from 16-byte-aligned addresses, i.e. 4 granules: a piece of 32+ slots
+    brings exactly its n / 8 granules; an 8- or 16-slot page the aligned group of 4 holding its 1 or 2
+    (`scale_index` finds them there). Each piece gets its own 128-byte area."""
+    granule = lax.shift_right_logical(src, 3)
+    if n >= 32:     # n / 8 granules from a multiple of 4 (src is a multiple of 32)
+        g_src, count = granule, n // GRANULE
+    else:           # the 16-byte group of 4 granules holding this page's 1 or 2
+        g_src, count = granule - lax.rem(granule, 4), 4
+    g_src = pl.multiple_of(g_src, 4)
+    g_dst = SCALE_AREA * (row // n)      # the piece's own 128-byte area
+    plgpu.copy_gmem_to_smem(scale_row.at[pl.ds(g_src, count)], areas.at[pl.ds(g_dst, count)], bar)
+
+
+def scale_index(tile, j: int, *, log2_p, n_pages, page_entry, block_kv: int):
+    """In a kernel: index, in a ring slot's scale buffer filled by `fetch_scale_granules`, of granule j (rows
+    8j..8j+7) of tile `tile` of a sequence with pages of 2^log2_p tokens (n_pages of them; page_entry(p): the
+    slot of page p, read for 8/16-token pages, whose granules sit at runtime offsets in their areas)."""
+    log2_n = jnp.minimum(log2_p, block_kv.bit_length() - 1)     # rows per piece: min(P, T)
+    piece = lax.shift_right_logical(jnp.int32(GRANULE * j), log2_n)
+    within = jnp.int32(j) & (lax.shift_left(jnp.int32(1), log2_n - 3) - 1)   # granule within the piece
+    first_page = lax.shift_right_logical(tile * block_kv, log2_p)
+    # The same clamp as the fetch (copies past the last page re-read it).
+    entry = page_entry(jnp.minimum(first_page + piece, n_pages - 1))
+    # 8/16-token pages: their granules sit at their place in the aligned group of 4 that was copied.
+    offset = jnp.where(log2_p <= 4, lax.shift_right_logical(entry, 3) & 3, 0)
+    return SCALE_AREA * piece + offset + within
+
+
+def granule_columns(k_scale_of, v_scale_of, n_valid, block_kv: int) -> TileColumns:
+    """In a kernel: the folded path's per-key factors of a tile of T = block_kv keys (TileColumns, [T] f32 in
+    the WGMMA column layout) from its T / 8 granule scales, read as scalars by k_scale_of(j) / v_scale_of(j)
+    (granule j: keys 8j..8j+7). Granules with no live key (j * 8 >= n_valid; NaN scales are allowed there) get
+    score scale 0 and value scale 1 (finite, and P is 0 there anyway)."""
+    # In the column layout each thread holds 2 adjacent columns of every 8-column group, so the
+    # granule of each of its registers is a compile-time constant (col >> 3 of a register is its
+    # group index): the selects below reduce to one move per register once that folds.
+    granule = lax.shift_right_logical(plgpu.broadcasted_iota(jnp.int32, (block_kv,), 0, layout=_COL_LAYOUT), 3)
+    zero = plgpu.layout_cast(jnp.zeros((block_kv,), jnp.float32), _COL_LAYOUT)
+    ks, vs, lvs = zero, zero, zero
+    for j in range(block_kv // GRANULE):
+        live = GRANULE * j < n_valid
+        sk = jnp.where(live, k_scale_of(j), 0.0)
+        # Clamped below: log2(0) = -inf would make the softmax max -inf for a row of zero scales.
+        sv = jnp.where(live, jnp.maximum(v_scale_of(j), _MIN_VALUE_SCALE), 1.0)
+        here = granule == j
+        ks = jnp.where(here, sk, ks)
+        vs = jnp.where(here, sv, vs)
+        lvs = jnp.where(here, jnp.log2(sv), lvs)
+    return TileColumns(score_scale=ks, value_scale=vs, log2_value_scale=lvs)
+
+
+def convert_to_f16(src, dst, *, valid_rows=None) -> None:
+    """In a kernel: dst[...] = src[...] as f16, 64 rows (WGMMA's M) at a time: src [T, D] fp8 rows in SMEM as
+    `delta_ring_type` lays them out, dst [T, D] f16 in MMA_TRANSFORMS' layout. A plain convert (e4m3 pairs
+    -> f16x2, exact), no math. valid_rows (traced): rows at or past it are written as zeros instead (stale
+    V slots may hold NaN, and 0 * NaN = NaN inside the P @ V MMA). The caller commits the stores."""
+    rows = None
+    if valid_rows is not None:
+        rows = plgpu.broadcasted_iota(jnp.int32, (_CHUNK, dst.shape[1]), 0, layout=plgpu.Layout.WGMMA)
+    for r0 in range(0, src.shape[0], _CHUNK):
+        x = src[pl.ds(r0, _CHUNK)].astype(jnp.float16)
+        if rows is not None:
+            x = jnp.where(rows < valid_rows - r0, x, jnp.zeros_like(x))
+        dst[pl.ds(r0, _CHUNK)] = x
+
+
+def add_anchor_v(anchor_v_row, o, l):
+    """In a kernel, the folded path's epilogue: o [64, D] f32 (normalised, the anchor left out of V) plus the
+    mean anchor anchor_v_row ([D] bf16 in GMEM) on the rows that saw a key (l [64] > 0); rows with no key
+    (length 0, an empty split) stay 0."""
+    # A plain (element-wise) load: the optimized vector path only reads SMEM; it runs once per CTA.
+    a = plgpu.load(anchor_v_row, layout=_COL_LAYOUT, optimized=False).astype(jnp.float32)      # [D]
+    seen = jnp.where(l > 0, 1.0, 0.0)
+    return o + lax.broadcast_in_dim(a, o.shape, [1]) * lax.broadcast_in_dim(seen, o.shape, [0])
+
+
 def delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, *, fold: bool, max_pages: int,
                      out_itemsize: int = 4) -> int:
     """Approximate SMEM footprint of one CTA of the delta kernel (227 KB max; <= ~113 KB for two CTAs
@@ -350,7 +409,7 @@ def delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, *, fold: 
 # Entry checks, reference
 # ---------------------------------------------------------------------------------------------
 
-def _check_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes,
+def check_delta_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes,
                   name="delta_attention"):
     def fail(msg):
         raise ValueError(f"{name}: {msg}")
@@ -387,7 +446,7 @@ def delta_attention_reference(q, k_delta, v_delta, k_scale, v_scale, anchor_k, a
                               page_sizes, *, sm_scale=None, soft_cap=None, return_score_stats: bool = False):
     """Pure-jnp delta decode attention, fp32 math, same contract as `delta_attention` (K/V rebuilt in fp32,
     not rounded to bf16). For tests and small shapes: it gathers a dense [Hkv, B, max_pages * 256, D] view."""
-    _check_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes)
+    check_delta_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes)
     t, slot, valid = reference_token_slots(lengths, page_starts, page_sizes, k_delta.shape[1])
     k = rebuild_reference(anchor_k, k_scale, k_delta, slot, t)
     v = rebuild_reference(anchor_v, v_scale, v_delta, slot, t)
@@ -426,7 +485,7 @@ def delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, l
       num_q_heads] float32 (as in `paged_attention`: over the keys the MMA sees, the rebuilt bf16 keys, or
       the exact keys on the folded path, whose dropped q . anchor_k shift leaves the variance unchanged).
     """
-    _check_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes)
+    check_delta_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes)
     config, scale, cap = kernel_static_args("delta_attention", q, k_delta.shape[0], sm_scale, soft_cap, config)
     anchor_k, anchor_v = _choose_path("delta_attention", q.shape[2], k_delta.dtype, anchor_k, anchor_v, soft_cap=cap,
                                       fold_mean_anchor=fold_mean_anchor, config=config, max_pages=page_starts.shape[1],
@@ -488,7 +547,7 @@ def _format_and_query(q, k_delta, anchor_k):
     (anchor_len 1: the folded path, whose f16 MMA needs |q| <= 65280 to stay finite)."""
     fold = anchor_k.shape[1] == 1
     if fold:
-        q = jnp.clip(q, -_F16_SAFE_MAX, _F16_SAFE_MAX)
+        q = jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX)
     return q, DeltaPages(delta_dtype=jnp.dtype(k_delta.dtype).name, fold=fold)
 
 
@@ -548,7 +607,7 @@ def delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anc
     name = "delta_prefill_attention"
     if q.ndim != 4:
         raise ValueError(f"{name}: q must be [blocks, tokens, num_q_heads, head_dim], got {q.shape}")
-    _check_inputs(q[:, 0], k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes,
+    check_delta_inputs(q[:, 0], k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes,
                   name=name)
     _, _, _, head_dim = check_prefill_query(
         name, q, k_delta.shape[0], q_starts, most_tokens=prefill_block_tokens(q.shape[2], k_delta.shape[0]),

@@ -32,12 +32,43 @@ Numerics as in the decode kernel: fp32 scores, online softmax in base 2 with the
 folded into one FMA, fp32 accumulation, bf16 P. Output is bf16 (cast to q's dtype by the wrapper).
 Score statistics are not computed here (the engine asks for them only with the DMLP policy, and then
 uses `paged_prefill_attention`).
+
+*The delta-KV (DKVC) format, folded mean-anchor path (`ws_delta_prefill_attention`).* The same kernel
+(`_build_ws_kernel(delta_dtype=...)`; with delta_dtype None its jaxpr is the bf16 kernel's, compared
+before and after the change) over delta_attention.py's format with anchor_len 1 and no soft cap (that
+module's docstring has the math): q . anchor_k cancels in the softmax, so the MMAs take q (f16, clipped
+to 65280) and the f16 deltas; per key, the granule's score scale multiplies the scores, the softmax max
+is taken over s + log2(value scale), P * value scale (<= 1) is the f16 A operand of P @ V, l sums P
+without it, and anchor_v is added in the epilogue to rows that saw a key. Per page piece the memory
+warpgroup copies the delta rows and the K and V scale granules (`fetch_scale_granules`, shared with
+`DeltaPages`), the V scales on K's barrier: the softmax needs them before P @ V, and both compute
+warpgroups read them (`granule_columns` at `scale_index`, through the page table they also wait for)
+before releasing K's slot, whose refill brings the next ones. Stale slots: NaN scores are masked to
+-inf, granules with no live key get score scale 0 / value scale 1, V rows past the length are zeroed.
+  fp16 deltas: the ring slots are WGMMA's B operands as TMA lands them (the bf16 kernel's ring layout).
+  fp8 deltas: WGMMA cannot take them with f16 q/P (delta_attention.py), so each tile is converted once
+  to f16 tiles in SMEM that both compute warpgroups read: warpgroup 0 converts K, warpgroup 1 converts
+  V (and zeroes its rows past the length), each while the other's GEMMs run, signalling one-arrival
+  barriers (`_convert_fp8_tile` says why not the memory warpgroup and why not half a side each).
+  The f16 ring has as many stages as the fp8 ring and is free when a tile lands (the memory warpgroup
+  refills a slot only once both compute warpgroups released it), so no barrier guards it.
+  Each compute warpgroup writes its output through a bf16 tile of its own (its q tile is f16).
+SMEM per CTA (`ws_delta_smem_bytes`, 227 KB at most), 2 stages, a 16K-token table of 8-token pages
+(8 KB): fp16 T=128: D=128 209 KB (ring 128, q/o 64, scale areas 8), D=64 113 KB; fp16 T=64: D=128
+141 KB; fp8 T=64 (the fp8 default: T=128 would take 273 KB at D=128): D=128 173 KB (fp8 ring 32 KB
+plus the 64 KB f16 ring), D=64 93 KB. Defaults (`default_ws_delta_config`): fp16 128-token tiles
+where they fit, else 64; fp8 64. None of this is measured on a GPU yet: correctness is checked in the
+Mosaic GPU interpreter and the lowering on a CPU (tests/test_ws_delta_prefill_attention.py); register
+spills (the scale columns add T / 4 registers per vector per thread to the compute warpgroups) and
+speed wait for the H200 (`benchmarks/kernels.py --delta-prefill`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +77,12 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
+from pallas_kernels.delta_attention import (
+    F16_SAFE_MAX, GRANULE, SCALE_AREA, add_anchor_v, check_delta_inputs, convert_to_f16, delta_ring_type,
+    fetch_scale_granules, granule_columns, scale_areas_type, scale_index)
 from pallas_kernels.paged_attention import (
-    MMA_TRANSFORMS, TuningConfig, _flat_table, _table_window, check_prefill_blocks, issue_tile_copies,
-    page_classes, sequence_scalars, wait_page_class)
+    MMA_TRANSFORMS, TuningConfig, _flat_table, _table_window, check_prefill_blocks, check_prefill_query,
+    issue_tile_copies, page_classes, sequence_scalars, wait_page_class)
 
 _LOG2E = math.log2(math.e)
 _WG_ROWS = 64                  # WGMMA M: rows of one compute warpgroup's q tile
@@ -131,26 +165,147 @@ def _ws_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, pag
                           interpret):
     blocks, tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
-    group = num_q_heads // num_kv_heads
-    rows = tokens * group
-    # q tile of (block b, kv head h): rows token-major (row = token * group + g), padded to 128 rows.
-    q2 = q.astype(jnp.bfloat16).reshape(blocks, tokens, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-    q2 = jnp.pad(q2.reshape(blocks, num_kv_heads, rows, head_dim), ((0, 0), (0, 0), (0, _CTA_ROWS - rows), (0, 0)))
+    q2 = _cta_q_rows(q.astype(jnp.bfloat16), num_kv_heads)
     max_pages = page_starts.shape[1]
     table = _flat_table(page_starts, 1, config.block_kv)
-    kernel = _build_ws_kernel(blocks=blocks, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group,
-                              max_pages=max_pages, table_len=table.shape[0], scale=scale, config=config,
-                              interpret=interpret)
+    kernel = _build_ws_kernel(blocks=blocks, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              group=num_q_heads // num_kv_heads, max_pages=max_pages, table_len=table.shape[0],
+                              scale=scale, config=config, interpret=interpret)
     # A negative start would leave a row no key at all (its online softmax would be NaN, not zeros).
     out = kernel(lengths, page_sizes, jnp.maximum(q_starts, 0), table, q2.reshape(-1, head_dim), k_pool, v_pool)
-    out = out.reshape(blocks, num_kv_heads, _CTA_ROWS, head_dim)[:, :, :rows]
+    return _cta_rows_to_tokens(out, q.shape, num_kv_heads).astype(q.dtype)
+
+
+def _cta_q_rows(q, num_kv_heads: int):
+    """q [blocks, tokens, Hq, D] -> the kernel's q tiles [blocks, Hkv, 128, D]: the tile of (block b, kv head h)
+    holds its rows token-major (row = token * group + g), padded to 128 rows."""
+    blocks, tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    rows = tokens * group
+    q2 = q.reshape(blocks, tokens, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return jnp.pad(q2.reshape(blocks, num_kv_heads, rows, head_dim), ((0, 0), (0, 0), (0, _CTA_ROWS - rows), (0, 0)))
+
+
+def _cta_rows_to_tokens(out, q_shape, num_kv_heads: int):
+    """The kernel's output rows [blocks * Hkv * 128, D] (q's row layout) -> [blocks, tokens, Hq, D]."""
+    blocks, tokens, num_q_heads, head_dim = q_shape
+    group = num_q_heads // num_kv_heads
+    out = out.reshape(blocks, num_kv_heads, _CTA_ROWS, head_dim)[:, :, :tokens * group]
     out = out.reshape(blocks, num_kv_heads, tokens, group, head_dim)
-    return jnp.moveaxis(out, 1, 2).reshape(blocks, tokens, num_q_heads, head_dim).astype(q.dtype)
+    return jnp.moveaxis(out, 1, 2).reshape(blocks, tokens, num_q_heads, head_dim)
 
 
-def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_len, scale, config, interpret):
-    """f(lengths, page_sizes, q_starts, table, q2 [blocks * Hkv * 128, D] bf16, k_pool, v_pool)
-    -> o [blocks * Hkv * 128, D] bf16 (row layout of q2)."""
+# ---------------------------------------------------------------------------------------------
+# The delta-KV (DKVC) format, folded mean-anchor path
+# ---------------------------------------------------------------------------------------------
+
+def ws_delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, max_pages: int,
+                        interpret: bool = False) -> int:
+    """SMEM of one CTA of `ws_delta_prefill_attention`: the delta ring (K and V, 1 or 2 bytes an element), the
+    scale areas (one 128-byte area per page piece: T / 8 per slot and side), the f16 q tiles and bf16 output
+    tiles of both compute warpgroups, the page-table window; with fp8 deltas also the f16 tiles WGMMA reads
+    (a ring of num_stages) and the granule-ordered scales; P tiles in the interpreter."""
+    T, S = config.block_kv, config.num_stages
+    itemsize = jnp.dtype(delta_dtype).itemsize
+    ring = 2 * S * T * head_dim * itemsize
+    areas = 2 * S * (T // GRANULE) * SCALE_AREA * 4
+    q_o = 2 * _CTA_ROWS * head_dim * 2
+    table = 4 * _table_window(max_pages, 1, T)
+    converted = (2 * S * T * head_dim * 2 + S * 2 * (T // GRANULE) * 4) if itemsize == 1 else 0
+    p = _CTA_ROWS * T * 2 if interpret else 0
+    return ring + areas + q_o + table + converted + p + 1024
+
+
+def default_ws_delta_config(head_dim: int, delta_dtype, max_pages: int, interpret: bool = False) -> TuningConfig:
+    """fp16 deltas: the bf16 kernel's default (128-token tiles, 2 stages) where it fits SMEM (D=128: 209 KB with
+    a 16K-token table of 8-token pages; past ~28K tokens of them it does not fit), else 64-token tiles. fp8
+    deltas: 64-token tiles, 2 stages (128-token ones need 273 KB at D=128 with the f16 ring, and at D=64 would
+    add 32 registers of scale columns per vector per thread to a full compute warpgroup). Not swept on a GPU
+    yet."""
+    big = TuningConfig(block_kv=128, num_stages=2, num_splits=1)
+    if jnp.dtype(delta_dtype).itemsize == 2 and ws_delta_smem_bytes(big, head_dim, delta_dtype, max_pages,
+                                                                     interpret) <= _SMEM_LIMIT:
+        return big
+    return TuningConfig(block_kv=64, num_stages=2, num_splits=1)
+
+
+def ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, q_starts, lengths,
+                               page_starts, page_sizes, *, sm_scale: float | None = None,
+                               config: TuningConfig | None = None, interpret: bool = False):
+    """Causal attention of blocks of consecutive query tokens over a delta-KV pool with a mean anchor, in the
+    warp-specialised kernel (module docstring; the folded path of delta_attention.py's module docstring).
+    Same contract as `delta_prefill_attention`, except: blocks hold up to 128 // group tokens (128 q rows),
+    anchor_len must be 1, there is no score-statistics output and no rebuild path.
+
+    Args:
+      q: [blocks, tokens, Hq, D] bf16/fp32, tokens <= ws_prefill_block_tokens(Hq, Hkv); rounded to f16 for the
+        MMA (|q| clipped to 65280). Token i of block b is at position q_starts[b] + i.
+      k_delta, v_delta: [Hkv, S, D] float16 or float8_e4m3fn; k_scale, v_scale: [Hkv, S // 8] f32;
+      anchor_k, anchor_v: [Hkv, 1, D] bf16 (anchor_k cancels in the softmax and is not read).
+      q_starts, lengths, page_starts, page_sizes: as in `delta_prefill_attention` (length 0: a padding block,
+        zeros; slots, deltas and scales at or past a block's length are never used, even if NaN).
+      sm_scale: default 1/sqrt(D). config: TuningConfig (block_kv 64 or 128, num_splits None or 1); default
+        `default_ws_delta_config`. interpret: run in the Mosaic GPU interpreter on CPU (tests).
+    Returns [blocks, tokens, Hq, D] in q.dtype (through bf16): token i attends to the keys at positions
+    < min(q_starts + i + 1, lengths).
+    """
+    name = "ws_delta_prefill_attention"
+    if q.ndim != 4:
+        raise ValueError(f"{name}: q must be [blocks, tokens, num_q_heads, head_dim], got {q.shape}")
+    check_delta_inputs(q[:, 0], k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts,
+                       page_sizes, name=name)
+    if anchor_k.shape[1] != 1:
+        raise ValueError(f"{name}: takes a mean anchor (anchor_len 1), got anchor_len {anchor_k.shape[1]}; "
+                         "position-aligned anchors go through delta_prefill_attention")
+    _, _, num_q_heads, head_dim = check_prefill_query(
+        name, q, k_delta.shape[0], q_starts, most_tokens=ws_prefill_block_tokens(q.shape[2], k_delta.shape[0]),
+        q_rows=_CTA_ROWS)
+    in_interpreter = interpret or interpret_mode_active()
+    max_pages = page_starts.shape[1]
+    config = config or default_ws_delta_config(head_dim, k_delta.dtype, max_pages, in_interpreter)
+    if config.num_splits not in (None, 1):
+        raise ValueError(f"{name}: causal blocks are not split, got num_splits={config.num_splits}")
+    if config.block_kv not in (64, 128):
+        raise ValueError(f"{name}: block_kv must be 64 or 128, got {config.block_kv}")
+    need = ws_delta_smem_bytes(config, head_dim, k_delta.dtype, max_pages, in_interpreter)
+    if need > _SMEM_LIMIT:
+        raise ValueError(f"{name}: block_kv={config.block_kv} x {config.num_stages} stages at head_dim {head_dim} "
+                         f"with {k_delta.dtype} deltas needs {need // 1024} KB of SMEM (> 227 KB): use fewer "
+                         "stages or block_kv=64")
+    if sm_scale is not None and not sm_scale > 0:
+        raise ValueError(f"{name}: sm_scale must be > 0, got {sm_scale}")
+    scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
+    config = dataclasses.replace(config, num_splits=1)
+    args = (q, k_delta, v_delta, k_scale, v_scale, anchor_v, q_starts, lengths, page_starts, page_sizes)
+    if interpret:
+        with mosaic_gpu_interpret():
+            return _ws_delta_prefill_attention(*args, scale=scale, config=config, interpret=True)
+    return _ws_delta_prefill_attention(*args, scale=scale, config=config, interpret=in_interpreter)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+def _ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_v, q_starts, lengths, page_starts,
+                                page_sizes, *, scale, config, interpret):
+    blocks, tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_delta.shape[0]
+    # f16 q for the f16 MMAs with the deltas; clipped so no product turns inf (delta_attention.F16_SAFE_MAX).
+    q2 = _cta_q_rows(jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX).astype(jnp.float16), num_kv_heads)
+    table = _flat_table(page_starts, 1, config.block_kv)
+    kernel = _build_ws_kernel(blocks=blocks, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              group=num_q_heads // num_kv_heads, max_pages=page_starts.shape[1],
+                              table_len=table.shape[0], scale=scale, config=config, interpret=interpret,
+                              delta_dtype=jnp.dtype(k_delta.dtype).name)
+    out = kernel(lengths, page_sizes, jnp.maximum(q_starts, 0), table, q2.reshape(-1, head_dim), k_delta, v_delta,
+                 k_scale, v_scale, anchor_v)
+    return _cta_rows_to_tokens(out, q.shape, num_kv_heads).astype(q.dtype)
+
+
+def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_len, scale, config, interpret,
+                     delta_dtype=None):
+    """f(lengths, page_sizes, q_starts, table, q2 [blocks * Hkv * 128, D], *kv) -> o [blocks * Hkv * 128, D] bf16
+    (row layout of q2). delta_dtype None: kv = (k_pool, v_pool) bf16, q2 bf16. delta_dtype "float16" or
+    "float8_e4m3fn": the folded delta format (module docstring), kv = (k_delta, v_delta, k_scale, v_scale,
+    anchor_v [Hkv, 1, D] bf16), q2 f16."""
     T = config.block_kv
     stages = config.num_stages
     window = _table_window(max_pages, 1, T)
@@ -161,38 +316,49 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
     qk_scale = scale * _LOG2E
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    delta = delta_dtype is not None
+    fp8 = delta and jnp.dtype(delta_dtype).itemsize == 1
+    mma_dtype = jnp.float16 if delta else jnp.bfloat16
+    # K-side arrivals per page piece: the K rows, and with deltas the K and the V scale granules (the V scales
+    # ride with K: the softmax needs them before P @ V, and they are read before K's slot is released).
+    k_copies = [n * (3 if delta else 1) for n in copies]
 
-    def body(lengths_ref, psizes_ref, qstart_ref, table_ref, q_ref, k_ref, v_ref, o_ref):
+    def body(lengths_ref, psizes_ref, qstart_ref, table_ref, q_ref, *kv_and_out):
         def scoped(table_smem, qo_smem, k_ring, v_ring, p_smem, table_bar, q_bars, k_bars, v_bars,
-                   k_free, v_free, schedule_bar):
-            kernel_body(lengths_ref, psizes_ref, qstart_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
+                   k_free, v_free, schedule_bar, delta_smem=None):
+            kernel_body(lengths_ref, psizes_ref, qstart_ref, table_ref, q_ref, kv_and_out[:-1], kv_and_out[-1],
                         table_smem, qo_smem, k_ring, v_ring, p_smem, table_bar, q_bars, k_bars, v_bars,
-                        k_free, v_free, schedule_bar)
+                        k_free, v_free, schedule_bar, delta_smem)
 
-        ring = plgpu.SMEM((stages, T, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
-        p_tiles = (plgpu.SMEM((_COMPUTE_WGS, _WG_ROWS, T), jnp.bfloat16, transforms=MMA_TRANSFORMS)
+        if delta:
+            ring = delta_ring_type(stages, T, head_dim, delta_dtype)
+        else:
+            ring = plgpu.SMEM((stages, T, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
+        p_tiles = (plgpu.SMEM((_COMPUTE_WGS, _WG_ROWS, T), mma_dtype, transforms=MMA_TRANSFORMS)
                    if interpret else None)
         pl.run_scoped(
             scoped,
             plgpu.SMEM((window,), jnp.int32),
-            plgpu.SMEM((_COMPUTE_WGS, _WG_ROWS, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS),
+            plgpu.SMEM((_COMPUTE_WGS, _WG_ROWS, head_dim), mma_dtype, transforms=MMA_TRANSFORMS),
             ring, ring, p_tiles,
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=_COMPUTE_WGS),
-            [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in copies],
+            [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in k_copies],
             [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in copies],
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+            *([_delta_scratch(stages, T, head_dim, fp8)] if delta else []),
             collective_axes="wg",
         )
 
-    def kernel_body(lengths_ref, psizes_ref, qstart_ref, table_ref, q_ref, k_ref, v_ref, o_ref,
+    def kernel_body(lengths_ref, psizes_ref, qstart_ref, table_ref, q_ref, kv_refs, o_ref,
                     table_smem, qo_smem, k_ring, v_ring, p_smem, table_bar, q_bars, k_bars, v_bars,
-                    k_free, v_free, schedule_bar):
+                    k_free, v_free, schedule_bar, dsm):
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         wg = lax.axis_index("wg")
+        k_ref, v_ref = kv_refs[:2]
 
         # --- per-sequence scalars (every warpgroup computes them: a few scalar ops) --------
         log2_p, page, length, n_pages, n_tiles = sequence_scalars(psizes_ref[b], lengths_ref[b],
@@ -202,26 +368,42 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
         def wait(bars, slot):
             wait_page_class(bars, slot, log2_p, small_classes, T)
 
+        def table_window():
+            """(first, win_start, page_entry): this sequence's page-table entries in table_smem."""
+            first = b * max_pages
+            win_start = pl.multiple_of(jnp.minimum(first - lax.rem(first, 4), table_len - window), 4)
+
+            def page_entry(p):   # slot of page p of this sequence
+                return table_smem[first + p - win_start]
+            return first, win_start, page_entry
+
+        def granule_index(page_entry):
+            """granule_index(tile, j): where granule j of a tile sits in its slot's scale areas."""
+            return lambda tile, j: scale_index(tile, j, log2_p=log2_p, n_pages=n_pages, page_entry=page_entry,
+                                               block_kv=T)
+
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_warpgroup():
             if not interpret:
                 plgpu.set_max_registers(40, action="decrease")
-            first = b * max_pages
-            win_start = pl.multiple_of(jnp.minimum(first - lax.rem(first, 4), table_len - window), 4)
+            first, win_start, page_entry = table_window()
             plgpu.copy_gmem_to_smem(table_ref.at[pl.ds(win_start, window)], table_smem, table_bar.at[0],
                                     oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
             plgpu.barrier_wait(table_bar.at[0])
 
-            def page_entry(p):   # slot of page p of this sequence
-                return table_smem[first + p - win_start]
-
-            def fetch(src_ref, ring, bars, tile, slot):
-                """Issue the TMA copies of one K or V tile into ring slot `slot`."""
+            def fetch(src_ref, ring, bars, tile, slot, scales=()):
+                """Issue the TMA copies of one K or V tile into ring slot `slot` (and, per page piece, the
+                scale granules of `scales`: (GMEM scales, SMEM scale areas) pairs, on the same barrier)."""
+                def piece(gi, src, off, size):
+                    plgpu.copy_gmem_to_smem(src_ref.at[h, pl.ds(src, size)], ring.at[slot, pl.ds(off, size)],
+                                            bars[gi].at[slot])
+                    for scale_ref, areas in scales:
+                        fetch_scale_granules(scale_ref.at[h], src, off, size, areas.at[slot], bars[gi].at[slot])
                 issue_tile_copies(
                     tile * T, log2_p=log2_p, page=page, n_pages=n_pages, page_entry=page_entry,
-                    small_classes=small_classes, block_kv=T,
-                    piece=lambda gi, src, off, size: plgpu.copy_gmem_to_smem(
-                        src_ref.at[h, pl.ds(src, size)], ring.at[slot, pl.ds(off, size)], bars[gi].at[slot]))
+                    small_classes=small_classes, block_kv=T, piece=piece)
+
+            k_scales = ((kv_refs[2], dsm.k_areas), (kv_refs[3], dsm.v_areas)) if delta else ()
 
             # One loop issues every tile (the first `stages` into empty slots), so each fetch is traced
             # once: the page-class branches unroll up to T / 8 copies per side, and Mosaic GPU lowering
@@ -232,7 +414,7 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                 @pl.when(i >= stages)
                 def _():
                     plgpu.barrier_wait(k_free.at[slot])
-                fetch(k_ref, k_ring, k_bars, i, slot)
+                fetch(k_ref, k_ring, k_bars, i, slot, k_scales)
 
                 @pl.when(i >= stages)
                 def _():
@@ -263,6 +445,19 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                 plgpu.broadcasted_iota(jnp.int32, (_WG_ROWS, T), 0, layout=wgmma_layout) + wg * _WG_ROWS,
                 log2_group)
             row_end = jnp.minimum(q_start + row_tok + 1, length)
+            if fp8:     # converted by the compute warpgroups, K by warpgroup 0 and V by warpgroup 1
+                k_mma, v_mma = dsm.k16, dsm.v16
+                wait_k = functools.partial(_convert_fp8_tile, wg=wg, wait=wait, k_bars=k_bars, v_bars=v_bars,
+                                           k_ring=k_ring, v_ring=v_ring, dsm=dsm, length=length, block_kv=T)
+                wait_v = lambda slot: plgpu.barrier_wait(dsm.v_conv.at[slot])
+            else:       # the ring slots as TMA fills them
+                k_mma, v_mma = k_ring, v_ring
+                wait_k = lambda slot, tile_of: wait(k_bars, slot)
+                wait_v = functools.partial(wait, v_bars)
+            if delta:   # granule offsets of 8/16-token pages in the scale areas come from the page table
+                _, _, page_entry = table_window()
+                plgpu.barrier_wait(table_bar.at[0])
+                columns = _columns_reader(dsm, index=granule_index(page_entry), block_kv=T, length=length)
 
             def schedule():
                 plgpu.barrier_arrive(schedule_bar)
@@ -273,26 +468,32 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                 slot = lax.rem(i, stages)
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_ring.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_smem, k_mma.at[slot].transpose((1, 0)))
                     schedule()
                     return acc_ref[...]
                 s = pl.run_scoped(qk, plgpu.ACC((_WG_ROWS, T), jnp.float32))
+                # The scale columns are read before K's slot is released: its refill brings the next ones.
+                cols = columns(slot, i) if delta else None
                 plgpu.barrier_arrive(k_free.at[slot])
-                if masked:
-                    cols = plgpu.broadcasted_iota(jnp.int32, (_WG_ROWS, T), 1, layout=wgmma_layout)
-                    s = jnp.where(cols < row_end - i * T, s, -jnp.inf)
-                # Scores stay unscaled; m is kept in scaled (base-2) units so p is one FMA + exp2.
-                m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha + p.sum(axis=1)
-                p16 = p.astype(jnp.bfloat16)
+                if cols is None:
+                    if masked:
+                        cols_idx = plgpu.broadcasted_iota(jnp.int32, (_WG_ROWS, T), 1, layout=wgmma_layout)
+                        s = jnp.where(cols_idx < row_end - i * T, s, -jnp.inf)
+                    # Scores stay unscaled; m is kept in scaled (base-2) units so p is one FMA + exp2.
+                    m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+                    alpha = jnp.exp2(m_i - m_new)
+                    p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    l_i = l_i * alpha + p.sum(axis=1)
+                else:
+                    acc, m_new, l_i, p = _folded_softmax(s, cols, acc, m_i, l_i, qk_scale=qk_scale,
+                                                         row_end=(row_end - i * T) if masked else None)
+                p16 = p.astype(mma_dtype)
                 if not interpret:
                     acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                 plgpu.barrier_arrive(schedule_bar)        # softmax done: the other warpgroup's GEMMs may go
-                wait(v_bars, slot)
-                if masked:
+                wait_v(slot)
+                if masked and not fp8:     # (fp8: warpgroup 1 zeroed them while converting)
                     n_valid = length - i * T
 
                     @pl.when(n_valid < T)
@@ -306,7 +507,7 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                 def next_k_wait():
                     @pl.when(i + 1 < n_tiles)
                     def _():
-                        wait(k_bars, lax.rem(i + 1, stages))
+                        wait_k(lax.rem(i + 1, stages), lambda: i + 1)
 
                 if interpret:
                     # The interpreter has no register A operand and no run_state: P goes through SMEM
@@ -315,13 +516,13 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                     plgpu.commit_smem()
 
                     def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p_smem.at[wg], v_ring.at[slot])
+                        plgpu.wgmma(acc_ref, p_smem.at[wg], v_mma.at[slot])
                         next_k_wait()
                         return acc_ref[...]
                     acc = acc + pl.run_scoped(pv, plgpu.ACC((_WG_ROWS, head_dim), jnp.float32))
                 else:
                     def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_ring.at[slot])
+                        plgpu.wgmma(acc_ref, p16, v_mma.at[slot])
                         next_k_wait()
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -334,7 +535,7 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
 
             @pl.when(n_tiles > 0)
             def _():
-                wait(k_bars, 0)
+                wait_k(0, lambda: 0)
 
             pl.when(wg == 1)(schedule)     # start the ping-pong: warpgroup 0 computes first
             # Tiles ending at or before the block's first token (and the length) are whole for every
@@ -344,11 +545,17 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
             acc, m_i, l_i = lax.fori_loop(full, n_tiles, functools.partial(tile_step, masked=True), carry)
             pl.when(wg == 0)(schedule)     # balance the barrier phases
 
-            # --- epilogue: normalise, write this warpgroup's 64 rows through its q tile ---------
+            # --- epilogue: normalise, write this warpgroup's 64 rows -----------------------------
             l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-            q_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(jnp.bfloat16)
+            o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            if delta:   # + the mean anchor; through a bf16 tile of its own (q's tile is f16)
+                o_smem = dsm.o.at[wg]
+                o = add_anchor_v(kv_refs[4].at[h, 0], o, l_i)
+            else:       # through this warpgroup's q tile
+                o_smem = q_smem
+            o_smem[...] = o.astype(jnp.bfloat16)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(row0, _WG_ROWS)])
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(row0, _WG_ROWS)])
             plgpu.wait_smem_to_gmem(0)
 
     out_type = jax.ShapeDtypeStruct((blocks * num_kv_heads * _CTA_ROWS, head_dim), jnp.bfloat16)
@@ -356,3 +563,93 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
         body, out_type=out_type, grid=(blocks, num_kv_heads), grid_names=("b", "h"),
         num_threads=_COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=config.approx_math))
+
+
+# ---------------------------------------------------------------------------------------------
+# The folded delta format's pieces of the kernel
+# ---------------------------------------------------------------------------------------------
+
+class _DeltaSmem(NamedTuple):
+    """The delta format's SMEM beyond the bf16 kernel's (refs inside the kernel, SMEM types outside).
+
+    o: [2, 64, D] bf16, each compute warpgroup's output tile (its q tile is f16); k_areas, v_areas: [stages,
+    (T / 8) * SCALE_AREA] f32 scale granules as TMA lands them (`fetch_scale_granules`; both on K's barrier).
+    fp8 only (None otherwise): k16, v16 [stages, T, D] f16, the converted tiles WGMMA reads; k_conv, v_conv:
+    one arrival per converted K / V tile (warpgroup 0's / warpgroup 1's)."""
+    o: object
+    k_areas: object
+    v_areas: object
+    k16: object = None
+    v16: object = None
+    k_conv: object = None
+    v_conv: object = None
+
+
+def _delta_scratch(stages: int, block_kv: int, head_dim: int, fp8: bool) -> _DeltaSmem:
+    areas = scale_areas_type(stages, block_kv)
+    o = plgpu.SMEM((_COMPUTE_WGS, _WG_ROWS, head_dim), jnp.bfloat16)
+    if not fp8:
+        return _DeltaSmem(o=o, k_areas=areas, v_areas=areas)
+    f16_ring = plgpu.SMEM((stages, block_kv, head_dim), jnp.float16, transforms=MMA_TRANSFORMS)
+    converted = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
+    return _DeltaSmem(o=o, k_areas=areas, v_areas=areas, k16=f16_ring, v16=f16_ring, k_conv=converted,
+                      v_conv=converted)
+
+
+def _columns_reader(dsm: _DeltaSmem, *, index, block_kv: int, length):
+    """columns(slot, tile) -> TileColumns of the tile in ring slot `slot`, from its landed scale areas (granule j
+    at index(tile, j))."""
+    def columns(slot, tile):
+        idx = functools.cache(lambda j: index(tile, j))      # once per granule, for both sides
+        return granule_columns(lambda j: dsm.k_areas[slot, idx(j)], lambda j: dsm.v_areas[slot, idx(j)],
+                               length - tile * block_kv, block_kv)
+    return columns
+
+
+def _folded_softmax(s, cols, acc, m_i, l_i, *, qk_scale, row_end):
+    """One online-softmax step of the folded path (delta_attention's module docstring): s [64, T] f32 = q . dk,
+    cols: the tile's TileColumns; row_end [64, T] int32 (keys of the tile each row sees: column < row_end) or
+    None (every key). The max is taken over s + log2(value scale), so P * value scale <= 1 (f16-safe); l
+    sums P without the value scale. Returns (acc rescaled, m_new, l_new, P * value scale [64, T] f32)."""
+    s = s * lax.broadcast_in_dim(cols.score_scale * qk_scale, s.shape, [1])
+    if row_end is not None:     # also drops the NaN scores of stale slots
+        col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+        s = jnp.where(col < row_end, s, -jnp.inf)
+    m_new = jnp.maximum(m_i, (s + lax.broadcast_in_dim(cols.log2_value_scale, s.shape, [1])).max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    l_i = l_i * alpha + p.sum(axis=1)
+    return acc, m_new, l_i, p * lax.broadcast_in_dim(cols.value_scale, s.shape, [1])
+
+
+def _convert_fp8_tile(slot, tile_of, *, wg, wait, k_bars, v_bars, k_ring, v_ring, dsm: _DeltaSmem, length,
+                      block_kv: int) -> None:
+    """In a compute warpgroup, before the QK of the tile in ring slot `slot` (the kernel's wait_k for fp8; tile_of()
+    gives the tile's index): the
+    tile's fp8 rows become the f16 tiles both compute warpgroups read, converted once: warpgroup 0 converts K
+    (as soon as it lands) and signals k_conv, warpgroup 1 converts V (zeroing the rows past the length: stale
+    slots may hold NaN) and signals v_conv; then both wait for K (V is awaited before P @ V). Each warpgroup
+    converts its side of a tile while the other one's GEMMs run (the ping-pong), and the K side of tile i + 1
+    during its own P @ V of tile i (this is called for the next tile inside it). The f16 slot is free when its
+    fp8 data lands: the memory warpgroup refills a ring slot only after both compute warpgroups released it.
+    Why not the memory warpgroup: converting needs ~48 more registers per thread in it (taken from the
+    compute warpgroups, whose score tile, accumulator, P and scale columns fill 232), and it would serialise
+    every tile's conversion on one warpgroup; why not both halves of each side: a 64-token tile's half is 32
+    rows, below WGMMA's 64-row register layout. (On a 2-core CPU the Mosaic GPU interpreter also deadlocked
+    with the memory warpgroup converting: its XLA execution found no thread while both compute warpgroups'
+    executions blocked in barrier waits.)"""
+    @pl.when(wg == 0)
+    def _():
+        wait(k_bars, slot)
+        convert_to_f16(k_ring.at[slot], dsm.k16.at[slot])
+        plgpu.commit_smem()     # visible to WGMMA, and every thread of this warpgroup past it before the arrive
+        plgpu.barrier_arrive(dsm.k_conv.at[slot])
+
+    @pl.when(wg == 1)
+    def _():
+        wait(v_bars, slot)
+        convert_to_f16(v_ring.at[slot], dsm.v16.at[slot], valid_rows=length - tile_of() * block_kv)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(dsm.v_conv.at[slot])
+    plgpu.barrier_wait(dsm.k_conv.at[slot])

@@ -156,9 +156,11 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     streaming its row's pages once for the whole GQA group; `delta_prefill_attention` for a DKVC DeltaKV,
     v_pool then None), where the model's group is a power of 2;
     otherwise, and for "reference", the tiled jnp path. kernel_variant "ws" (the default) runs the
-    warp-specialised kernel (`ws_prefill_attention`: 128-row CTAs, two compute warpgroups in ping-pong)
-    where it applies (bf16 pools, no score statistics), "single" the decode kernel's pipeline. kernel_config:
-    the kernel's TuningConfig (default: `default_ws_config(head_dim)` / PREFILL_KERNEL_CONFIG /
+    warp-specialised kernel (128-row CTAs, two compute warpgroups in ping-pong) where it applies, with no
+    score statistics: `ws_prefill_attention` on bf16 pools, `ws_delta_prefill_attention` on a DeltaKV with a
+    mean anchor that takes the folded path (`default_fold_mean_anchor()`); position-aligned anchors and
+    "single" take the decode kernel's pipeline. kernel_config: the kernel's TuningConfig (default:
+    `default_ws_config(head_dim)` / `default_ws_delta_config` / PREFILL_KERNEL_CONFIG /
     `default_delta_prefill_config`)."""
     tiles, tile, num_heads, head_dim = q.shape
     from pallas_kernels.paged_attention import PREFILL_KERNEL_CONFIG, paged_prefill_attention, prefill_block_tokens
@@ -166,8 +168,9 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     if kernel_variant not in ("ws", "single"):
         raise ValueError(f"prefill_attention: kernel_variant must be 'ws' or 'single', got {kernel_variant!r}")
     delta = k_pool if isinstance(k_pool, DeltaKV) else None
-    # DKVC: the delta prefill kernel (the single pipeline; the warp-specialised kernel reads bf16 pools only).
-    use_ws = kernel_variant == "ws" and not return_score_stats and delta is None
+    # DKVC: the warp-specialised kernel has the folded mean-anchor path only; the rebuild path (a position-aligned
+    # anchor, or folding switched off) and score statistics take the single pipeline (`delta_prefill_attention`).
+    use_ws = kernel_variant == "ws" and not return_score_stats and (delta is None or _folds_in_ws_kernel(delta))
     num_kv_heads = delta.num_kv_heads if delta is not None else k_pool.shape[0]
     per_block = (ws_prefill_block_tokens if use_ws else prefill_block_tokens)(num_heads, num_kv_heads)
     if backend != "kernel" or per_block is None or tile % per_block:
@@ -179,6 +182,14 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     safe_rows = jnp.maximum(rows, 0)
     valid = (rows >= 0) & (starts >= 0)
     lengths = jnp.where(valid, jnp.minimum(starts + per_block, tables.context_lens[safe_rows]), 0)
+    if use_ws and delta is not None:
+        from pallas_kernels.prefill_attention import ws_delta_prefill_attention
+        out = ws_delta_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), delta.k_delta,
+                                         delta.v_delta, delta.k_scale, delta.v_scale, delta.anchor_k, delta.anchor_v,
+                                         jnp.maximum(starts, 0), lengths.astype(jnp.int32),
+                                         tables.page_starts[safe_rows], tables.page_sizes[safe_rows],
+                                         interpret=interpret, config=kernel_config)
+        return out.reshape(q.shape)
     if use_ws:
         out = ws_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), k_pool, v_pool,
                                    jnp.maximum(starts, 0), lengths.astype(jnp.int32), tables.page_starts[safe_rows],
@@ -200,6 +211,13 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     if return_score_stats:
         return res[0].reshape(q.shape), res[1].reshape(tiles, tile, num_heads)
     return res.reshape(q.shape)
+
+
+def _folds_in_ws_kernel(delta: DeltaKV) -> bool:
+    """Whether a DeltaKV's prefill can take the warp-specialised delta kernel: a mean anchor (anchor_len 1) on
+    the folded path ($STRATUM_DKVC_FOLD_MEAN_ANCHOR, as the decode kernel reads it)."""
+    from pallas_kernels.delta_attention import default_fold_mean_anchor
+    return delta.anchor_k.shape[1] == 1 and default_fold_mean_anchor()
 
 
 def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend: str, interpret: bool = False,
