@@ -102,6 +102,17 @@ _Q_ROWS = 64          # WGMMA M: the q tile has 64 rows, the first q_per_kv of w
 _NUM_SMS_H100 = 132   # for the split heuristic only; H100 SXM and H200 both have 132 SMs.
 
 
+def check_tile_pipeline(block_kv: int, num_stages: int, num_splits: int | None) -> None:
+    """The checks a decode kernel's tile pipeline config shares (TuningConfig, the swapped kernel's
+    SwappedConfig): tile size, ring depth and split count."""
+    if block_kv not in (64, 128, 256):
+        raise ValueError(f"block_kv must be 64, 128 or 256, got {block_kv}")
+    if not isinstance(num_stages, int) or num_stages < 2:
+        raise ValueError(f"num_stages must be an int >= 2, got {num_stages!r}")
+    if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= 64):
+        raise ValueError(f"num_splits must be None or an int in [1, 64], got {num_splits!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
     """Static knobs of the kernel (each distinct config compiles its own kernel).
@@ -128,12 +139,7 @@ class TuningConfig:
     no_auto_barriers: bool = True
 
     def __post_init__(self):
-        if self.block_kv not in (64, 128, 256):
-            raise ValueError(f"block_kv must be 64, 128 or 256, got {self.block_kv}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 2:
-            raise ValueError(f"num_stages must be an int >= 2, got {self.num_stages!r}")
-        if self.num_splits is not None and (not isinstance(self.num_splits, int) or not 1 <= self.num_splits <= 64):
-            raise ValueError(f"num_splits must be None or an int in [1, 64], got {self.num_splits!r}")
+        check_tile_pipeline(self.block_kv, self.num_stages, self.num_splits)
 
     def smem_bytes(self, head_dim: int, max_pages: int, out_itemsize: int = 4) -> int:
         """Approximate SMEM footprint of one CTA, for picking configs that fit (227 KB max)."""

@@ -63,7 +63,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.paged_attention import (
-    BF16_PAGES, MMA_TRANSFORMS, TileContext, _check_inputs, _combine_splits, _flat_table, _table_window,
+    BF16_PAGES, MMA_TRANSFORMS, TileContext, check_tile_pipeline, _check_inputs, _combine_splits, _flat_table, _table_window,
     default_num_splits, issue_tile_copies, page_classes, paged_attention_reference, q_row_blocks,
     sequence_scalars, split_tile_range, table_window_start, wait_page_class, zero_rows_past)
 
@@ -94,12 +94,7 @@ class SwappedConfig:
     no_auto_barriers: bool = True
 
     def __post_init__(self):
-        if self.block_kv not in (64, 128, 256):
-            raise ValueError(f"block_kv must be 64, 128 or 256, got {self.block_kv}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 2:
-            raise ValueError(f"num_stages must be an int >= 2, got {self.num_stages!r}")
-        if self.num_splits is not None and (not isinstance(self.num_splits, int) or not 1 <= self.num_splits <= 64):
-            raise ValueError(f"num_splits must be None or an int in [1, 64], got {self.num_splits!r}")
+        check_tile_pipeline(self.block_kv, self.num_stages, self.num_splits)
 
     def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2) -> int:
         """SMEM of one CTA in bytes (the K/V ring dominates): ring 2 * stages * T * D * 2, q [N, D] bf16,
