@@ -103,11 +103,10 @@ def test_kernel_matches_float64(head_dim, num_q_heads, num_kv_heads, block_kv, s
 
 def test_score_stats_shift_and_plain_output():
     """Scores sharing a mean ~100x their spread (`offset_case`: K + 16, q + 2): without the shift (raw fp32
-    sums of s and s^2, c = 0) this case's worst variance error is 10.6x the tolerance, with it 0.012x
+    sums of s and s^2, c = 0) this case's worst variance error is 11x the tolerance, with it 0.003x
     (measured). And the output with statistics is bit-identical to the output without (they must not touch
-    the softmax)."""
-    case = random_paged_case(6, lengths=[300, 129], page_sizes=[256, 64], num_q_heads=8, num_kv_heads=2,
-                             head_dim=64)
+    the softmax). One CTA (one sequence, one kv head): the interpreter's time grows with the grid."""
+    case = random_paged_case(6, lengths=[300], page_sizes=[256], num_q_heads=4, num_kv_heads=1, head_dim=64)
     case = offset_case(case, 16.0, 2.0)
     config = SwappedConfig(block_kv=128, num_splits=1)
     out, var = swapped_paged_attention(**case, config=config, interpret=True, return_score_stats=True)
