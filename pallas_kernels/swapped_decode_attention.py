@@ -401,7 +401,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             # The shift is fixed at the first tile's column max (m_i = -inf only before it): every later
             # tile adds to sums taken about the same c, so they need no rescaling.
             c_i = jnp.where(m_i == -jnp.inf, m_new, c_i)
-            # Masked keys add exactly 0 (s - c there is -inf, or NaN from a stale slot before the mask).
+            # Masked keys add exactly 0 (s is -inf there: the mask above already replaced any stale NaN).
             d = jnp.where(valid, s - cols(c_i, s.shape), 0.0)
             return c_i, s1_tile + d, s2_tile + d * d
 
