@@ -42,10 +42,26 @@ not: l stays a [T, N] tile, rescaled and accumulated elementwise (l_tile = l_til
 once after the loop, which drops one cross-warp reduction (two warpgroup barriers) per tile for T*N/128 more
 registers.
 
+Soft cap (`soft_cap`): s = soft_cap * tanh(sm_scale * q.k / soft_cap), elementwise on S^T before the mask, as
+`paged_attention` does it (the MUFU tanh with approx_math).
+
+Score statistics (opt-in, `return_score_stats=True`; `paged_attention`'s definition and its split merge): per
+query head (a column of S^T), the population variance of the scaled (and capped) scores over the keys it sees.
+Beside the online softmax each column accumulates, over its valid keys only, sum(s - c) and sum((s - c)^2), where
+the shift c is the column max of the CTA's first tile (a score inside the column's range: raw sums of s and s^2
+cancel in fp32 when the scores share a large offset). Like l, the two sums stay [T, N] tiles, added to
+elementwise every tile (no rescaling: c is fixed after the first tile) and reduced over the rows (across warps)
+once after the loop, so the stats add no cross-warp reduction, barrier or SMEM round trip to the loop; they cost
+2 * T*N/128 registers a thread. Each CTA writes (c, sum, sum of squares) for its N columns, like lse; the wrapper
+picks the group's columns, counts each split's keys (`_split_key_counts`) and merges the splits with Chan et
+al.'s update (`_score_variance_from_partials`). The flags are static: with both off, the traced kernel is the one
+from before they existed (the jaxpr's hash compared at both default configs, with and without split-K, and two
+others, 2026-12-02). Not yet measured on a GPU.
+
 What is shared with `paged_attention` (imported, not copied): the page-size classes and their stage barriers,
 the tile copy issue (`issue_tile_copies` with `Bf16Pages.fetch_page`), the V-tail zeroing (`zero_rows_past`),
-the page-table window, the per-sequence scalars, the q row blocks, split-K's tile partition and merge.
-Not supported (refused at the entry): soft cap, score statistics, the causal prefill variant.
+the page-table window, the per-sequence scalars, the q row blocks, split-K's tile partition and merge, the score
+statistics' key counts and merge. Not supported: the causal prefill variant.
 """
 
 from __future__ import annotations
@@ -63,9 +79,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.paged_attention import (
-    BF16_PAGES, MMA_TRANSFORMS, TileContext, check_tile_pipeline, _check_inputs, _combine_splits, _flat_table, _table_window,
-    default_num_splits, issue_tile_copies, page_classes, paged_attention_reference, q_row_blocks,
-    sequence_scalars, split_tile_range, table_window_start, wait_page_class, zero_rows_past)
+    BF16_PAGES, MMA_TRANSFORMS, TileContext, check_tile_pipeline, _check_inputs, _combine_splits, _flat_table,
+    _score_variance_from_partials, _split_key_counts, _table_window, default_num_splits, issue_tile_copies,
+    page_classes, paged_attention_reference, q_row_blocks, sequence_scalars, split_tile_range, table_window_start,
+    wait_page_class, zero_rows_past)
 
 _LOG2E = math.log2(math.e)
 _COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)     # [N] vectors: one value per column (query head) of S^T / O^T
@@ -99,7 +116,8 @@ class SwappedConfig:
     def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2) -> int:
         """SMEM of one CTA in bytes (the K/V ring dominates): ring 2 * stages * T * D * 2, q [N, D] bf16,
         P [N, T] bf16, out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32, the
-        page-table window, the cross-warp reduction scratch, and 2 KB for barriers and alignment. Checked
+        page-table window, the cross-warp reduction scratch, and 2 KB for barriers and alignment (score
+        statistics add 3 * n * 4 bytes: 96 at n = 8, left out). Checked
         against the lowered kernels (B=64, Hq=32, Hkv=8, 128 table entries, bf16 q): 72,880 bytes lowered vs
         73,376 estimated at D=64, T=128, 2 stages; 73,872 vs 74,400 at D=128, T=64, 2 stages."""
         n = query_columns(group)
@@ -142,10 +160,13 @@ def reduction_scratch_bytes(n: int) -> int:
 # Reference
 # ---------------------------------------------------------------------------------------------
 
-def swapped_paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sm_scale=None):
+def swapped_paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sm_scale=None,
+                                      soft_cap=None, return_score_stats: bool = False):
     """Pure-jnp fp32 decode attention with `swapped_paged_attention`'s contract (it is `paged_attention`'s:
-    the swap changes how the kernel computes, not what). q [B, Hq, D] -> [B, Hq, D] in q.dtype."""
-    return paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, page_sizes, sm_scale=sm_scale)
+    the swap changes how the kernel computes, not what). q [B, Hq, D] -> [B, Hq, D] in q.dtype (and score_var
+    [B, Hq] float32 with return_score_stats)."""
+    return paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, page_sizes, sm_scale=sm_scale,
+                                     soft_cap=soft_cap, return_score_stats=return_score_stats)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +174,9 @@ def swapped_paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, p
 # ---------------------------------------------------------------------------------------------
 
 def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sm_scale: float | None = None,
-                            config: SwappedConfig | None = None, interpret: bool = False) -> jax.Array:
+                            soft_cap: float | None = None, config: SwappedConfig | None = None,
+                            interpret: bool = False,
+                            return_score_stats: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention over a paged KV pool with per-sequence page sizes, keys on WGMMA's M (module docstring).
 
     Args:
@@ -164,12 +187,16 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
         never read.
       page_sizes: [batch] int32, one of PAGE_SIZES per sequence.
       sm_scale: score scale, default 1/sqrt(head_dim).
+      soft_cap: if set (> 0), scores become soft_cap * tanh(scores / soft_cap).
       config: SwappedConfig; None gives `default_swapped_config(head_dim)` with split-K from the grid size.
       interpret: run the kernel in the Mosaic GPU interpreter on CPU (tests).
+      return_score_stats: static; also return each query head's score variance (as `paged_attention`).
 
     Returns [batch, num_q_heads, head_dim] in q.dtype; q head j uses kv head j // (num_q_heads // num_kv_heads).
-    head_dim 64 or 128; num_q_heads // num_kv_heads <= 64. No soft cap and no score statistics (use
-    `paged_attention` for those).
+    With return_score_stats: `(out, score_var)`, score_var float32 [batch, num_q_heads], the population
+    variance of s_t = sm_scale * q.k_t (soft-capped if set) over the row's keys t < length, 0 for length 0;
+    computed from fp32 scores of the bf16-rounded q (the MMA's input; `paged_attention` does the same).
+    head_dim 64 or 128; num_q_heads // num_kv_heads <= 64.
     """
     _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes)
     batch, num_q_heads, head_dim = q.shape
@@ -181,6 +208,8 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
         raise ValueError(f"swapped_paged_attention: num_q_heads // num_kv_heads = {group} > 64 is not supported")
     if sm_scale is not None and not sm_scale > 0:
         raise ValueError(f"swapped_paged_attention: sm_scale must be > 0, got {sm_scale}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"swapped_paged_attention: soft_cap must be > 0, got {soft_cap}")
     config = config or default_swapped_config(head_dim)
     if not isinstance(config, SwappedConfig):
         raise TypeError(f"swapped_paged_attention: config must be a SwappedConfig, got {type(config).__name__}")
@@ -188,16 +217,24 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
         config = dataclasses.replace(config, num_splits=default_num_splits(batch, num_kv_heads))
     scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
     args = (q, k_pool, v_pool, lengths, page_starts, page_sizes)
+    kw = dict(scale=scale, config=config)
+    # Only a set option reaches the jit: with both off its static arguments (and so its trace) are as before.
+    if soft_cap is not None:
+        kw["soft_cap"] = float(soft_cap)
+    if return_score_stats:
+        kw["score_stats"] = True
     if interpret:
         with mosaic_gpu_interpret():
-            return _swapped_paged_attention(*args, scale=scale, config=config, interpreted=True)
+            return _swapped_paged_attention(*args, **kw, interpreted=True)
     # `interpreted` is a static jit argument so interpreted and compiled traces never share a cache entry.
-    return _swapped_paged_attention(*args, scale=scale, config=config, interpreted=interpret_mode_active())
+    return _swapped_paged_attention(*args, **kw, interpreted=interpret_mode_active())
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpreted"))
-def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, scale, config, interpreted):
-    """The wrapper traced inside a jit: q row blocks, flat page table, the kernel, split-K merge."""
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpreted", "soft_cap", "score_stats"))
+def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, scale, config, interpreted,
+                             soft_cap=None, score_stats=False):
+    """The wrapper traced inside a jit: q row blocks, flat page table, the kernel, split-K merge (of the output
+    and, with score_stats, of the score sums). Returns out [B, Hq, D] (and score_var [B, Hq] f32)."""
     del interpreted
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
@@ -209,19 +246,31 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     kernel = _build_swapped_kernel(
         batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
         table_len=table.shape[0], rows_per_b=rows_per_b, rows_per_h=rows_per_h, n_cols=copy_rows,
-        out_dtype=jnp.dtype(q.dtype if splits == 1 else jnp.float32), scale=scale, config=config)
+        out_dtype=jnp.dtype(q.dtype if splits == 1 else jnp.float32), scale=scale, soft_cap=soft_cap,
+        score_stats=score_stats, config=config)
     res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool)
+
+    def group_cols(x):
+        """[B * S, Hkv, N] column vectors (lse, score sums) -> the group's [B, S, Hkv, G]: its columns start at
+        its first q row's offset in the 8-row block."""
+        first_row = np.arange(batch)[:, None] * rows_per_b + np.arange(num_kv_heads)[None, :] * rows_per_h
+        cols = (first_row % 8)[:, None, :, None] + np.arange(group)[None, None, None, :]          # [B, 1, Hkv, G]
+        return jnp.take_along_axis(x.reshape(batch, splits, num_kv_heads, copy_rows),
+                                   jnp.asarray(np.broadcast_to(cols, (batch, splits, num_kv_heads, group))), axis=3)
+
+    if score_stats:
+        res, stats = res[:-3], res[-3:]
+        n = _split_key_counts(lengths, page_sizes, max_pages=max_pages, block_kv=config.block_kv, splits=splits)
+        score_var = _score_variance_from_partials(*(group_cols(x) for x in stats), n[:, :, None, None])
+        score_var = score_var.reshape(batch, num_q_heads)
     if splits == 1:
         out = res[0].reshape(batch, num_kv_heads, rows_per_h, head_dim)[:, :, :group]
-        return out.reshape(batch, num_q_heads, head_dim)
-    o_part, lse = res
-    o_part = o_part.reshape(batch, splits, num_kv_heads, rows_per_h, head_dim)[:, :, :, :group]
-    # lse [B * S, Hkv, N]: the group's columns start at its first q row's offset in the 8-row block.
-    first_row = np.arange(batch)[:, None] * rows_per_b + np.arange(num_kv_heads)[None, :] * rows_per_h  # [B, Hkv]
-    cols = (first_row % 8)[:, None, :, None] + np.arange(group)[None, None, None, :]              # [B, 1, Hkv, G]
-    lse = jnp.take_along_axis(lse.reshape(batch, splits, num_kv_heads, copy_rows),
-                              jnp.asarray(np.broadcast_to(cols, (batch, splits, num_kv_heads, group))), axis=3)
-    return _combine_splits(o_part, lse).reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+        out = out.reshape(batch, num_q_heads, head_dim)
+    else:
+        o_part, lse = res
+        o_part = o_part.reshape(batch, splits, num_kv_heads, rows_per_h, head_dim)[:, :, :, :group]
+        out = _combine_splits(o_part, group_cols(lse)).reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+    return (out, score_var) if score_stats else out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,8 +278,9 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
 # ---------------------------------------------------------------------------------------------
 
 def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len, rows_per_b, rows_per_h,
-                          n_cols, out_dtype, scale, config: SwappedConfig):
-    """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or, split, (o_part, lse).
+                          n_cols, out_dtype, scale, config: SwappedConfig, soft_cap=None, score_stats=False):
+    """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or, split, (o_part, lse), followed by
+    (shift, sum, sum of squares) [B * S, Hkv, n_cols] f32 score-stat columns when score_stats.
 
     q2 [rows, D] bf16 (`q_row_blocks`): the CTA (b, h[, k]) copies the 8-aligned block of n_cols rows holding
     row q_row = b * rows_per_b + h * rows_per_h and writes its group's `group` output rows to o [rows, D] at
@@ -254,7 +304,9 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             lse_ref = None
         else:
             (o_ref, lse_ref), rest = rest[:2], rest[2:]
-        table_smem, q_smem, kv_smem, p_smem, o_smem, lse_smem, meta_bar, k_bars, v_bars = rest
+        if score_stats:
+            stat_refs, rest = rest[:3], rest[3:]
+        table_smem, q_smem, kv_smem, p_smem, o_smem, lse_smem, meta_bar, k_bars, v_bars, *stat_smem = rest
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         k_split = lax.axis_index("k") if splits > 1 else 0
@@ -296,9 +348,10 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         # --- one tile: S^T, column softmax, O^T += V^T P^T ----------------------------------------
         def attend(carry, slot, n_valid):
             """carry: acc [D, N] f32 (O^T, unnormalised), m [N] f32 column max (base 2), l [T, N] f32
-            per-row partial column sums. K is awaited before S^T, V only before P V (its copy may still land
-            while S^T and the softmax run)."""
-            acc, m_i, l_tile = carry
+            per-row partial column sums (with score_stats also the shift c [N] and the per-row partial sums
+            of (s - c) and (s - c)^2, [T, N] each). K is awaited before S^T, V only before P V (its copy may
+            still land while S^T and the softmax run)."""
+            acc, m_i, l_tile, *stats = carry
             k_ring, v_ring = kv_smem
             k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
             ctx.wait_k(slot)
@@ -306,12 +359,19 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
                 return acc_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((T, N), jnp.float32)) * qk_scale
+            s = pl.run_scoped(qk, plgpu.ACC((T, N), jnp.float32))
+            if soft_cap is None:
+                s = s * qk_scale
+            else:   # cap in natural units, then to base 2 (exp2 below)
+                s = jnp.tanh(s * (scale / soft_cap)) * (soft_cap * _LOG2E)
             # Keys past the length (stale slots, maybe NaN) drop out; every tile has >= 1 valid key, so
             # every column's max is finite.
             rows = plgpu.broadcasted_iota(jnp.int32, (T, N), 0, layout=wgmma_layout)
-            s = jnp.where(rows < n_valid, s, -jnp.inf)
+            valid = rows < n_valid
+            s = jnp.where(valid, s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=0))
+            if score_stats:
+                stats = accumulate_stats(stats, s, valid, m_i, m_new)
             alpha = jnp.exp2(m_i - m_new)                              # 0 on the first tile (m_i = -inf)
             p = jnp.exp2(s - cols(m_new, s.shape))
             l_tile = l_tile * cols(alpha, s.shape) + p
@@ -327,7 +387,19 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                 plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)))
                 return acc_ref[...]
             acc = acc * cols(alpha, acc.shape) + pl.run_scoped(pv, plgpu.ACC((D, N), jnp.float32))
-            return acc, m_new, l_tile
+            return acc, m_new, l_tile, *stats
+
+        def accumulate_stats(stats, s, valid, m_i, m_new):
+            """Adds one tile's scores to the score sums. s [T, N] f32 (base 2, -inf where not valid), valid
+            [T, N] bool, m_i / m_new [N] the column max before / after this tile. Returns (c [N], s1 [T, N],
+            s2 [T, N]): elementwise sums, so no cross-warp reduction per tile (reduced once, after the loop)."""
+            c_i, s1_tile, s2_tile = stats
+            # The shift is fixed at the first tile's column max (m_i = -inf only before it): every later
+            # tile adds to sums taken about the same c, so they need no rescaling.
+            c_i = jnp.where(m_i == -jnp.inf, m_new, c_i)
+            # Masked keys add exactly 0 (s is -inf there: the mask above already replaced any stale NaN).
+            d = jnp.where(valid, s - cols(c_i, s.shape), 0.0)
+            return c_i, s1_tile + d, s2_tile + d * d
 
         # --- pipeline -----------------------------------------------------------------------------
         for s_ in range(stages):
@@ -350,7 +422,10 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         acc0 = plgpu.layout_cast(jnp.zeros((D, N), jnp.float32), wgmma_layout)
         m0 = plgpu.layout_cast(jnp.full((N,), -jnp.inf, jnp.float32), _COL_LAYOUT)
         l0 = plgpu.layout_cast(jnp.zeros((T, N), jnp.float32), wgmma_layout)
-        acc, m_i, l_tile = lax.fori_loop(0, num_steps, step, (acc0, m0, l0))
+        stats0 = ()
+        if score_stats:   # an empty split keeps c = 0 and zero sums; the wrapper gives it no keys
+            stats0 = (plgpu.layout_cast(jnp.zeros((N,), jnp.float32), _COL_LAYOUT), l0, l0)
+        acc, m_i, l_tile, *stats = lax.fori_loop(0, num_steps, step, (acc0, m0, l0, *stats0))
 
         # --- epilogue: normalise, write the group's rows -----------------------------------------
         l_i = l_tile.sum(axis=0)
@@ -360,16 +435,25 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
         if lse_ref is not None:
             lse_smem[...] = m_i + jnp.log2(l_i)                       # -inf for an empty split
+        if score_stats:
+            c_i, s1_tile, s2_tile = stats
+            for ref, val in zip(stat_smem, (c_i, s1_tile.sum(axis=0), s2_tile.sum(axis=0))):
+                ref[...] = val
         plgpu.commit_smem()
         out_row = q_row if splits == 1 else (b * splits + k_split) * rows_per_b + h * rows_per_h
         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row_off, group)], o_ref.at[pl.ds(out_row, group)])
         if lse_ref is not None:
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b * splits + k_split, h])
+        if score_stats:
+            for src, dst in zip(stat_smem, stat_refs):
+                plgpu.copy_smem_to_gmem(src, dst.at[b * splits + k_split, h])
         plgpu.wait_smem_to_gmem(0)
 
     out_type = [jax.ShapeDtypeStruct((batch * rows_per_b * splits, D), out_dtype)]
     if splits > 1:
         out_type.append(jax.ShapeDtypeStruct((batch * splits, num_kv_heads, N), jnp.float32))
+    if score_stats:
+        out_type += [jax.ShapeDtypeStruct((batch * splits, num_kv_heads, N), jnp.float32)] * 3
     scratch = [
         plgpu.SMEM((window,), jnp.int32),
         plgpu.SMEM((N, D), jnp.bfloat16, transforms=MMA_TRANSFORMS),
@@ -381,6 +465,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
         [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
     ]
+    if score_stats:
+        scratch += [plgpu.SMEM((N,), jnp.float32) for _ in range(3)]   # c, sum, sum of squares
     grid, names = (batch, num_kv_heads), ("b", "h")
     if splits > 1:
         grid, names = (batch, num_kv_heads, splits), ("b", "h", "k")

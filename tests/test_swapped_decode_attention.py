@@ -1,6 +1,6 @@
 """The swapped-operand paged decode kernel (keys on WGMMA's M): in the Mosaic GPU interpreter against float64
-numpy on ragged mixed-page batches, its lowering to Mosaic GPU (on a CPU) at the engine's shapes, and, on a GPU,
-the compiled kernel against the jnp reference.
+numpy on ragged mixed-page batches (outputs, soft cap, score statistics), its lowering to Mosaic GPU (on a CPU) at
+the engine's shapes, and, on a GPU, the compiled kernel against the jnp reference and float64.
 
 Interpret mode simulates every thread, barrier and TMA copy, so the shapes here are tiny (the file runs in
 about a minute on 2 CPU cores)."""
@@ -17,9 +17,12 @@ from pallas_kernels.paged_attention import PAGE_SIZES
 from pallas_kernels.swapped_decode_attention import (
     SwappedConfig, default_swapped_config, query_columns, swapped_paged_attention,
     swapped_paged_attention_reference)
-from pallas_kernels.testing import float64_attention, random_paged_case
+from pallas_kernels.testing import float64_attention, float64_score_variance, random_paged_case
 
 BF16_TOL = 2e-2
+# Score variance: fp32 scores of the same bf16 values the float64 truth uses, summed after a shift (as
+# tests/test_paged_attention.py); one key too many or too few moves a variance by ~var / n (> 1e-3 here).
+VAR_RTOL, VAR_ATOL = 2e-4, 1e-5
 
 # Lengths 0 and 1, one under / over a page (7, 65, 129) and a tile (63, 127, 129), a full 256 page and more,
 # every page size in one batch; every slot outside a sequence holds NaN, table entries past it are garbage.
@@ -35,27 +38,93 @@ def check(out, want, tol=BF16_TOL):
     return out
 
 
+def check_var(var, want, rtol=VAR_RTOL, atol=VAR_ATOL):
+    var = np.asarray(var)
+    assert var.dtype == np.float32 and var.shape == want.shape, (var.dtype, var.shape)
+    assert np.isfinite(var).all() and (var >= 0).all(), var
+    np.testing.assert_allclose(var, want, rtol=rtol, atol=atol)
+
+
+def as_mma_input(case):
+    """The case with q rounded to bf16, as the kernel's MMA sees it (the float64 truth of an fp32-q case)."""
+    return {**case, "q": case["q"].astype(jnp.bfloat16)}
+
+
+def offset_case(case, k_shift, q_shift):
+    """Every live K row and q get a common offset, so each row's scores share a mean many times their spread
+    (the K offset moves the mean only): where fp32 sums of s and s^2 without a shift lose the variance to
+    cancellation."""
+    k = np.asarray(case["k_pool"].astype(jnp.float32)) + k_shift     # NaN stays NaN
+    q = np.asarray(case["q"].astype(jnp.float32)) + q_shift
+    return {**case, "k_pool": jnp.asarray(k, jnp.bfloat16), "q": jnp.asarray(q, case["q"].dtype)}
+
+
 def test_reference_matches_float64():
     case = random_paged_case(0, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=8, num_kv_heads=2, head_dim=64)
     out = swapped_paged_attention_reference(**{**case, "q": case["q"].astype(jnp.float32)})
     check(out, float64_attention(case), tol=2e-5)
 
 
-@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads,block_kv,splits,q_dtype,sm_scale", [
-    (64, 8, 2, 128, 1, jnp.bfloat16, None),    # llama's GQA 4 (N = 8 with the neighbour group), D=64's default tile
-    (128, 2, 2, 64, 1, jnp.bfloat16, 0.2),     # GQA 1, D=128's default tile, a given sm_scale
-    (64, 16, 2, 64, 2, jnp.float32, None),     # GQA 8, fp32 q and output, split-K 2
-    (128, 6, 2, 64, 3, jnp.bfloat16, None),    # GQA 3: groups padded to 8 rows, split-K 3
-    (64, 16, 1, 256, 1, jnp.bfloat16, None),   # GQA 16: N = 16, 256-token tiles (four M groups)
+STATS = dict(return_score_stats=True)
+
+
+@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads,block_kv,splits,q_dtype,sm_scale,kw", [
+    # llama's GQA 4 (N = 8 with the neighbour group), D=64's default tile; score statistics
+    (64, 8, 2, 128, 1, jnp.bfloat16, None, STATS),
+    # GQA 1, D=128's default tile, a given sm_scale; statistics of soft-capped scores
+    (128, 2, 2, 64, 1, jnp.bfloat16, 0.2, dict(soft_cap=5.0, **STATS)),
+    # GQA 8, fp32 q and output, split-K 2 (the 1- and 7-token rows' second split is empty); statistics
+    (64, 16, 2, 64, 2, jnp.float32, None, STATS),
+    (128, 6, 2, 64, 3, jnp.bfloat16, None, {}),     # GQA 3: groups padded to 8 rows, split-K 3
+    (64, 16, 1, 256, 1, jnp.bfloat16, None, {}),    # GQA 16: N = 16, 256-token tiles (four M groups)
 ])
-def test_kernel_matches_float64(head_dim, num_q_heads, num_kv_heads, block_kv, splits, q_dtype, sm_scale):
+def test_kernel_matches_float64(head_dim, num_q_heads, num_kv_heads, block_kv, splits, q_dtype, sm_scale, kw):
+    """The output against float64 (NaN in every stale slot); with return_score_stats also score_var against
+    float64 (one interpreter run checks both: the interpreter's time is the file's time)."""
     case = random_paged_case(1, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=num_q_heads,
                              num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype)
     config = SwappedConfig(block_kv=block_kv, num_splits=splits)
-    out = swapped_paged_attention(**case, sm_scale=sm_scale, config=config, interpret=True)
+    out = swapped_paged_attention(**case, sm_scale=sm_scale, config=config, interpret=True, **kw)
+    soft_cap = kw.get("soft_cap")
+    if kw.get("return_score_stats"):
+        out, var = out
+        # fp32 q is rounded to bf16 for the MMA: the truth of the scores the kernel computes
+        want = float64_score_variance(as_mma_input(case), sm_scale=sm_scale, soft_cap=soft_cap)
+        assert want.max() > 0.5                               # non-trivial values
+        check_var(var, want)
+        var = np.asarray(var)
+        # No key: exactly 0. One key: 0 up to the fp32 rounding of s - c (a fused multiply-add may keep the
+        # product's rounding error, ~1e-12 here).
+        assert np.all(var[LENGTHS.index(0)] == 0) and np.all(var[LENGTHS.index(1)] < 1e-12)
     assert out.shape == case["q"].shape and out.dtype == q_dtype
-    got = check(out, float64_attention(case, sm_scale=sm_scale))
+    got = check(out, float64_attention(case, sm_scale=sm_scale, soft_cap=soft_cap))
     assert np.all(got[LENGTHS.index(0)] == 0.0), "a length-0 row must give zeros"
+
+
+def test_score_stats_shift_and_plain_output():
+    """Scores sharing a mean ~100x their spread (`offset_case`: K + 16, q + 2): without the shift (raw fp32
+    sums of s and s^2, c = 0) this case's worst variance error is 11x the tolerance, with it 0.003x
+    (measured). And the output with statistics is bit-identical to the output without (they must not touch
+    the softmax). One CTA (one sequence, one kv head): the interpreter's time grows with the grid."""
+    case = random_paged_case(6, lengths=[300], page_sizes=[256], num_q_heads=4, num_kv_heads=1, head_dim=64)
+    case = offset_case(case, 16.0, 2.0)
+    config = SwappedConfig(block_kv=128, num_splits=1)
+    out, var = swapped_paged_attention(**case, config=config, interpret=True, return_score_stats=True)
+    check_var(var, float64_score_variance(case))
+    plain = swapped_paged_attention(**case, config=config, interpret=True)
+    assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
+
+
+def test_stats_off_traces_the_plain_kernel():
+    """Explicitly off options trace the same program as none given, and each option changes it (so the
+    equality can fail). The same jaxpr as before the options existed was checked by hashing it (branch
+    swapped-stats, 2026-12-02)."""
+    case = random_paged_case(2, lengths=[40, 300], page_sizes=[16, 128], num_q_heads=8, num_kv_heads=2, head_dim=64)
+    trace = lambda **kw: str(jax.make_jaxpr(lambda c: swapped_paged_attention(**c, **kw))(case))
+    plain = trace()
+    assert plain == trace(soft_cap=None, return_score_stats=False)
+    assert plain != trace(return_score_stats=True)
+    assert plain != trace(soft_cap=30.0)
 
 
 def test_no_config_picks_the_default_tile_and_the_grid_split(monkeypatch):
@@ -85,6 +154,8 @@ def test_entry_checks():
         swapped_paged_attention(**case, config=TuningConfig())
     with pytest.raises(ValueError, match="block_kv"):
         SwappedConfig(block_kv=32)
+    with pytest.raises(ValueError, match="soft_cap"):
+        swapped_paged_attention(**case, soft_cap=0.0)
 
 
 def test_default_configs_fit_three_ctas_per_sm():
@@ -97,14 +168,14 @@ def test_default_configs_fit_three_ctas_per_sm():
     assert [query_columns(g) for g in (1, 2, 4, 8, 12, 16)] == [8, 8, 8, 8, 16, 16]
 
 
-def _lowered_text(batch, head_dim, config=None):
+def _lowered_text(batch, head_dim, config=None, **kw):
     """The jitted kernel lowered for CUDA on this CPU: Mosaic GPU's Python passes (layout inference, the
     dialect lowering: WGMMA operand checks, transposed SMEM stores, cross-warp reductions, TMA) all run; only
     ptxas and the hardware don't."""
     shape = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
     args = (shape(batch, 32, head_dim), shape(8, 1 << 16, head_dim), shape(8, 1 << 16, head_dim),
             shape(batch, dt=jnp.int32), shape(batch, 4096 // 8, dt=jnp.int32), shape(batch, dt=jnp.int32))
-    fn = jax.jit(lambda *a: swapped_paged_attention(*a, config=config))
+    fn = jax.jit(lambda *a: swapped_paged_attention(*a, config=config, **kw))
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -117,6 +188,13 @@ def test_default_config_lowers_to_mosaic_gpu(head_dim):
 def test_split_k_lowers_to_mosaic_gpu():
     """A batch of 2: the grid picks split-K (the lse output path)."""
     assert "mosaic_gpu" in _lowered_text(2, 64)
+
+
+def test_score_stats_and_soft_cap_lower_to_mosaic_gpu():
+    """The variant only a GPU run would otherwise build: D=64's default tile (T=128: the most stats registers)
+    with score statistics (three [T, N] tiles' column sums after the loop, three more column outputs), the soft
+    cap (tanh on the WGMMA layout) and split-K (a batch of 2)."""
+    assert "mosaic_gpu" in _lowered_text(2, 64, return_score_stats=True, soft_cap=30.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,3 +232,23 @@ def test_gpu_split_k_and_fp32_q(head_dim):
     out = swapped_paged_attention(**case)
     assert out.dtype == jnp.float32
     check(out, np.asarray(swapped_paged_attention_reference(**case)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_score_stats_match_reference(head_dim):
+    """return_score_stats=True, compiled: B=64 at ~1K context with the default config (no split), and B=4 (the
+    grid picks split-K) with a soft cap that bends the largest scores; score_var against float64 and the fp32
+    reference, the output against float64 and bit-identical to the stats-off output. The kernel's variance is
+    checked 10x looser than in the interpreter (as `paged_attention`'s GPU test): the approximate tanh."""
+    for batch, kw in ((64, {}), (4, dict(soft_cap=8.0))):
+        case = _gpu_case(batch, head_dim, 1024, seed=2)
+        out, var = swapped_paged_attention(**case, return_score_stats=True, **kw)
+        want = float64_score_variance(case, **kw)
+        assert want.max() > 0.5
+        check_var(var, want, rtol=10 * VAR_RTOL, atol=10 * VAR_ATOL)
+        _, ref_var = swapped_paged_attention_reference(**case, return_score_stats=True, **kw)
+        check_var(ref_var, want)
+        check(out, float64_attention(case, **kw))
+        plain = swapped_paged_attention(**case, **kw)
+        assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
