@@ -24,6 +24,22 @@ decode kernel (see its module docstring for why).
 *Causal mask only where it can bite.* Tiles that end at or before the block's first token are seen
 whole by every row; only the last few tiles of a block apply the per-row causal bound.
 
+*Split-K over the context (`TuningConfig.num_splits` = S >= 2; off by default).* A short chunk over a long
+context (the 256-token tail recomputed after a host-tier recall of a 32K prefix on llama-8b: 8 blocks x 8 kv
+heads = 64 CTAs) leaves half of the 132 SMs idle. With S splits the grid is (blocks, Hkv, S): split k of a
+block streams ceil(n_tiles / S) whole tiles of its keys (`split_tile_range`, shared with the decode kernel)
+through the same three-warpgroup loop, its ring slots counted from its first tile and its unmasked tiles
+those of its range that end before the block's first token. A split that starts past some rows' causal bound
+gives them no key: their exp2 offsets are kept finite (`_finite_offset`), l stays 0, lse = -inf. Each CTA
+writes its output normalised by its own l (bf16: f32 tiles do not fit SMEM beside the ring at D=128) and its
+rows' base-2 log-sum-exp (f32); the decode kernel's `_combine_splits` merges them in XLA (a row no split saw
+stays 0). The delta variant splits the same way (each split adds the anchor to its own normalised partial, the
+convex merge keeps it once). `ws_prefill_splits` picks S to fill one wave of SMs with several tiles per
+split; `stratum_jax.attention.prefill_attention(prefill_splits=...)` passes it, None (off) by default. With S
+= 1 the traced kernel is the unsplit one (jaxpr text compared before and after). Not measured on a GPU yet:
+correctness in the interpreter and the lowering on a CPU (tests/test_ws_prefill_splits.py); its speed waits
+for the H200 (`benchmarks/prefill_attention.py --chunk 256 --chunks 1 --kernel-configs ws/128:2,ws/128:2:2`).
+
 *Stale slots.* Keys at or past the sequence's length are masked to -inf, and the V rows there (the
 tail of the last tile, which may hold stale or NaN values) are zeroed by each compute warpgroup
 before its P V (P = 0 there, but 0 * NaN = NaN inside the MMA). Both warpgroups write the same zeros.
