@@ -716,7 +716,8 @@ def _folded_softmax(s, cols, acc, m_i, l_i, *, qk_scale, row_end, guard=False):
     """One online-softmax step of the folded path (delta_attention's module docstring): s [64, T] f32 = q . dk,
     cols: the tile's TileColumns; row_end [64, T] int32 (keys of the tile each row sees: column < row_end) or
     None (every key). The max is taken over s + log2(value scale), so P * value scale <= 1 (f16-safe); l
-    sums P without the value scale. guard: rows may have no key yet (`_finite_offset`). Returns (acc rescaled, m_new, l_new, P * value scale [64, T] f32)."""
+    sums P without the value scale. guard: rows may have no key yet (`_finite_offset`). Returns (acc rescaled,
+    m_new, l_new, P * value scale [64, T] f32)."""
     s = s * lax.broadcast_in_dim(cols.score_scale * qk_scale, s.shape, [1])
     if row_end is not None:     # also drops the NaN scores of stale slots
         col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
