@@ -28,9 +28,10 @@ def _splits_config(splits, block_kv=64):
 
 @pytest.mark.parametrize("splits", [2, 3])
 def test_split_matches_float64(splits):
-    """GQA 4, D=64, 64-token tiles. Block 0 (keys [0, 140), first token at 108): tiles 0 | 1 2 at S=2,
-    0 | 1 | 2 at S=3; tile 2 (keys 128..139) is past the bound of the block's first 20 tokens. Block 1 (222
-    keys, first token 190): 2 unmasked tiles, then masked ones in the next range."""
+    """GQA 4, D=64, 64-token tiles (128-token ones unroll twice the copies: slower here; the GPU test runs
+    them). Block 0 (keys [0, 140), first token at 108): tiles 0 1 | 2 at S=2, 0 | 1 | 2 at S=3; tile 2 (keys
+    128..139) is past the bound of the block's first 20 tokens. Block 1 (222 keys, first token 190): 2
+    unmasked tiles, then masked ones in the next range (S=3: 0 1 | 2 3)."""
     pcase = _case(8, 2, 64, seed=31)
     valid = pcase.pop("valid")
     out = ws_prefill_attention(**pcase, interpret=True, config=_splits_config(splits))
@@ -39,14 +40,15 @@ def test_split_matches_float64(splits):
     assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
 
 
-def test_split_delta_fp16_matches_float64():
-    """The delta variant (fp16 deltas, D=128, GQA 8: 16 tokens per block) at S=2 with 64-token tiles: each
-    split adds the mean anchor to its own partial, the merge keeps it once; block 1 (250 keys, first token
-    234) has its first rows past the second range's start."""
-    blocks = [(0, 100, 16), (1, 250 - 16, 16), (2, 60, 3), (3, 0, 16), (-1, 0, 0)]
-    args, truth, valid = ws_case(22, lengths=[130, 250, 63, 20], page_sizes=[16, 256, 64, 128], blocks=blocks,
-                                 num_q_heads=8, num_kv_heads=1, head_dim=128, delta_dtype=FP16)
-    out = ws_delta_prefill_attention(**args, interpret=True, config=_splits_config(2))
+def test_split_delta_fp8_matches_float64():
+    """The delta variant (fp8 deltas: the compute warpgroups convert each tile, zeroing V rows past the length
+    by the tile's index in the sequence; the scale granules found through the page table by that index), D=64,
+    GQA 4, S=3 with 64-token tiles: each split adds the mean anchor to its own partial, the merge keeps it
+    once; block 0 (140 keys, first token 108) has its first rows past the third range's start (key 128)."""
+    blocks = [(0, 140 - 32, 32), (1, 230 - 32 - 8, 32), (2, 70, 5), (3, 0, 9), (-1, 0, 0)]
+    args, truth, valid = ws_case(21, lengths=[140, 230, 75, 9], page_sizes=[8, 32, 256, 16], blocks=blocks,
+                                 num_q_heads=4, num_kv_heads=1, head_dim=64, delta_dtype=FP8)
+    out = ws_delta_prefill_attention(**args, interpret=True, config=_splits_config(3))
     check_delta(out, truth, valid)
 
 
