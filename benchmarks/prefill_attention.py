@@ -2,6 +2,9 @@
 
     PYTHONPATH=$PWD python3 benchmarks/prefill_attention.py --out $OUT/prefill_attention.json   # GPU
     python3 benchmarks/prefill_attention.py --tiny --interpret --out /tmp/p.json                # CPU smoke run
+    # split-K for a short chunk over a long context (the host-tier recall tail; unmeasured as of 2026-12-02):
+    PYTHONPATH=$PWD python3 benchmarks/prefill_attention.py --models llama-8b --contexts 8192,32768 --chunk 256 \
+        --chunks 1 --kernel-configs ws/128:2,ws/128:2:2,ws/128:2:auto,ws/64:2:3 --out $OUT/ws_splits.json
 
 One call of `stratum_jax.attention.prefill_attention` as the packed step makes it for one layer: the
 step's prefill tiles (128 tokens each) hold `--chunks` chunks of `--chunk` tokens, each the newest
@@ -83,9 +86,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--inner", type=int, default=5)
     ap.add_argument("--kernel-configs", default="ws/128:2,single/128:2",
-                    help="[variant/]block_kv:num_stages,... kernels to time (the first is checked against the "
-                         "tiled path); variant ws (warp-specialised, the engine's default) or single (the "
-                         "decode kernel's pipeline; the default variant)")
+                    help="[variant/]block_kv:num_stages[:splits],... kernels to time (the first is checked against "
+                         "the tiled path); variant ws (warp-specialised, the engine's default) or single (the "
+                         "decode kernel's pipeline; the default variant); splits (ws only): prefill_attention's "
+                         "prefill_splits, an int or auto (split-K over the context; off by default)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--interpret", action="store_true", help="run the kernel in the Mosaic GPU interpreter")
     ap.add_argument("--out", required=True)
@@ -105,15 +109,17 @@ def main(argv=None):
             configs = {}
             for spec in args.kernel_configs.split(","):
                 variant, rest = spec.split("/") if "/" in spec else ("single", spec)
-                bkv, stages = (int(x) for x in rest.split(":"))
-                configs[spec] = (variant, TuningConfig(block_kv=bkv, num_stages=stages, num_splits=1))
+                bkv, stages, *split = rest.split(":")
+                splits = None if not split else split[0] if split[0] == "auto" else int(split[0])
+                configs[spec] = (variant, TuningConfig(block_kv=int(bkv), num_stages=int(stages), num_splits=1),
+                                 splits)
             fns = {b: jax.jit(functools.partial(prefill_attention, backend=b, interpret=args.interpret,
                                                 max_context=args.max_context))
                    for b in ("reference",)}
             fns.update({c: jax.jit(functools.partial(prefill_attention, backend="kernel", interpret=args.interpret,
                                                      max_context=args.max_context, kernel_config=tc,
-                                                     kernel_variant=variant))
-                        for c, (variant, tc) in configs.items()})
+                                                     kernel_variant=variant, prefill_splits=splits))
+                        for c, (variant, tc, splits) in configs.items()})
             out_r = np.asarray(fns["reference"](q, pos, tile_rows, tables, k, v), np.float32)
             valid = np.asarray(pos) >= 0
             diff_by_config = {c: float(np.max(np.abs(np.asarray(fns[c](q, pos, tile_rows, tables, k, v), np.float32)

@@ -24,6 +24,22 @@ decode kernel (see its module docstring for why).
 *Causal mask only where it can bite.* Tiles that end at or before the block's first token are seen
 whole by every row; only the last few tiles of a block apply the per-row causal bound.
 
+*Split-K over the context (`TuningConfig.num_splits` = S >= 2; off by default).* A short chunk over a long
+context (the 256-token tail recomputed after a host-tier recall of a 32K prefix on llama-8b: 8 blocks x 8 kv
+heads = 64 CTAs) leaves half of the 132 SMs idle. With S splits the grid is (blocks, Hkv, S): split k of a
+block streams ceil(n_tiles / S) whole tiles of its keys (`split_tile_range`, shared with the decode kernel)
+through the same three-warpgroup loop, its ring slots counted from its first tile and its unmasked tiles
+those of its range that end before the block's first token. A split that starts past some rows' causal bound
+gives them no key: their exp2 offsets are kept finite (`_finite_offset`), l stays 0, lse = -inf. Each CTA
+writes its output normalised by its own l (bf16: f32 tiles do not fit SMEM beside the ring at D=128) and its
+rows' base-2 log-sum-exp (f32); the decode kernel's `_combine_splits` merges them in XLA (a row no split saw
+stays 0). The delta variant splits the same way (each split adds the anchor to its own normalised partial, the
+convex merge keeps it once). `ws_prefill_splits` picks S to fill one wave of SMs with several tiles per
+split; `stratum_jax.attention.prefill_attention(prefill_splits=...)` passes it, None (off) by default. With S
+= 1 the traced kernel is the unsplit one (jaxpr text compared before and after). Not measured on a GPU yet:
+correctness in the interpreter and the lowering on a CPU (tests/test_ws_prefill_splits.py); its speed waits
+for the H200 (`benchmarks/prefill_attention.py --chunk 256 --chunks 1 --kernel-configs ws/128:2,ws/128:2:2`).
+
 *Stale slots.* Keys at or past the sequence's length are masked to -inf, and the V rows there (the
 tail of the last tile, which may hold stale or NaN values) are zeroed by each compute warpgroup
 before its P V (P = 0 there, but 0 * NaN = NaN inside the MMA). Both warpgroups write the same zeros.
@@ -81,8 +97,8 @@ from pallas_kernels.delta_attention import (
     F16_SAFE_MAX, GRANULE, SCALE_AREA, add_anchor_v, check_delta_inputs, convert_to_f16, delta_ring_type,
     fetch_scale_granules, granule_columns, scale_areas_type, scale_index)
 from pallas_kernels.paged_attention import (
-    MMA_TRANSFORMS, TuningConfig, _flat_table, _table_window, check_prefill_blocks, check_prefill_query,
-    issue_tile_copies, page_classes, sequence_scalars, wait_page_class)
+    MMA_TRANSFORMS, TuningConfig, _combine_splits, _flat_table, _table_window, check_prefill_blocks,
+    check_prefill_query, issue_tile_copies, page_classes, sequence_scalars, split_tile_range, wait_page_class)
 
 _LOG2E = math.log2(math.e)
 _WG_ROWS = 64                  # WGMMA M: rows of one compute warpgroup's q tile
@@ -115,7 +131,26 @@ def ws_smem_bytes(config: TuningConfig, head_dim: int, max_pages: int, interpret
     q_o = _CTA_ROWS * head_dim * 2
     table = 4 * _table_window(max_pages, 1, config.block_kv)
     p = _CTA_ROWS * config.block_kv * 2 if interpret else 0
-    return ring + q_o + table + p + 1024
+    return ring + q_o + table + p + _lse_tile_bytes(config) + 1024
+
+
+def _lse_tile_bytes(config: TuningConfig) -> int:
+    """SMEM of the split kernel's per-row log-sum-exp tiles ([2, 64] f32); none unsplit."""
+    return _CTA_ROWS * 4 if (config.num_splits or 1) > 1 else 0
+
+
+def ws_prefill_splits(blocks: int, num_kv_heads: int, context_tokens: int, *, num_sms: int = 132,
+                      block_kv: int = 128, min_tiles_per_split: int = 4) -> int:
+    """Split-K factor S for the WS prefill kernel (`TuningConfig.num_splits`): the most splits such that the
+    grid blocks * Hkv * S still fits one wave of `num_sms` CTAs (the kernel's 128-row CTAs take most of an
+    SM's SMEM, one CTA an SM), and each split still streams at least `min_tiles_per_split` tiles of a
+    `context_tokens`-key context (below that the merge and the per-CTA prologue outweigh the extra SMs). 1 when
+    the grid already fills the GPU or the context is short. E.g. llama-8b's 256-token tail after a 32K prefix:
+    8 blocks x 8 heads = 64 CTAs -> S = 2 (128 CTAs). Not measured on a GPU yet (BENCHMARKS.md has no split
+    timing): the engine leaves it off unless asked (`prefill_attention(prefill_splits=...)`)."""
+    ctas = max(blocks * num_kv_heads, 1)
+    tiles = -(-max(context_tokens, 0) // block_kv)
+    return int(max(1, min(num_sms // ctas, tiles // min_tiles_per_split, 16)))
 
 
 def ws_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes, *,
@@ -132,8 +167,9 @@ def ws_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, page
         0 marks a padding block (output zeros). Keys >= length are never read as values.
       page_starts: [blocks, max_pages] int32 and page_sizes: [blocks] int32: each block's sequence's
         block table, as in `paged_attention`.
-      config: TuningConfig (block_kv 64 or 128, or 256 at head_dim 64; num_stages; num_splits None or
-        1); default `default_ws_config(head_dim)`.
+      config: TuningConfig (block_kv 64 or 128, or 256 at head_dim 64; num_stages; num_splits None or 1,
+        or S >= 2: split-K over each block's keys, `_build_ws_kernel` says how); default
+        `default_ws_config(head_dim)`. `ws_prefill_splits` picks an S.
     Returns [blocks, tokens, num_q_heads, head_dim] in q.dtype: token i attends to the keys at
     positions < min(q_starts + i + 1, lengths).
     """
@@ -141,8 +177,6 @@ def ws_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, page
         "ws_prefill_attention", q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes,
         most_tokens=ws_prefill_block_tokens(q.shape[2] if q.ndim == 4 else 0, k_pool.shape[0]), q_rows=_CTA_ROWS)
     config = config or default_ws_config(head_dim)
-    if config.num_splits not in (None, 1):
-        raise ValueError(f"ws_prefill_attention: causal blocks are not split, got num_splits={config.num_splits}")
     if config.block_kv == 256 and head_dim != 64:
         raise ValueError(f"ws_prefill_attention: block_kv 256 is for head_dim 64 (a [64, 256] fp32 score tile "
                          f"plus a [64, {head_dim}] accumulator leave no registers), got head_dim {head_dim}")
@@ -173,7 +207,23 @@ def _ws_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, pag
                               scale=scale, config=config, interpret=interpret)
     # A negative start would leave a row no key at all (its online softmax would be NaN, not zeros).
     out = kernel(lengths, page_sizes, jnp.maximum(q_starts, 0), table, q2.reshape(-1, head_dim), k_pool, v_pool)
+    out = _merge_split_rows(out, blocks=blocks, num_kv_heads=num_kv_heads, splits=config.num_splits or 1)
     return _cta_rows_to_tokens(out, q.shape, num_kv_heads).astype(q.dtype)
+
+
+def _merge_split_rows(out, *, blocks: int, num_kv_heads: int, splits: int):
+    """The kernel's output -> rows [blocks * Hkv * 128, D]. Unsplit: out is those rows (returned as is).
+    Split: out = (o_part [S * blocks * Hkv * 128, D] bf16, each split's output normalised by its own l,
+    lse [S * blocks * Hkv * 128] f32, base 2, -inf where a row saw no key of the split), merged by the decode
+    kernel's `_combine_splits` (weights 2^(lse - max); a row no split saw stays 0), in f32."""
+    if splits == 1:
+        return out
+    o_part, lse = out
+    head_dim = o_part.shape[-1]
+    o_part = o_part.reshape(splits, blocks, num_kv_heads, _CTA_ROWS, head_dim).astype(jnp.float32)
+    lse = lse.reshape(splits, blocks, num_kv_heads, _CTA_ROWS)
+    merged = _combine_splits(jnp.moveaxis(o_part, 0, 1), jnp.moveaxis(lse, 0, 1))     # [blocks, Hkv, 128, D]
+    return merged.reshape(-1, head_dim)
 
 
 def _cta_q_rows(q, num_kv_heads: int):
@@ -213,7 +263,7 @@ def ws_delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, max_pa
     table = 4 * _table_window(max_pages, 1, T)
     converted = (2 * S * T * head_dim * 2 + S * 2 * (T // GRANULE) * 4) if itemsize == 1 else 0
     p = _CTA_ROWS * T * 2 if interpret else 0
-    return ring + areas + q_o + table + converted + p + 1024
+    return ring + areas + q_o + table + converted + p + _lse_tile_bytes(config) + 1024
 
 
 def default_ws_delta_config(head_dim: int, delta_dtype, max_pages: int, interpret: bool = False) -> TuningConfig:
@@ -244,7 +294,9 @@ def ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, 
       anchor_k, anchor_v: [Hkv, 1, D] bf16 (anchor_k cancels in the softmax and is not read).
       q_starts, lengths, page_starts, page_sizes: as in `delta_prefill_attention` (length 0: a padding block,
         zeros; slots, deltas and scales at or past a block's length are never used, even if NaN).
-      sm_scale: default 1/sqrt(D). config: TuningConfig (block_kv 64 or 128, num_splits None or 1); default
+      sm_scale: default 1/sqrt(D). config: TuningConfig (block_kv 64 or 128, num_splits as in
+        `ws_prefill_attention`: each split adds the anchor to its own normalised partial, so the merge adds it
+        once, to rows that saw a key); default
         `default_ws_delta_config`. interpret: run in the Mosaic GPU interpreter on CPU (tests).
     Returns [blocks, tokens, Hq, D] in q.dtype (through bf16): token i attends to the keys at positions
     < min(q_starts + i + 1, lengths).
@@ -263,8 +315,6 @@ def ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, 
     in_interpreter = interpret or interpret_mode_active()
     max_pages = page_starts.shape[1]
     config = config or default_ws_delta_config(head_dim, k_delta.dtype, max_pages, in_interpreter)
-    if config.num_splits not in (None, 1):
-        raise ValueError(f"{name}: causal blocks are not split, got num_splits={config.num_splits}")
     if config.block_kv not in (64, 128):
         raise ValueError(f"{name}: block_kv must be 64 or 128, got {config.block_kv}")
     need = ws_delta_smem_bytes(config, head_dim, k_delta.dtype, max_pages, in_interpreter)
@@ -275,7 +325,7 @@ def ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, 
     if sm_scale is not None and not sm_scale > 0:
         raise ValueError(f"{name}: sm_scale must be > 0, got {sm_scale}")
     scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
-    config = dataclasses.replace(config, num_splits=1)
+    config = dataclasses.replace(config, num_splits=config.num_splits or 1)
     args = (q, k_delta, v_delta, k_scale, v_scale, anchor_v, q_starts, lengths, page_starts, page_sizes)
     if interpret:
         with mosaic_gpu_interpret():
@@ -297,6 +347,7 @@ def _ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_v,
                               delta_dtype=jnp.dtype(k_delta.dtype).name)
     out = kernel(lengths, page_sizes, jnp.maximum(q_starts, 0), table, q2.reshape(-1, head_dim), k_delta, v_delta,
                  k_scale, v_scale, anchor_v)
+    out = _merge_split_rows(out, blocks=blocks, num_kv_heads=num_kv_heads, splits=config.num_splits)
     return _cta_rows_to_tokens(out, q.shape, num_kv_heads).astype(q.dtype)
 
 
@@ -305,8 +356,18 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
     """f(lengths, page_sizes, q_starts, table, q2 [blocks * Hkv * 128, D], *kv) -> o [blocks * Hkv * 128, D] bf16
     (row layout of q2). delta_dtype None: kv = (k_pool, v_pool) bf16, q2 bf16. delta_dtype "float16" or
     "float8_e4m3fn": the folded delta format (module docstring), kv = (k_delta, v_delta, k_scale, v_scale,
-    anchor_v [Hkv, 1, D] bf16), q2 f16."""
+    anchor_v [Hkv, 1, D] bf16), q2 f16.
+
+    Split-K (config.num_splits = S >= 2): grid (blocks, Hkv, S); split k of a block streams the tiles
+    `split_tile_range` gives it (ceil(n_tiles / S) whole tiles each, the last ones short or empty) through the
+    same loop, ring slots counted from its first tile, the unmasked/masked boundary clipped to its range.
+    Returns (o_part [S * blocks * Hkv * 128, D] bf16, normalised by the split's own l; lse [S * blocks * Hkv *
+    128] f32, base 2, -inf for a row that saw no key of the split), row k * blocks * Hkv * 128 + r for row r of
+    q2; `_merge_split_rows` merges them. The partials stay bf16 because f32 [2, 64, D] output tiles (64 KB at
+    D=128) do not fit beside the 128 KB ring; each is a convex combination of V rows, so the bf16 rounding is
+    relative to the output, like the unsplit kernel's. S = 1 traces exactly the unsplit kernel."""
     T = config.block_kv
+    splits = config.num_splits or 1
     stages = config.num_stages
     window = _table_window(max_pages, 1, T)
     log2_t = T.bit_length() - 1
@@ -323,12 +384,16 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
     # ride with K: the softmax needs them before P @ V, and they are read before K's slot is released).
     k_copies = [n * (3 if delta else 1) for n in copies]
 
+    n_out = 1 if splits == 1 else 2          # (o,) or (o_part, lse)
+
     def body(lengths_ref, psizes_ref, qstart_ref, table_ref, q_ref, *kv_and_out):
         def scoped(table_smem, qo_smem, k_ring, v_ring, p_smem, table_bar, q_bars, k_bars, v_bars,
-                   k_free, v_free, schedule_bar, delta_smem=None):
-            kernel_body(lengths_ref, psizes_ref, qstart_ref, table_ref, q_ref, kv_and_out[:-1], kv_and_out[-1],
-                        table_smem, qo_smem, k_ring, v_ring, p_smem, table_bar, q_bars, k_bars, v_bars,
-                        k_free, v_free, schedule_bar, delta_smem)
+                   k_free, v_free, schedule_bar, *extra):
+            delta_smem = extra[0] if delta else None
+            lse_smem = extra[-1] if splits > 1 else None
+            kernel_body(lengths_ref, psizes_ref, qstart_ref, table_ref, q_ref, kv_and_out[:-n_out],
+                        kv_and_out[-n_out:], table_smem, qo_smem, k_ring, v_ring, p_smem, table_bar, q_bars,
+                        k_bars, v_bars, k_free, v_free, schedule_bar, delta_smem, lse_smem)
 
         if delta:
             ring = delta_ring_type(stages, T, head_dim, delta_dtype)
@@ -349,21 +414,28 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
             *([_delta_scratch(stages, T, head_dim, fp8)] if delta else []),
+            *([plgpu.SMEM((_COMPUTE_WGS, _WG_ROWS), jnp.float32)] if splits > 1 else []),
             collective_axes="wg",
         )
 
-    def kernel_body(lengths_ref, psizes_ref, qstart_ref, table_ref, q_ref, kv_refs, o_ref,
+    def kernel_body(lengths_ref, psizes_ref, qstart_ref, table_ref, q_ref, kv_refs, out_refs,
                     table_smem, qo_smem, k_ring, v_ring, p_smem, table_bar, q_bars, k_bars, v_bars,
-                    k_free, v_free, schedule_bar, dsm):
+                    k_free, v_free, schedule_bar, dsm, lse_smem):
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         wg = lax.axis_index("wg")
         k_ref, v_ref = kv_refs[:2]
+        o_ref = out_refs[0]
 
         # --- per-sequence scalars (every warpgroup computes them: a few scalar ops) --------
         log2_p, page, length, n_pages, n_tiles = sequence_scalars(psizes_ref[b], lengths_ref[b],
                                                                   max_pages=max_pages, block_kv=T)
         q_start = qstart_ref[b]
+        # This CTA's tiles: local tile i is the sequence's tile tile_of(i), i < n_local (all of them unsplit).
+        k_split, tile_lo, n_local = _split_range(n_tiles, splits)
+
+        def tile_of(i):
+            return i if splits == 1 else tile_lo + i
 
         def wait(bars, slot):
             wait_page_class(bars, slot, log2_p, small_classes, T)
@@ -414,14 +486,14 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                 @pl.when(i >= stages)
                 def _():
                     plgpu.barrier_wait(k_free.at[slot])
-                fetch(k_ref, k_ring, k_bars, i, slot, k_scales)
+                fetch(k_ref, k_ring, k_bars, tile_of(i), slot, k_scales)
 
                 @pl.when(i >= stages)
                 def _():
                     plgpu.barrier_wait(v_free.at[slot])
-                fetch(v_ref, v_ring, v_bars, i, slot)
+                fetch(v_ref, v_ring, v_bars, tile_of(i), slot)
                 return carry
-            lax.fori_loop(0, n_tiles, issue, None)
+            lax.fori_loop(0, n_local, issue, None)
 
             def drain(i, carry):
                 # Observe the last releases too: a barrier's phases must all be seen by the threads
@@ -430,7 +502,7 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
                 return carry
-            lax.fori_loop(jnp.maximum(n_tiles - stages, 0), n_tiles, drain, None)
+            lax.fori_loop(jnp.maximum(n_local - stages, 0), n_local, drain, None)
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute_warpgroup():
@@ -466,6 +538,10 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
             def tile_step(i, carry, *, masked):
                 acc, m_i, l_i = carry
                 slot = lax.rem(i, stages)
+                tile = tile_of(i)
+                # A split starting past a row's causal bound leaves it no key in a masked tile: keep its
+                # exp2 offsets finite (l stays 0). Unsplit, tile 0 gives every row key 0.
+                guard = masked and splits > 1
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem, k_mma.at[slot].transpose((1, 0)))
@@ -473,28 +549,30 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                     return acc_ref[...]
                 s = pl.run_scoped(qk, plgpu.ACC((_WG_ROWS, T), jnp.float32))
                 # The scale columns are read before K's slot is released: its refill brings the next ones.
-                cols = columns(slot, i) if delta else None
+                cols = columns(slot, tile) if delta else None
                 plgpu.barrier_arrive(k_free.at[slot])
                 if cols is None:
                     if masked:
                         cols_idx = plgpu.broadcasted_iota(jnp.int32, (_WG_ROWS, T), 1, layout=wgmma_layout)
-                        s = jnp.where(cols_idx < row_end - i * T, s, -jnp.inf)
+                        s = jnp.where(cols_idx < row_end - tile * T, s, -jnp.inf)
                     # Scores stay unscaled; m is kept in scaled (base-2) units so p is one FMA + exp2.
                     m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
-                    alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    m_off = _finite_offset(m_new) if guard else m_new
+                    alpha = jnp.exp2(m_i - m_off)
+                    p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_off, s.shape, [0]))
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     l_i = l_i * alpha + p.sum(axis=1)
                 else:
                     acc, m_new, l_i, p = _folded_softmax(s, cols, acc, m_i, l_i, qk_scale=qk_scale,
-                                                         row_end=(row_end - i * T) if masked else None)
+                                                         row_end=(row_end - tile * T) if masked else None,
+                                                         guard=guard)
                 p16 = p.astype(mma_dtype)
                 if not interpret:
                     acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                 plgpu.barrier_arrive(schedule_bar)        # softmax done: the other warpgroup's GEMMs may go
                 wait_v(slot)
                 if masked and not fp8:     # (fp8: warpgroup 1 zeroed them while converting)
-                    n_valid = length - i * T
+                    n_valid = length - tile * T
 
                     @pl.when(n_valid < T)
                     def _():
@@ -505,9 +583,9 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                 plgpu.barrier_wait(schedule_bar)          # the tensor cores are ours
 
                 def next_k_wait():
-                    @pl.when(i + 1 < n_tiles)
+                    @pl.when(i + 1 < n_local)
                     def _():
-                        wait_k(lax.rem(i + 1, stages), lambda: i + 1)
+                        wait_k(lax.rem(i + 1, stages), lambda: tile_of(i + 1))
 
                 if interpret:
                     # The interpreter has no register A operand and no run_state: P goes through SMEM
@@ -533,16 +611,18 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
             l_i = plgpu.layout_cast(jnp.zeros((_WG_ROWS,), jnp.float32), row_layout)
             plgpu.barrier_wait(q_bars.at[wg])
 
-            @pl.when(n_tiles > 0)
+            @pl.when(n_local > 0)
             def _():
-                wait_k(0, lambda: 0)
+                wait_k(0, lambda: tile_of(0))
 
             pl.when(wg == 1)(schedule)     # start the ping-pong: warpgroup 0 computes first
             # Tiles ending at or before the block's first token (and the length) are whole for every
             # row: no mask there.
             full = lax.shift_right_logical(jnp.minimum(q_start, length), jnp.int32(log2_t))
+            if splits > 1:      # this range's share of them, counted from its first tile
+                full = jnp.clip(full - tile_lo, 0, n_local)
             carry = lax.fori_loop(0, full, functools.partial(tile_step, masked=False), (acc, m_i, l_i))
-            acc, m_i, l_i = lax.fori_loop(full, n_tiles, functools.partial(tile_step, masked=True), carry)
+            acc, m_i, l_i = lax.fori_loop(full, n_local, functools.partial(tile_step, masked=True), carry)
             pl.when(wg == 0)(schedule)     # balance the barrier phases
 
             # --- epilogue: normalise, write this warpgroup's 64 rows -----------------------------
@@ -554,13 +634,23 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
             else:       # through this warpgroup's q tile
                 o_smem = q_smem
             o_smem[...] = o.astype(jnp.bfloat16)
+            if splits > 1:
+                lse_smem[wg] = m_i + jnp.log2(l_i)     # -inf where the split gave the row no key
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(row0, _WG_ROWS)])
+            out_row = row0 if splits == 1 else k_split * rows_per_split + row0
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(out_row, _WG_ROWS)])
+            if splits > 1:
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], out_refs[1].at[pl.ds(out_row, _WG_ROWS)])
             plgpu.wait_smem_to_gmem(0)
 
-    out_type = jax.ShapeDtypeStruct((blocks * num_kv_heads * _CTA_ROWS, head_dim), jnp.bfloat16)
+    rows_per_split = blocks * num_kv_heads * _CTA_ROWS
+    out_type = jax.ShapeDtypeStruct((splits * rows_per_split, head_dim), jnp.bfloat16)
+    grid, grid_names = (blocks, num_kv_heads), ("b", "h")
+    if splits > 1:
+        out_type = (out_type, jax.ShapeDtypeStruct((splits * rows_per_split,), jnp.float32))
+        grid, grid_names = grid + (splits,), grid_names + ("k",)
     return plgpu.kernel(
-        body, out_type=out_type, grid=(blocks, num_kv_heads), grid_names=("b", "h"),
+        body, out_type=out_type, grid=grid, grid_names=grid_names,
         num_threads=_COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=config.approx_math))
 
@@ -606,18 +696,36 @@ def _columns_reader(dsm: _DeltaSmem, *, index, block_kv: int, length):
     return columns
 
 
-def _folded_softmax(s, cols, acc, m_i, l_i, *, qk_scale, row_end):
+def _split_range(n_tiles, splits: int):
+    """In a kernel: (k_split, tile_lo, n_local) of this CTA, split k_split (grid axis "k") of `splits` over a
+    sequence of n_tiles tiles; unsplit (None, None, n_tiles), so the unsplit kernel traces no extra op."""
+    if splits == 1:
+        return None, None, n_tiles
+    k_split = lax.axis_index("k")
+    tile_lo, tile_hi = split_tile_range(n_tiles, k_split, splits)
+    return k_split, tile_lo, tile_hi - tile_lo
+
+
+def _finite_offset(m):
+    """The exp2 offset for row maxima m [64]: m, or 0 where m is -inf (a row that has seen no key yet), so
+    exp2(m_old - offset) and exp2(s - offset) are 0 there instead of NaN (-inf - -inf)."""
+    return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def _folded_softmax(s, cols, acc, m_i, l_i, *, qk_scale, row_end, guard=False):
     """One online-softmax step of the folded path (delta_attention's module docstring): s [64, T] f32 = q . dk,
     cols: the tile's TileColumns; row_end [64, T] int32 (keys of the tile each row sees: column < row_end) or
     None (every key). The max is taken over s + log2(value scale), so P * value scale <= 1 (f16-safe); l
-    sums P without the value scale. Returns (acc rescaled, m_new, l_new, P * value scale [64, T] f32)."""
+    sums P without the value scale. guard: rows may have no key yet (`_finite_offset`). Returns (acc rescaled,
+    m_new, l_new, P * value scale [64, T] f32)."""
     s = s * lax.broadcast_in_dim(cols.score_scale * qk_scale, s.shape, [1])
     if row_end is not None:     # also drops the NaN scores of stale slots
         col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
         s = jnp.where(col < row_end, s, -jnp.inf)
     m_new = jnp.maximum(m_i, (s + lax.broadcast_in_dim(cols.log2_value_scale, s.shape, [1])).max(axis=1))
-    alpha = jnp.exp2(m_i - m_new)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    m_off = _finite_offset(m_new) if guard else m_new
+    alpha = jnp.exp2(m_i - m_off)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_off, s.shape, [0]))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     l_i = l_i * alpha + p.sum(axis=1)
     return acc, m_new, l_i, p * lax.broadcast_in_dim(cols.value_scale, s.shape, [1])

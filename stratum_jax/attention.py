@@ -149,7 +149,7 @@ def tiled_paged_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, 
 
 def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_pool, *, backend: str,
                       interpret: bool = False, max_context: int | None = None, return_score_stats: bool = False,
-                      kernel_config=None, kernel_variant: str = "ws"):
+                      kernel_config=None, kernel_variant: str = "ws", prefill_splits: int | str | None = None):
     """The prefill tiles' attention: `tiled_paged_attention`'s contract (q [tiles, tile, num_heads,
     head_dim], a tile's valid queries a prefix of consecutive positions). backend "kernel": the Pallas
     kernel's causal-block variant (`paged_prefill_attention`: blocks of 64 // group tokens, each
@@ -161,7 +161,11 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     mean anchor that takes the folded path (`default_fold_mean_anchor()`); position-aligned anchors and
     "single" take the decode kernel's pipeline. kernel_config: the kernel's TuningConfig (default:
     `default_ws_config(head_dim)` / `default_ws_delta_config` / PREFILL_KERNEL_CONFIG /
-    `default_delta_prefill_config`)."""
+    `default_delta_prefill_config`).
+    prefill_splits: split-K over the context in the warp-specialised kernels (`TuningConfig.num_splits`): None
+    (the default: off), an int S, or "auto" (`ws_prefill_splits` from the grid and max_context, else the table's
+    width x 8 keys). For a short chunk over a long context (a recomputed tail after a host-tier recall: 64 CTAs on 132
+    SMs at llama-8b) it spreads each block's keys over S CTAs. Not measured on a GPU yet, hence off."""
     tiles, tile, num_heads, head_dim = q.shape
     from pallas_kernels.paged_attention import PREFILL_KERNEL_CONFIG, paged_prefill_attention, prefill_block_tokens
     from pallas_kernels.prefill_attention import ws_prefill_attention, ws_prefill_block_tokens
@@ -182,6 +186,10 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     safe_rows = jnp.maximum(rows, 0)
     valid = (rows >= 0) & (starts >= 0)
     lengths = jnp.where(valid, jnp.minimum(starts + per_block, tables.context_lens[safe_rows]), 0)
+    if use_ws and prefill_splits is not None:
+        kernel_config = _ws_split_config(kernel_config, prefill_splits, blocks=blocks, num_kv_heads=num_kv_heads,
+                                         head_dim=head_dim, max_context=max_context, delta=delta,
+                                         max_pages=tables.page_starts.shape[1], interpret=interpret)
     if use_ws and delta is not None:
         from pallas_kernels.prefill_attention import ws_delta_prefill_attention
         out = ws_delta_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), delta.k_delta,
@@ -211,6 +219,26 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     if return_score_stats:
         return res[0].reshape(q.shape), res[1].reshape(tiles, tile, num_heads)
     return res.reshape(q.shape)
+
+
+def _ws_split_config(config, prefill_splits, *, blocks: int, num_kv_heads: int, head_dim: int,
+                     max_context: int | None, delta, max_pages: int, interpret: bool):
+    """The WS kernel's TuningConfig (the given one or the kernel's default) with num_splits from
+    `prefill_splits` (an int, or "auto": `ws_prefill_splits` over max_context keys, else the table's bound)."""
+    import dataclasses
+    from pallas_kernels.prefill_attention import default_ws_config, default_ws_delta_config, ws_prefill_splits
+    if config is None:
+        config = (default_ws_config(head_dim) if delta is None else
+                  default_ws_delta_config(head_dim, delta.k_delta.dtype, max_pages, interpret))
+    if prefill_splits == "auto":
+        context = max_context if max_context is not None else max_pages * 8      # the table's width: context / 8
+        splits = ws_prefill_splits(blocks, num_kv_heads, context, block_kv=config.block_kv)
+    elif isinstance(prefill_splits, int) and prefill_splits >= 1:
+        splits = prefill_splits
+    else:
+        raise ValueError(f"prefill_attention: prefill_splits must be None, an int >= 1 or 'auto', "
+                         f"got {prefill_splits!r}")
+    return dataclasses.replace(config, num_splits=splits)
 
 
 def _folds_in_ws_kernel(delta: DeltaKV) -> bool:

@@ -112,8 +112,7 @@ def test_entry_point_errors():
     for override, msg in bad:
         with pytest.raises(ValueError, match=msg):
             ws_delta_prefill_attention(**{**args, **override})
-    for config, msg in [(TuningConfig(num_splits=2), "causal blocks are not split"),
-                        (TuningConfig(block_kv=256, num_splits=1), "block_kv must be 64 or 128"),
+    for config, msg in [(TuningConfig(block_kv=256, num_splits=1), "block_kv must be 64 or 128"),
                         (TuningConfig(block_kv=128, num_stages=4, num_splits=1), "KB of SMEM")]:
         with pytest.raises(ValueError, match=msg):
             ws_delta_prefill_attention(**args, config=config)
