@@ -38,7 +38,7 @@ import numpy as np
 import tqdm
 from jax._src import xla_bridge   # backends_are_initialized: no public equivalent in jax 0.11.2
 
-from stratum_jax.config import KV_PRECISIONS, PROJECTION_BACKENDS, SCHEDULERS, TP_EMBEDDINGS, RuntimeConfig
+from stratum_jax.config import DECODE_KERNELS, KV_PRECISIONS, PROJECTION_BACKENDS, SCHEDULERS, TP_EMBEDDINGS, RuntimeConfig
 from stratum_jax.distributed import init_distributed
 from stratum_jax.engine import Engine
 from stratum_jax.kv.precision import kv_bytes_per_slot
@@ -152,7 +152,8 @@ def device_param_bytes(params) -> int:
     return sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
 
 
-def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16") -> dict:
+def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16",
+            decode_kernel: str = RuntimeConfig.decode_kernel) -> dict:
     ctx = args.prompt_len + args.new_tokens
     # Prefill steps of up to --prefill-tokens prompt tokens; decode timing counts only the calls with no
     # prefill at the full batch size, as a static-batch generate runs (a serving load mixes them instead).
@@ -161,6 +162,7 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16") 
                            kv_pool_tokens=args.batch * (ctx + 256), prefill_chunk=prefill_chunk,
                            max_num_batched_tokens=args.batch + args.prefill_tokens,
                            max_tokens_cap=args.new_tokens, attention=attention, page_size=args.page_size,
+                           decode_kernel=decode_kernel,
                            decode_steps=args.decode_steps, tensor_parallel=args.tensor_parallel,
                            tp_embedding=args.tp_embedding, scheduler=args.scheduler,
                            coordinator=args.coordinator, num_processes=args.num_processes,
@@ -216,7 +218,9 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16") 
     roofline_ms = (w_device + args.batch * mean_ctx * kv_per_token_device) / bw * 1e3
     return {
         "model": args.model, "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "attention": attention, "attention_backend": engine.attention_backend, "projections": engine.projections,
+        "attention": attention, "decode_kernel": (decode_kernel if engine.attention_backend == "kernel" and engine.kv_precision == "bf16"
+                          else None),
+        "attention_backend": engine.attention_backend, "projections": engine.projections,
         "kv_precision_requested": kv_precision, "kv_precision": engine.kv_precision,
         "page_size": args.page_size or "adaptive", "tensor_parallel": tp,
         "tp_embedding": None if model.tp is None else ("vocab-parallel" if model.tp.splits_vocab() else "replicated"),
@@ -250,6 +254,8 @@ def build_parser(description: str = __doc__.splitlines()[0]) -> argparse.Argumen
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--attention", nargs="+", default=["reference"], choices=["reference", "kernel"])
+    ap.add_argument("--decode-kernel", nargs="+", default=[RuntimeConfig.decode_kernel], choices=DECODE_KERNELS,
+                    help="the bf16 decode kernel(s) with --attention kernel: one run each")
     ap.add_argument("--kv-precision", nargs="+", default=["bf16"], choices=KV_PRECISIONS,
                     help="one run per precision (and per --attention); DKVC: fp16-delta, fp8-delta")
     ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"], help="default: the preset's")
@@ -299,25 +305,28 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out or f"benchmarks/results/e2e_decode_{args.model}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     runs, failed = [], []
-    for attention in args.attention:
-        for prec in args.kv_precision:
-            try:
-                runs.append(run_one(model, args, attention, bw, prec))
-            except Exception as e:  # noqa: BLE001 - one failing precision (a kernel's first GPU compile) keeps the others
-                if len(args.attention) * len(args.kv_precision) == 1:
-                    raise
-                failed.append({"attention": attention, "kv_precision": prec, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
-                print(f"{attention} {prec} FAILED: {failed[-1]['error'][:500]}", flush=True)
-            if jax.process_index() == 0:       # every process ran the same steps; one writes them (each run)
-                out.write_text(json.dumps(runs + failed, indent=2))
-    print(f"{'model':10} {'tp':>3} {'batch':>5} {'attn':>9} {'kv':>10} {'tok/s':>10} {'step ms':>8} {'roof ms':>8} {'of roof':>7} "
+    combos = [(attention, prec, kernel) for attention in args.attention for prec in args.kv_precision
+              for kernel in (args.decode_kernel if attention == "kernel" and prec == "bf16" else args.decode_kernel[:1])]
+    for attention, prec, kernel in combos:
+        try:
+            runs.append(run_one(model, args, attention, bw, prec, kernel))
+        except Exception as e:  # noqa: BLE001 - one failing precision (a kernel's first GPU compile) keeps the others
+            if len(combos) == 1:
+                raise
+            failed.append({"attention": attention, "kv_precision": prec, "decode_kernel": kernel,
+                           "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+            print(f"{attention} {prec} {kernel} FAILED: {failed[-1]['error'][:500]}", flush=True)
+        if jax.process_index() == 0:       # every process ran the same steps; one writes them (each run)
+            out.write_text(json.dumps(runs + failed, indent=2))
+    print(f"{'model':10} {'tp':>3} {'batch':>5} {'attn':>9} {'kernel':>7} {'kv':>10} {'tok/s':>10} {'step ms':>8} {'roof ms':>8} {'of roof':>7} "
           f"{'prefill tok/s':>13} {'HBM util':>8} {'MMA util':>8}")
     for r in runs:
-        print(f"{r['model']:10} {r['tensor_parallel']:3d} {r['batch']:5d} {r['attention']:>9} {r['kv_precision']:>10} {r['decode_tokens_per_s']:10.0f} "
+        print(f"{r['model']:10} {r['tensor_parallel']:3d} {r['batch']:5d} {r['attention']:>9} {r['decode_kernel'] or '-':>7} {r['kv_precision']:>10} {r['decode_tokens_per_s']:10.0f} "
               f"{r['decode_step_ms_median']:8.2f} {r['roofline_step_ms']:8.2f} {r['fraction_of_roofline'] or 0:7.1%} "
               f"{r['prefill_tokens'] / max(r['prefill_seconds'], 1e-9):13.0f} {r['hbm_bandwidth_utilization']:8.1%} "
               f"{r['gpu_compute_utilization']:8.1%}")
-    base = {r["attention"]: r["decode_tokens_per_s"] for r in runs if r["kv_precision"] == "bf16"}
+    base = {r["attention"]: r["decode_tokens_per_s"] for r in runs
+            if r["kv_precision"] == "bf16" and r["decode_kernel"] in (None, args.decode_kernel[0])}
     for r in runs:
         if r["kv_precision"] != "bf16" and r["attention"] in base:
             r["x_bf16_decode_tokens_per_s"] = r["decode_tokens_per_s"] / base[r["attention"]]

@@ -165,7 +165,7 @@ def recall_vs_recompute(model, args) -> dict:
     config = RuntimeConfig(model=args.model, dtype=args.dtype, max_batch_size=1, max_context=max_context,
                            kv_pool_tokens=pool, prefill_chunk=args.prefill_chunk, max_tokens_cap=1,
                            kv_host_tokens=4 * ctx, kv_prefetch_pages=0, page_size=page, attention=args.attention,
-                           kv_precision=args.kv_precision)
+                           kv_precision=args.kv_precision, prefill_splits=args.prefill_splits)
     t = time.perf_counter()
     engine = Engine(config, model=model)             # pins the tier's host memory (--kv-host-pin-at-start)
     engine_init_s = time.perf_counter() - t
@@ -208,6 +208,7 @@ def recall_vs_recompute(model, args) -> dict:
     ts = engine.transfers.stats
     return {
         "context": ctx, "page_size": page, "kv_pool_tokens": pool, "kv_precision": engine.kv_precision,
+        "prefill_splits": args.prefill_splits,
         "host_memory": engine.transfers.memory_kind, "engine_init_s": engine_init_s, "runs": runs,
         "recompute_s": recompute, "recall_s": recall, "recompute_over_recall": recompute / recall,
         "recall_median_s": statistics.median(warm) if warm else None,
@@ -293,6 +294,8 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-mb", type=int, default=1024, help="with --recall-vs-recompute: pinned copy probe size")
     ap.add_argument("--recalls", type=int, default=5, help="with --recall-vs-recompute: recall runs, alternating "
                     "P1 and P2 (the first may compile; the median is over the others)")
+    ap.add_argument("--prefill-splits", default="auto", metavar="{auto,off,N}",
+                    help="with --recall-vs-recompute: split-K in the WS prefill kernel (the recomputed tail)")
     ap.add_argument("--kv-precision", default="bf16", choices=["bf16", "fp16-delta", "fp8-delta"], help="with --recall-vs-recompute (fp8-delta: half the bytes)")
     args = ap.parse_args(argv)
     if args.replot:

@@ -133,15 +133,16 @@ class SwappedConfig:
 
 
 def default_swapped_config(head_dim: int) -> SwappedConfig:
-    """The config when the caller gives none (num_splits from the grid size). Not yet measured on a GPU:
-    picked for 3 CTAs per SM by SMEM (~70 KB each, `SwappedConfig.ctas_per_sm`) with 128-token tiles at
-    head_dim 64 (two M groups per MMA, 8 KB copies per K or V tile at 128-token pages) and 64-token
-    tiles at head_dim 128 (the same bytes per tile). 4 CTAs per SM (one even wave of 528 >= 512 CTAs at
-    B=64, Hkv=8) take T=64 with 3 stages at head_dim 64: see the benchmark's swapped configs.
-    The page-table window counts too: without split-K it is the sequence's whole table row (4 bytes a page
-    entry), so a table of more than ~1000 entries (the engine's width is max_context / 8: 8K context and up)
-    leaves room for 2 CTAs per SM at head_dim 64 with this default."""
-    return SwappedConfig(block_kv=128 if head_dim == 64 else 64)
+    """The config when the caller gives none (num_splits from the grid size), from the H200 timings
+    (benchmarks/KERNEL_NOTES.md, B=64, Hq=32, Hkv=8, contexts 1K/4K/16K, pages 8/64/mixed):
+    - head_dim 128: 64-token tiles, 3 stages, the fastest or within 2% of it at every shape timed;
+    - head_dim 64: 128-token tiles, 2 stages. 64-token tiles with 3 stages (4 CTAs an SM) are 7-15% faster at 1K
+      but 6-38% slower at 4K and 16K, and a step's context is not known when it is traced.
+    SMEM bounds the CTAs per SM (`SwappedConfig.ctas_per_sm`): the page-table window counts (without split-K
+    it is the sequence's whole table row, 4 bytes a page entry)."""
+    if head_dim == 64:
+        return SwappedConfig(block_kv=128, num_stages=2)
+    return SwappedConfig(block_kv=64, num_stages=3)
 
 
 def query_columns(group: int) -> int:

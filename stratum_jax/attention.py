@@ -249,13 +249,19 @@ def _folds_in_ws_kernel(delta: DeltaKV) -> bool:
 
 
 def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend: str, interpret: bool = False,
-                     max_context: int | None = None, return_score_stats: bool = False):
+                     max_context: int | None = None, return_score_stats: bool = False,
+                     kernel_variant: str = "swapped"):
     """One query token per row: q [rows, num_heads, head_dim], positions [rows] int32 (-1: the row has no
     decode token this step). The row's keys are positions 0..position (its context after the write).
-    backend "kernel": the Pallas Mosaic GPU kernel (the delta-KV kernel when k_pool is a DKVC DeltaKV, v_pool
-    then None); "reference": the tiled jnp path with one-token tiles.
+    backend "kernel": a Pallas Mosaic GPU kernel: for bf16 pools kernel_variant "swapped"
+    (`swapped_paged_attention`: keys on WGMMA's M, the GQA group on N) or "paged" (`paged_attention`: 64-row
+    q blocks); for a DKVC DeltaKV (v_pool then None) the delta-KV kernel. "reference": the tiled jnp path
+    with one-token tiles.
     Returns out [rows, num_heads, head_dim] (and score_var [rows, num_heads] with return_score_stats).
     """
+    if kernel_variant not in DECODE_KERNEL_VARIANTS:
+        raise ValueError(f"decode_attention: kernel_variant must be one of {DECODE_KERNEL_VARIANTS}, "
+                         f"got {kernel_variant!r}")
     rows = q.shape[0]
     lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
     if backend == "kernel" and isinstance(k_pool, DeltaKV):      # DKVC: the delta-KV kernel
@@ -264,6 +270,10 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
         return delta_attention(q, d.k_delta, d.v_delta, d.k_scale, d.v_scale, d.anchor_k, d.anchor_v, lengths,
                                tables.page_starts, tables.page_sizes, interpret=interpret,
                                return_score_stats=return_score_stats)
+    if backend == "kernel" and kernel_variant == "swapped":
+        from pallas_kernels.swapped_decode_attention import swapped_paged_attention
+        return swapped_paged_attention(q, k_pool, v_pool, lengths, tables.page_starts, tables.page_sizes,
+                                       interpret=interpret, return_score_stats=return_score_stats)
     if backend == "kernel":
         from pallas_kernels.paged_attention import paged_attention
         return paged_attention(q, k_pool, v_pool, lengths, tables.page_starts, tables.page_sizes,
@@ -277,6 +287,8 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
 
 
 KERNEL_HEAD_DIMS = (64, 128)
+# The bf16 decode kernels (`decode_attention`'s kernel_variant; --decode-kernel resolves "auto").
+DECODE_KERNEL_VARIANTS = ("swapped", "paged")
 
 
 def on_hopper_gpu() -> bool:

@@ -8,6 +8,7 @@ import os
 PAGE_SIZE_CLASSES = (8, 16, 32, 64, 128, 256)   # tokens per page: 8 * 2^k
 ATTENTION_BACKENDS = ("auto", "reference", "kernel")
 PROJECTION_BACKENDS = ("auto", "kernel", "xla")
+DECODE_KERNELS = ("swapped", "paged")          # --decode-kernel: stratum_jax/attention.py decode_attention
 DMLP_DEVICES = ("default", "cpu")
 TP_EMBEDDINGS = ("auto", "vocab-parallel", "replicated")   # --tp-embedding (stratum_jax/tensor_parallel.py)
 CACHE_POLICIES = ("lru", "dmlp")
@@ -60,6 +61,11 @@ def parse_cores(text: str | None) -> tuple[int, ...] | None:
     return tuple(sorted(cores))
 
 
+def _prefill_splits_ok(value) -> bool:
+    value = str(value).strip().lower()
+    return value in ("auto", "off") or (value.isdigit() and 1 <= int(value) <= 16)
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     """Everything the engine can be tuned by. Invalid values raise ValueError naming the flag to fix."""
@@ -95,6 +101,12 @@ class RuntimeConfig:
     projections: str = "auto"        # a decode step's q/k/v, o and down projections: "kernel" (the Pallas
                                      # weight-streaming GEMM), "xla", or "auto": the kernel on a Hopper GPU for
                                      # a bf16 model on one device (stratum_jax/model/projection.py)
+    decode_kernel: str = "swapped"   # the bf16 decode kernel with --attention kernel: "swapped" (keys on WGMMA's M,
+                                     # the GQA group on N: fewer registers, 3 CTAs an SM) or "paged" (64-row q
+                                     # blocks); benchmarks/KERNEL_NOTES.md has their timings
+    prefill_splits: str = "auto"     # split-K over the context in the WS prefill kernel: "auto" (ws_prefill_splits:
+                                     # only when a chunk's blocks x kv heads leave SMs idle, e.g. a recomputed tail
+                                     # over a long prefix), "off", or a count N >= 1
     interpret_kernels: bool = False  # run Pallas kernels in the Mosaic GPU interpreter (CPU tests)
     cache_policy: str = "lru"        # eviction/page-size policy for cached prefix pages: lru or dmlp
     dmlp_checkpoint: str | None = None   # DMLP checkpoint directory (train_dmlp --out); needed by dmlp
@@ -157,6 +169,10 @@ class RuntimeConfig:
              f"--attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         need(self.projections in PROJECTION_BACKENDS,
              f"--projections must be one of {PROJECTION_BACKENDS}, got {self.projections!r}")
+        need(self.decode_kernel in DECODE_KERNELS,
+             f"--decode-kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
+        need(_prefill_splits_ok(self.prefill_splits),
+             f"--prefill-splits must be 'auto', 'off' or a count from 1 to 16, got {self.prefill_splits!r}")
         need(self.cache_policy in CACHE_POLICIES,
              f"--cache-policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
         need(self.kv_precision in KV_PRECISIONS,
@@ -214,6 +230,12 @@ class RuntimeConfig:
         need(self.cache_policy == "lru", "--num-processes > 1 needs --cache-policy lru (the DMLP's features "
                                          "include measured times, so processes would diverge)")
         need(not self.kv_host_tokens, "--num-processes > 1 does not support --kv-host-tokens")
+
+    @property
+    def prefill_split_setting(self) -> int | str | None:
+        """--prefill-splits as `prefill_attention(prefill_splits=...)` takes it: None (off), "auto" or a count."""
+        value = str(self.prefill_splits).strip().lower()
+        return None if value == "off" else value if value == "auto" else int(value)
 
     def _check_dmlp(self, need) -> None:
         need(self.dmlp_device in DMLP_DEVICES, f"--dmlp-device must be one of {DMLP_DEVICES}, got {self.dmlp_device!r}")
@@ -322,6 +344,13 @@ class RuntimeConfig:
         g.add_argument("--projections", default=d.projections, choices=PROJECTION_BACKENDS,
                        help="a decode step's q/k/v, o and down projections: the Pallas weight-streaming GEMM, XLA's "
                             "dot, or auto (the kernel on a Hopper GPU for a bf16 model on one device)")
+        g.add_argument("--decode-kernel", default=d.decode_kernel, choices=DECODE_KERNELS,
+                       help="the bf16 decode attention kernel with --attention kernel: swapped (keys on the MMA's "
+                            "rows, the GQA group on its columns) or paged (64-row query blocks)")
+        g.add_argument("--prefill-splits", default=d.prefill_splits, metavar="{auto,off,N}",
+                       help="split-K over the context in the warp-specialised prefill kernel: auto (only when a "
+                            "chunk's blocks x kv heads leave SMs idle, as for a short tail over a long prefix), "
+                            "off, or N CTAs per block")
         g.add_argument("--kv-precision", default=None, choices=KV_PRECISIONS,
                        help="KV pages: bf16, or DKVC deltas from a resident anchor built at start-up, as fp16 or "
                             f"fp8 e4m3 with per-granule scales (default: ${KV_PRECISION_ENV}, else bf16). fp8 "

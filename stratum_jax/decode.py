@@ -65,6 +65,8 @@ class StepGeometry:
     # and deadlock (seen on a 2-core machine), so interpreted engines use "single" (the ws kernel has its
     # own interpreter tests, one call at a time).
     prefill_kernel: str = "ws"
+    decode_kernel: str = "swapped"      # the bf16 decode kernel (attention.py DECODE_KERNEL_VARIANTS)
+    prefill_splits: int | str | None = "auto"   # split-K over the context in the WS prefill kernel
     attn_stats: bool = False    # compute attn_score_var
     tp: TensorParallel | None = None   # the mesh the params and pools are laid out on (None: one device)
 
@@ -147,7 +149,7 @@ def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
     def attend(layer, q, k_pool, v_pool):
         res = sharded_decode_attention(geo.tp, q[:rows], batch.positions[:rows], batch.tables, k_pool, v_pool,
                                        backend=geo.backend, interpret=geo.interpret, max_context=geo.max_context,
-                                       return_score_stats=geo.attn_stats)
+                                       return_score_stats=geo.attn_stats, kernel_variant=geo.decode_kernel)
         out, var = res if geo.attn_stats else (res, None)
         if geo.attn_stats:
             layer_var.append(jnp.mean(var, axis=-1))                                 # [rows]
@@ -158,7 +160,7 @@ def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
                                         batch.positions[rows:].reshape(tiles, tile), batch.tile_rows,
                                         batch.tables, k_pool, v_pool, backend=geo.backend,
                                         interpret=geo.interpret, max_context=geo.max_context,
-                                        kernel_variant=geo.prefill_kernel)
+                                        kernel_variant=geo.prefill_kernel, prefill_splits=geo.prefill_splits)
         return jnp.concatenate([out, pre.reshape(prefill, *q.shape[1:])])
 
     with jax.named_scope("forward"):

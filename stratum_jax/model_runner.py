@@ -128,6 +128,7 @@ class ModelRunner:
                                 backend=backend, projections=projections,
                                 interpret=config.interpret_kernels and "kernel" in (backend, projections),
                                 prefill_kernel="single" if config.interpret_kernels else "ws",
+                                decode_kernel=config.decode_kernel, prefill_splits=config.prefill_split_setting,
                                 attn_stats=attn_stats, tp=None if model is None else model.tp)
         self.buckets = prefill_buckets(config)
         self.shapes = all_step_shapes(config)

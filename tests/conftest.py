@@ -28,4 +28,6 @@ def two_splits(monkeypatch):
     """The paged-attention kernel's default split for tiny grids is 16 CTAs per (row, kv head), which the
     Mosaic GPU interpreter runs slowly; 2 splits still exercise the split-K merge (of outputs and stats)."""
     import pallas_kernels.paged_attention as paged_attention_module
-    monkeypatch.setattr(paged_attention_module, "default_num_splits", lambda batch, num_kv_heads: 2)
+    import pallas_kernels.swapped_decode_attention as swapped_module
+    for module in (paged_attention_module, swapped_module):
+        monkeypatch.setattr(module, "default_num_splits", lambda batch, num_kv_heads: 2)

@@ -24,10 +24,11 @@ def _tiny_d64():
 
 
 def _run(model, attention, interpret, prompts, page_size=None, max_tokens=6, max_batch_size=8, decode_steps=4,
-         kv_precision="bf16", prefill_chunk=64):
+         kv_precision="bf16", prefill_chunk=64, decode_kernel="swapped"):
     engine = Engine(RuntimeConfig(model="tiny", max_context=256, kv_pool_tokens=4096, max_batch_size=max_batch_size,
                                   prefill_chunk=prefill_chunk, attention=attention, interpret_kernels=interpret,
-                                  page_size=page_size, decode_steps=decode_steps, kv_precision=kv_precision),
+                                  page_size=page_size, decode_steps=decode_steps, kv_precision=kv_precision,
+                                  decode_kernel=decode_kernel),
                     model=model)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [r.token_ids for r in engine.generate(prompts, sp)]
@@ -36,13 +37,35 @@ def _run(model, attention, interpret, prompts, page_size=None, max_tokens=6, max
 PROMPTS = [[5, 6, 7], list(range(20, 61)), [9] * 17, list(range(100, 110))]
 
 
-def test_engine_kernel_interpret_matches_reference(two_splits):
-    """The interpreter runs every CTA of every step in Python (every row of every packed and decode
-    step, padding rows too), so: 2 rows, 2 splits, 2 decode steps per call."""
+def _count_traces(monkeypatch, module, names, traced=None) -> dict:
+    """Wraps `module`'s functions `names` (as the attention layer imports them at each call) to count their
+    traces in `traced` (a new dict, or the one given); returns it."""
+    traced = {} if traced is None else traced
+    traced.update(dict.fromkeys(names, 0))
+    for name in names:
+        def counted(*a, _fn=getattr(module, name), _name=name, **kw):
+            traced[_name] += 1
+            return _fn(*a, **kw)
+        monkeypatch.setattr(module, name, counted)
+    return traced
+
+
+@pytest.mark.parametrize("decode_kernel", ["swapped", "paged"])
+def test_engine_kernel_interpret_matches_reference(monkeypatch, two_splits, decode_kernel):
+    """--decode-kernel swapped (the default) and paged. The interpreter runs every CTA of every step in Python
+    (every row of every packed and decode step, padding rows too), so: 2 rows, 2 splits, 2 decode steps per
+    call. The decode kernel asked for is counted as it is traced, and the other must not be."""
+    import pallas_kernels.paged_attention as paged_module
+    import pallas_kernels.swapped_decode_attention as swapped_module
+    traced = _count_traces(monkeypatch, swapped_module, ["swapped_paged_attention"])
+    _count_traces(monkeypatch, paged_module, ["paged_attention"], traced)
     model = _tiny_d64()
     prompts = [[5, 6, 7], list(range(20, 45))]
     kw = dict(page_size=8, max_tokens=3, max_batch_size=2, decode_steps=2)
-    assert _run(model, "kernel", True, prompts, **kw) == _run(model, "reference", False, prompts, **kw)
+    got = _run(model, "kernel", True, prompts, decode_kernel=decode_kernel, **kw)
+    ran = "swapped_paged_attention" if decode_kernel == "swapped" else "paged_attention"
+    assert traced[ran] > 0 and sum(traced.values()) == traced[ran], traced
+    assert got == _run(model, "reference", False, prompts, **kw)
 
 
 def test_engine_delta_kernels_interpret_match_reference(monkeypatch, two_splits):
@@ -51,12 +74,7 @@ def test_engine_delta_kernels_interpret_match_reference(monkeypatch, two_splits)
     same delta cache. Both kernels are counted as they are traced, so a fall-back to the tiled path fails
     here. prefill_chunk 32 (one 32-token block per prompt with GQA 2) keeps the interpreted CTAs few."""
     import pallas_kernels.delta_attention as delta_module
-    traced = {"delta_prefill_attention": 0, "delta_attention": 0}
-    for name in traced:
-        def counted(*a, _fn=getattr(delta_module, name), _name=name, **kw):
-            traced[_name] += 1
-            return _fn(*a, **kw)
-        monkeypatch.setattr(delta_module, name, counted)
+    traced = _count_traces(monkeypatch, delta_module, ["delta_prefill_attention", "delta_attention"])
     model = _tiny_d64()
     prompts = [[5, 6, 7], list(range(20, 37))]
     kw = dict(page_size=16, max_tokens=2, max_batch_size=2, decode_steps=1, kv_precision="fp8-delta",

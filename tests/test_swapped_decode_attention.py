@@ -158,12 +158,13 @@ def test_entry_checks():
         swapped_paged_attention(**case, soft_cap=0.0)
 
 
-def test_default_configs_fit_three_ctas_per_sm():
-    """The defaults' point: more CTAs per SM than `paged_attention`'s 2 (SMEM is the limit, not registers), with
-    the page table of a 1K-context benchmark (128 entries; the whole row is the CTA's window without split-K)."""
-    for head_dim in (64, 128):
+def test_default_configs_fit_the_ctas_per_sm_they_were_timed_with():
+    """More CTAs per SM than `paged_attention`'s 2 at head_dim 64 (SMEM is the limit, not registers); at 128 the
+    3-stage default (the fastest timed, KERNEL_NOTES.md) fits 2. The page table of a 1K-context benchmark (128
+    entries; the whole row is the CTA's window without split-K), and a 16K context's still fits in SMEM."""
+    for head_dim, ctas in ((64, 3), (128, 2)):
         cfg = default_swapped_config(head_dim)
-        assert cfg.ctas_per_sm(head_dim, max_pages=1024 // 8) >= 3, (head_dim, cfg)
+        assert cfg.ctas_per_sm(head_dim, max_pages=1024 // 8) >= ctas, (head_dim, cfg)
         assert cfg.smem_bytes(head_dim, max_pages=16384 // 8) <= 227 * 1024
     assert [query_columns(g) for g in (1, 2, 4, 8, 12, 16)] == [8, 8, 8, 8, 16, 16]
 
