@@ -174,15 +174,16 @@ def test_kernel_score_var(kind):
       scores sharing a common offset several times their spread (where raw fp32 sums of s and s^2
       start to cancel);
     - split3_softcap_group3: block_kv 128 (per-tile row sums), split-K over 3 CTAs (one empty),
-      soft cap, sm_scale, q_per_kv 3 (padded q rows), P >= T and P < T pages."""
+      soft cap, sm_scale, q_per_kv 3 (padded q rows), P >= T and P < T pages.
+    One kv head each (GQA's head mapping has its own tests): the interpreter's time grows with the grid."""
     if kind == "gqa4_d128_offset":
         case = random_paged_case(12, lengths=[1, 15, 33, 65, 127, 300, 0], page_sizes=[8, 16, 32, 64, 128, 256, 8],
-                         num_q_heads=8, num_kv_heads=2, head_dim=128)
+                         num_q_heads=4, num_kv_heads=1, head_dim=128)
         case = _offset_case(case, 1.0, 1.25)
         cfg, kw = TuningConfig(block_kv=64, num_stages=2, num_splits=1), {}
     else:
-        case = random_paged_case(13, lengths=[450, 5, 0, 130, 1], page_sizes=[32, 256, 8, 64, 16], num_q_heads=6,
-                         num_kv_heads=2, head_dim=64)
+        case = random_paged_case(13, lengths=[450, 5, 0, 130, 1], page_sizes=[32, 256, 8, 64, 16], num_q_heads=3,
+                         num_kv_heads=1, head_dim=64)
         cfg, kw = TuningConfig(block_kv=128, num_stages=2, num_splits=3), dict(soft_cap=8.0, sm_scale=0.2)
     out, var = run_kernel(case, config=cfg, return_score_stats=True, **kw)
     want = float64_score_variance(case, **kw)

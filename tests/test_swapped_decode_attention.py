@@ -68,14 +68,15 @@ def test_reference_matches_float64():
 STATS = dict(return_score_stats=True)
 
 
+# One kv head where the case is about something else than several: the interpreter's time grows with the grid.
 @pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads,block_kv,splits,q_dtype,sm_scale,kw", [
     # llama's GQA 4 (N = 8 with the neighbour group), D=64's default tile; score statistics
     (64, 8, 2, 128, 1, jnp.bfloat16, None, STATS),
     # GQA 1, D=128's default tile, a given sm_scale; statistics of soft-capped scores
     (128, 2, 2, 64, 1, jnp.bfloat16, 0.2, dict(soft_cap=5.0, **STATS)),
     # GQA 8, fp32 q and output, split-K 2 (the 1- and 7-token rows' second split is empty); statistics
-    (64, 16, 2, 64, 2, jnp.float32, None, STATS),
-    (128, 6, 2, 64, 3, jnp.bfloat16, None, {}),     # GQA 3: groups padded to 8 rows, split-K 3
+    (64, 8, 1, 64, 2, jnp.float32, None, STATS),
+    (128, 3, 1, 64, 3, jnp.bfloat16, None, {}),     # GQA 3: groups padded to 8 rows, split-K 3
     (64, 16, 1, 256, 1, jnp.bfloat16, None, {}),    # GQA 16: N = 16, 256-token tiles (four M groups)
 ])
 def test_kernel_matches_float64(head_dim, num_q_heads, num_kv_heads, block_kv, splits, q_dtype, sm_scale, kw):
