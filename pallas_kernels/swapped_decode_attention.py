@@ -132,15 +132,24 @@ class SwappedConfig:
         return _SMEM_PER_SM // (self.smem_bytes(head_dim, max_pages, group) + _SMEM_PER_CTA_RESERVED)
 
 
-def default_swapped_config(head_dim: int) -> SwappedConfig:
+# At head_dim 64, contexts up to this many keys take 64-token tiles with 3 stages (`default_swapped_config`).
+SHORT_CONTEXT_KEYS = 2048
+
+
+def default_swapped_config(head_dim: int, max_context: int | None = None) -> SwappedConfig:
     """The config when the caller gives none (num_splits from the grid size), from the H200 timings
-    (benchmarks/KERNEL_NOTES.md, B=64, Hq=32, Hkv=8, contexts 1K/4K/16K, pages 8/64/mixed):
+    (benchmarks/KERNEL_NOTES.md, B=64, Hq=32, Hkv=8, contexts 1K/4K/16K, pages 8/64/mixed, then 1K at every
+    page size):
     - head_dim 128: 64-token tiles, 3 stages, the fastest or within 2% of it at every shape timed;
-    - head_dim 64: 128-token tiles, 2 stages. 64-token tiles with 3 stages (4 CTAs an SM) are 7-15% faster at 1K
-      but 6-38% slower at 4K and 16K, and a step's context is not known when it is traced.
+    - head_dim 64: 128-token tiles, 2 stages; but 64-token tiles with 3 stages (4 CTAs an SM) when no sequence
+      can pass `SHORT_CONTEXT_KEYS` (max_context, the caller's bound on a row's keys, e.g. the engine's
+      --max-context): they are 3-26% faster at 1K (every page size) and 9-38% slower at 4K and 16K, and the
+      kernel cannot see a step's longest context when it is traced.
     SMEM bounds the CTAs per SM (`SwappedConfig.ctas_per_sm`): the page-table window counts (without split-K
     it is the sequence's whole table row, 4 bytes a page entry)."""
     if head_dim == 64:
+        if max_context is not None and max_context <= SHORT_CONTEXT_KEYS:
+            return SwappedConfig(block_kv=64, num_stages=3)
         return SwappedConfig(block_kv=128, num_stages=2)
     return SwappedConfig(block_kv=64, num_stages=3)
 
@@ -176,7 +185,7 @@ def swapped_paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, p
 
 def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sm_scale: float | None = None,
                             soft_cap: float | None = None, config: SwappedConfig | None = None,
-                            interpret: bool = False,
+                            max_context: int | None = None, interpret: bool = False,
                             return_score_stats: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention over a paged KV pool with per-sequence page sizes, keys on WGMMA's M (module docstring).
 
@@ -189,7 +198,10 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
       page_sizes: [batch] int32, one of PAGE_SIZES per sequence.
       sm_scale: score scale, default 1/sqrt(head_dim).
       soft_cap: if set (> 0), scores become soft_cap * tanh(scores / soft_cap).
-      config: SwappedConfig; None gives `default_swapped_config(head_dim)` with split-K from the grid size.
+      config: SwappedConfig; None gives `default_swapped_config(head_dim, max_context)` with split-K from the
+        grid size.
+      max_context: a bound on every row's keys (lengths), when the caller has one (the engine's
+        --max-context); it only picks the default config.
       interpret: run the kernel in the Mosaic GPU interpreter on CPU (tests).
       return_score_stats: static; also return each query head's score variance (as `paged_attention`).
 
@@ -211,7 +223,7 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
         raise ValueError(f"swapped_paged_attention: sm_scale must be > 0, got {sm_scale}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"swapped_paged_attention: soft_cap must be > 0, got {soft_cap}")
-    config = config or default_swapped_config(head_dim)
+    config = config or default_swapped_config(head_dim, max_context)
     if not isinstance(config, SwappedConfig):
         raise TypeError(f"swapped_paged_attention: config must be a SwappedConfig, got {type(config).__name__}")
     if config.num_splits is None:

@@ -273,7 +273,8 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
     if backend == "kernel" and kernel_variant == "swapped":
         from pallas_kernels.swapped_decode_attention import swapped_paged_attention
         return swapped_paged_attention(q, k_pool, v_pool, lengths, tables.page_starts, tables.page_sizes,
-                                       interpret=interpret, return_score_stats=return_score_stats)
+                                       max_context=max_context, interpret=interpret,
+                                       return_score_stats=return_score_stats)
     if backend == "kernel":
         from pallas_kernels.paged_attention import paged_attention
         return paged_attention(q, k_pool, v_pool, lengths, tables.page_starts, tables.page_sizes,

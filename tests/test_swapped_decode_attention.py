@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pallas_kernels.swapped_decode_attention as swapped_module
 from pallas_kernels.paged_attention import PAGE_SIZES
 from pallas_kernels.swapped_decode_attention import (
-    SwappedConfig, default_swapped_config, query_columns, swapped_paged_attention,
+    SHORT_CONTEXT_KEYS, SwappedConfig, default_swapped_config, query_columns, swapped_paged_attention,
     swapped_paged_attention_reference)
 from pallas_kernels.testing import float64_attention, float64_score_variance, random_paged_case
 
@@ -168,6 +168,19 @@ def test_default_configs_fit_the_ctas_per_sm_they_were_timed_with():
         assert cfg.ctas_per_sm(head_dim, max_pages=1024 // 8) >= ctas, (head_dim, cfg)
         assert cfg.smem_bytes(head_dim, max_pages=16384 // 8) <= 227 * 1024
     assert [query_columns(g) for g in (1, 2, 4, 8, 12, 16)] == [8, 8, 8, 8, 16, 16]
+
+
+def test_a_short_max_context_picks_the_short_tile_at_head_dim_64():
+    """head_dim 64 with every context bounded by SHORT_CONTEXT_KEYS: 64-token tiles, 3 stages (4 CTAs an SM);
+    unbounded or longer: 128-token tiles. head_dim 128 has one default. The bound reaches the kernel's trace."""
+    short, long_ = default_swapped_config(64, SHORT_CONTEXT_KEYS), default_swapped_config(64, SHORT_CONTEXT_KEYS + 8)
+    assert (short.block_kv, short.num_stages) == (64, 3) and short.ctas_per_sm(64, max_pages=256) == 4
+    assert (long_.block_kv, long_.num_stages) == (128, 2) == (default_swapped_config(64).block_kv, 2)
+    assert default_swapped_config(128, 256) == default_swapped_config(128)
+    case = random_paged_case(2, lengths=[40, 300], page_sizes=[16, 128], num_q_heads=4, num_kv_heads=1, head_dim=64)
+    trace = lambda **kw: str(jax.make_jaxpr(lambda c: swapped_paged_attention(**c, **kw))(case))
+    assert trace(max_context=512) == trace(config=short)
+    assert trace(max_context=512) != trace()
 
 
 def _lowered_text(batch, head_dim, config=None, **kw):
