@@ -24,7 +24,7 @@ decode kernel (see its module docstring for why).
 *Causal mask only where it can bite.* Tiles that end at or before the block's first token are seen
 whole by every row; only the last few tiles of a block apply the per-row causal bound.
 
-*Split-K over the context (`TuningConfig.num_splits` = S >= 2; off by default).* A short chunk over a long
+*Split-K over the context (`TuningConfig.num_splits` = S >= 2).* A short chunk over a long
 context (the 256-token tail recomputed after a host-tier recall of a 32K prefix on llama-8b: 8 blocks x 8 kv
 heads = 64 CTAs) leaves half of the 132 SMs idle. With S splits the grid is (blocks, Hkv, S): split k of a
 block streams ceil(n_tiles / S) whole tiles of its keys (`split_tile_range`, shared with the decode kernel)
@@ -35,10 +35,10 @@ writes its output normalised by its own l (bf16: f32 tiles do not fit SMEM besid
 rows' base-2 log-sum-exp (f32); the decode kernel's `_combine_splits` merges them in XLA (a row no split saw
 stays 0). The delta variant splits the same way (each split adds the anchor to its own normalised partial, the
 convex merge keeps it once). `ws_prefill_splits` picks S to fill one wave of SMs with several tiles per
-split; `stratum_jax.attention.prefill_attention(prefill_splits=...)` passes it, None (off) by default. With S
-= 1 the traced kernel is the unsplit one (jaxpr text compared before and after). Not measured on a GPU yet:
-correctness in the interpreter and the lowering on a CPU (tests/test_ws_prefill_splits.py); its speed waits
-for the H200 (`benchmarks/prefill_attention.py --chunk 256 --chunks 1 --kernel-configs ws/128:2,ws/128:2:2`).
+split; `stratum_jax.attention.prefill_attention(prefill_splits=...)` passes it (the engine's `--prefill-splits`,
+"auto" by default). With S = 1 the traced kernel is the unsplit one (jaxpr text compared before and after).
+Tested in the interpreter, lowered on a CPU and on the H200 (tests/test_ws_prefill_splits.py); on the H200 the
+llama-8b tail above takes 0.28 ms a layer at S = 2 against 0.47 unsplit at 32K (BENCHMARKS.md, #12 session 15).
 
 *Stale slots.* Keys at or past the sequence's length are masked to -inf, and the V rows there (the
 tail of the last tile, which may hold stale or NaN values) are zeroed by each compute warpgroup
@@ -146,8 +146,7 @@ def ws_prefill_splits(blocks: int, num_kv_heads: int, context_tokens: int, *, nu
     SM's SMEM, one CTA an SM), and each split still streams at least `min_tiles_per_split` tiles of a
     `context_tokens`-key context (below that the merge and the per-CTA prologue outweigh the extra SMs). 1 when
     the grid already fills the GPU or the context is short. E.g. llama-8b's 256-token tail after a 32K prefix:
-    8 blocks x 8 heads = 64 CTAs -> S = 2 (128 CTAs). Not measured on a GPU yet (BENCHMARKS.md has no split
-    timing): the engine leaves it off unless asked (`prefill_attention(prefill_splits=...)`)."""
+    8 blocks x 8 heads = 64 CTAs -> S = 2 (128 CTAs), 1.66x faster at 32K on the H200 (BENCHMARKS.md)."""
     ctas = max(blocks * num_kv_heads, 1)
     tiles = -(-max(context_tokens, 0) // block_kv)
     return int(max(1, min(num_sms // ctas, tiles // min_tiles_per_split, 16)))

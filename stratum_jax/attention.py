@@ -163,9 +163,10 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     `default_ws_config(head_dim)` / `default_ws_delta_config` / PREFILL_KERNEL_CONFIG /
     `default_delta_prefill_config`).
     prefill_splits: split-K over the context in the warp-specialised kernels (`TuningConfig.num_splits`): None
-    (the default: off), an int S, or "auto" (`ws_prefill_splits` from the grid and max_context, else the table's
-    width x 8 keys). For a short chunk over a long context (a recomputed tail after a host-tier recall: 64 CTAs on 132
-    SMs at llama-8b) it spreads each block's keys over S CTAs. Not measured on a GPU yet, hence off."""
+    (off, this function's default), an int S, or "auto" (`ws_prefill_splits` from the grid and max_context, else
+    the table's width x 8 keys; the engine's default, --prefill-splits). For a short chunk over a long context (a
+    recomputed tail after a host-tier recall: 64 CTAs on 132 SMs at llama-8b) it spreads each block's keys over S
+    CTAs."""
     tiles, tile, num_heads, head_dim = q.shape
     from pallas_kernels.paged_attention import PREFILL_KERNEL_CONFIG, paged_prefill_attention, prefill_block_tokens
     from pallas_kernels.prefill_attention import ws_prefill_attention, ws_prefill_block_tokens
