@@ -56,11 +56,12 @@ class BlockTable:
     def register_full_pages(self, token_ids: Sequence[int], num_written: int, request_id: str | None = None) -> None:
         """Registers every page whose tokens are all written (< num_written) in the prefix cache."""
         full = num_written // self.page_size
+        context = self.pool.access_context(request_id) if len(self._hashes) < full else None
         while len(self._hashes) < full:
             i = len(self._hashes)
             parent = self._hashes[-1] if self._hashes else None
             chunk = token_ids[i * self.page_size:(i + 1) * self.page_size]
-            self._hashes.append(self.pool.register_full_page(self.pages[i], parent, chunk, i, request_id))
+            self._hashes.append(self.pool.register_full_page(self.pages[i], parent, chunk, i, request_id, context))
 
     def release(self) -> None:
         for page in self.pages:

@@ -254,10 +254,12 @@ class PagePool(HostTierMoves):
         return meta.info
 
     def register_full_page(self, page: Page, parent_hash: bytes | None, token_ids: Sequence[int],
-                           depth: int = 0, request_id: str | None = None) -> bytes:
+                           depth: int = 0, request_id: str | None = None,
+                           context: RequestFeatures | None = None) -> bytes:
         """Marks a page whose `page_size` tokens are now written as shareable; returns its hash.
 
-        A new cached page counts as an access (its creation)."""
+        A new cached page counts as an access (its creation). context: `access_context(request_id)` when
+        the caller registers several of the request's pages at once (it is the same for all of them)."""
         h = chain_hash(parent_hash, page.page_size, token_ids)
         page.content_hash = h
         page.parent_hash = parent_hash
@@ -272,8 +274,14 @@ class PagePool(HostTierMoves):
             parent = self._by_hash.get(parent_hash) if parent_hash is not None else None
             if parent is not None:
                 parent.meta.fan_out += 1
-            self._accessed((page,), request_id, now, "created")
+            self._accessed((page,), request_id, now, "created", context)
         return h
+
+    def access_context(self, request_id: str | None) -> RequestFeatures | None:
+        """The request's features that accesses snapshot (None when nothing snapshots them: the LRU pool
+        without an event log). Building them per page was most of registering a request's pages with the DMLP
+        policy (benchmarks/dmlp_host_cost.py under cProfile)."""
+        return self._request_context(request_id) if not self._pool_lru or self.record_events else None
 
     def flush_accesses(self) -> None:
         """Shows the accesses recorded since the last flush to the policy, in one batch."""
@@ -302,11 +310,13 @@ class PagePool(HostTierMoves):
                                       prefix_gap_ms=prefix[2])
         return req
 
-    def _accessed(self, pages, request_id: str | None, now: float, event: str) -> None:
-        """Updates the metadata of pages a request just used; snapshots their features when the policy
-        or the event log wants them (never for LRU without --trace-out)."""
+    def _accessed(self, pages, request_id: str | None, now: float, event: str,
+                  context: RequestFeatures | None = None) -> None:
+        """Updates the metadata of pages a request just used; snapshots their features (with `context`, or
+        the request's as of now) when the policy or the event log wants them (never for LRU without
+        --trace-out)."""
         want = not self._pool_lru or self.record_events
-        req = self._request_context(request_id) if want else None
+        req = (context if context is not None else self._request_context(request_id)) if want else None
         for page in pages:
             m = page.meta
             self._access_seq += 1
