@@ -113,3 +113,18 @@ def test_engine_kernel_on_gpu_matches_reference(page_size):
     model = _tiny_d64()
     prompts = PROMPTS + [list(range(1, 200))]
     assert _run(model, "kernel", False, prompts, page_size) == _run(model, "reference", False, prompts, page_size)
+
+
+def test_decode_kernel_and_prefill_splits_flags():
+    """--decode-kernel and --prefill-splits from the server's CLI, and bad values refused with what to write."""
+    from stratum_jax.serve import build_parser
+    cfg = RuntimeConfig.from_cli_args(build_parser().parse_args(["--decode-kernel", "paged", "--prefill-splits", "3"]))
+    assert cfg.decode_kernel == "paged" and cfg.prefill_split_setting == 3
+    default = RuntimeConfig()
+    assert default.decode_kernel == "swapped" and default.prefill_split_setting == "auto"
+    assert RuntimeConfig(prefill_splits="off").prefill_split_setting is None
+    with pytest.raises(ValueError, match="--decode-kernel must be one of"):
+        RuntimeConfig(decode_kernel="fast")
+    for bad in ("0", "17", "two", ""):
+        with pytest.raises(ValueError, match="--prefill-splits must be 'auto', 'off' or a count from 1 to 16"):
+            RuntimeConfig(prefill_splits=bad)
