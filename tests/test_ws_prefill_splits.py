@@ -32,7 +32,7 @@ def test_split_matches_float64(splits):
     them). Block 0 (keys [0, 140), first token at 108): tiles 0 1 | 2 at S=2, 0 | 1 | 2 at S=3; tile 2 (keys
     128..139) is past the bound of the block's first 20 tokens. Block 1 (222 keys, first token 190): 2
     unmasked tiles, then masked ones in the next range (S=3: 0 1 | 2 3)."""
-    pcase = _case(8, 2, 64, seed=31)
+    pcase = _case(4, 1, 64, seed=31)     # GQA 4 on one kv head: the interpreter time grows with the grid
     valid = pcase.pop("valid")
     out = ws_prefill_attention(**pcase, interpret=True, config=_splits_config(splits))
     assert out.shape == pcase["q"].shape and out.dtype == pcase["q"].dtype
