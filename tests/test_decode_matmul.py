@@ -105,9 +105,11 @@ def test_the_model_on_the_kernel_computes_what_xlas_dot_does():
 
     def run(matmul):
         cache = [(jnp.zeros((cfg.num_kv_heads, 64, cfg.head_dim), jnp.bfloat16),) * 2 for _ in range(cfg.num_layers)]
-        hidden, _ = llama.forward(params, cfg, tokens, pos, cache, pos,
-                                  lambda layer, q, k, v: llama.attend_dense_causal(q, k, v, pos), matmul)
-        return np.asarray(hidden, np.float32)
+        # One jitted program, awaited: the interpreter's callbacks run jax ops on the CPU client, and an eager
+        # forward kept dispatching its next ops meanwhile; on CI's 2 cores the two deadlocked once (2026-12-02).
+        forward = jax.jit(lambda p, c: llama.forward(
+            p, cfg, tokens, pos, c, pos, lambda layer, q, k, v: llama.attend_dense_causal(q, k, v, pos), matmul)[0])
+        return np.asarray(forward(params, cache), np.float32)
 
     kernel, xla = run(DecodeKernelMatmul(interpret=True)), run(None)
     # bf16 activations through 2 layers: the two sum in a different order, so allow bf16 rounding steps.
