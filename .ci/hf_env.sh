@@ -30,7 +30,7 @@ _stratum_hf_env() {
 import sys, torch, transformers
 sys.exit(torch.__version__.split('+')[0] != '$want_torch' or transformers.__version__ != '$want_tf')" >/dev/null 2>&1; then
     echo "[hf-env] installing torch==$want_torch transformers==$want_tf into $venv" >&2
-    # --no-compile: byte-compiling torch and transformers took half the install (99 s -> 48 s without).
+    # --no-compile: byte-compiling torch and transformers took about half the install's time.
     "$venv/bin/python" -m pip install -q --no-compile --disable-pip-version-check "torch==$want_torch" \
       "transformers==$want_tf" >&2 ||
       return 1

@@ -60,7 +60,6 @@ def trace_prompts(path: str, count: int, length_scale: float, max_prompt: int, m
     return out
 
 
-
 def _policy_caller(frame, depth: int = 7) -> str:
     """The nearest policy entry point among the `depth` frames from `frame` up. It reads only code names:
     `inspect.stack()` (used before) reads every frame's source lines, and took about 70 ms a call under the
@@ -73,6 +72,7 @@ def _policy_caller(frame, depth: int = 7) -> str:
             return name
         frame = frame.f_back
     return "?"
+
 
 class CallLog:
     """Predictor calls: rows, seconds, caller (the policy method), step in flight at the call."""

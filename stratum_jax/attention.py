@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from stratum_jax.config import DECODE_KERNELS
 from stratum_jax.kv.delta_cache import DeltaKV
 
 
@@ -260,8 +261,8 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
     with one-token tiles.
     Returns out [rows, num_heads, head_dim] (and score_var [rows, num_heads] with return_score_stats).
     """
-    if kernel_variant not in DECODE_KERNEL_VARIANTS:
-        raise ValueError(f"decode_attention: kernel_variant must be one of {DECODE_KERNEL_VARIANTS}, "
+    if kernel_variant not in DECODE_KERNELS:
+        raise ValueError(f"decode_attention: kernel_variant must be one of {DECODE_KERNELS}, "
                          f"got {kernel_variant!r}")
     rows = q.shape[0]
     lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
@@ -289,8 +290,6 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
 
 
 KERNEL_HEAD_DIMS = (64, 128)
-# The bf16 decode kernels (`decode_attention`'s kernel_variant; --decode-kernel resolves "auto").
-DECODE_KERNEL_VARIANTS = ("swapped", "paged")
 
 
 def on_hopper_gpu() -> bool:

@@ -61,9 +61,23 @@ def parse_cores(text: str | None) -> tuple[int, ...] | None:
     return tuple(sorted(cores))
 
 
-def _prefill_splits_ok(value) -> bool:
-    value = str(value).strip().lower()
-    return value in ("auto", "off") or (value.isdigit() and 1 <= int(value) <= 16)
+def parse_prefill_splits(value) -> int | str | None:
+    """--prefill-splits as `prefill_attention(prefill_splits=...)` takes it: "off" -> None, "auto", or a count
+    from 1 to 16; anything else raises ValueError."""
+    text = str(value).strip().lower()
+    if text in ("auto", "off"):
+        return None if text == "off" else text
+    if text.isdigit() and 1 <= int(text) <= 16:
+        return int(text)
+    raise ValueError(f"--prefill-splits must be 'auto', 'off' or a count from 1 to 16, got {value!r}")
+
+
+def _parses(parse, value) -> bool:
+    try:
+        parse(value)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +116,7 @@ class RuntimeConfig:
                                      # weight-streaming GEMM), "xla", or "auto": the kernel on a Hopper GPU for
                                      # a bf16 model on one device (stratum_jax/model/projection.py)
     decode_kernel: str = "swapped"   # the bf16 decode kernel with --attention kernel: "swapped" (keys on WGMMA's M,
-                                     # the GQA group on N: fewer registers, 3 CTAs an SM) or "paged" (64-row q
+                                     # the GQA group on N: fewer registers, 2-4 CTAs an SM) or "paged" (64-row q
                                      # blocks); benchmarks/KERNEL_NOTES.md has their timings
     prefill_splits: str = "auto"     # split-K over the context in the WS prefill kernel: "auto" (ws_prefill_splits:
                                      # only when a chunk's blocks x kv heads leave SMs idle, e.g. a recomputed tail
@@ -171,7 +185,7 @@ class RuntimeConfig:
              f"--projections must be one of {PROJECTION_BACKENDS}, got {self.projections!r}")
         need(self.decode_kernel in DECODE_KERNELS,
              f"--decode-kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
-        need(_prefill_splits_ok(self.prefill_splits),
+        need(_parses(parse_prefill_splits, self.prefill_splits),
              f"--prefill-splits must be 'auto', 'off' or a count from 1 to 16, got {self.prefill_splits!r}")
         need(self.cache_policy in CACHE_POLICIES,
              f"--cache-policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
@@ -234,8 +248,7 @@ class RuntimeConfig:
     @property
     def prefill_split_setting(self) -> int | str | None:
         """--prefill-splits as `prefill_attention(prefill_splits=...)` takes it: None (off), "auto" or a count."""
-        value = str(self.prefill_splits).strip().lower()
-        return None if value == "off" else value if value == "auto" else int(value)
+        return parse_prefill_splits(self.prefill_splits)
 
     def _check_dmlp(self, need) -> None:
         need(self.dmlp_device in DMLP_DEVICES, f"--dmlp-device must be one of {DMLP_DEVICES}, got {self.dmlp_device!r}")

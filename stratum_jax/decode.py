@@ -65,7 +65,7 @@ class StepGeometry:
     # and deadlock (seen on a 2-core machine), so interpreted engines use "single" (the ws kernel has its
     # own interpreter tests, one call at a time).
     prefill_kernel: str = "ws"
-    decode_kernel: str = "swapped"      # the bf16 decode kernel (attention.py DECODE_KERNEL_VARIANTS)
+    decode_kernel: str = "swapped"      # the bf16 decode kernel (config.py DECODE_KERNELS)
     prefill_splits: int | str | None = "auto"   # split-K over the context in the WS prefill kernel
     attn_stats: bool = False    # compute attn_score_var
     tp: TensorParallel | None = None   # the mesh the params and pools are laid out on (None: one device)
