@@ -673,6 +673,30 @@ def measure_variant(build, args, ref, paged_ms, a, *, label, io_bytes=None) -> d
     return r
 
 
+def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, paged_ms, a, *, io, interpret,
+                 label) -> dict:
+    """The engine's fp16-delta decode path (stratum_jax/attention.py `_unit_scale_fold`: the swapped kernel on
+    the f16 deltas, then the mean anchor's V added) on a DeltaKV with the unit scales an fp16-delta cache keeps,
+    checked against XLA attention over anchor + delta. Its run is marked config "fold"."""
+    from stratum_jax.attention import RowTables, decode_attention
+    from stratum_jax.kv.delta_cache import DeltaKV
+    hkv = kd.shape[0]
+    ones = jnp.ones((hkv, kd.shape[1] // 8), jnp.float32)
+    kr = jnp.swapaxes(rebuild_reference(ak, ones, kd, slot, jnp.arange(slot.shape[1])), 0, 1)
+    vr = jnp.swapaxes(rebuild_reference(av, ones, vd, slot, jnp.arange(slot.shape[1])), 0, 1)
+    ref = np.asarray(xla_decode_attention(q.astype(jnp.float32), kr, vr, lengths, scale=scale))
+    del kr, vr
+
+    def fold(q, kd, vd, ak, av, lengths, starts, psz):
+        cache = DeltaKV(anchor_k=ak, anchor_v=av, k_delta=kd, v_delta=vd, k_scale=ones, v_scale=ones,
+                        k_floor=ones[:, 0], v_floor=ones[:, 0])
+        return decode_attention(q, lengths - 1, RowTables(lengths, starts, psz), cache, None, backend="kernel",
+                                interpret=interpret, max_context=starts.shape[1] * 8)
+    r = measure_variant(lambda: jitted(("fold", kd.dtype), fold), (q, kd, vd, ak, av, lengths, starts, psz), ref,
+                        paged_ms, a, label=label, io_bytes=io)
+    return dict(config="fold", **r)
+
+
 def run_delta(a):
     """fp16/fp8-delta kernel vs the bf16 paged kernel (default configs) at each context and page size."""
     interpret = a.dry_run
@@ -753,6 +777,10 @@ def run_delta(a):
                             args, ref, rec["paged"]["ms"], a, io_bytes=io,
                             label=f"ctx={ctx} page={page} {prec} A={A} {cfg}"))
                         runs.append(r)
+                    if prec == "fp16-delta" and A == 1:
+                        runs.append(measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale,
+                                                 rec["paged"]["ms"], a, io=io, interpret=interpret,
+                                                 label=f"ctx={ctx} page={page} {prec} A={A} fold"))
                     ok = [r for r in runs if r.get("ok") and "ms" in r]
                     rec["delta"].append(dict(precision=prec, anchor_len=A, io_bytes=io, runs=runs,
                                              best=min(ok, key=lambda r: r["ms"]) if ok else None))

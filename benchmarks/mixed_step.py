@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python3 benchmarks/mixed_step.py --out $OUT/mixed_step.json            # GPU, llama-1b
     python3 benchmarks/mixed_step.py --model tiny --max-context 1024 --out /tmp/m.json      # CPU smoke run
+    ... --kv-precision fp16-delta                                                           # on a DKVC cache
 
 Times the engine's executables directly (stratum_jax/decode.py; no scheduler, no host packing), jitted
 as the engine compiles them, with `--max-batch-size` rows whose block tables span `--max-context`:
@@ -33,7 +34,8 @@ import numpy as np                             # noqa: E402
 
 from stratum_jax import decode as D            # noqa: E402
 from stratum_jax.attention import RowTables    # noqa: E402
-from stratum_jax.model import llama            # noqa: E402
+from stratum_jax.config import KV_PRECISIONS   # noqa: E402
+from stratum_jax.kv.precision import start_kv_cache  # noqa: E402
 from stratum_jax.model.fused import fuse_projections  # noqa: E402
 from stratum_jax.model.loader import load_model  # noqa: E402
 from stratum_jax.sampling import SamplingArrays  # noqa: E402
@@ -112,6 +114,8 @@ def main(argv=None):
                     help="calls dispatched back to back per timing sample (1: one call at a time)")
     ap.add_argument("--profile", default="", help="also trace each case once with jax.profiler into this directory "
                                                   "and print its top device kernels")
+    ap.add_argument("--kv-precision", default="bf16", choices=KV_PRECISIONS,
+                    help="the KV cache the steps run on (DKVC: the anchor from the engine's warm-up run)")
     ap.add_argument("--layout", default="fused", choices=["fused", "hf"],
                     help="weights as the engine runs them (q/k/v and gate/up fused, model/fused.py) or HF's")
     ap.add_argument("--out", required=True)
@@ -128,7 +132,10 @@ def main(argv=None):
                          backend=backend)
     num_slots = R * args.max_context
     starts, sizes = tables(R, W, args.max_context)
-    state = {"kv": llama.init_kv_cache(cfg, num_slots)}
+    precision, kv, _ = start_kv_cache(args.kv_precision, m, num_slots)
+    if precision != args.kv_precision:
+        print(f"--kv-precision {args.kv_precision} fell back to {precision} (see the log)", flush=True)
+    state = {"kv": kv}
 
     def timed(call):
         """ms per call: median over --reps samples of --pipeline calls dispatched back to back (each
@@ -185,7 +192,8 @@ def main(argv=None):
                          ratio_to_decode=ms / decode_ms[dctx]))
         print(f"{name:42} {ms:8.2f} {ms / decode_ms[dctx]:9.2f}")
     res = dict(benchmark="mixed_step", device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-               date=datetime.date.today().isoformat(), backend=backend, args=vars(args), rows=rows)
+               date=datetime.date.today().isoformat(), backend=backend, kv_precision=precision, args=vars(args),
+               rows=rows)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(res, indent=1))
 

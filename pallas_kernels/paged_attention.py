@@ -569,13 +569,18 @@ def prefill_block_tokens(num_q_heads: int, num_kv_heads: int) -> int | None:
 
 
 def check_prefill_blocks(name, q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes, *,
-                         most_tokens: int | None, q_rows: int) -> tuple[int, int, int, int]:
-    """Entry checks shared by the causal-block prefill kernels over bf16 pools (`paged_prefill_attention`,
-    the warp-specialised `ws_prefill_attention`): the pools and tables as `paged_attention` checks them,
-    then `check_prefill_query`. Returns (blocks, tokens, num_q_heads, head_dim)."""
+                         most_tokens: int | None, q_rows: int,
+                         pool_dtypes=(jnp.bfloat16,)) -> tuple[int, int, int, int]:
+    """Entry checks shared by the causal-block prefill kernels over plain pools (`paged_prefill_attention`,
+    the warp-specialised `ws_prefill_attention`, which also takes float16 pools: `pool_dtypes`): the pools
+    and tables as `paged_attention` checks them, then `check_prefill_query`. Returns (blocks, tokens,
+    num_q_heads, head_dim)."""
     if q.ndim != 4:
         raise ValueError(f"{name}: q must be [blocks, tokens, num_q_heads, head_dim], got {q.shape}")
-    _check_inputs(q[:, 0], k_pool, v_pool, lengths, page_starts, page_sizes)
+    check_pools_and_tables(name, q[:, 0], ("k_pool", k_pool), ("v_pool", v_pool), lengths, page_starts, page_sizes)
+    if k_pool.dtype not in pool_dtypes or v_pool.dtype != k_pool.dtype:
+        names = " or ".join(f"both {jnp.dtype(d).name}" for d in pool_dtypes)
+        raise ValueError(f"{name}: k_pool/v_pool must be {names}, got {k_pool.dtype}/{v_pool.dtype}")
     return check_prefill_query(name, q, k_pool.shape[0], q_starts, most_tokens=most_tokens, q_rows=q_rows)
 
 
@@ -843,15 +848,17 @@ class TileColumns:
 
 @dataclasses.dataclass(frozen=True)
 class Bf16Pages:
-    """Plain bf16 pages (the paged kernel): inputs k_pool, v_pool [num_kv_heads, num_slots, D] bf16;
-    one TMA copy per page straight into a bf16 ring that WGMMA reads in place."""
+    """Plain pages (the paged kernel): inputs k_pool, v_pool [num_kv_heads, num_slots, D] in mma_dtype;
+    one TMA copy per page straight into a ring of that dtype that WGMMA reads in place. bf16 is the paged
+    kernel's pool; float16 (`F16_PAGES`, the swapped kernel only) is a DKVC fp16-delta pool read on the folded
+    mean-anchor path (stratum_jax/attention.py: unit scales, so the deltas are the K/V up to a per-row shift)."""
     num_inputs: int = 2
     copies_per_page: int = 1
     copies_per_tile: int = 0
     mma_dtype: str = "bfloat16"
 
     def scratch_types(self, *, stages, block_kv, head_dim):
-        ring = plgpu.SMEM((stages, block_kv, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
+        ring = plgpu.SMEM((stages, block_kv, head_dim), jnp.dtype(self.mma_dtype), transforms=MMA_TRANSFORMS)
         return [ring, ring]
 
     def prologue(self, ctx):
@@ -884,6 +891,7 @@ class Bf16Pages:
 
 
 BF16_PAGES = Bf16Pages()
+F16_PAGES = Bf16Pages(mma_dtype="float16")
 
 
 def zero_rows_past(ring, slot, n_valid) -> None:

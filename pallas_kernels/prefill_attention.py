@@ -160,7 +160,9 @@ def ws_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, page
     Args:
       q: [blocks, tokens, num_q_heads, head_dim] bf16/fp32, tokens <= ws_prefill_block_tokens(...).
         Token i of block b is at position q_starts[b] + i.
-      k_pool, v_pool: [num_kv_heads, num_slots, head_dim] bf16 (the block's own keys already written).
+      k_pool, v_pool: [num_kv_heads, num_slots, head_dim] bf16 (the block's own keys already written), or both
+        float16: a DKVC fp16-delta pool on the folded mean-anchor path (stratum_jax/attention.py adds the
+        anchor); the MMAs then run in f16 (q clipped to F16_SAFE_MAX).
       q_starts: [blocks] int32, each block's first position (negative counts as 0).
       lengths: [blocks] int32, keys the block may see: min(q_starts + tokens, the sequence's context);
         0 marks a padding block (output zeros). Keys >= length are never read as values.
@@ -174,7 +176,8 @@ def ws_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, page
     """
     blocks, tokens, num_q_heads, head_dim = check_prefill_blocks(
         "ws_prefill_attention", q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes,
-        most_tokens=ws_prefill_block_tokens(q.shape[2] if q.ndim == 4 else 0, k_pool.shape[0]), q_rows=_CTA_ROWS)
+        most_tokens=ws_prefill_block_tokens(q.shape[2] if q.ndim == 4 else 0, k_pool.shape[0]), q_rows=_CTA_ROWS,
+        pool_dtypes=(jnp.bfloat16, jnp.float16))
     config = config or default_ws_config(head_dim)
     if config.block_kv == 256 and head_dim != 64:
         raise ValueError(f"ws_prefill_attention: block_kv 256 is for head_dim 64 (a [64, 256] fp32 score tile "
@@ -198,12 +201,16 @@ def _ws_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, pag
                           interpret):
     blocks, tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
-    q2 = _cta_q_rows(q.astype(jnp.bfloat16), num_kv_heads)
+    pool_dtype = jnp.dtype(k_pool.dtype)
+    q_mma = jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX) if pool_dtype == jnp.float16 else q
+    q2 = _cta_q_rows(q_mma.astype(pool_dtype), num_kv_heads)
     max_pages = page_starts.shape[1]
     table = _flat_table(page_starts, 1, config.block_kv)
+    # Only a float16 pool passes pool_dtype: the bf16 kernel's trace stays as it was.
+    f16 = dict(pool_dtype="float16") if pool_dtype == jnp.float16 else {}
     kernel = _build_ws_kernel(blocks=blocks, num_kv_heads=num_kv_heads, head_dim=head_dim,
                               group=num_q_heads // num_kv_heads, max_pages=max_pages, table_len=table.shape[0],
-                              scale=scale, config=config, interpret=interpret)
+                              scale=scale, config=config, interpret=interpret, **f16)
     # A negative start would leave a row no key at all (its online softmax would be NaN, not zeros).
     out = kernel(lengths, page_sizes, jnp.maximum(q_starts, 0), table, q2.reshape(-1, head_dim), k_pool, v_pool)
     out = _merge_split_rows(out, blocks=blocks, num_kv_heads=num_kv_heads, splits=config.num_splits or 1)
@@ -351,9 +358,10 @@ def _ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_v,
 
 
 def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_len, scale, config, interpret,
-                     delta_dtype=None):
+                     delta_dtype=None, pool_dtype="bfloat16"):
     """f(lengths, page_sizes, q_starts, table, q2 [blocks * Hkv * 128, D], *kv) -> o [blocks * Hkv * 128, D] bf16
-    (row layout of q2). delta_dtype None: kv = (k_pool, v_pool) bf16, q2 bf16. delta_dtype "float16" or
+    (row layout of q2). delta_dtype None: kv = (k_pool, v_pool) in pool_dtype (bf16, or float16: the fp16-delta
+    fold), q2 in the same dtype. delta_dtype "float16" or
     "float8_e4m3fn": the folded delta format (module docstring), kv = (k_delta, v_delta, k_scale, v_scale,
     anchor_v [Hkv, 1, D] bf16), q2 f16.
 
@@ -378,7 +386,8 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     delta = delta_dtype is not None
     fp8 = delta and jnp.dtype(delta_dtype).itemsize == 1
-    mma_dtype = jnp.float16 if delta else jnp.bfloat16
+    mma_dtype = jnp.float16 if delta else jnp.dtype(pool_dtype)
+    out_dtype = jnp.bfloat16 if delta else mma_dtype        # the output leaves through a tile of this dtype
     # K-side arrivals per page piece: the K rows, and with deltas the K and the V scale granules (the V scales
     # ride with K: the softmax needs them before P @ V, and they are read before K's slot is released).
     k_copies = [n * (3 if delta else 1) for n in copies]
@@ -397,7 +406,7 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
         if delta:
             ring = delta_ring_type(stages, T, head_dim, delta_dtype)
         else:
-            ring = plgpu.SMEM((stages, T, head_dim), jnp.bfloat16, transforms=MMA_TRANSFORMS)
+            ring = plgpu.SMEM((stages, T, head_dim), mma_dtype, transforms=MMA_TRANSFORMS)
         p_tiles = (plgpu.SMEM((_COMPUTE_WGS, _WG_ROWS, T), mma_dtype, transforms=MMA_TRANSFORMS)
                    if interpret else None)
         pl.run_scoped(
@@ -630,9 +639,9 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
             if delta:   # + the mean anchor; through a bf16 tile of its own (q's tile is f16)
                 o_smem = dsm.o.at[wg]
                 o = add_anchor_v(kv_refs[4].at[h, 0], o, l_i)
-            else:       # through this warpgroup's q tile
+            else:       # through this warpgroup's q tile (bf16, or f16 for the fp16-delta fold)
                 o_smem = q_smem
-            o_smem[...] = o.astype(jnp.bfloat16)
+            o_smem[...] = o.astype(out_dtype)
             if splits > 1:
                 lse_smem[wg] = m_i + jnp.log2(l_i)     # -inf where the split gave the row no key
             plgpu.commit_smem()
@@ -643,7 +652,7 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
             plgpu.wait_smem_to_gmem(0)
 
     rows_per_split = blocks * num_kv_heads * _CTA_ROWS
-    out_type = jax.ShapeDtypeStruct((splits * rows_per_split, head_dim), jnp.bfloat16)
+    out_type = jax.ShapeDtypeStruct((splits * rows_per_split, head_dim), out_dtype)
     grid, grid_names = (blocks, num_kv_heads), ("b", "h")
     if splits > 1:
         out_type = (out_type, jax.ShapeDtypeStruct((splits * rows_per_split,), jnp.float32))

@@ -78,10 +78,11 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
+from pallas_kernels.delta_attention import F16_SAFE_MAX
 from pallas_kernels.paged_attention import (
-    BF16_PAGES, MMA_TRANSFORMS, TileContext, check_tile_pipeline, _check_inputs, _combine_splits, _flat_table,
-    _score_variance_from_partials, _split_key_counts, _table_window, default_num_splits, issue_tile_copies,
-    page_classes, paged_attention_reference, q_row_blocks, sequence_scalars, split_tile_range, table_window_start,
+    BF16_PAGES, F16_PAGES, MMA_TRANSFORMS, TileContext, check_pools_and_tables, check_tile_pipeline,
+    _combine_splits, _flat_table, _score_variance_from_partials, _split_key_counts, _table_window,
+    default_num_splits, issue_tile_copies, page_classes, paged_attention_reference, q_row_blocks, sequence_scalars, split_tile_range, table_window_start,
     wait_page_class, zero_rows_past)
 
 _LOG2E = math.log2(math.e)
@@ -190,8 +191,10 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
     """Decode attention over a paged KV pool with per-sequence page sizes, keys on WGMMA's M (module docstring).
 
     Args:
-      q: [batch, num_q_heads, head_dim] bf16 or fp32 (rounded to bf16 for the MMA).
-      k_pool, v_pool: [num_kv_heads, num_slots, head_dim] bf16; num_slots a multiple of 256.
+      q: [batch, num_q_heads, head_dim] bf16 or fp32 (rounded to the pools' dtype for the MMA; for float16
+        pools |q| is first clipped to F16_SAFE_MAX).
+      k_pool, v_pool: [num_kv_heads, num_slots, head_dim] bf16, or both float16 (a DKVC fp16-delta pool on the
+        folded mean-anchor path: stratum_jax/attention.py adds the anchor); num_slots a multiple of 256.
       lengths: [batch] int32 context length per sequence; 0 gives zeros. Slots past a length may hold NaN.
       page_starts: [batch, max_pages] int32 first slot of each page; entries past a sequence's last page are
         never read.
@@ -211,7 +214,11 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
     computed from fp32 scores of the bf16-rounded q (the MMA's input; `paged_attention` does the same).
     head_dim 64 or 128; num_q_heads // num_kv_heads <= 64.
     """
-    _check_inputs(q, k_pool, v_pool, lengths, page_starts, page_sizes)
+    check_pools_and_tables("swapped_paged_attention", q, ("k_pool", k_pool), ("v_pool", v_pool), lengths,
+                           page_starts, page_sizes)
+    if k_pool.dtype not in (jnp.bfloat16, jnp.float16) or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"swapped_paged_attention: k_pool/v_pool must both be bfloat16 or both float16, got "
+                         f"{k_pool.dtype}/{v_pool.dtype}")
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
     if head_dim not in (64, 128):
@@ -253,14 +260,16 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     num_kv_heads = k_pool.shape[0]
     group = num_q_heads // num_kv_heads
     splits = config.num_splits
-    q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q.astype(jnp.bfloat16), num_kv_heads)
+    mma_dtype = k_pool.dtype
+    q_mma = jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX) if mma_dtype == jnp.float16 else q
+    q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q_mma.astype(mma_dtype), num_kv_heads)
     max_pages = page_starts.shape[1]
     table = _flat_table(page_starts, splits, config.block_kv)
     kernel = _build_swapped_kernel(
         batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
         table_len=table.shape[0], rows_per_b=rows_per_b, rows_per_h=rows_per_h, n_cols=copy_rows,
         out_dtype=jnp.dtype(q.dtype if splits == 1 else jnp.float32), scale=scale, soft_cap=soft_cap,
-        score_stats=score_stats, config=config)
+        score_stats=score_stats, config=config, kv_format=F16_PAGES if mma_dtype == jnp.float16 else BF16_PAGES)
     res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool)
 
     def group_cols(x):
@@ -291,11 +300,13 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
 # ---------------------------------------------------------------------------------------------
 
 def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len, rows_per_b, rows_per_h,
-                          n_cols, out_dtype, scale, config: SwappedConfig, soft_cap=None, score_stats=False):
+                          n_cols, out_dtype, scale, config: SwappedConfig, soft_cap=None, score_stats=False,
+                          kv_format=BF16_PAGES):
     """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or, split, (o_part, lse), followed by
     (shift, sum, sum of squares) [B * S, Hkv, n_cols] f32 score-stat columns when score_stats.
 
-    q2 [rows, D] bf16 (`q_row_blocks`): the CTA (b, h[, k]) copies the 8-aligned block of n_cols rows holding
+    kv_format: BF16_PAGES, or F16_PAGES for float16 pools; q2, the ring and P are in its mma_dtype.
+    q2 [rows, D] (`q_row_blocks`): the CTA (b, h[, k]) copies the 8-aligned block of n_cols rows holding
     row q_row = b * rows_per_b + h * rows_per_h and writes its group's `group` output rows to o [rows, D] at
     q_row (split: o_part [B * S * rows_per_b, D] f32 at (b * S + k) * rows_per_b + h * rows_per_h, and lse
     [B * S, Hkv, n_cols] f32, the base-2 log-sum-exp of every column, -inf for an empty split)."""
@@ -306,6 +317,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     arrivals = [n for _, n in small_classes] + [1]                    # one copy per page piece, K and V each
     qk_scale = scale * _LOG2E                                         # exp2 below
     wgmma_layout = plgpu.Layout.WGMMA
+    mma_dtype = jnp.dtype(kv_format.mma_dtype)
 
     def cols(x, shape):
         """A [N] column vector broadcast along the rows of a [rows, N] tile."""
@@ -355,7 +367,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             issue_tile_copies(
                 tile * T, log2_p=log2_p, page=page, n_pages=n_pages, page_entry=page_entry,
                 small_classes=small_classes, block_kv=T,
-                piece=lambda gi, src, off, size: BF16_PAGES.fetch_page(ctx, src, off, size, slot, k_bars[gi].at[slot],
+                piece=lambda gi, src, off, size: kv_format.fetch_page(ctx, src, off, size, slot, k_bars[gi].at[slot],
                                                                        v_bars[gi].at[slot]))
 
         # --- one tile: S^T, column softmax, O^T += V^T P^T ----------------------------------------
@@ -391,7 +403,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             # P^T leaves registers transposed (stmatrix.trans) into P [N, T]; WGMMA reads it back as the
             # K-major B operand P^T. Every warp's store must land before the MMA reads: commit_smem is a
             # proxy fence plus a warpgroup barrier.
-            p_smem.transpose((1, 0))[...] = p.astype(jnp.bfloat16)
+            p_smem.transpose((1, 0))[...] = p.astype(mma_dtype)
             ctx.wait_v(slot)
             zero_rows_past(v_ring, slot, n_valid)     # P is 0 there, but 0 * NaN (a stale slot) = NaN in the MMA
             plgpu.commit_smem()
@@ -469,9 +481,9 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         out_type += [jax.ShapeDtypeStruct((batch * splits, num_kv_heads, N), jnp.float32)] * 3
     scratch = [
         plgpu.SMEM((window,), jnp.int32),
-        plgpu.SMEM((N, D), jnp.bfloat16, transforms=MMA_TRANSFORMS),
-        BF16_PAGES.scratch_types(stages=stages, block_kv=T, head_dim=D),
-        plgpu.SMEM((N, T), jnp.bfloat16, transforms=MMA_TRANSFORMS),
+        plgpu.SMEM((N, D), mma_dtype, transforms=MMA_TRANSFORMS),
+        kv_format.scratch_types(stages=stages, block_kv=T, head_dim=D),
+        plgpu.SMEM((N, T), mma_dtype, transforms=MMA_TRANSFORMS),
         plgpu.SMEM((N, D), out_dtype),
         plgpu.SMEM((N,), jnp.float32),
         plgpu.Barrier(num_barriers=2),

@@ -158,7 +158,8 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     v_pool then None), where the model's group is a power of 2;
     otherwise, and for "reference", the tiled jnp path. kernel_variant "ws" (the default) runs the
     warp-specialised kernel (128-row CTAs, two compute warpgroups in ping-pong) where it applies, with no
-    score statistics: `ws_prefill_attention` on bf16 pools, `ws_delta_prefill_attention` on a DeltaKV with a
+    score statistics: `ws_prefill_attention` on bf16 pools (and on the f16 deltas of an fp16-delta DeltaKV with
+    a mean anchor, plus the anchor: `_unit_scale_fold`), `ws_delta_prefill_attention` on another DeltaKV with a
     mean anchor that takes the folded path (`default_fold_mean_anchor()`); position-aligned anchors and
     "single" take the decode kernel's pipeline. kernel_config: the kernel's TuningConfig (default:
     `default_ws_config(head_dim)` / `default_ws_delta_config` / PREFILL_KERNEL_CONFIG /
@@ -189,9 +190,18 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     valid = (rows >= 0) & (starts >= 0)
     lengths = jnp.where(valid, jnp.minimum(starts + per_block, tables.context_lens[safe_rows]), 0)
     if use_ws and prefill_splits is not None:
+        # The fp16-delta fold runs the bf16 kernel's code on f16 pools: its default config.
         kernel_config = _ws_split_config(kernel_config, prefill_splits, blocks=blocks, num_kv_heads=num_kv_heads,
-                                         head_dim=head_dim, max_context=max_context, delta=delta,
+                                         head_dim=head_dim, max_context=max_context,
+                                         delta=None if delta is not None and _unit_scale_fold(delta) else delta,
                                          max_pages=tables.page_starts.shape[1], interpret=interpret)
+    if use_ws and delta is not None and _unit_scale_fold(delta):
+        # fp32 q gives the kernel's f16 output unrounded: the anchor is added before the one rounding to q's dtype.
+        out = ws_prefill_attention(q.astype(jnp.float32).reshape(blocks, per_block, num_heads, head_dim),
+                                   delta.k_delta, delta.v_delta, jnp.maximum(starts, 0), lengths.astype(jnp.int32),
+                                   tables.page_starts[safe_rows], tables.page_sizes[safe_rows], interpret=interpret,
+                                   config=kernel_config)
+        return _add_mean_anchor_v(out, delta, lengths > 0).astype(q.dtype).reshape(q.shape)
     if use_ws and delta is not None:
         from pallas_kernels.prefill_attention import ws_delta_prefill_attention
         out = ws_delta_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), delta.k_delta,
@@ -250,6 +260,26 @@ def _folds_in_ws_kernel(delta: DeltaKV) -> bool:
     return delta.anchor_k.shape[1] == 1 and default_fold_mean_anchor()
 
 
+def _unit_scale_fold(delta: DeltaKV) -> bool:
+    """Whether a DeltaKV runs on the plain (bf16-pool) kernels with its float16 deltas as the pools: fp16
+    deltas keep unit scales (stratum_jax/kv/delta_cache.py), so with a mean anchor K = a_k + d_k and
+    V = a_v + d_v exactly. q . a_k is one value per query, which the softmax cancels, and the softmax weights
+    sum to 1, so attention over (K, V) is a_v + attention over (d_k, d_v): the f16 deltas go through the
+    kernels' f16 MMA path unchanged (no scale columns, no conversion) and `_add_mean_anchor_v` adds a_v. A
+    score's variance is also unchanged by the per-query shift. The folding switch
+    ($STRATUM_DKVC_FOLD_MEAN_ANCHOR) turns this off with the rest of the folded path."""
+    return delta.k_delta.dtype == jnp.float16 and _folds_in_ws_kernel(delta)
+
+
+def _add_mean_anchor_v(out, delta: DeltaKV, has_keys):
+    """out [rows, ..., Hq, D] (attention over the deltas) + anchor_v per q head, in f32, where has_keys [rows]
+    (a row with no key stays zeros, as the kernels give); returns out's dtype."""
+    num_q_heads, head_dim = out.shape[-2:]
+    a_v = jnp.repeat(delta.anchor_v[:, 0].astype(jnp.float32), num_q_heads // delta.num_kv_heads, axis=0)
+    mask = has_keys.reshape(has_keys.shape + (1,) * (out.ndim - 1))
+    return (out.astype(jnp.float32) + jnp.where(mask, a_v, 0.0)).astype(out.dtype)
+
+
 def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend: str, interpret: bool = False,
                      max_context: int | None = None, return_score_stats: bool = False,
                      kernel_variant: str = "swapped"):
@@ -257,8 +287,9 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
     decode token this step). The row's keys are positions 0..position (its context after the write).
     backend "kernel": a Pallas Mosaic GPU kernel: for bf16 pools kernel_variant "swapped"
     (`swapped_paged_attention`: keys on WGMMA's M, the GQA group on N) or "paged" (`paged_attention`: 64-row
-    q blocks); for a DKVC DeltaKV (v_pool then None) the delta-KV kernel. "reference": the tiled jnp path
-    with one-token tiles.
+    q blocks); for a DKVC DeltaKV (v_pool then None) the delta-KV kernel, except fp16 deltas with a mean anchor
+    under "swapped": the swapped kernel on the f16 deltas plus the anchor (`_unit_scale_fold`). "reference":
+    the tiled jnp path with one-token tiles.
     Returns out [rows, num_heads, head_dim] (and score_var [rows, num_heads] with return_score_stats).
     """
     if kernel_variant not in DECODE_KERNELS:
@@ -266,6 +297,16 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
                          f"got {kernel_variant!r}")
     rows = q.shape[0]
     lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
+    folds = backend == "kernel" and isinstance(k_pool, DeltaKV) and _unit_scale_fold(k_pool)
+    if folds and kernel_variant == "swapped":
+        from pallas_kernels.swapped_decode_attention import swapped_paged_attention
+        # fp32 q gives an fp32 output: the anchor is added before the one rounding to q's dtype.
+        res = swapped_paged_attention(q.astype(jnp.float32), k_pool.k_delta, k_pool.v_delta, lengths,
+                                      tables.page_starts, tables.page_sizes, max_context=max_context,
+                                      interpret=interpret, return_score_stats=return_score_stats)
+        out, stats = (res[0], res[1:]) if return_score_stats else (res, ())
+        out = _add_mean_anchor_v(out, k_pool, lengths > 0).astype(q.dtype)
+        return (out, *stats) if return_score_stats else out
     if backend == "kernel" and isinstance(k_pool, DeltaKV):      # DKVC: the delta-KV kernel
         from pallas_kernels.delta_attention import delta_attention
         d = k_pool

@@ -68,19 +68,27 @@ def test_engine_kernel_interpret_matches_reference(monkeypatch, two_splits, deco
     assert got == _run(model, "reference", False, prompts, **kw)
 
 
-def test_engine_delta_kernels_interpret_match_reference(monkeypatch, two_splits):
-    """--kv-precision fp8-delta: prefill blocks through the delta prefill kernel and decode rows through the
-    delta-KV decode kernel (both in the interpreter) give the greedy tokens of the tiled jnp path over the
-    same delta cache. Both kernels are counted as they are traced, so a fall-back to the tiled path fails
-    here. prefill_chunk 32 (one 32-token block per prompt with GQA 2) keeps the interpreted CTAs few."""
+@pytest.mark.parametrize("precision,decode_kernel", [("fp8-delta", "delta_attention"),
+                                                     ("fp16-delta", "swapped_paged_attention")])
+def test_engine_delta_kernels_interpret_match_reference(monkeypatch, two_splits, precision, decode_kernel):
+    """--kv-precision fp8-delta / fp16-delta: prefill blocks through the delta prefill kernel and decode rows
+    through the delta-KV decode kernel (fp8), or through the swapped kernel on the f16 deltas plus the anchor
+    (fp16: the fold, stratum_jax/attention.py `_unit_scale_fold`), all in the interpreter, give the greedy
+    tokens of the tiled jnp path over the same delta cache. The kernels are counted as they are traced, so a
+    fall-back to the tiled path fails here. prefill_chunk 32 (one 32-token block per prompt with GQA 2) keeps
+    the interpreted CTAs few."""
     import pallas_kernels.delta_attention as delta_module
+    import pallas_kernels.swapped_decode_attention as swapped_module
     traced = _count_traces(monkeypatch, delta_module, ["delta_prefill_attention", "delta_attention"])
+    _count_traces(monkeypatch, swapped_module, ["swapped_paged_attention"], traced)
     model = _tiny_d64()
     prompts = [[5, 6, 7], list(range(20, 37))]
-    kw = dict(page_size=16, max_tokens=2, max_batch_size=2, decode_steps=1, kv_precision="fp8-delta",
+    kw = dict(page_size=16, max_tokens=2, max_batch_size=2, decode_steps=1, kv_precision=precision,
               prefill_chunk=32)
     got = _run(model, "kernel", True, prompts, **kw)
-    assert traced["delta_prefill_attention"] > 0 and traced["delta_attention"] > 0, traced
+    assert traced["delta_prefill_attention"] > 0 and traced[decode_kernel] > 0, traced
+    other = {"delta_attention", "swapped_paged_attention"} - {decode_kernel}
+    assert all(traced[name] == 0 for name in other), traced
     assert got == _run(model, "reference", False, prompts, **kw)
 
 

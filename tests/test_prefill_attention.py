@@ -51,6 +51,21 @@ def test_ws_prefill_matches_float64():
     _check(out, pcase, valid)
 
 
+def _f16_pools(pcase):
+    """float16 pools: a DKVC fp16-delta pool's dtype (bf16 values are exact in f16; NaN stays NaN)."""
+    return {**pcase, "k_pool": pcase["k_pool"].astype(jnp.float16), "v_pool": pcase["v_pool"].astype(jnp.float16)}
+
+
+def test_ws_prefill_on_float16_pools_matches_float64():
+    """The fp16-delta fold's prefill (stratum_jax/attention.py): float16 pools, the MMAs in f16, split-K 2 (each
+    split's partial and lse merged), one kv head of group 4."""
+    pcase = _f16_pools(_case(4, 1, 64, seed=34))
+    valid = pcase.pop("valid")
+    out = ws_prefill_attention(**pcase, interpret=True, config=TuningConfig(block_kv=64, num_splits=2))
+    assert out.dtype == pcase["q"].dtype
+    _check(out, pcase, valid)
+
+
 def test_ws_prefill_entry_errors():
     pcase = _case(8, 2, 64, seed=32)
     pcase.pop("valid")
@@ -65,6 +80,8 @@ def test_ws_prefill_entry_errors():
     with pytest.raises(ValueError, match="KB of SMEM"):
         ws_prefill_attention(**wide, config=TuningConfig(block_kv=128, num_stages=4, num_splits=1))
     assert ws_prefill_block_tokens(32, 8) == 32 and ws_prefill_block_tokens(12, 4) is None
+    with pytest.raises(ValueError, match="both bfloat16 or both float16"):
+        ws_prefill_attention(**{**pcase, "v_pool": pcase["v_pool"].astype(jnp.float16)})
 
 
 @pytest.mark.gpu
@@ -76,3 +93,14 @@ def test_ws_prefill_compiled_on_gpu(config, heads):
     pcase = _case(*heads, seed=33, lengths=(1400, 2300, 75, 9))
     valid = pcase.pop("valid")
     _check(ws_prefill_attention(**pcase, config=config), pcase, valid)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("heads", [(32, 8, 128), (32, 8, 64)])
+def test_ws_prefill_on_float16_pools_compiled_on_gpu(heads):
+    """float16 pools (the fp16-delta fold), compiled, with the default config and split-K 2."""
+    pcase = _f16_pools(_case(*heads, seed=35, lengths=(1400, 2300, 75, 9)))
+    valid = pcase.pop("valid")
+    for config in (None, TuningConfig(block_kv=64, num_splits=2)):
+        _check(ws_prefill_attention(**pcase, config=config), pcase, valid)

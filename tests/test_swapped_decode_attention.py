@@ -102,6 +102,30 @@ def test_kernel_matches_float64(head_dim, num_q_heads, num_kv_heads, block_kv, s
     assert np.all(got[LENGTHS.index(0)] == 0.0), "a length-0 row must give zeros"
 
 
+def as_f16_pools(case):
+    """The case with float16 pools (a DKVC fp16-delta pool's dtype; bf16 values are exact in f16, NaN stays)."""
+    return {**case, "k_pool": case["k_pool"].astype(jnp.float16), "v_pool": case["v_pool"].astype(jnp.float16)}
+
+
+def test_float16_pools_match_float64():
+    """float16 pools (the folded fp16-delta path, stratum_jax/attention.py): the MMAs run in f16 (q, the ring, P),
+    the output in q's dtype; NaN in every stale slot; score statistics too; q beyond f16's range is clipped, not
+    turned inf (|q| 1e6 on one head: its scores are huge but finite, so its softmax picks its largest key)."""
+    case = as_f16_pools(random_paged_case(5, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=4, num_kv_heads=1,
+                                          head_dim=64))
+    out, var = swapped_paged_attention(**case, config=SwappedConfig(block_kv=64, num_splits=2), interpret=True,
+                                       return_score_stats=True)
+    assert out.dtype == jnp.bfloat16
+    got = check(out, float64_attention(case))
+    assert np.all(got[LENGTHS.index(0)] == 0.0)
+    check_var(var, float64_score_variance(case), rtol=2e-3)
+    big = {**case, "q": case["q"].at[:, 0].multiply(1e6 / 4)}
+    big_out = np.asarray(swapped_paged_attention(**big, config=SwappedConfig(block_kv=64, num_splits=2),
+                                                 interpret=True).astype(jnp.float32))
+    assert np.isfinite(big_out).all()
+    np.testing.assert_array_equal(big_out[:, 1:], got[:, 1:])
+
+
 def test_score_stats_shift_and_plain_output():
     """Scores sharing a mean ~100x their spread (`offset_case`: K + 16, q + 2): without the shift (raw fp32
     sums of s and s^2, c = 0) this case's worst variance error is 11x the tolerance, with it 0.003x
@@ -148,6 +172,8 @@ def test_entry_checks():
         swapped_paged_attention(**bad)
     with pytest.raises(ValueError, match="bfloat16"):
         swapped_paged_attention(**{**case, "k_pool": case["k_pool"].astype(jnp.float32)})
+    with pytest.raises(ValueError, match="both float16"):
+        swapped_paged_attention(**{**case, "k_pool": case["k_pool"].astype(jnp.float16)})
     with pytest.raises(ValueError, match="lengths"):
         swapped_paged_attention(**{**case, "lengths": jnp.zeros((2,), jnp.int32)})
     with pytest.raises(TypeError, match="SwappedConfig"):
@@ -183,12 +209,13 @@ def test_a_short_max_context_picks_the_short_tile_at_head_dim_64():
     assert trace(max_context=512) != trace()
 
 
-def _lowered_text(batch, head_dim, config=None, **kw):
+def _lowered_text(batch, head_dim, config=None, pool_dtype=jnp.bfloat16, **kw):
     """The jitted kernel lowered for CUDA on this CPU: Mosaic GPU's Python passes (layout inference, the
     dialect lowering: WGMMA operand checks, transposed SMEM stores, cross-warp reductions, TMA) all run; only
     ptxas and the hardware don't."""
     shape = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
-    args = (shape(batch, 32, head_dim), shape(8, 1 << 16, head_dim), shape(8, 1 << 16, head_dim),
+    args = (shape(batch, 32, head_dim), shape(8, 1 << 16, head_dim, dt=pool_dtype),
+            shape(8, 1 << 16, head_dim, dt=pool_dtype),
             shape(batch, dt=jnp.int32), shape(batch, 4096 // 8, dt=jnp.int32), shape(batch, dt=jnp.int32))
     fn = jax.jit(lambda *a: swapped_paged_attention(*a, config=config, **kw))
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -198,6 +225,13 @@ def _lowered_text(batch, head_dim, config=None, **kw):
 def test_default_config_lowers_to_mosaic_gpu(head_dim):
     """llama-1b (D 64) and llama-8b (D 128) decode shapes, B=64, Hq=32, Hkv=8: the default config, no split."""
     assert "mosaic_gpu" in _lowered_text(64, head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_float16_pools_lower_to_mosaic_gpu(head_dim):
+    """The fp16-delta fold's kernel at the engine's decode shapes: f16 WGMMA operands (A = the K slot, the V slot
+    transposed; B = q^T, P^T) and score statistics (the DMLP asks for them)."""
+    assert "mosaic_gpu" in _lowered_text(64, head_dim, pool_dtype=jnp.float16, return_score_stats=True)
 
 
 def test_split_k_lowers_to_mosaic_gpu():
@@ -267,3 +301,16 @@ def test_gpu_score_stats_match_reference(head_dim):
         check(out, float64_attention(case, **kw))
         plain = swapped_paged_attention(**case, **kw)
         assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_float16_pools_match_float64(head_dim):
+    """float16 pools (the fp16-delta fold), compiled: B=64 at ~1K with every page size (the default config),
+    and B=4 (split-K) with score statistics, against float64."""
+    case = as_f16_pools(_gpu_case(64, head_dim, 1024, seed=3))
+    check(swapped_paged_attention(**case), float64_attention(case))
+    small = as_f16_pools(_gpu_case(4, head_dim, 1024, seed=4))
+    out, var = swapped_paged_attention(**small, return_score_stats=True)
+    check(out, float64_attention(small))
+    check_var(var, float64_score_variance(small), rtol=10 * VAR_RTOL, atol=10 * VAR_ATOL)
