@@ -61,8 +61,9 @@ its own kv (bf16 pages, or DKVC's delta bytes per token on the Stratum stack).
 
 Simplifications. A step's time is divided per token, so a decode token and a prompt token in one step cost the
 same (attention's context-dependent part is not apportioned by context). Steps the engine could not time
-(device time 0) charge nothing, and with async scheduling the one token computed after a request stopped is
-charged to nobody. The window's medians follow a change of load after half a window of requests.
+(device time 0) are charged at its recent measured rates, or nothing before the first measured step of their
+kind (stratum_jax/request_usage.py), and with async scheduling the one token computed after a request stopped
+is charged to nobody. The window's medians follow a change of load after half a window of requests.
 
 Default prices. The figures issue #13 quotes for the design: $3.92 per GPU-hour, $0.01 per GB transferred and
 $0.00012 per GB-hour of HBM (DESIGN.md itself names the three prices but no figures). They are used as given

@@ -82,6 +82,8 @@ class StepRecorder:
         self.mean_queue_ms: float | None = None        # mean admission wait of recent requests
         self.recent_bytes_per_s: collections.deque[float] = collections.deque(maxlen=window)   # counted work
         self.recent_flops_per_s: collections.deque[float] = collections.deque(maxlen=window)   # per device s
+        self.untimed_steps = 0                          # steps read back with no measured device time
+        self.estimated_steps = 0                        # of those, steps charged at recent rates
 
     def record_timing(self, batch: ScheduledBatch, device_s: float, work: StepWork | None = None) -> None:
         """A step read back: `batch` ran on the device for `device_s` seconds (0 or less: not timed), doing
@@ -90,6 +92,12 @@ class StepRecorder:
         self.prefill_tokens += prefill_tokens
         self.last_step = StepTiming(batch.kind, device_s, len(batch.seqs), batch.num_tokens, prefill_tokens)
         if device_s <= 0:
+            # Not timed (it ran while the host was elsewhere): billed at recent rates, kept out of the medians.
+            self.untimed_steps += 1
+            estimate = self.estimated_step_s(batch)
+            if estimate is not None:
+                self.estimated_steps += 1
+                charge_step(batch, estimate, estimated=True)
             return
         charge_step(batch, device_s)      # each row's share, for its request's metered bill
         if work is not None:
@@ -110,6 +118,16 @@ class StepRecorder:
                 self._recent_queue_ms.append((seq.admit_time - seq.arrival_time) * 1e3)
                 self.mean_queue_ms = statistics.fmean(self._recent_queue_ms)
                 seq.queue_wait_recorded = True
+
+    def estimated_step_s(self, batch: ScheduledBatch) -> float | None:
+        """What `batch` would take at recent rates (None before a step of its kind was measured): a decode
+        step, the median decode step time x its steps; a prefill or mixed step, its prompt tokens at the median
+        prompt rate of recent prefill and mixed steps (whose time included their decode rows)."""
+        if batch.kind == "decode":
+            per_step = self.decode_ms_per_step()
+            return None if per_step is None else per_step * max(1, max(batch.decode_steps)) / 1e3
+        rate = self.prefill_tokens_per_s()
+        return None if rate is None else sum(batch.chunk_lens) / rate
 
     def decode_ms_per_step(self) -> float | None:
         """Median device ms per decode step (one token per row) of recent decode steps (None before the first)."""

@@ -9,8 +9,10 @@ is not apportioned by context: a simplification, documented in serving/cost.py.)
 
 The engine charges every step it reads back (StepRecorder.record_timing) to the sequences of its batch, and
 hands the sum over to the request's final StepOutput (`usage`). A step read back after its request finished
-(with async scheduling, the one extra token computed after a stop) is not on the bill; steps the engine did
-not time (device time 0: the device ran it while the host was busy elsewhere) charge nothing.
+(with async scheduling, the one extra token computed after a stop) is not on the bill. A step the engine could
+not time (it ran while the host was busy elsewhere, so its end was not seen) is charged at the engine's recent
+measured rates instead (`StepRecorder.estimated_step_s`), and that part is kept apart in `estimated_device_s`;
+before any step was measured such a step charges nothing.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class RequestUsage:
     decode_device_s: float = 0.0     # its decode tokens' share of the device time of the steps it decoded in
     prefill_step_s: float = 0.0      # the whole device time of those prefill steps (how long it waited on them)
     decode_step_s: float = 0.0       # the whole device time of those decode steps
+    estimated_device_s: float = 0.0  # the part of device_s charged at recent rates for steps that were not timed
 
     @property
     def device_s(self) -> float:
@@ -43,9 +46,10 @@ class RequestUsage:
         return dataclasses.replace(self)
 
 
-def charge_step(batch: ScheduledBatch, device_s: float) -> None:
-    """Divides one step's measured `device_s` over its rows' tokens (module docstring) into each sequence's
-    `usage`. batch.decode[i] computed batch.decode_steps[i] tokens, batch.prefill[i] batch.chunk_lens[i]."""
+def charge_step(batch: ScheduledBatch, device_s: float, *, estimated: bool = False) -> None:
+    """Divides one step's `device_s` (measured, or with `estimated` an estimate at recent rates) over its rows'
+    tokens (module docstring) into each sequence's `usage`. batch.decode[i] computed batch.decode_steps[i]
+    tokens, batch.prefill[i] batch.chunk_lens[i]."""
     tokens = batch.num_tokens
     if device_s <= 0 or tokens <= 0:
         return
@@ -55,8 +59,12 @@ def charge_step(batch: ScheduledBatch, device_s: float) -> None:
         usage.decode_tokens += n
         usage.decode_device_s += n * per_token
         usage.decode_step_s += device_s
+        if estimated:
+            usage.estimated_device_s += n * per_token
     for seq, n in zip(batch.prefill, batch.chunk_lens):
         usage = seq.usage
         usage.prefill_tokens += n
         usage.prefill_device_s += n * per_token
         usage.prefill_step_s += device_s
+        if estimated:
+            usage.estimated_device_s += n * per_token

@@ -299,9 +299,10 @@ def test_cost_estimate_has_one_breakdown_per_stack_and_metered_usage_matches_the
     m = stop.metered
     assert m.stack == "baseline" and m.billed_output_tokens == stop.usage.output_tokens
     assert m.compute_seconds > 0 and m.decode_batch >= 1 and m.prefill_batch >= 1
-    # A step the host reads only after it finished has no measured end, so the engine leaves it untimed and
-    # uncharged (engine_stats.record_timing); on a loaded 2-core CI host all of this request's decode steps, or
-    # its prefill step, were read that way (2026-12-02): its bill then lacks that rate for the formula.
+    # A step the host reads only after it finished has no measured end: the engine bills it at its recent
+    # measured rates (engine_stats.record_timing), or, before any step of its kind was measured on this stack,
+    # not at all. On a loaded 2-core CI host all of an early request's decode steps, or its prefill step, were
+    # read that way (2026-12-02): its bill then lacks that rate for the formula.
     if m.decode_step_ms > 0 and m.prefill_tokens_per_s > 0:
         again = cost.meter(stop.usage.input_tokens, stop.usage.cached_input_tokens, stop.usage.output_tokens,
                            0, m.kv_bytes_per_token,
