@@ -5,7 +5,10 @@ same token history is run through four caches side by side, in one jitted scan:
   - bf16: the engine's bf16 pools (the reference distribution p);
   - fp16-delta, fp8-delta: the engine's DKVC cache (stratum_jax/kv/delta_cache.py) around the anchor the
     engine builds at start-up (stratum_jax/kv/anchor.py: a warm-up run, mean vs position-aligned);
-  - fp8: plain fp8 KV without an anchor (a zero anchor, the same per-granule scale rule and floor rule).
+  - fp8: plain fp8 KV without an anchor (a zero anchor, the same per-granule scale rule and floor rule);
+  - fp8-delta-head-scale: fp8 deltas around the same anchor whose floor is the largest warm-up delta / 448
+    (`AnchorChoice.max_floors`), so the per-granule rule nearly always keeps that one scale per layer and head:
+    what a kernel with one scale per head (folded into q and the output, no per-key scale work) would read.
 Every variant is fed the bf16 greedy token (teacher forcing), so all see the same history, and reports
 KL(p || q) of its next-token distribution q and whether its argmax agrees with p's (greedy-token
 agreement). The prompt is written by one prefill step (whole granules per step), the generated positions
@@ -46,7 +49,7 @@ from stratum_jax.model.loader import load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS_FILE = RESULTS / "dkvc_quality_prompts.npy"
-VARIANTS = ("fp16-delta", "fp8-delta", "fp8")
+VARIANTS = ("fp16-delta", "fp8-delta", "fp8", "fp8-delta-head-scale")
 PAGE = 256                     # page size of the study's block tables (each row's slots are contiguous)
 KEY_BLOCK = 128                # the tiled attention's key block: a loop to the step's context, not the bound
 
@@ -74,6 +77,7 @@ def make_caches(model, choice, num_slots: int) -> dict:
         caches[name] = init_delta_cache(choice.anchors, choice.floors, num_slots, name)
     zero = [(jnp.zeros((cfg.num_kv_heads, 1, cfg.head_dim), cfg.dtype),) * 2 for _ in range(cfg.num_layers)]
     caches["fp8"] = init_delta_cache(zero, choice.zero_floors, num_slots, "fp8-delta")
+    caches["fp8-delta-head-scale"] = init_delta_cache(choice.anchors, choice.max_floors, num_slots, "fp8-delta")
     return caches
 
 

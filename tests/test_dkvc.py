@@ -113,6 +113,12 @@ def test_anchor_choice_follows_the_held_out_delta_magnitude():
     # Floors: the 99% quantile of the per-token max |delta| / 448 (noise 0.1 over 4 dims: ~0.2-0.35).
     assert np.all((mean.floors[0][0] > 0.15 / FP8_MAX) & (mean.floors[0][0] < 0.5 / FP8_MAX))
     assert np.all(mean.zero_floors[0][0] > 3.0 / FP8_MAX)
+    # max_floors: the largest per-token max |delta| of the held-out windows / 448, above the 99% floor.
+    kv = _kv(position_term=0.0)
+    held = kv[:, :, kv.shape[2] // 2:] - np.asarray(mean.anchors[0][0], np.float32)[None, None, None]
+    want = np.abs(held[0, 0]).max(axis=(0, 2, 3)) / FP8_MAX                      # [Hkv]
+    np.testing.assert_allclose(mean.max_floors[0][0], want, rtol=1e-3)
+    assert np.all(mean.max_floors[0][0] > mean.floors[0][0])
 
 
 # ---- the flag and the fallbacks --------------------------------------------------------------------

@@ -47,13 +47,16 @@ class AnchorChoice:
     dtype; floors: per layer (k_floor, v_floor) [Hkv] float32; rms: {"mean", "aligned", "kv"}: held-out
     root mean square of the deltas under each candidate, and of K/V themselves (a plain fp8 cache's
     "delta" from a zero anchor); zero_floors: the floors the same rule gives a zero anchor (plain fp8 KV,
-    the quality study's comparison)."""
+    the quality study's comparison); max_floors: per layer (k, v) [Hkv] the largest per-token max |delta| of
+    the held-out windows / 448 (a per-head scale that no warm-up token would have saturated: the quality
+    study's "fp8-delta, per-head scale" variant)."""
 
     kind: str
     anchors: list
     floors: list
     rms: dict
     zero_floors: list
+    max_floors: list
 
 
 def warmup_text() -> str:
@@ -127,12 +130,12 @@ def choose_anchor(kv: np.ndarray, dtype) -> AnchorChoice:
     kind = "aligned" if rms["aligned"] < rms["mean"] else "mean"
     chosen, deltas = (aligned, d_aligned) if kind == "aligned" else (mean, d_mean)
     anchors = [(jnp.asarray(chosen[i, 0], dtype), jnp.asarray(chosen[i, 1], dtype)) for i in range(kv.shape[0])]
-    return AnchorChoice(kind, anchors, _floors(deltas), rms, _floors(held))
+    return AnchorChoice(kind, anchors, _floors(deltas), rms, _floors(held), _floors(deltas, quantile=1.0))
 
 
-def _floors(deltas: np.ndarray) -> list:
-    """deltas [L, 2, S, Hkv, W, D] -> per layer (k_floor, v_floor) [Hkv] float32: the FLOOR_QUANTILE quantile
+def _floors(deltas: np.ndarray, quantile: float = FLOOR_QUANTILE) -> list:
+    """deltas [L, 2, S, Hkv, W, D] -> per layer (k_floor, v_floor) [Hkv] float32: the `quantile` quantile
     of the per-token max |delta| over windows and positions, / 448."""
     amax = np.abs(deltas).max(axis=-1).transpose(0, 1, 3, 2, 4)                    # [L, 2, Hkv, S, W]
-    floors = np.quantile(amax.reshape(*amax.shape[:3], -1), FLOOR_QUANTILE, axis=-1) / FP8_MAX
+    floors = np.quantile(amax.reshape(*amax.shape[:3], -1), quantile, axis=-1) / FP8_MAX
     return [(floors[i, 0].astype(np.float32), floors[i, 1].astype(np.float32)) for i in range(floors.shape[0])]
