@@ -321,4 +321,5 @@ class Engine:
             kv_bytes_per_token=self._kv_bytes_per_token, kv_recall_batches=self.transfers.stats.recall_batches,
             kv_recall_seconds=tuple(self.transfers.stats.recall_seconds),
             kv_recall_choices=self.pool.recall_choice.recalled, kv_recompute_choices=self.pool.recall_choice.recomputed,
-            step_bytes_per_s=bytes_per_s, step_flops_per_s=flops_per_s)
+            step_bytes_per_s=bytes_per_s, step_flops_per_s=flops_per_s,
+            untimed_steps=self.recorder.untimed_steps, estimated_steps=self.recorder.estimated_steps)

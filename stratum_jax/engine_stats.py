@@ -56,6 +56,8 @@ class EngineStats:
     # over the start-up read bandwidth and matmul peak they are the utilization gauges.
     step_bytes_per_s: float = 0.0
     step_flops_per_s: float = 0.0
+    untimed_steps: int = 0               # steps read back with no measured device time ...
+    estimated_steps: int = 0             # ... of which billed at the recent rates (request_usage.py)
 
 
 @dataclasses.dataclass(frozen=True)

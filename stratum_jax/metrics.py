@@ -61,6 +61,10 @@ METRICS: dict[str, tuple[str, str]] = {
                              "--kv-precision after its fallbacks."),
     "stratum_preemptions_total": ("counter", "Running requests preempted because the KV pool was full."),
     "stratum_engine_steps_total": ("counter", "Engine steps run."),
+    "stratum_untimed_steps_total": ("counter", "Engine steps read back with no measured device time (they ran "
+                                    "while the host was busy elsewhere), by how their rows were billed: "
+                                    "billed=estimated (at the recent measured rates) or none (before any "
+                                    "measured step of their kind)."),
     "stratum_decode_step_seconds": ("gauge", "Recent decode step wall time (moving average)."),
     "stratum_prefill_tokens_per_second": ("gauge", "Recent prefill throughput (moving average)."),
     "stratum_prefill_tokens_total": ("counter", "Prompt tokens the engine has prefilled (prefix-cache hits "
@@ -124,7 +128,7 @@ DMLP_METRICS: dict[str, tuple[str, str]] = {
 # name -> its own label(s) beyond `stack`, for the metrics that have any (a tuple for more than one).
 LABELS: dict[str, str | tuple[str, ...]] = {"stratum_kv_pages_used": "tier", "stratum_kv_pages_free": "tier", "stratum_kv_tokens_used": "tier",
           "stratum_kv_tokens_total": "tier", "stratum_kv_bytes": "tier", "stratum_kv_precision": "precision",
-          "stratum_kv_recall_choices_total": "choice",
+          "stratum_kv_recall_choices_total": "choice", "stratum_untimed_steps_total": "billed",
           "stratum_requests_total": "status", "stratum_stop_reasons_total": "reason",
           "stratum_routed_requests_total": "route", "stratum_route_decisions_total": ("route", "reason"),
           "stratum_metered_cost_usd_total": "term"}
@@ -268,6 +272,7 @@ class ServingMetrics:
         self.cache_hit_rate = bound("stratum_cache_hit_rate")
         self.preemptions = bound("stratum_preemptions_total")
         self.steps = bound("stratum_engine_steps_total")
+        self.untimed_steps = bound("stratum_untimed_steps_total")
         self.decode_step = bound("stratum_decode_step_seconds")
         self.prefill_tps = bound("stratum_prefill_tokens_per_second")
         self.prefill_tokens = bound("stratum_prefill_tokens_total")
@@ -371,6 +376,8 @@ class ServingMetrics:
                              ("jit_compilations_after_serving", self.jit_compilations_after_serving),
                              ("hab_triggers", self.hab_triggers), ("prefill_tokens", self.prefill_tokens)):
             self._advance(name, metric, getattr(stats, name))
+        self._advance("estimated_steps", self.untimed_steps.labels("estimated"), stats.estimated_steps)
+        self._advance("unbilled_steps", self.untimed_steps.labels("none"), stats.untimed_steps - stats.estimated_steps)
         for choice in ("recall", "recompute"):
             self._advance(f"kv_{choice}_choices", self.recall_choices.labels(choice),
                           getattr(stats, f"kv_{choice}_choices"))

@@ -145,8 +145,11 @@ def Stats(**overrides) -> EngineStats:
 def test_engine_counters_advance_by_deltas():
     m = ServingMetrics()
     m.observe_engine(Stats())
-    m.observe_engine(Stats(prefix_cache_hits=5, prefix_cache_queries=8, steps=9))
+    m.observe_engine(Stats(prefix_cache_hits=5, prefix_cache_queries=8, steps=9, untimed_steps=3, estimated_steps=2))
+    m.observe_engine(Stats(prefix_cache_hits=5, prefix_cache_queries=8, steps=9, untimed_steps=3, estimated_steps=2))
     value = m.value
+    assert value("stratum_untimed_steps_total", {"billed": "estimated"}) == 2
+    assert value("stratum_untimed_steps_total", {"billed": "none"}) == 1
     assert value("stratum_prefix_cache_hits_total") == 5
     assert value("stratum_prefix_cache_queries_total") == 8
     assert value("stratum_engine_steps_total") == 9
