@@ -67,8 +67,8 @@ def test_decode_fold_matches_float64_with_score_stats():
 
 def test_prefill_fold_matches_float64():
     """The warp-specialised kernel on the f16 deltas + the anchor's V, through `prefill_attention` (tiles of
-    the engine's layout): a tile ending at its sequence's end, one in the middle of a long context, one
-    padding tile (zeros)."""
+    the engine's layout) with split-K 2 (each split's f16 partial and lse merged): a tile ending at its
+    sequence's end, one in the middle of a long context, one padding tile (zeros)."""
     case, delta = fp16_delta(1, lengths=[300, 200], sizes=[16, 256])
     per_block = ws_prefill_block_tokens(4, 1)                        # 32 tokens per block at group 4
     tile = 2 * per_block
@@ -80,7 +80,7 @@ def test_prefill_fold_matches_float64():
     q = jnp.asarray(np.random.default_rng(2).standard_normal((3, tile, 4, 64)), jnp.bfloat16)
     tables = RowTables(jnp.asarray([300, 40 + tile], jnp.int32), case["page_starts"], case["page_sizes"])
     out = prefill_attention(q, jnp.asarray(positions), tile_rows, tables, delta, None, backend="kernel",
-                            interpret=True)
+                            interpret=True, prefill_splits=2)
     # Truth: each real token as a decode row over the keys at positions <= its own.
     k, v = float64_delta_pools(case)
     rows = np.repeat([0, 1], tile)
