@@ -673,6 +673,14 @@ def measure_variant(build, args, ref, paged_ms, a, *, label, io_bytes=None) -> d
     return r
 
 
+def delta_truth(q, ak, av, k_scale, v_scale, kd, vd, slot, lengths, scale) -> np.ndarray:
+    """XLA dense attention over the K/V of a delta cache rebuilt in fp32 (slot [B, ctx]: token t's pool slot)."""
+    t = jnp.arange(slot.shape[1])
+    kr = jnp.swapaxes(rebuild_reference(ak, k_scale, kd, slot, t), 0, 1)
+    vr = jnp.swapaxes(rebuild_reference(av, v_scale, vd, slot, t), 0, 1)
+    return np.asarray(xla_decode_attention(q.astype(jnp.float32), kr, vr, lengths, scale=scale))
+
+
 def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, paged_ms, a, *, io, interpret,
                  label) -> dict:
     """The engine's fp16-delta decode path (stratum_jax/attention.py `_unit_scale_fold`: the swapped kernel on
@@ -680,12 +688,8 @@ def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, p
     checked against XLA attention over anchor + delta. Its run is marked config "fold"."""
     from stratum_jax.attention import RowTables, decode_attention
     from stratum_jax.kv.delta_cache import DeltaKV
-    hkv = kd.shape[0]
-    ones = jnp.ones((hkv, kd.shape[1] // 8), jnp.float32)
-    kr = jnp.swapaxes(rebuild_reference(ak, ones, kd, slot, jnp.arange(slot.shape[1])), 0, 1)
-    vr = jnp.swapaxes(rebuild_reference(av, ones, vd, slot, jnp.arange(slot.shape[1])), 0, 1)
-    ref = np.asarray(xla_decode_attention(q.astype(jnp.float32), kr, vr, lengths, scale=scale))
-    del kr, vr
+    ones = jnp.ones((kd.shape[0], kd.shape[1] // 8), jnp.float32)
+    ref = delta_truth(q, ak, av, ones, ones, kd, vd, slot, lengths, scale)
 
     def fold(q, kd, vd, ak, av, lengths, starts, psz):
         cache = DeltaKV(anchor_k=ak, anchor_v=av, k_delta=kd, v_delta=vd, k_scale=ones, v_scale=ones,
@@ -764,11 +768,7 @@ def run_delta(a):
                 for A in anchor_lens:
                     ak, av = anchors[A]
                     args = (q, kd, vd, scales[0], scales[1], ak, av, lengths, starts, psz)
-                    # Truth: XLA dense attention over the K/V rebuilt in fp32.
-                    kr = jnp.swapaxes(rebuild_reference(ak, scales[0], kd, slot, jnp.arange(ctx)), 0, 1)
-                    vr = jnp.swapaxes(rebuild_reference(av, scales[1], vd, slot, jnp.arange(ctx)), 0, 1)
-                    ref = np.asarray(xla_decode_attention(q.astype(jnp.float32), kr, vr, lengths, scale=scale))
-                    del kr, vr
+                    ref = delta_truth(q, ak, av, scales[0], scales[1], kd, vd, slot, lengths, scale)
                     runs = []
                     for cfg in delta_configs(D, dt, A, table_width, a.quick):
                         r = dict(config=dataclasses.asdict(cfg), **measure_variant(

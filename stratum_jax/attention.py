@@ -178,6 +178,7 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     # DKVC: the warp-specialised kernel has the folded mean-anchor path only; the rebuild path (a position-aligned
     # anchor, or folding switched off) and score statistics take the single pipeline (`delta_prefill_attention`).
     use_ws = kernel_variant == "ws" and not return_score_stats and (delta is None or _folds_in_ws_kernel(delta))
+    fold = use_ws and delta is not None and _unit_scale_fold(delta)
     num_kv_heads = delta.num_kv_heads if delta is not None else k_pool.shape[0]
     per_block = (ws_prefill_block_tokens if use_ws else prefill_block_tokens)(num_heads, num_kv_heads)
     if backend != "kernel" or per_block is None or tile % per_block:
@@ -192,10 +193,9 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     if use_ws and prefill_splits is not None:
         # The fp16-delta fold runs the bf16 kernel's code on f16 pools: its default config.
         kernel_config = _ws_split_config(kernel_config, prefill_splits, blocks=blocks, num_kv_heads=num_kv_heads,
-                                         head_dim=head_dim, max_context=max_context,
-                                         delta=None if delta is not None and _unit_scale_fold(delta) else delta,
+                                         head_dim=head_dim, max_context=max_context, delta=None if fold else delta,
                                          max_pages=tables.page_starts.shape[1], interpret=interpret)
-    if use_ws and delta is not None and _unit_scale_fold(delta):
+    if fold:
         # fp32 q gives the kernel's f16 output unrounded: the anchor is added before the one rounding to q's dtype.
         out = ws_prefill_attention(q.astype(jnp.float32).reshape(blocks, per_block, num_heads, head_dim),
                                    delta.k_delta, delta.v_delta, jnp.maximum(starts, 0), lengths.astype(jnp.int32),
@@ -297,13 +297,13 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
                          f"got {kernel_variant!r}")
     rows = q.shape[0]
     lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
-    folds = backend == "kernel" and isinstance(k_pool, DeltaKV) and _unit_scale_fold(k_pool)
-    if folds and kernel_variant == "swapped":
-        from pallas_kernels.swapped_decode_attention import swapped_paged_attention
-        # fp32 q gives an fp32 output: the anchor is added before the one rounding to q's dtype.
-        res = swapped_paged_attention(q.astype(jnp.float32), k_pool.k_delta, k_pool.v_delta, lengths,
-                                      tables.page_starts, tables.page_sizes, max_context=max_context,
-                                      interpret=interpret, return_score_stats=return_score_stats)
+    if (backend == "kernel" and kernel_variant == "swapped" and isinstance(k_pool, DeltaKV)
+            and _unit_scale_fold(k_pool)):
+        # The f16 deltas as the pools of the swapped branch below; fp32 q gives an fp32 output, so the anchor is
+        # added before the one rounding to q's dtype.
+        res = decode_attention(q.astype(jnp.float32), positions, tables, k_pool.k_delta, k_pool.v_delta,
+                               backend=backend, interpret=interpret, max_context=max_context,
+                               return_score_stats=return_score_stats, kernel_variant=kernel_variant)
         out, stats = (res[0], res[1:]) if return_score_stats else (res, ())
         out = _add_mean_anchor_v(out, k_pool, lengths > 0).astype(q.dtype)
         return (out, *stats) if return_score_stats else out
