@@ -35,9 +35,11 @@ waits for the host to launch the step's kernels (what eager modes lose), and not
   decode_tokens_per_s    = batch * new_tokens * repeats / (sum over timed passes of first->last event)
   decode_step_ms_median  = median over all timed steps of all timed passes
 On CPU (--device cpu) host clocks stand in for the events (the CPU runs each step synchronously).
-generate gives no per-step times: a pass times generate(max_new_tokens=1) (the prefill and its token) and
-then generate(max_new_tokens=new_tokens + 1), each between device syncs, and counts the difference as
-new_tokens decode steps (decode_step_ms_median is then the median over passes of their mean step).
+generate is timed from inside: one generate(max_new_tokens=new_tokens + 1) call per pass, with a logits
+processor that marks the clock each time generate asks it for a token. The first mark follows the prefill
+(prefill_seconds is from a mark taken before the call, so it holds generate's set-up too); each later interval
+is one decode step with generate's own host work between forwards. (Subtracting a timed generate(1) from a
+timed generate(new_tokens + 1) read negative decode times on a loaded CPU with short runs.)
 Prints a short table; writes JSON (a list, one record per mode) to --out.
 """
 from __future__ import annotations
@@ -118,9 +120,21 @@ class _Clock:
         return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
 
 
+class _MarkEachToken:
+    """A logits processor (called once per generated token, after that token's forward) that calls
+    `on_token` and leaves the scores alone: per-step marks from inside `model.generate`."""
+
+    def __init__(self, on_token):
+        self.on_token = on_token
+
+    def __call__(self, input_ids, scores):
+        self.on_token()
+        return scores
+
+
 def run_mode(model, cfg: ModelConfig, args, mode: str) -> dict:
     import torch
-    from transformers import DynamicCache, StaticCache
+    from transformers import DynamicCache, LogitsProcessorList, StaticCache
 
     device = args.device
     clock = _Clock(device)
@@ -144,10 +158,11 @@ def run_mode(model, cfg: ModelConfig, args, mode: str) -> dict:
             torch.compiler.cudagraph_mark_step_begin()
             return compiled(ids, kv).clone()
 
-    def generate(new_tokens):
+    def generate(new_tokens, on_token):
         cache.reset()
         out = model.generate(prompts, attention_mask=torch.ones_like(prompts), past_key_values=cache,
-                             do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+                             do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             logits_processor=LogitsProcessorList([_MarkEachToken(on_token)]))
         return out[:, args.prompt_len:]
 
     passes = []
@@ -155,17 +170,14 @@ def run_mode(model, cfg: ModelConfig, args, mode: str) -> dict:
         for i in range(args.warmup_passes + args.repeats):
             t0 = time.perf_counter()
             if mode == "generate":
-                # Prefill (+ its token) alone, then prefill + new_tokens decode steps: the difference is decode.
                 clock.sync()
-                tp = time.perf_counter()
-                generate(1)
+                marks = [clock.mark()]
+                toks = [generate(args.new_tokens + 1, on_token=lambda: marks.append(clock.mark()))[:, 1:]]
                 clock.sync()
-                prefill_s = time.perf_counter() - tp
-                tg = time.perf_counter()
-                toks = [generate(args.new_tokens + 1)[:, 1:]]
-                clock.sync()
-                decode_s = time.perf_counter() - tg - prefill_s
-                steps = [decode_s / args.new_tokens]      # generate gives no per-step times: their mean
+                if len(marks) != args.new_tokens + 2:
+                    raise RuntimeError(f"generate asked for {len(marks) - 1} tokens, expected {args.new_tokens + 1}")
+                prefill_s, *steps = clock.intervals(marks)
+                decode_s = sum(steps)
             else:
                 if static:
                     cache.reset()
@@ -200,7 +212,6 @@ def run_mode(model, cfg: ModelConfig, args, mode: str) -> dict:
         "attn_implementation": model.config._attn_implementation, "dtype": args.dtype,
         "repeats": args.repeats, "warmup_passes": args.warmup_passes,
         "decode_tokens_per_s": args.batch * args.new_tokens * len(timed) / decode_s,
-        # generate: the median over passes of each pass's mean step.
         "decode_step_ms_median": statistics.median(step_times) * 1e3,
         "decode_step_ms_mean": decode_s / (args.new_tokens * len(timed)) * 1e3,
         "decode_seconds_per_pass": [round(p["decode_s"], 6) for p in timed],
