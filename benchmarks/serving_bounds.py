@@ -18,7 +18,11 @@ hits, output tokens, arrival time):
    KV of half the bytes: fp8 deltas).
 2. **An ideal prefill-only server's TTFT**: one server prefilling at S tokens/s, preemptive shortest-remaining
    first, no decode work, on the rate's actual arrival times: p50 / p95 of (first-token time - arrival). What
-   the replay's TTFT would be if nothing but prefill at S ran.
+   the replay's TTFT would be if nothing but prefill at S ran. The same server is also run at S x the bf16
+   prefill-share bound (1.), the highest average prefill rate left to a server that must also decode these
+   requests: its TTFT is still optimistic (no decode ever delays a prompt), but it is reachable only by a
+   server that does no other work. For each, the number of requests whose ideal TTFT is within --ttft-slo-ms:
+   no server on this device, model and prefill rate can count more requests as good than that.
 
 Prints a table and writes <--results-dir>/<--out>.json (default benchmarks/results/).
 """
@@ -90,9 +94,18 @@ def rows_of(rate_result: dict) -> list[dict]:
     return [dict(zip(table["fields"], row)) for row in table["rows"]]
 
 
-def analyse(result: dict, model: str, prefill_tok_s: float, read_tb_s: float) -> list[dict]:
+def _ttft_summary(ttft_s: np.ndarray, ttft_slo_ms: float) -> dict:
+    """p50 / p95 in ms of [n] TTFTs in seconds, and how many are within the SLO."""
+    return {"p50": round(float(np.percentile(ttft_s, 50)) * 1e3, 1),
+            "p95": round(float(np.percentile(ttft_s, 95)) * 1e3, 1),
+            "within_slo": int((ttft_s * 1e3 <= ttft_slo_ms).sum())}
+
+
+def analyse(result: dict, model: str, prefill_tok_s: float, read_tb_s: float,
+            ttft_slo_ms: float = 1000.0) -> list[dict]:
     """A serving.py result -> one dict per (config, rate) that has per-request rows: the prefill-share bound
-    per KV precision, the ideal server's TTFT p50/p95, and the measured TTFT and prefill rate beside them.
+    per KV precision, the ideal server's TTFT p50/p95 and count within the SLO (at S, and at S x the bf16
+    bound), and the measured TTFT, good requests and prefill rate beside them.
     Requests that got no reply are left out (said on stderr)."""
     out = []
     for config in result["configs"]:
@@ -106,13 +119,18 @@ def analyse(result: dict, model: str, prefill_tok_s: float, read_tb_s: float) ->
             ideal = ideal_ttft_s([x["arrival_s"] for x in rows],
                                  [x["prompt_tokens"] - x["cached_tokens"] for x in rows], prefill_tok_s)
             measured = [x["ttft_ms"] for x in rows if x["ttft_ms"] is not None]
+            share = {p: prefill_share_bound(rows, prefill_tok_s, kv_bytes_per_token(model, b), read_tb_s * 1e12)
+                     for p, b in KV_PRECISIONS.items()}
+            decoding = ideal_ttft_s([x["arrival_s"] for x in rows],
+                                    [x["prompt_tokens"] - x["cached_tokens"] for x in rows],
+                                    prefill_tok_s * share["bf16"]["max_prefill_fraction"])
             out.append({
                 "config": config["name"], "rate": rate, "requests": len(rows),
-                "prefill_share_bound": {p: prefill_share_bound(rows, prefill_tok_s, kv_bytes_per_token(model, b),
-                                                               read_tb_s * 1e12)
-                                        for p, b in KV_PRECISIONS.items()},
-                "ideal_ttft_ms": {"p50": round(float(np.percentile(ideal, 50)) * 1e3, 1),
-                                  "p95": round(float(np.percentile(ideal, 95)) * 1e3, 1)},
+                "prefill_share_bound": share,
+                "ideal_ttft_ms": _ttft_summary(ideal, ttft_slo_ms),
+                # The same ideal server at S x the bf16 prefill-share bound (see the module docstring).
+                "ideal_ttft_ms_decoding": _ttft_summary(decoding, ttft_slo_ms),
+                "measured_good_requests": r.get("good_requests"),
                 "measured_ttft_ms": {"p50": round(float(np.percentile(measured, 50)), 1),
                                      "p95": round(float(np.percentile(measured, 95)), 1)},
                 "measured_prefill_tok_s_while_queued": (r.get("metric_samples") or {}).get(
@@ -134,20 +152,23 @@ def main(argv=None) -> int:
                     help="e2e_decode.py's prefill rate (default: llama-1b, batch 8 x 12,288-token prompts, H200, "
                          "e2e_llama-1b_b8_prompt12k_h200.json)")
     ap.add_argument("--read-tb-s", type=float, default=4.40, help="the device's read bandwidth (H200: 4.40)")
+    ap.add_argument("--ttft-slo-ms", type=float, default=1000.0,
+                    help="the TTFT SLO of the replay's goodput (serving.py's default: 1000)")
     ap.add_argument("--out", default="serving_bounds", help="JSON name under --results-dir")
     ap.add_argument("--results-dir", type=pathlib.Path, default=ROOT / "benchmarks" / "results")
     a = ap.parse_args(argv)
-    if a.prefill_tok_s <= 0 or a.read_tb_s <= 0:
-        ap.error("--prefill-tok-s and --read-tb-s must be > 0")
+    if a.prefill_tok_s <= 0 or a.read_tb_s <= 0 or a.ttft_slo_ms <= 0:
+        ap.error("--prefill-tok-s, --read-tb-s and --ttft-slo-ms must be > 0")
     report = {"benchmark": "serving bounds (issue #10): prefill share at saturation, ideal prefill-only TTFT",
               "date": datetime.date.today().isoformat(), "model": a.model, "prefill_tok_s": a.prefill_tok_s,
-              "read_tb_s": a.read_tb_s, "files": {}}
+              "read_tb_s": a.read_tb_s, "ttft_slo_ms": a.ttft_slo_ms, "files": {}}
     print(f"{'file':44} {'config':6} {'rate':>4} {'bf16 bound':>10} {'fp8 bound':>9} {'measured':>8} "
-          f"{'ideal TTFT p50/p95':>19} {'measured p50/p95':>17}")
+          f"{'ideal TTFT p50/p95':>19} {'decoding p50/p95':>17} {'measured p50/p95':>17} "
+          f"{'good: ideal/decoding/measured':>30}")
     for path in a.results:
         try:
             result = json.loads(path.read_text())
-            rows = analyse(result, a.model, a.prefill_tok_s, a.read_tb_s)
+            rows = analyse(result, a.model, a.prefill_tok_s, a.read_tb_s, a.ttft_slo_ms)
         except (OSError, ValueError, KeyError, TypeError) as e:
             ap.error(f"{path}: not a benchmarks/serving.py result ({type(e).__name__}: {e})")
         report["files"][path.name] = {"arrivals": result.get("notes", ""), "rows": rows}
@@ -157,7 +178,10 @@ def main(argv=None) -> int:
                   f"{b['fp8-delta']['max_prefill_fraction']:>9.1%} "
                   f"{_share(r['measured_prefill_tok_s_while_queued'], a.prefill_tok_s):>8} "
                   f"{r['ideal_ttft_ms']['p50']:>9.0f}/{r['ideal_ttft_ms']['p95']:<9.0f}"
-                  f"{r['measured_ttft_ms']['p50']:>8.0f}/{r['measured_ttft_ms']['p95']:<8.0f}")
+                  f"{r['ideal_ttft_ms_decoding']['p50']:>8.0f}/{r['ideal_ttft_ms_decoding']['p95']:<8.0f} "
+                  f"{r['measured_ttft_ms']['p50']:>8.0f}/{r['measured_ttft_ms']['p95']:<8.0f} "
+                  f"{r['ideal_ttft_ms']['within_slo']:>14}/{r['ideal_ttft_ms_decoding']['within_slo']}/"
+                  f"{r['measured_good_requests'] if r['measured_good_requests'] is not None else '-'}")
     path = a.results_dir / f"{a.out}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}", file=sys.stderr)

@@ -41,7 +41,7 @@ def test_the_ideal_server_runs_the_shortest_remaining_prompt_first(bounds):
 
 def test_a_result_file_gives_one_row_per_config_and_rate(bounds, tmp_path):
     fields = ["index", "arrival_s", "prompt_tokens", "cached_tokens", "output_tokens", "ttft_ms"]
-    rows = [[0, 0.0, 1000, 0, 10, 50.0], [1, 0.0, 2000, 512, 4, 80.0], [2, 0.5, 300, 0, None, None]]
+    rows = [[0, 0.0, 1000, 0, 10, 50.0], [1, 0.0, 2000, 512, 4000, 80.0], [2, 0.5, 300, 0, None, None]]
     result = {"notes": "arrivals: slot", "configs": [{"name": "hab", "rates": {
         "1": {"per_request": {"fields": fields, "rows": rows},
               "metric_samples": {"prefill_tokens_per_s_while_queued": 1234.5}},
@@ -51,7 +51,16 @@ def test_a_result_file_gives_one_row_per_config_and_rate(bounds, tmp_path):
     out = bounds.analyse(result, "llama-1b", 1000.0, 4.4)
     assert len(out) == 1 and out[0]["requests"] == 2 and out[0]["measured_prefill_tok_s_while_queued"] == 1234.5
     assert out[0]["measured_ttft_ms"] == {"p50": 65.0, "p95": 78.5}
+    # The ideal server at 1000 tok/s: 1000 then 1488 new tokens from t=0, shortest first: 1.0 s and 2.488 s.
+    assert out[0]["ideal_ttft_ms"] == {"p50": 1744.0, "p95": 2413.6, "within_slo": 1}
+    # At S x the bf16 share bound the same prompts take longer, so no more of them meet the SLO.
+    share = out[0]["prefill_share_bound"]["bf16"]["max_prefill_fraction"]
+    assert 0 < share < 1 and out[0]["ideal_ttft_ms_decoding"]["p50"] == pytest.approx(1744.0 / share, abs=0.1)
+    assert out[0]["ideal_ttft_ms_decoding"]["within_slo"] == 0
+    assert bounds.analyse(result, "llama-1b", 1000.0, 4.4, ttft_slo_ms=2488.0)[0]["ideal_ttft_ms"]["within_slo"] == 2
     assert bounds.main([str(path), "--out", "b", "--results-dir", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "b.json").read_text())["files"]["r.json"]["rows"][0]["rate"] == "1"
     with pytest.raises(SystemExit):
         bounds.main([str(tmp_path / "missing.json")])
+    with pytest.raises(SystemExit):
+        bounds.main([str(path), "--ttft-slo-ms", "0"])
