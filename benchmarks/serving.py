@@ -242,6 +242,7 @@ class RequestResult:
     server_ttft_ms: float | None = None
     stack: str | None = None            # the stack that served it (MessageStop.stack; None: an older server)
     metered_usd: float | None = None    # its metered usage (MessageStop.metered.cost_usd)
+    metered: dict | None = None         # the metered breakdown's rates and terms (`breakdown_rates`)
 
     @property
     def ok(self) -> bool:
@@ -607,6 +608,7 @@ async def one_request(stub, pb, p: Planned, t0: float, timeout_s: float, sem: as
                     r.server_queue_ms, r.server_ttft_ms = s.timings.queue_ms, s.timings.ttft_ms
                     r.stack = s.stack or None
                     r.metered_usd = s.metered.cost_usd if s.HasField("metered") else None
+                    r.metered = breakdown_rates(s.metered) if s.HasField("metered") else None
                     r.status = "OK"
     except grpc.aio.AioRpcError as e:
         r.status = e.code().name
@@ -834,16 +836,26 @@ async def run_rate(send, stub, pb, window, shape, rate, salt, args, metrics_url,
     return s
 
 
+BREAKDOWN_RATES = ("cost_usd", "compute_seconds", "decode_step_ms", "prefill_tokens_per_s", "decode_batch",
+                   "prefill_batch", "billed_input_tokens", "billed_output_tokens")
+
+
+def breakdown_rates(b) -> dict:
+    """A CostBreakdown's cost, device seconds, the rates it was priced at and the tokens it billed."""
+    return {k: round(float(getattr(b, k)), 9) for k in BREAKDOWN_RATES}
+
+
 async def cost_figures(stub, pb, planned: list[Planned], samples: int) -> dict | None:
     """CostEstimate after the rate, for the first `samples` finished requests (their own prompts and
     max_tokens, with each stack's step times as measured at the end of the rate): per stack, the estimated
     USD per 1,000 output tokens; and for each request against its own stack's estimate, the metered usage's
-    error (metered - estimated) / estimated. None when the server has no per-stack CostEstimate."""
+    error (metered - estimated) / estimated, with both breakdowns' rates side by side (`per_request`: which
+    term makes a gap). None when the server has no per-stack CostEstimate."""
     import grpc
     done = [p for p in planned if p.result.ok and p.result.metered_usd is not None][:samples]
     if not done:
         return None
-    usd, tokens, errors = collections.defaultdict(float), 0, []
+    usd, tokens, errors, pairs = collections.defaultdict(float), 0, [], []
     for p in done:
         request = pb.CostEstimateRequest(messages=[pb.Message(role="user", content=p.text)],
                                          max_tokens=p.result.target_out)
@@ -856,15 +868,19 @@ async def cost_figures(stub, pb, planned: list[Planned], samples: int) -> dict |
             usd[b.stack] += b.cost_usd
             if b.stack == p.result.stack:
                 errors.append((p.result.metered_usd - b.cost_usd) / b.cost_usd)
+                pairs.append({"index": p.result.index, "stack": b.stack, "metered": p.result.metered,
+                              "estimated": breakdown_rates(b)})
     return {"requests": len(done),
             "estimated_usd_per_1k_output_tokens": {k: round(1e3 * v / tokens, 9) for k, v in usd.items()},
             "metered_vs_estimated": {"mean": round(float(np.mean(errors)), 5),
-                                     "mean_abs": round(float(np.mean(np.abs(errors))), 5)} if errors else None}
+                                     "mean_abs": round(float(np.mean(np.abs(errors))), 5)} if errors else None,
+            "per_request": pairs}
 
 
 REQUEST_FIELDS = ("index", "arrival_s", "status", "send_lag_ms", "target_in", "target_out", "prompt_tokens",
                   "cached_tokens", "output_tokens", "stop_reason", "ttft_ms", "tpot_ms", "e2e_ms",
-                  "server_queue_ms", "server_ttft_ms")
+                  "server_queue_ms", "server_ttft_ms", "stack", "metered_usd", "metered_compute_s",
+                  "metered_decode_batch", "metered_prefill_batch")
 
 
 def per_request_table(results: list[RequestResult]) -> dict:
@@ -873,7 +889,9 @@ def per_request_table(results: list[RequestResult]) -> dict:
     rows = [[r.index, round(r.arrival_s, 4), r.status, ms(r.send_lag_s), r.target_in, r.target_out,
              r.prompt_tokens, r.cached_tokens, r.output_tokens, r.stop_reason, ms(r.ttft_s), ms(r.tpot_s),
              ms(r.e2e_s), None if r.server_queue_ms is None else round(r.server_queue_ms, 2),
-             None if r.server_ttft_ms is None else round(r.server_ttft_ms, 2)] for r in results]
+             None if r.server_ttft_ms is None else round(r.server_ttft_ms, 2), r.stack, r.metered_usd,
+             *((r.metered["compute_seconds"], r.metered["decode_batch"], r.metered["prefill_batch"]) if r.metered
+               else (None, None, None))] for r in results]
     return {"fields": list(REQUEST_FIELDS), "rows": rows}
 
 

@@ -72,6 +72,9 @@ def test_dry_run_every_mode(tmp_path):
     # The same greedy tokens from every cache, the compiled step and generate (fp32).
     assert len({tuple(r["tokens_row0"]) for r in runs}) == 1
     assert "static-compiled" in proc.stdout and "wrote" in proc.stdout
+    # The dry run compiles with aot_eager (dynamo's full-graph capture, no inductor code generation).
+    assert (runs[0]["compiled"], runs[0]["compile_backend"], runs[0]["compile_mode"]) == (True, "aot_eager", None)
+    assert not runs[1]["compiled"] and runs[1]["compile_backend"] is None
 
 
 def test_hf_config_is_the_preset(tmp_path):

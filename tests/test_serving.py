@@ -35,8 +35,10 @@ KEY = "k-test-0123"
 MD = (("x-api-key", KEY),)
 # Compiles dominate the run time on CPU: one per (batch rows, chunk, context bucket, greedy or not). So the
 # batch is small, prefill chunks are short, and most requests are greedy.
+# max_num_batched_tokens = 8 decode rows + 256 prefill tokens: prefill buckets 32-256 (4 packed shapes to
+# compile at start, not the default budget's 8); a longer prompt is prefilled over more steps.
 CONFIG = RuntimeConfig(model="tiny", max_batch_size=8, max_queue=64, max_context=1024, max_tokens_cap=1000,
-                       prefill_chunk=32)
+                       prefill_chunk=32, max_num_batched_tokens=8 + 256)
 MAX_MESSAGE_BYTES = 64 << 10
 LONG_TOKENS = 700   # a few seconds of decoding: long enough to outlast every bad request
 

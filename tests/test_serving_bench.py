@@ -247,3 +247,39 @@ def test_figures_per_stack_and_metered_cost_per_1k_output_tokens(bench):
             'stratum_gpu_idle_ms_sum{stack="baseline"} 1.5\nstratum_gpu_idle_ms_count{stack="baseline"} 2\n')
     h = bench.histogram(bench.parse_metrics(text), "stratum_gpu_idle_ms")
     assert h == {"buckets": {"1.0": 4.0, "+Inf": 7.0}, "sum": 9.0, "count": 7.0}
+
+
+def test_cost_figures_compare_each_bill_with_its_own_stacks_estimate_term_by_term(bench):
+    """cost_figures prices the first finished requests with CostEstimate and keeps, per request, its metered
+    breakdown beside its own stack's estimate, so a gap can be traced to a rate; the per-request table carries
+    the stack and the metered cost."""
+    import asyncio
+    import types
+
+    def breakdown(stack, cost, batch):
+        return types.SimpleNamespace(stack=stack, cost_usd=cost, compute_seconds=cost * 100, decode_step_ms=2.0,
+                                     prefill_tokens_per_s=1e5, decode_batch=batch, prefill_batch=1.0,
+                                     billed_input_tokens=10, billed_output_tokens=4)
+
+    class Stub:
+        async def CostEstimate(self, request, timeout):
+            return types.SimpleNamespace(stacks=[breakdown("stratum", 2e-6, 8.0), breakdown("baseline", 4e-6, 4.0)])
+
+    pb = types.SimpleNamespace(CostEstimateRequest=lambda **kw: types.SimpleNamespace(**kw),
+                               Message=lambda **kw: kw)
+    planned = []
+    for i, (stack, usd) in enumerate([("stratum", 1e-6), ("baseline", 5e-6), (None, None)]):
+        r = bench.RequestResult(i, 0.0, 10, 4, status="OK", output_tokens=4, stack=stack, metered_usd=usd,
+                                metered=bench.breakdown_rates(breakdown(stack, usd, 16.0)) if usd else None)
+        planned.append(bench.Planned(r, f"prompt {i}"))
+    c = asyncio.run(bench.cost_figures(Stub(), pb, planned, samples=8))
+    assert c["requests"] == 2                      # the unbilled one is left out
+    assert c["metered_vs_estimated"]["mean"] == pytest.approx(((1 - 2) / 2 + (5 - 4) / 4) / 2)
+    first, second = c["per_request"]
+    assert (first["index"], first["stack"], second["stack"]) == (0, "stratum", "baseline")
+    assert first["metered"]["decode_batch"] == 16.0 and first["estimated"]["decode_batch"] == 8.0
+    assert second["estimated"]["cost_usd"] == pytest.approx(4e-6)
+    table = bench.per_request_table([p.result for p in planned])
+    rows = [dict(zip(table["fields"], row)) for row in table["rows"]]
+    assert rows[0]["stack"] == "stratum" and rows[0]["metered_usd"] == 1e-6
+    assert rows[0]["metered_compute_s"] == pytest.approx(1e-4) and rows[2]["metered_decode_batch"] is None

@@ -83,6 +83,7 @@ def server(tmp_path_factory):
     profile_port = _free_port()
     cmd = [sys.executable, "-m", "stratum_jax.serve", "--model", "tiny", "--port", "0", "--metrics-port", "-1",
            "--max-batch-size", "4", "--prefill-chunk", "32", "--max-tokens-cap", str(LONG_TOKENS),
+           "--max-num-batched-tokens", str(4 + 128),          # prefill buckets 32-128: 3 packed shapes to compile
            "--drain-grace-s", str(GRACE_S), "--profile-dir", str(tmp / "profiles"),
            "--profile-port", str(profile_port), "--http-port", "0"]
     if tls:

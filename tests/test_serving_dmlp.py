@@ -47,6 +47,7 @@ def _wait_for(condition, timeout_s: float) -> None:
 def test_server_with_dmlp_and_online_fine_tuning(tmp_path):
     online_dir = tmp_path / "online"
     config = RuntimeConfig(model="tiny", max_batch_size=4, max_context=256, max_tokens_cap=64, prefill_chunk=32,
+                           max_num_batched_tokens=4 + 128,   # prefill buckets 32-128: 3 packed shapes to compile
                            kv_pool_tokens=512, cache_policy="dmlp",
                            dmlp_checkpoint=write_checkpoint(tmp_path / "ck"), dmlp_online=True,
                            dmlp_online_dir=str(online_dir), dmlp_online_cores=(0,))
