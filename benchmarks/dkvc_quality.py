@@ -8,7 +8,9 @@ same token history is run through four caches side by side, in one jitted scan:
   - fp8: plain fp8 KV without an anchor (a zero anchor, the same per-granule scale rule and floor rule);
   - fp8-delta-head-scale: fp8 deltas around the same anchor whose floor is the largest warm-up delta / 448
     (`AnchorChoice.max_floors`), so the per-granule rule nearly always keeps that one scale per layer and head:
-    what a kernel with one scale per head (folded into q and the output, no per-key scale work) would read.
+    what a kernel with one scale per head (folded into q and the output, no per-key scale work) would read;
+  - fp8-delta-fixed-head: what `--fp8-scale head` stores: the same max floors as fixed scales, never
+    rewritten (a delta beyond the warm-up's largest saturates instead of widening its granule's scale).
 Every variant is fed the bf16 greedy token (teacher forcing), so all see the same history, and reports
 KL(p || q) of its next-token distribution q and whether its argmax agrees with p's (greedy-token
 agreement). The prompt is written by one prefill step (whole granules per step), the generated positions
@@ -49,7 +51,7 @@ from stratum_jax.model.loader import load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS_FILE = RESULTS / "dkvc_quality_prompts.npy"
-VARIANTS = ("fp16-delta", "fp8-delta", "fp8", "fp8-delta-head-scale")
+VARIANTS = ("fp16-delta", "fp8-delta", "fp8", "fp8-delta-head-scale", "fp8-delta-fixed-head")
 PAGE = 256                     # page size of the study's block tables (each row's slots are contiguous)
 KEY_BLOCK = 128                # the tiled attention's key block: a loop to the step's context, not the bound
 
@@ -78,6 +80,8 @@ def make_caches(model, choice, num_slots: int) -> dict:
     zero = [(jnp.zeros((cfg.num_kv_heads, 1, cfg.head_dim), cfg.dtype),) * 2 for _ in range(cfg.num_layers)]
     caches["fp8"] = init_delta_cache(zero, choice.zero_floors, num_slots, "fp8-delta")
     caches["fp8-delta-head-scale"] = init_delta_cache(choice.anchors, choice.max_floors, num_slots, "fp8-delta")
+    caches["fp8-delta-fixed-head"] = init_delta_cache(choice.anchors, choice.max_floors, num_slots, "fp8-delta",
+                                                      fixed_scales=True)
     return caches
 
 
@@ -228,7 +232,10 @@ def main(argv=None) -> int:
         "seconds": {"anchor_and_alloc": t1 - t0, "study": seconds},
         "criteria": {"fp16-delta kl_mean < 0.002": variants["fp16-delta"]["kl_mean"] < 0.002,
                      "fp8-delta kl_mean < 0.005": variants["fp8-delta"]["kl_mean"] < 0.005,
-                     "fp8-delta kl_mean < plain fp8": variants["fp8-delta"]["kl_mean"] < variants["fp8"]["kl_mean"]},
+                     "fp8-delta kl_mean < plain fp8": variants["fp8-delta"]["kl_mean"] < variants["fp8"]["kl_mean"],
+                     "fp8-delta-fixed-head kl_mean < 0.005": variants["fp8-delta-fixed-head"]["kl_mean"] < 0.005,
+                     "fp8-delta-fixed-head kl_mean < plain fp8":
+                         variants["fp8-delta-fixed-head"]["kl_mean"] < variants["fp8"]["kl_mean"]},
         "variants": variants,
     }
     stem = f"dkvc_quality_{result['platform']}_{rows}x{args.positions}"

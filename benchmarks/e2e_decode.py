@@ -38,7 +38,8 @@ import numpy as np
 import tqdm
 from jax._src import xla_bridge   # backends_are_initialized: no public equivalent in jax 0.11.2
 
-from stratum_jax.config import DECODE_KERNELS, KV_PRECISIONS, PROJECTION_BACKENDS, SCHEDULERS, TP_EMBEDDINGS, RuntimeConfig
+from stratum_jax.config import (DECODE_KERNELS, FP8_SCALES, KV_PRECISIONS, PROJECTION_BACKENDS, SCHEDULERS,
+                                TP_EMBEDDINGS, RuntimeConfig)
 from stratum_jax.distributed import init_distributed
 from stratum_jax.engine import Engine
 from stratum_jax.kv.precision import kv_bytes_per_slot
@@ -167,6 +168,7 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16",
                            tp_embedding=args.tp_embedding, scheduler=args.scheduler,
                            coordinator=args.coordinator, num_processes=args.num_processes,
                            process_id=args.process_id, kv_precision=kv_precision,
+                           fp8_scale=args.fp8_scale if kv_precision == "fp8-delta" else "granule",
                            interpret_kernels=args.interpret_kernels, async_scheduling=args.async_scheduling,
                            projections=args.projections)
     engine = Engine(config, model=model)
@@ -222,6 +224,7 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16",
                           else None),
         "attention_backend": engine.attention_backend, "projections": engine.projections,
         "kv_precision_requested": kv_precision, "kv_precision": engine.kv_precision,
+        "fp8_scale": config.fp8_scale if engine.kv_precision == "fp8-delta" else None,
         "page_size": args.page_size or "adaptive", "tensor_parallel": tp,
         "tp_embedding": None if model.tp is None else ("vocab-parallel" if model.tp.splits_vocab() else "replicated"),
         "tp_embedding_flag": args.tp_embedding if tp > 1 else None, **args.variant,
@@ -258,6 +261,8 @@ def build_parser(description: str = __doc__.splitlines()[0]) -> argparse.Argumen
                     help="the bf16 decode kernel(s) with --attention kernel: one run each")
     ap.add_argument("--kv-precision", nargs="+", default=["bf16"], choices=KV_PRECISIONS,
                     help="one run per precision (and per --attention); DKVC: fp16-delta, fp8-delta")
+    ap.add_argument("--fp8-scale", default=RuntimeConfig.fp8_scale, choices=FP8_SCALES,
+                    help="fp8-delta's scale rule (the server's --fp8-scale)")
     ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"], help="default: the preset's")
     ap.add_argument("--interpret-kernels", action="store_true",
                     help="--attention kernel in the Pallas interpreter (CPU dry runs of this script; slow)")

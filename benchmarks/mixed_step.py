@@ -34,7 +34,7 @@ import numpy as np                             # noqa: E402
 
 from stratum_jax import decode as D            # noqa: E402
 from stratum_jax.attention import RowTables    # noqa: E402
-from stratum_jax.config import KV_PRECISIONS   # noqa: E402
+from stratum_jax.config import FP8_SCALES, KV_PRECISIONS   # noqa: E402
 from stratum_jax.kv.precision import start_kv_cache  # noqa: E402
 from stratum_jax.model.fused import fuse_projections  # noqa: E402
 from stratum_jax.model.loader import load_model  # noqa: E402
@@ -116,6 +116,8 @@ def main(argv=None):
                                                   "and print its top device kernels")
     ap.add_argument("--kv-precision", default="bf16", choices=KV_PRECISIONS,
                     help="the KV cache the steps run on (DKVC: the anchor from the engine's warm-up run)")
+    ap.add_argument("--fp8-scale", default="granule", choices=FP8_SCALES,
+                    help="fp8-delta's scale rule (the server's --fp8-scale)")
     ap.add_argument("--layout", default="fused", choices=["fused", "hf"],
                     help="weights as the engine runs them (q/k/v and gate/up fused, model/fused.py) or HF's")
     ap.add_argument("--out", required=True)
@@ -132,7 +134,7 @@ def main(argv=None):
                          backend=backend)
     num_slots = R * args.max_context
     starts, sizes = tables(R, W, args.max_context)
-    precision, kv, _ = start_kv_cache(args.kv_precision, m, num_slots)
+    precision, kv, _ = start_kv_cache(args.kv_precision, m, num_slots, fp8_scale=args.fp8_scale)
     if precision != args.kv_precision:
         print(f"--kv-precision {args.kv_precision} fell back to {precision} (see the log)", flush=True)
     state = {"kv": kv}

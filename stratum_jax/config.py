@@ -19,6 +19,7 @@ DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/stratum-jax/xla"
 HAB_PROFILES = {"default": 8.0, "high-qps": 4.0, "low-latency": 2.0}
 HAB_THRESHOLD_ENV = "STRATUM_HAB_THRESHOLD_MS"
 KV_PRECISIONS = ("bf16", "fp16-delta", "fp8-delta")   # --kv-precision (DKVC: stratum_jax/kv/delta_cache.py)
+FP8_SCALES = ("granule", "head")   # --fp8-scale: fp8 deltas' scale rule (stratum_jax/kv/delta_cache.py)
 KV_PRECISION_ENV = "STRATUM_DKVC_PRECISION"
 
 
@@ -138,6 +139,8 @@ class RuntimeConfig:
                                      # decision; the engine thread then waits behind the step in flight)
     kv_precision: str = dataclasses.field(default_factory=_kv_precision_default)   # KV pages: bf16, or
                                      # deltas from a resident anchor (fp16/fp8); the engine may fall back
+    fp8_scale: str = "granule"       # fp8 deltas' scales: set per 8-slot granule at its first write, or one
+                                     # fixed scale per layer and KV head from the warm-up run ("head")
     dmlp_guard_window: int = 2048    # block accesses per guard judgement (ShadowLruGuard's window)
     enable_prefix_caching: bool = True
     seed: int = 0                    # seeds requests that bring no seed of their own
@@ -191,6 +194,10 @@ class RuntimeConfig:
              f"--cache-policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
         need(self.kv_precision in KV_PRECISIONS,
              f"--kv-precision (or ${KV_PRECISION_ENV}) must be one of {KV_PRECISIONS}, got {self.kv_precision!r}")
+        need(self.fp8_scale in FP8_SCALES, f"--fp8-scale must be one of {FP8_SCALES}, got {self.fp8_scale!r}")
+        need(self.fp8_scale == "granule" or self.kv_precision == "fp8-delta",
+             f"--fp8-scale {self.fp8_scale} is a rule for fp8 deltas; it needs --kv-precision fp8-delta "
+             f"(got {self.kv_precision})")
         self._check_dmlp(need)
         self._check_parallel(need)
         for name in ("kv_host_tokens", "kv_prefetch_pages"):
@@ -369,6 +376,10 @@ class RuntimeConfig:
                             f"fp8 e4m3 with per-granule scales (default: ${KV_PRECISION_ENV}, else bf16). fp8 "
                             "falls back to fp16-delta on GPUs without fp8, and deltas to bf16 when the measured "
                             "memory bandwidth is HBM2-class; the log says which ran")
+        g.add_argument("--fp8-scale", default=d.fp8_scale, choices=FP8_SCALES,
+                       help="fp8-delta's scales: 'granule' (one per 8 slots and KV head, set at the granule's first "
+                            "write) or 'head' (one per layer and KV head, fixed from the warm-up run's largest "
+                            "delta: no scale work per step; a delta beyond it saturates)")
         g.add_argument("--interpret-kernels", action="store_true",
                        help="run Pallas kernels in the Mosaic GPU interpreter (for CPU)")
         g.add_argument("--cache-policy", default=d.cache_policy, choices=CACHE_POLICIES,

@@ -73,7 +73,7 @@ class Engine:
         # bf16 pools, or DKVC's anchor + delta pools (--kv-precision; the precision run may be a fallback).
         self.kv_precision, self.kv_cache, self.kv_anchor = start_kv_cache(
             config.kv_precision, model, self.num_slots,
-            sharding=model.tp.kv_sharding if model.tp is not None else None)
+            sharding=model.tp.kv_sharding if model.tp is not None else None, fp8_scale=config.fp8_scale)
         # Committed from the start, as a recall leaves it: else the copies compile again after the first
         # recall (kv/transfer.py `committed`).
         self.kv_cache = committed(self.kv_cache)

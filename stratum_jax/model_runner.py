@@ -106,12 +106,14 @@ class InFlightStep:
 
 
 def kv_layout_of(kv_cache) -> tuple:
-    """(class name, then (shape, dtype) of every leaf) of one layer's cache: () for the bf16 pools, whose
-    shapes the rest of the key already fixes (so their key is as before)."""
+    """(the pytree structure, then (shape, dtype) of every leaf) of one layer's cache: () for the bf16 pools,
+    whose shapes the rest of the key already fixes (so their key is as before). The structure's text holds
+    the static fields too (DeltaKV.fixed_scales), which change the program as much as a shape does."""
     layer = kv_cache[0]
     if isinstance(layer, tuple):
         return ()
-    return (type(layer).__name__,) + tuple((x.shape, str(x.dtype)) for x in jax.tree_util.tree_leaves(layer))
+    return (repr(jax.tree_util.tree_structure(layer)),) + tuple(
+        (x.shape, str(x.dtype)) for x in jax.tree_util.tree_leaves(layer))
 
 
 class ModelRunner:

@@ -11,6 +11,7 @@ inside; with tp None these call them directly.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,7 +29,9 @@ _DELTA = DeltaKV(anchor_k=_POOL, anchor_v=_POOL, k_delta=_POOL, v_delta=_POOL, k
 
 def _pool_specs(k_pool, v_pool):
     """in_specs of (k_pool, v_pool): two bf16 pools, or a DKVC DeltaKV and None."""
-    return (_DELTA, None) if isinstance(k_pool, DeltaKV) else (_POOL, _POOL)
+    if isinstance(k_pool, DeltaKV):   # the spec tree carries the cache's static storage rule, as its treedef does
+        return dataclasses.replace(_DELTA, fixed_scales=k_pool.fixed_scales), None
+    return _POOL, _POOL
 
 
 def _per_shard(fn, tp: TensorParallel, in_specs, out_specs):

@@ -69,6 +69,36 @@ def test_fp8_granule_scale_is_set_by_its_first_write_and_later_tokens_saturate()
     np.testing.assert_array_equal(np.asarray(cache.k_scale), before[1])
 
 
+def test_fixed_head_scales_never_move_and_saturate_past_the_floor():
+    """--fp8-scale head: every granule keeps its head's floor (no amax, no scale scatter); a prefill of whole
+    granules and a decode token are both quantised with it, within fp8's rounding, and a delta beyond
+    448 x floor saturates."""
+    rng = np.random.default_rng(1)
+    heads, dim = 2, 16
+    anchor = jnp.asarray(rng.normal(size=(heads, 1, dim)), jnp.float32)
+    floor = np.array([4.0 / FP8_MAX, 8.0 / FP8_MAX], np.float32)        # head 0 holds |delta| <= 4, head 1 <= 8
+    cache = init_delta_cache([(anchor, anchor)], [(floor, floor)], 64, "fp8-delta", fixed_scales=True)[0]
+    assert cache.fixed_scales
+    scales = np.asarray(cache.k_scale).copy()
+    np.testing.assert_array_equal(scales, np.broadcast_to(floor[:, None], scales.shape))
+    x = np.asarray(anchor)[:, 0][None] + rng.uniform(-3.5, 3.5, size=(8, heads, dim)).astype(np.float32)
+    x[3, 1, 0] = np.asarray(anchor)[1, 0, 0] + 20.0                      # beyond head 1's 8: saturates
+    slots = np.arange(16, 24, dtype=np.int32)
+    cache = write(cache, jnp.asarray(x), jnp.asarray(x), jnp.arange(8, dtype=jnp.int32), jnp.asarray(slots))
+    cache = write(cache, jnp.asarray(x[:1]), jnp.asarray(x[:1]), jnp.zeros(1, jnp.int32), jnp.asarray([5], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(cache.k_scale), scales)     # no write moved a scale
+    np.testing.assert_array_equal(np.asarray(cache.v_scale), scales)
+    k, _ = gather(cache, jnp.asarray(np.concatenate([slots, [5]]))[None], jnp.arange(9, dtype=jnp.int32) % 8)
+    k = np.asarray(k)[:, 0]                                               # [H, 9, D]
+    want = np.concatenate([x, x[:1]]).transpose(1, 0, 2)
+    delta = want - np.asarray(anchor)
+    expect = np.clip(delta, -FP8_MAX * floor[:, None, None], FP8_MAX * floor[:, None, None]) + np.asarray(anchor)
+    assert np.all(np.abs(k - expect) <= np.abs(delta) * 2**-4 + floor[:, None, None] * 2**-9 + 1e-6)
+    assert k[1, 3, 0] == pytest.approx(np.asarray(anchor)[1, 0, 0] + 8.0, rel=1e-6)   # saturated at 448 x floor
+    with pytest.raises(ValueError, match="fp8-delta storage rule"):
+        init_delta_cache([(anchor, anchor)], [(floor, floor)], 64, "fp16-delta", fixed_scales=True)
+
+
 def test_fp16_delta_rebuilds_bf16_kv_around_a_position_aligned_anchor():
     """anchor + fp16(x - anchor), rounded to bf16, is x within fp16's rounding of the delta (2^-11
     relative) plus bf16's of the result (2^-8 relative), and mostly exactly; the anchor is read at
@@ -136,6 +166,15 @@ def test_kv_precision_flag_env_and_errors(monkeypatch):
     with pytest.raises(ValueError, match="--kv-precision must|--kv-precision \\(or"):
         RuntimeConfig(kv_precision="fp8")
     assert RuntimeConfig(kv_precision="fp8-delta", tensor_parallel=2).kv_precision == "fp8-delta"   # DKVC under TP
+    assert RuntimeConfig().fp8_scale == "granule"
+    assert RuntimeConfig(kv_precision="fp8-delta", fp8_scale="head").fp8_scale == "head"
+    with pytest.raises(ValueError, match="--fp8-scale must be one of"):
+        RuntimeConfig(kv_precision="fp8-delta", fp8_scale="page")
+    with pytest.raises(ValueError, match="--fp8-scale head is a rule for fp8 deltas; it needs --kv-precision fp8-delta"):
+        RuntimeConfig(kv_precision="fp16-delta", fp8_scale="head")
+    from stratum_jax.serve import build_parser
+    args = build_parser().parse_args(["--kv-precision", "fp8-delta", "--fp8-scale", "head"])
+    assert RuntimeConfig.from_cli_args(args).fp8_scale == "head"
 
 
 def test_precision_fallbacks_say_why():
@@ -194,6 +233,26 @@ def test_engine_greedy_tokens_on_delta_precisions(tiny, bf16_tokens, precision):
         assert [x[0] for x in got] == [x[0] for x in bf16_tokens]    # the prefill-written prompt
         assert same >= 0.75 * 64
         assert [r.token_ids for r in engine.generate(_prompts(4, 40, seed=3), sp)] == got
+
+
+def test_engine_with_fixed_head_scales(tiny, bf16_tokens):
+    """--fp8-scale head: the cache's scales are the warm-up's max floors and stay so through prefill and
+    decode; greedy tokens mostly match bf16's (as the granule rule's do) and repeat exactly."""
+    engine = make_engine(tiny, "fp8-delta", fp8_scale="head")
+    layer = engine.kv_cache[0]
+    assert layer.fixed_scales and engine.kv_anchor is not None
+    k_floor = np.asarray(engine.kv_anchor.max_floors[0][0])
+    scales = np.asarray(layer.k_scale).copy()        # a copy: the step donates the cache's buffers
+    np.testing.assert_allclose(scales, np.broadcast_to(k_floor[:, None], scales.shape))
+    sp = SamplingParams(max_tokens=16, **GREEDY)
+    got = [r.token_ids for r in engine.generate(_prompts(4, 40, seed=3), sp)]
+    after = engine.kv_cache[0]
+    assert after.fixed_scales
+    np.testing.assert_array_equal(np.asarray(after.k_scale), scales)
+    assert np.any(np.asarray(after.k_delta, np.float32) != 0)           # it did write deltas
+    same = sum(a == b for x, y in zip(got, bf16_tokens) for a, b in zip(x, y))
+    assert [x[0] for x in got] == [x[0] for x in bf16_tokens] and same >= 0.75 * 64
+    assert [r.token_ids for r in engine.generate(_prompts(4, 40, seed=3), sp)] == got
 
 
 def test_fp8_delta_pages_evicted_to_the_host_and_recalled_give_identical_tokens(tiny):

@@ -31,6 +31,12 @@ rounded, plus a read-modify-write of 8 slots per token), and a scale that never 
 granule be copied to the host tier and back bit for bit. The floor bounds how tight a decode granule's
 first token can make the scale, so later tokens seldom saturate. The quality study
 (benchmarks/dkvc_quality.py) measures the result with decode-written positions.
+
+Fixed scales (`DeltaKV.fixed_scales`, `--fp8-scale head`): every granule keeps its layer/head's floor for
+good, and the floor is the largest per-token max |delta| of the warm-up run / 448 (`AnchorChoice.max_floors`),
+so no warm-up token would have saturated. A write then only quantises: no amax reduction and no scale
+scatter per step, and a head's scale is one number (what a kernel can fold into q and the output instead of
+scaling each key and P column). The price: a delta beyond the warm-up's largest saturates at +-448 * scale.
 """
 from __future__ import annotations
 
@@ -57,7 +63,8 @@ class DeltaKV:
 
     anchor_k, anchor_v: [Hkv, anchor_len, D] model dtype; k_delta, v_delta: [Hkv, num_slots, D] float16 or
     float8_e4m3fn; k_scale, v_scale: [Hkv, num_slots // 8] float32; k_floor, v_floor: [Hkv] float32, the
-    smallest scale a granule is given (fp16: ones, unused).
+    smallest scale a granule is given (fp16: ones, unused). fixed_scales (static, fp8 only): every granule's
+    scale is its head's floor, never rewritten (module docstring).
     """
 
     anchor_k: jax.Array
@@ -68,6 +75,7 @@ class DeltaKV:
     v_scale: jax.Array
     k_floor: jax.Array
     v_floor: jax.Array
+    fixed_scales: bool = False
 
     @property
     def num_slots(self) -> int:
@@ -85,8 +93,9 @@ class DeltaKV:
     def write(self, k: jax.Array, v: jax.Array, positions: jax.Array, slots: jax.Array) -> "DeltaKV":
         """Stores the deltas of k, v [T, Hkv, D] (tokens at absolute `positions` [T] int32) at `slots` [T]
         int32; slots >= num_slots are padding and dropped. Returns the updated cache (inside the jit step)."""
-        k_delta, k_scale = _write(self.anchor_k, self.k_delta, self.k_scale, self.k_floor, k, positions, slots)
-        v_delta, v_scale = _write(self.anchor_v, self.v_delta, self.v_scale, self.v_floor, v, positions, slots)
+        fixed = self.fixed_scales
+        k_delta, k_scale = _write(self.anchor_k, self.k_delta, self.k_scale, self.k_floor, k, positions, slots, fixed)
+        v_delta, v_scale = _write(self.anchor_v, self.v_delta, self.v_scale, self.v_floor, v, positions, slots, fixed)
         return dataclasses.replace(self, k_delta=k_delta, v_delta=v_delta, k_scale=k_scale, v_scale=v_scale)
 
     def gather(self, slots: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -97,16 +106,21 @@ class DeltaKV:
                 _rebuild(self.anchor_v, self.v_delta, self.v_scale, slots, positions))
 
 
-jax.tree_util.register_dataclass(DeltaKV, data_fields=[f.name for f in dataclasses.fields(DeltaKV)],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(DeltaKV, data_fields=[f.name for f in dataclasses.fields(DeltaKV)
+                                                      if f.name != "fixed_scales"],
+                                 meta_fields=["fixed_scales"])
 
 
-def _write(anchor, delta, scale, floor, x, positions, slots):
-    """One of K/V: x [T, Hkv, D] -> (delta, scale) updated (module docstring for the scale rule)."""
+def _write(anchor, delta, scale, floor, x, positions, slots, fixed_scales=False):
+    """One of K/V: x [T, Hkv, D] -> (delta, scale) updated (module docstring for the scale rule; with
+    fixed_scales the scale is the floor and stays as it is)."""
     a = anchor[:, positions % anchor.shape[1]].astype(jnp.float32)                   # [Hkv, T, D]
     d = x.transpose(1, 0, 2).astype(jnp.float32) - a
     if delta.dtype == jnp.float16:
         return delta.at[:, slots].set(d.astype(jnp.float16), mode="drop"), scale
+    if fixed_scales:
+        q = jnp.clip(d / floor[:, None, None], -FP8_MAX, FP8_MAX).astype(delta.dtype)
+        return delta.at[:, slots].set(q, mode="drop"), scale
     granules = scale.shape[1]
     g = slots // GRANULE                                                             # padding: >= granules
     first = jnp.where(slots % GRANULE == 0, g, granules)                             # granules restarted
@@ -149,12 +163,14 @@ def _head_sharded(sharding, ndim: int):
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(sharding.spec[0], *[None] * (ndim - 1)))
 
 
-def init_delta_cache(anchors, floors, num_slots: int, precision: str, sharding=None) -> list[DeltaKV]:
+def init_delta_cache(anchors, floors, num_slots: int, precision: str, sharding=None,
+                     fixed_scales: bool = False) -> list[DeltaKV]:
     """Zeroed delta pools around resident anchors.
 
     anchors: per layer (anchor_k, anchor_v) [Hkv, anchor_len, D]; floors: per layer (k_floor, v_floor)
     [Hkv] float32 (fp16-delta ignores them: its scales are ones); num_slots: a multiple of 8;
-    precision: "fp16-delta" or "fp8-delta"; sharding: where the bf16 pools would live
+    precision: "fp16-delta" or "fp8-delta"; fixed_scales (fp8-delta only): every granule keeps its head's
+    floor (module docstring; pass `AnchorChoice.max_floors` as floors); sharding: where the bf16 pools would live
     (`TensorParallel.kv_sharding`: every array here is split over its kv-head axis the same way, so each
     device holds the anchors, deltas, scales and floors of its own heads), or None.
     """
@@ -162,6 +178,8 @@ def init_delta_cache(anchors, floors, num_slots: int, precision: str, sharding=N
         raise ValueError(f"delta precision must be one of {tuple(DELTA_DTYPES)}, got {precision!r}")
     if num_slots % GRANULE:
         raise ValueError(f"num_slots must be a multiple of {GRANULE}, got {num_slots}")
+    if fixed_scales and precision != "fp8-delta":
+        raise ValueError(f"fixed scales are an fp8-delta storage rule; {precision} has none to fix")
     start = time.perf_counter()
     dtype = DELTA_DTYPES[precision]
     cache = []
@@ -179,14 +197,14 @@ def init_delta_cache(anchors, floors, num_slots: int, precision: str, sharding=N
             k_delta=jnp.zeros((heads, num_slots, dim), dtype, device=s3),
             v_delta=jnp.zeros((heads, num_slots, dim), dtype, device=s3),
             k_scale=_filled_scales(k_floor, granules), v_scale=_filled_scales(v_floor, granules),
-            k_floor=k_floor, v_floor=v_floor))
+            k_floor=k_floor, v_floor=v_floor, fixed_scales=fixed_scales))
     jax.block_until_ready(cache)
     ak = anchors[0][0]
     pool_bytes = 2 * math.prod((ak.shape[0], num_slots, ak.shape[2])) * jnp.dtype(dtype).itemsize
     scale_bytes = 2 * ak.shape[0] * (num_slots // GRANULE) * 4
     anchor_bytes = 2 * ak.size * ak.dtype.itemsize
-    log.info("KV cache (%s): %d layers x (2 x %s %s deltas + scales + anchor of %d positions) = %.3f GiB "
-             "allocated in %.2f s", precision, len(cache), [ak.shape[0], num_slots, ak.shape[2]],
+    log.info("KV cache (%s%s): %d layers x (2 x %s %s deltas + scales + anchor of %d positions) = %.3f GiB "
+             "allocated in %.2f s", precision, ", fixed per-head scales" if fixed_scales else "", len(cache), [ak.shape[0], num_slots, ak.shape[2]],
              jnp.dtype(dtype).name, ak.shape[1], len(cache) * (pool_bytes + scale_bytes + anchor_bytes) / 2**30,
              time.perf_counter() - start)
     return cache

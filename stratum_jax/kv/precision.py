@@ -66,11 +66,12 @@ def kv_bytes_per_slot(kv_cache) -> int:
     return round(total)
 
 
-def start_kv_cache(requested: str, model, num_slots: int, sharding=None):
+def start_kv_cache(requested: str, model, num_slots: int, sharding=None, fp8_scale: str = "granule"):
     """The engine's KV cache for --kv-precision `requested` -> (precision, cache, anchor choice or None).
 
     bf16: `init_kv_cache` exactly as before. A delta precision: the checks above, then the anchor from a
-    warm-up run (stratum_jax/kv/anchor.py) and the delta pools (stratum_jax/kv/delta_cache.py)."""
+    warm-up run (stratum_jax/kv/anchor.py) and the delta pools (stratum_jax/kv/delta_cache.py); fp8 deltas
+    with `fp8_scale` "head" keep one fixed scale per layer and KV head (the warm-up's max floors)."""
     if requested == "bf16":
         return "bf16", init_kv_cache(model.config, num_slots, sharding=sharding), None
     device = jax.devices()[0]
@@ -84,4 +85,9 @@ def start_kv_cache(requested: str, model, num_slots: int, sharding=None):
     if precision == "bf16":
         return "bf16", init_kv_cache(model.config, num_slots, sharding=sharding), None
     choice = fit_anchor(model.params, model.config, warmup_windows(model.tokenizer))
-    return precision, init_delta_cache(choice.anchors, choice.floors, num_slots, precision, sharding=sharding), choice
+    fixed = precision == "fp8-delta" and fp8_scale == "head"
+    if fp8_scale == "head" and not fixed:
+        log.warning("--fp8-scale head has no effect: the KV cache runs %s", precision)
+    floors = choice.max_floors if fixed else choice.floors
+    return precision, init_delta_cache(choice.anchors, floors, num_slots, precision, sharding=sharding,
+                                       fixed_scales=fixed), choice
