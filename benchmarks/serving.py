@@ -836,8 +836,9 @@ async def run_rate(send, stub, pb, window, shape, rate, salt, args, metrics_url,
     return s
 
 
-BREAKDOWN_RATES = ("cost_usd", "compute_seconds", "decode_step_ms", "prefill_tokens_per_s", "decode_batch",
-                   "prefill_batch", "billed_input_tokens", "billed_output_tokens")
+BREAKDOWN_RATES = ("cost_usd", "compute_seconds", "estimated_compute_seconds", "decode_step_ms",
+                   "prefill_tokens_per_s", "decode_batch", "prefill_batch", "billed_input_tokens",
+                   "billed_output_tokens")
 
 
 def breakdown_rates(b) -> dict:

@@ -171,6 +171,9 @@ class Cost:
     compute_seconds: float
     kv_gb_hours: float
     transfer_gb: float
+    # Of compute_seconds, what was charged at recent rates for steps the engine could not time (a bill only:
+    # RequestUsage.estimated_device_s; 0 in an estimate).
+    estimated_compute_seconds: float = 0.0
 
 
 REPRESENTATIVE_PREFILL_TOKENS = 64   # prefill steps smaller than this don't set the cost model's rate
@@ -249,4 +252,4 @@ def _cost(prompt_tokens: int, cached_tokens: int, output_tokens: int, request_by
     transfer_gb = (request_bytes + m * BYTES_PER_STREAMED_TOKEN) / 1e9
     transfer_usd = transfer_gb * prices.transfer_usd_per_gb
     return Cost(compute_usd + hbm_usd + transfer_usd, compute_usd, hbm_usd, transfer_usd, compute_seconds,
-                kv_gb_hours, transfer_gb)
+                kv_gb_hours, transfer_gb, usage.estimated_device_s)

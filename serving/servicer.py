@@ -211,7 +211,8 @@ def _breakdown(stack: str, c: cost.Cost, measured: cost.Measured, kv_bytes_per_t
         transfer_gb=c.transfer_gb, decode_step_ms=measured.decode_step_ms,
         prefill_tokens_per_s=measured.prefill_tokens_per_s, decode_batch=max(1.0, measured.decode_batch),
         prefill_batch=max(1.0, measured.prefill_batch), kv_bytes_per_token=kv_bytes_per_token,
-        billed_input_tokens=input_tokens, billed_output_tokens=output_tokens)
+        billed_input_tokens=input_tokens, billed_output_tokens=output_tokens,
+        estimated_compute_seconds=c.estimated_compute_seconds)
 
 
 def _dmlp_status(engine) -> pb.DmlpStatus | None:

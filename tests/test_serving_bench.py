@@ -257,7 +257,8 @@ def test_cost_figures_compare_each_bill_with_its_own_stacks_estimate_term_by_ter
     import types
 
     def breakdown(stack, cost, batch):
-        return types.SimpleNamespace(stack=stack, cost_usd=cost, compute_seconds=cost * 100, decode_step_ms=2.0,
+        return types.SimpleNamespace(stack=stack, cost_usd=cost, compute_seconds=cost * 100,
+                                     estimated_compute_seconds=cost * 10, decode_step_ms=2.0,
                                      prefill_tokens_per_s=1e5, decode_batch=batch, prefill_batch=1.0,
                                      billed_input_tokens=10, billed_output_tokens=4)
 

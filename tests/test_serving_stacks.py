@@ -188,6 +188,17 @@ def test_metered_usage_bills_no_prefill_for_cached_tokens():
     assert full.compute_seconds == pytest.approx(1.0 + 0.1) and half.compute_seconds == pytest.approx(0.5 + 0.1)
 
 
+def test_a_bill_says_how_much_of_its_compute_was_charged_at_recent_rates():
+    """RequestUsage.estimated_device_s (steps the engine could not time, billed at its recent rates) reaches the
+    bill as estimated_compute_seconds, a part of compute_seconds."""
+    from stratum_jax.request_usage import RequestUsage
+    usage = RequestUsage(prefill_tokens=10, decode_tokens=4, prefill_device_s=0.2, decode_device_s=0.05,
+                         prefill_step_s=0.2, decode_step_s=0.4, estimated_device_s=0.03)
+    c = cost.bill(10, 0, 4, 100, 2, usage, cost.Prices())
+    assert c.compute_seconds == pytest.approx(0.25) and c.estimated_compute_seconds == pytest.approx(0.03)
+    assert cost.bill(10, 0, 4, 100, 2, RequestUsage(prefill_device_s=0.2), cost.Prices()).estimated_compute_seconds == 0
+
+
 def test_default_prices_are_the_designs():
     p = cost.Prices()
     assert (p.gpu_usd_per_hour, p.transfer_usd_per_gb, p.hbm_usd_per_gb_hour) == (3.92, 0.01, 0.00012)
@@ -293,12 +304,14 @@ def test_cost_estimate_has_one_breakdown_per_stack_and_metered_usage_matches_the
     for b in r.stacks:
         assert b.cost_usd == pytest.approx(b.compute_usd + b.hbm_usd + b.transfer_usd) and b.cost_usd > 0
         assert b.decode_step_ms > 0 and b.prefill_tokens_per_s > 0 and b.billed_output_tokens == 8
+        assert b.estimated_compute_seconds == 0.0          # an estimate has no untimed steps
     # The bill on the final event is what the request was charged of its steps; the rates it reports give it
     # back through the formula.
     _, stop = ask(stacks.stub, "bill me", max_tokens=5, metadata=(("x-stratum-weight", "0"),))
     m = stop.metered
     assert m.stack == "baseline" and m.billed_output_tokens == stop.usage.output_tokens
     assert m.compute_seconds > 0 and m.decode_batch >= 1 and m.prefill_batch >= 1
+    assert 0.0 <= m.estimated_compute_seconds <= m.compute_seconds
     # A step the host reads only after it finished has no measured end: the engine bills it at its recent
     # measured rates (engine_stats.record_timing), or, before any step of its kind was measured on this stack,
     # not at all. On a loaded 2-core CI host all of an early request's decode steps, or its prefill step, were

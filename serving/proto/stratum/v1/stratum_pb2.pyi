@@ -167,7 +167,7 @@ class CostEstimateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., system: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class CostBreakdown(_message.Message):
-    __slots__ = ("stack", "compute_usd", "hbm_usd", "transfer_usd", "compute_seconds", "kv_gb_hours", "transfer_gb", "decode_step_ms", "prefill_tokens_per_s", "decode_batch", "kv_bytes_per_token", "cost_usd", "billed_input_tokens", "billed_output_tokens", "prefill_batch")
+    __slots__ = ("stack", "compute_usd", "hbm_usd", "transfer_usd", "compute_seconds", "kv_gb_hours", "transfer_gb", "decode_step_ms", "prefill_tokens_per_s", "decode_batch", "kv_bytes_per_token", "cost_usd", "billed_input_tokens", "billed_output_tokens", "prefill_batch", "estimated_compute_seconds")
     STACK_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_USD_FIELD_NUMBER: _ClassVar[int]
     HBM_USD_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class CostBreakdown(_message.Message):
     BILLED_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BILLED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     stack: str
     compute_usd: float
     hbm_usd: float
@@ -198,7 +199,8 @@ class CostBreakdown(_message.Message):
     billed_input_tokens: int
     billed_output_tokens: int
     prefill_batch: float
-    def __init__(self, stack: _Optional[str] = ..., compute_usd: _Optional[float] = ..., hbm_usd: _Optional[float] = ..., transfer_usd: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., kv_gb_hours: _Optional[float] = ..., transfer_gb: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_batch: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., cost_usd: _Optional[float] = ..., billed_input_tokens: _Optional[int] = ..., billed_output_tokens: _Optional[int] = ..., prefill_batch: _Optional[float] = ...) -> None: ...
+    estimated_compute_seconds: float
+    def __init__(self, stack: _Optional[str] = ..., compute_usd: _Optional[float] = ..., hbm_usd: _Optional[float] = ..., transfer_usd: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., kv_gb_hours: _Optional[float] = ..., transfer_gb: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_batch: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., cost_usd: _Optional[float] = ..., billed_input_tokens: _Optional[int] = ..., billed_output_tokens: _Optional[int] = ..., prefill_batch: _Optional[float] = ..., estimated_compute_seconds: _Optional[float] = ...) -> None: ...
 
 class CostEstimateResponse(_message.Message):
     __slots__ = ("estimated_cost_usd", "input_tokens", "max_output_tokens", "gpu_usd_per_hour", "transfer_usd_per_gb", "hbm_usd_per_gb_hour", "breakdown", "stacks")
