@@ -78,17 +78,36 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
-from pallas_kernels.delta_attention import F16_SAFE_MAX
+from pallas_kernels.delta_attention import F16_SAFE_MAX, convert_to_f16, delta_ring_type
 from pallas_kernels.paged_attention import (
-    BF16_PAGES, F16_PAGES, MMA_TRANSFORMS, TileContext, check_pools_and_tables, check_tile_pipeline,
+    BF16_PAGES, F16_PAGES, MMA_TRANSFORMS, Bf16Pages, TileContext, check_pools_and_tables, check_tile_pipeline,
     _combine_splits, _flat_table, _score_variance_from_partials, _split_key_counts, _table_window,
     default_num_splits, issue_tile_copies, page_classes, paged_attention_reference, q_row_blocks, sequence_scalars, split_tile_range, table_window_start,
     wait_page_class, zero_rows_past)
 
 _LOG2E = math.log2(math.e)
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)     # [N] vectors: one value per column (query head) of S^T / O^T
 _SMEM_PER_SM = 228 * 1024                      # H100/H200: shared memory per SM ...
 _SMEM_PER_CTA_RESERVED = 1024                  # ... of which the driver reserves 1 KB per resident CTA
+
+
+@dataclasses.dataclass(frozen=True)
+class F8Pages(Bf16Pages):
+    """float8 e4m3 pools (a DKVC fp8-delta cache with one fixed scale per layer and KV head, read on the folded
+    mean-anchor path: stratum_jax/attention.py scales q and the output by the head's scales and adds the
+    anchor). TMA lands the fp8 rows in rings of half a bf16 ring's bytes; each tile is then converted (e4m3
+    pairs -> f16x2, exact, `convert_to_f16`) into one f16 staging tile for K and one for V, which the f16 MMAs
+    read. scratch_types: [k ring, v ring, k staging, v staging]."""
+    mma_dtype: str = "float16"
+
+    def scratch_types(self, *, stages, block_kv, head_dim):
+        ring = delta_ring_type(stages, block_kv, head_dim, _FP8)
+        staging = plgpu.SMEM((block_kv, head_dim), jnp.float16, transforms=MMA_TRANSFORMS)
+        return [ring, ring, staging, staging]
+
+
+F8_PAGES = F8Pages()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,15 +133,19 @@ class SwappedConfig:
     def __post_init__(self):
         check_tile_pipeline(self.block_kv, self.num_stages, self.num_splits)
 
-    def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2) -> int:
-        """SMEM of one CTA in bytes (the K/V ring dominates): ring 2 * stages * T * D * 2, q [N, D] bf16,
+    def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2,
+                   kv_itemsize: int = 2) -> int:
+        """SMEM of one CTA in bytes (the K/V ring dominates): ring 2 * stages * T * D * kv_itemsize (fp8 pools:
+        1, plus the two f16 staging tiles 2 * T * D * 2), q [N, D] bf16,
         P [N, T] bf16, out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32, the
         page-table window, the cross-warp reduction scratch, and 2 KB for barriers and alignment (score
         statistics add 3 * n * 4 bytes: 96 at n = 8, left out). Checked
         against the lowered kernels (B=64, Hq=32, Hkv=8, 128 table entries, bf16 q): 72,880 bytes lowered vs
         73,376 estimated at D=64, T=128, 2 stages; 73,872 vs 74,400 at D=128, T=64, 2 stages."""
         n = query_columns(group)
-        ring = 2 * self.num_stages * self.block_kv * head_dim * 2
+        ring = 2 * self.num_stages * self.block_kv * head_dim * kv_itemsize
+        if kv_itemsize == 1:
+            ring += 2 * self.block_kv * head_dim * 2
         tiles = n * head_dim * 2 + n * self.block_kv * 2 + n * head_dim * out_itemsize + n * 4
         table = 4 * _table_window(max_pages, self.num_splits or 1, self.block_kv)
         return ring + tiles + table + reduction_scratch_bytes(n) + 2048
@@ -194,7 +217,9 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
       q: [batch, num_q_heads, head_dim] bf16 or fp32 (rounded to the pools' dtype for the MMA; for float16
         pools |q| is first clipped to F16_SAFE_MAX).
       k_pool, v_pool: [num_kv_heads, num_slots, head_dim] bf16, or both float16 (a DKVC fp16-delta pool on the
-        folded mean-anchor path: stratum_jax/attention.py adds the anchor); num_slots a multiple of 256.
+        folded mean-anchor path: stratum_jax/attention.py adds the anchor), or both float8_e4m3fn (an fp8-delta
+        pool with fixed per-head scales, the same path: the caller scales q and the output); num_slots a
+        multiple of 256.
       lengths: [batch] int32 context length per sequence; 0 gives zeros. Slots past a length may hold NaN.
       page_starts: [batch, max_pages] int32 first slot of each page; entries past a sequence's last page are
         never read.
@@ -216,9 +241,9 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
     """
     check_pools_and_tables("swapped_paged_attention", q, ("k_pool", k_pool), ("v_pool", v_pool), lengths,
                            page_starts, page_sizes)
-    if k_pool.dtype not in (jnp.bfloat16, jnp.float16) or v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"swapped_paged_attention: k_pool/v_pool must both be bfloat16 or both float16, got "
-                         f"{k_pool.dtype}/{v_pool.dtype}")
+    if k_pool.dtype not in (jnp.bfloat16, jnp.float16, _FP8) or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"swapped_paged_attention: k_pool/v_pool must both be bfloat16, both float16 or both "
+                         f"float8_e4m3fn, got {k_pool.dtype}/{v_pool.dtype}")
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
     if head_dim not in (64, 128):
@@ -260,7 +285,8 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     num_kv_heads = k_pool.shape[0]
     group = num_q_heads // num_kv_heads
     splits = config.num_splits
-    mma_dtype = k_pool.dtype
+    kv_format = {jnp.dtype(jnp.float16): F16_PAGES, _FP8: F8_PAGES}.get(jnp.dtype(k_pool.dtype), BF16_PAGES)
+    mma_dtype = jnp.dtype(kv_format.mma_dtype)
     q_mma = jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX) if mma_dtype == jnp.float16 else q
     q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q_mma.astype(mma_dtype), num_kv_heads)
     max_pages = page_starts.shape[1]
@@ -269,7 +295,7 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
         batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
         table_len=table.shape[0], rows_per_b=rows_per_b, rows_per_h=rows_per_h, n_cols=copy_rows,
         out_dtype=jnp.dtype(q.dtype if splits == 1 else jnp.float32), scale=scale, soft_cap=soft_cap,
-        score_stats=score_stats, config=config, kv_format=F16_PAGES if mma_dtype == jnp.float16 else BF16_PAGES)
+        score_stats=score_stats, config=config, kv_format=kv_format)
     res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool)
 
     def group_cols(x):
@@ -305,7 +331,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or, split, (o_part, lse), followed by
     (shift, sum, sum of squares) [B * S, Hkv, n_cols] f32 score-stat columns when score_stats.
 
-    kv_format: BF16_PAGES, or F16_PAGES for float16 pools; q2, the ring and P are in its mma_dtype.
+    kv_format: BF16_PAGES, F16_PAGES for float16 pools, or F8_PAGES for float8_e4m3fn pools (converted to f16
+    staging tiles per tile); q2, the MMA tiles and P are in its mma_dtype.
     q2 [rows, D] (`q_row_blocks`): the CTA (b, h[, k]) copies the 8-aligned block of n_cols rows holding
     row q_row = b * rows_per_b + h * rows_per_h and writes its group's `group` output rows to o [rows, D] at
     q_row (split: o_part [B * S * rows_per_b, D] f32 at (b * S + k) * rows_per_b + h * rows_per_h, and lse
@@ -332,6 +359,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         if score_stats:
             stat_refs, rest = rest[:3], rest[3:]
         table_smem, q_smem, kv_smem, p_smem, o_smem, lse_smem, meta_bar, k_bars, v_bars, *stat_smem = rest
+        kv_smem, staging = kv_smem[:2], kv_smem[2:]       # staging: F8Pages' f16 tiles (K, V), else none
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         k_split = lax.axis_index("k") if splits > 1 else 0
@@ -380,6 +408,10 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             k_ring, v_ring = kv_smem
             k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
             ctx.wait_k(slot)
+            if staging:      # fp8 rows -> the f16 staging tile WGMMA reads (the last tile's MMAs were awaited)
+                k_tile, v_tile = staging
+                convert_to_f16(k_ring.at[slot], k_tile)
+                plgpu.commit_smem()
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
@@ -405,7 +437,10 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             # proxy fence plus a warpgroup barrier.
             p_smem.transpose((1, 0))[...] = p.astype(mma_dtype)
             ctx.wait_v(slot)
-            zero_rows_past(v_ring, slot, n_valid)     # P is 0 there, but 0 * NaN (a stale slot) = NaN in the MMA
+            if staging:      # rows past the length converted as zeros
+                convert_to_f16(v_ring.at[slot], v_tile, valid_rows=n_valid)
+            else:
+                zero_rows_past(v_ring, slot, n_valid)     # P is 0 there, but 0 * NaN (a stale slot) = NaN in the MMA
             plgpu.commit_smem()
 
             def pv(acc_ref):

@@ -260,6 +260,21 @@ def _folds_in_ws_kernel(delta: DeltaKV) -> bool:
     return delta.anchor_k.shape[1] == 1 and default_fold_mean_anchor()
 
 
+def _head_scale_fold(delta: DeltaKV) -> bool:
+    """Whether a DeltaKV's decode runs on the swapped kernel with its deltas as the pools: `_unit_scale_fold`'s
+    fp16 deltas, or fp8 deltas with one fixed scale per layer and KV head (`DeltaKV.fixed_scales`). Then
+    K = a_k + s_k d_k and V = a_v + s_v d_v with s_k, s_v per kv head: q . K = q . a_k + (s_k q) . d_k, so the
+    kernel attends with s_k q over the fp8 deltas (converted to f16 in the kernel) and the output is
+    a_v + s_v (attention over d_v)."""
+    return _unit_scale_fold(delta) or (delta.fixed_scales and delta.k_delta.dtype == jnp.float8_e4m3fn
+                                       and _folds_in_ws_kernel(delta))
+
+
+def _per_q_head(x, num_q_heads: int):
+    """[Hkv] per kv head -> [Hq] per q head (q head j reads kv head j // group), float32."""
+    return jnp.repeat(x.astype(jnp.float32), num_q_heads // x.shape[0], axis=0)
+
+
 def _unit_scale_fold(delta: DeltaKV) -> bool:
     """Whether a DeltaKV runs on the plain (bf16-pool) kernels with its float16 deltas as the pools: fp16
     deltas keep unit scales (stratum_jax/kv/delta_cache.py), so with a mean anchor K = a_k + d_k and
@@ -287,8 +302,9 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
     decode token this step). The row's keys are positions 0..position (its context after the write).
     backend "kernel": a Pallas Mosaic GPU kernel: for bf16 pools kernel_variant "swapped"
     (`swapped_paged_attention`: keys on WGMMA's M, the GQA group on N) or "paged" (`paged_attention`: 64-row
-    q blocks); for a DKVC DeltaKV (v_pool then None) the delta-KV kernel, except fp16 deltas with a mean anchor
-    under "swapped": the swapped kernel on the f16 deltas plus the anchor (`_unit_scale_fold`). "reference":
+    q blocks); for a DKVC DeltaKV (v_pool then None) the delta-KV kernel, except fp16 deltas, or fp8 deltas with
+    fixed per-head scales, with a mean anchor under "swapped": the swapped kernel on the deltas plus the anchor
+    (`_head_scale_fold`). "reference":
     the tiled jnp path with one-token tiles.
     Returns out [rows, num_heads, head_dim] (and score_var [rows, num_heads] with return_score_stats).
     """
@@ -298,13 +314,18 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
     rows = q.shape[0]
     lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
     if (backend == "kernel" and kernel_variant == "swapped" and isinstance(k_pool, DeltaKV)
-            and _unit_scale_fold(k_pool)):
-        # The f16 deltas as the pools of the swapped branch below; fp32 q gives an fp32 output, so the anchor is
-        # added before the one rounding to q's dtype.
-        res = decode_attention(q.astype(jnp.float32), positions, tables, k_pool.k_delta, k_pool.v_delta,
+            and _head_scale_fold(k_pool)):
+        # The deltas as the pools of the swapped branch below; fp32 q gives an fp32 output, so the anchor is
+        # added before the one rounding to q's dtype. Fixed fp8 scales: s_k into q, s_v onto the output.
+        q32 = q.astype(jnp.float32)
+        if k_pool.fixed_scales:
+            q32 = q32 * _per_q_head(k_pool.k_floor, q.shape[1])[:, None]
+        res = decode_attention(q32, positions, tables, k_pool.k_delta, k_pool.v_delta,
                                backend=backend, interpret=interpret, max_context=max_context,
                                return_score_stats=return_score_stats, kernel_variant=kernel_variant)
         out, stats = (res[0], res[1:]) if return_score_stats else (res, ())
+        if k_pool.fixed_scales:
+            out = out * _per_q_head(k_pool.v_floor, q.shape[1])[:, None]
         out = _add_mean_anchor_v(out, k_pool, lengths > 0).astype(q.dtype)
         return (out, *stats) if return_score_stats else out
     if backend == "kernel" and isinstance(k_pool, DeltaKV):      # DKVC: the delta-KV kernel

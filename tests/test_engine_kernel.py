@@ -24,11 +24,11 @@ def _tiny_d64():
 
 
 def _run(model, attention, interpret, prompts, page_size=None, max_tokens=6, max_batch_size=8, decode_steps=4,
-         kv_precision="bf16", prefill_chunk=64, decode_kernel="swapped"):
+         kv_precision="bf16", prefill_chunk=64, decode_kernel="swapped", fp8_scale="granule"):
     engine = Engine(RuntimeConfig(model="tiny", max_context=256, kv_pool_tokens=4096, max_batch_size=max_batch_size,
                                   prefill_chunk=prefill_chunk, attention=attention, interpret_kernels=interpret,
                                   page_size=page_size, decode_steps=decode_steps, kv_precision=kv_precision,
-                                  decode_kernel=decode_kernel),
+                                  decode_kernel=decode_kernel, fp8_scale=fp8_scale),
                     model=model)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [r.token_ids for r in engine.generate(prompts, sp)]
@@ -68,12 +68,14 @@ def test_engine_kernel_interpret_matches_reference(monkeypatch, two_splits, deco
     assert got == _run(model, "reference", False, prompts, **kw)
 
 
-@pytest.mark.parametrize("precision,decode_kernel", [("fp8-delta", "delta_attention"),
-                                                     ("fp16-delta", "swapped_paged_attention")])
-def test_engine_delta_kernels_interpret_match_reference(monkeypatch, two_splits, precision, decode_kernel):
+@pytest.mark.parametrize("precision,fp8_scale,decode_kernel", [("fp8-delta", "granule", "delta_attention"),
+                                                               ("fp8-delta", "head", "swapped_paged_attention"),
+                                                               ("fp16-delta", "granule", "swapped_paged_attention")])
+def test_engine_delta_kernels_interpret_match_reference(monkeypatch, two_splits, precision, fp8_scale, decode_kernel):
     """--kv-precision fp8-delta / fp16-delta: prefill blocks through the delta prefill kernel and decode rows
-    through the delta-KV decode kernel (fp8), or through the swapped kernel on the f16 deltas plus the anchor
-    (fp16: the fold, stratum_jax/attention.py `_unit_scale_fold`), all in the interpreter, give the greedy
+    through the delta-KV decode kernel (fp8), or through the swapped kernel on the deltas plus the anchor
+    (fp16, and fp8 with --fp8-scale head: the fold, stratum_jax/attention.py `_head_scale_fold`), all in the
+    interpreter, give the greedy
     tokens of the tiled jnp path over the same delta cache. The kernels are counted as they are traced, so a
     fall-back to the tiled path fails here. prefill_chunk 32 (one 32-token block per prompt with GQA 2) keeps
     the interpreted CTAs few."""
@@ -84,7 +86,7 @@ def test_engine_delta_kernels_interpret_match_reference(monkeypatch, two_splits,
     model = _tiny_d64()
     prompts = [[5, 6, 7], list(range(20, 37))]
     kw = dict(page_size=16, max_tokens=2, max_batch_size=2, decode_steps=1, kv_precision=precision,
-              prefill_chunk=32)
+              prefill_chunk=32, fp8_scale=fp8_scale)
     got = _run(model, "kernel", True, prompts, **kw)
     assert traced["delta_prefill_attention"] > 0 and traced[decode_kernel] > 0, traced
     other = {"delta_attention", "swapped_paged_attention"} - {decode_kernel}

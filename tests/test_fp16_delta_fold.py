@@ -66,6 +66,37 @@ def test_decode_fold_matches_float64_with_score_stats(two_splits):
     np.testing.assert_allclose(np.asarray(var), float64_score_variance(truth), rtol=2e-3, atol=1e-4)
 
 
+def fp8_fixed_delta(seed, **kw):
+    """(case, DeltaKV): fp8 deltas with one fixed scale per kv head (`--fp8-scale head`): every granule's scale
+    is its head's floor, which the fold takes into q and the output."""
+    case, delta = fp16_delta(seed, **kw)
+    heads = delta.num_kv_heads
+    k_floor = jnp.asarray(np.linspace(0.02, 0.05, heads), jnp.float32)
+    v_floor = jnp.asarray(np.linspace(0.03, 0.01, heads), jnp.float32)
+    for side, floor in (("k", k_floor), ("v", v_floor)):
+        d = case[f"{side}_delta"].astype(jnp.float32) * 16.0          # ~N(0, 16^2): uses fp8's range
+        case[f"{side}_delta"] = jnp.clip(d, -448, 448).astype(jnp.float8_e4m3fn)
+        case[f"{side}_scale"] = jnp.broadcast_to(floor[:, None], case[f"{side}_scale"].shape)
+    delta = DeltaKV(anchor_k=case["anchor_k"], anchor_v=case["anchor_v"], k_delta=case["k_delta"],
+                    v_delta=case["v_delta"], k_scale=case["k_scale"], v_scale=case["v_scale"], k_floor=k_floor,
+                    v_floor=v_floor, fixed_scales=True)
+    return case, delta
+
+
+def test_decode_fold_of_fixed_fp8_scales_matches_float64(two_splits):
+    """fp8 deltas with fixed per-head scales: the swapped kernel on the fp8 pools (converted to f16 staging
+    tiles in the kernel) with s_k folded into q and s_v onto the output, plus the anchor's V, against float64
+    over anchor + scale x delta (NaN in stale slots); score variance too. Two kv heads of different scales."""
+    case, delta = fp8_fixed_delta(4, num_q_heads=4, num_kv_heads=2)
+    tables = RowTables(case["lengths"], case["page_starts"], case["page_sizes"])
+    out, var = decode_attention(case["q"], case["lengths"] - 1, tables, delta, None, backend="kernel",
+                                interpret=True, return_score_stats=True)
+    truth = truth_case(case)
+    got = check(out, float64_attention(truth))
+    assert not got[LENGTHS.index(0)].any()
+    np.testing.assert_allclose(np.asarray(var), float64_score_variance(truth), rtol=2e-3, atol=1e-4)
+
+
 def test_prefill_fold_matches_float64():
     """The warp-specialised kernel on the f16 deltas + the anchor's V, through `prefill_attention` (tiles of
     the engine's layout) with split-K 2 (each split's f16 partial and lse merged): a tile ending at its
@@ -96,6 +127,8 @@ def test_prefill_fold_matches_float64():
     ("fp16 mean anchor, swapped", dict(), "swapped_paged_attention"),
     ("fp16 mean anchor, paged variant", dict(kernel_variant="paged"), "delta_attention"),
     ("fp8 deltas", dict(fp8=True), "delta_attention"),
+    ("fp8 deltas, fixed per-head scales", dict(fp8=True, fixed=True), "swapped_paged_attention"),
+    ("fp8 deltas, fixed scales, paged variant", dict(fp8=True, fixed=True, kernel_variant="paged"), "delta_attention"),
     ("position-aligned anchor", dict(anchor_len=256), "delta_attention"),
     ("folding switched off", dict(no_fold=True), "delta_attention"),
 ])
@@ -117,7 +150,7 @@ def test_decode_routing(monkeypatch, name, kw, want):
     case, delta = fp16_delta(3, anchor_len=kw.get("anchor_len", 1), lengths=[5, 9], sizes=[8, 8])
     if kw.get("fp8"):
         delta = DeltaKV(**{**delta.__dict__, "k_delta": delta.k_delta.astype(jnp.float8_e4m3fn),
-                           "v_delta": delta.v_delta.astype(jnp.float8_e4m3fn)})
+                           "v_delta": delta.v_delta.astype(jnp.float8_e4m3fn), "fixed_scales": kw.get("fixed", False)})
     tables = RowTables(case["lengths"], case["page_starts"], case["page_sizes"])
     decode_attention(case["q"], case["lengths"] - 1, tables, delta, None, backend="kernel",
                      kernel_variant=kw.get("kernel_variant", "swapped"))

@@ -126,6 +126,22 @@ def test_float16_pools_match_float64():
     check_var(np.asarray(var)[:, 1:], float64_score_variance(case)[:, 1:], rtol=2e-3)
 
 
+def test_float8_pools_match_float64():
+    """float8_e4m3fn pools (the fold of an fp8-delta cache with fixed per-head scales): each tile's fp8 rows are
+    converted to f16 staging tiles (the last tile's V rows past the length as zeros: NaN in every stale slot),
+    f16 MMAs; split-K 2, score statistics, every page size, a partial last tile."""
+    case = random_paged_case(7, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=4, num_kv_heads=1, head_dim=64)
+    case = {**case, "k_pool": case["k_pool"].astype(jnp.float8_e4m3fn),
+            "v_pool": case["v_pool"].astype(jnp.float8_e4m3fn)}
+    out, var = swapped_paged_attention(**case, config=SwappedConfig(block_kv=64, num_splits=2), interpret=True,
+                                       return_score_stats=True)
+    got = check(out, float64_attention(case))      # the fp8 values exactly, in float64
+    assert np.all(got[LENGTHS.index(0)] == 0.0)
+    check_var(np.asarray(var), float64_score_variance(case), rtol=2e-3)
+    with pytest.raises(ValueError, match="both float8_e4m3fn"):
+        swapped_paged_attention(**{**case, "v_pool": case["v_pool"].astype(jnp.bfloat16)}, interpret=True)
+
+
 def test_score_stats_shift_and_plain_output():
     """Scores sharing a mean ~100x their spread (`offset_case`: K + 16, q + 2): without the shift (raw fp32
     sums of s and s^2, c = 0) this case's worst variance error is 11x the tolerance, with it 0.003x
@@ -234,6 +250,13 @@ def test_float16_pools_lower_to_mosaic_gpu(head_dim):
     assert "mosaic_gpu" in _lowered_text(64, head_dim, pool_dtype=jnp.float16, return_score_stats=True)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_float8_pools_lower_to_mosaic_gpu(head_dim):
+    """The fixed-scale fp8 fold's kernel at the engine's decode shapes: fp8 TMA rings, the in-kernel conversion
+    to f16 staging tiles, f16 WGMMA, score statistics."""
+    assert "mosaic_gpu" in _lowered_text(64, head_dim, pool_dtype=jnp.float8_e4m3fn, return_score_stats=True)
+
+
 def test_split_k_lowers_to_mosaic_gpu():
     """A batch of 2: the grid picks split-K (the lse output path)."""
     assert "mosaic_gpu" in _lowered_text(2, 64)
@@ -311,6 +334,21 @@ def test_gpu_float16_pools_match_float64(head_dim):
     case = as_f16_pools(_gpu_case(64, head_dim, 1024, seed=3))
     check(swapped_paged_attention(**case), float64_attention(case))
     small = as_f16_pools(_gpu_case(4, head_dim, 1024, seed=4))
+    out, var = swapped_paged_attention(**small, return_score_stats=True)
+    check(out, float64_attention(small))
+    check_var(var, float64_score_variance(small), rtol=10 * VAR_RTOL, atol=10 * VAR_ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_float8_pools_match_float64(head_dim):
+    """float8_e4m3fn pools (the fixed-scale fp8 fold), compiled: B=64 at ~1K with every page size (the default
+    config), and B=4 (split-K) with score statistics, against float64 of the fp8 values."""
+    as_f8 = lambda c: {**c, "k_pool": c["k_pool"].astype(jnp.float8_e4m3fn),
+                       "v_pool": c["v_pool"].astype(jnp.float8_e4m3fn)}
+    case = as_f8(_gpu_case(64, head_dim, 1024, seed=5))
+    check(swapped_paged_attention(**case), float64_attention(case))
+    small = as_f8(_gpu_case(4, head_dim, 1024, seed=6))
     out, var = swapped_paged_attention(**small, return_score_stats=True)
     check(out, float64_attention(small))
     check_var(var, float64_score_variance(small), rtol=10 * VAR_RTOL, atol=10 * VAR_ATOL)
