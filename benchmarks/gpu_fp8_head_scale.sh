@@ -1,15 +1,27 @@
-# One device call (repo root): fp8 deltas with fixed per-head scales (--fp8-scale head, #12) against the
-# granule rule, where it should show: the DKVC decode step's KV write and scale reductions.
-#  1. profile_decode.py on llama-1b, batch 64, prompt 512, fp8-delta with --fp8-scale head (the granule rule's
-#     profile of the same shapes: profile_decode_llama-1b_b64_fp8-delta_h200.json, session 16);
-#  2. e2e_decode.py on llama-8b, batch 64, 4K context, bf16 and fp8-delta with --fp8-scale head in one
-#     process (#12's end-to-end bar: fp8-delta >= 1.25x bf16's decode tok/s).                       ~450 s
+# Device calls (repo root) for fp8 deltas with fixed per-head scales (--fp8-scale head, #12).
+#   STEP=kernels (~250 s): the GPU tests of the swapped kernel on fp8 pools, then benchmarks/kernels.py --delta on
+#     fp8 only: the delta kernel (granule scales) beside config "fold" (the swapped kernel on the fp8 pools, s_k
+#     folded into q and s_v onto the output), against the bf16 paged kernel and the read ceiling of the same run
+#     (#12's fp8 kernel bar: <= 0.6x of bf16's time at 4K and 16K).
+#   STEP=e2e (~450 s): profile_decode.py on llama-1b, batch 64, prompt 512, fp8-delta with --fp8-scale head (the
+#     granule rule's profile: profile_decode_llama-1b_b64_fp8-delta_h200.json, session 16), then e2e_decode.py on
+#     llama-8b, batch 64, 4K context, bf16 and fp8-delta --fp8-scale head in one process (#12's end-to-end bar:
+#     >= 1.25x bf16's decode tok/s).
 source benchmarks/gpu_env.sh
-timeout ${T1:-150} python3 benchmarks/profile_decode.py --model llama-1b --batch 64 --prompt-len 512 --new-tokens 256 \
-  --attention kernel --kv-precision fp8-delta --fp8-scale head --calls 5 --trace-dir /tmp/prof_fp8_head \
-  --out $OUT/profile_decode_llama-1b_b64_fp8-delta-head_h200.json > $OUT/profile_fp8_head.log 2>&1
-echo "profile fp8 head: exit $?"; sed -n '/per decode step/,/top kernels/p' $OUT/profile_fp8_head.log | head -32
-timeout ${T2:-260} python3 benchmarks/e2e_decode.py --model llama-8b --batch 64 --prompt-len 3968 --new-tokens 128 \
-  --attention kernel --kv-precision bf16 fp8-delta --fp8-scale head \
-  --out $OUT/e2e_decode_llama-8b_b64_4k_fp8_head_h200.json > $OUT/e2e_8b_4k_head.log 2>&1
-echo "e2e 8b 4k: exit $?"; grep -vE "^\s*$|it/s\]|tok/s\]" $OUT/e2e_8b_4k_head.log | tail -20
+case "${STEP:-kernels}" in
+  kernels)
+    timeout ${T0:-120} python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py -k "gpu_float8" 2>&1 | tail -3
+    timeout ${T1:-200} python3 benchmarks/kernels.py --delta --precisions fp8-delta --anchor-lens 1 \
+      --contexts ${CONTEXTS:-4096,16384} --pages ${PAGES:-16,64,mixed} --out $OUT/delta_kernels_fp8_head_h200.json \
+      > $OUT/fp8_head_bench.log 2>&1
+    echo "kernels: exit $?"; grep -v "ptxas\|^\s*$" $OUT/fp8_head_bench.log | grep -E "fold|^ +[0-9]+ +[0-9m]|target|read" | tail -30 ;;
+  e2e)
+    timeout ${T1:-150} python3 benchmarks/profile_decode.py --model llama-1b --batch 64 --prompt-len 512 --new-tokens 256 \
+      --attention kernel --kv-precision fp8-delta --fp8-scale head --calls 5 --trace-dir /tmp/prof_fp8_head \
+      --out $OUT/profile_decode_llama-1b_b64_fp8-delta-head_h200.json > $OUT/profile_fp8_head.log 2>&1
+    echo "profile fp8 head: exit $?"; sed -n '/per decode step/,/top kernels/p' $OUT/profile_fp8_head.log | head -32
+    timeout ${T2:-260} python3 benchmarks/e2e_decode.py --model llama-8b --batch 64 --prompt-len 3968 --new-tokens 128 \
+      --attention kernel --kv-precision bf16 fp8-delta --fp8-scale head \
+      --out $OUT/e2e_decode_llama-8b_b64_4k_fp8_head_h200.json > $OUT/e2e_8b_4k_head.log 2>&1
+    echo "e2e 8b 4k: exit $?"; grep -vE "^\s*$|it/s\]|tok/s\]" $OUT/e2e_8b_4k_head.log | tail -20 ;;
+esac

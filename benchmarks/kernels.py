@@ -682,22 +682,32 @@ def delta_truth(q, ak, av, k_scale, v_scale, kd, vd, slot, lengths, scale) -> np
 
 
 def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, paged_ms, a, *, io, interpret,
-                 label) -> dict:
-    """The engine's fp16-delta decode path (stratum_jax/attention.py `_unit_scale_fold`: the swapped kernel on
-    the f16 deltas, then the mean anchor's V added) on a DeltaKV with the unit scales an fp16-delta cache keeps,
-    checked against XLA attention over anchor + delta. Its run is marked config "fold"."""
+                 label, head_scales=None) -> dict:
+    """The engine's folded decode path (stratum_jax/attention.py `_head_scale_fold`: the swapped kernel on the
+    deltas, then the mean anchor's V added) on a DeltaKV with the unit scales an fp16-delta cache keeps, or with
+    head_scales ((k, v) [Hkv] f32) an fp8-delta cache's fixed per-head scales (`--fp8-scale head`: s_k into q,
+    s_v onto the output), checked against XLA attention over anchor + scale x delta. Its run is marked config
+    "fold"."""
     from stratum_jax.attention import RowTables, decode_attention
     from stratum_jax.kv.delta_cache import DeltaKV
-    ones = jnp.ones((kd.shape[0], kd.shape[1] // 8), jnp.float32)
-    ref = delta_truth(q, ak, av, ones, ones, kd, vd, slot, lengths, scale)
+    fixed = head_scales is not None
+    if not fixed:
+        head_scales = (jnp.ones((kd.shape[0],), jnp.float32),) * 2
 
-    def fold(q, kd, vd, ak, av, lengths, starts, psz):
-        cache = DeltaKV(anchor_k=ak, anchor_v=av, k_delta=kd, v_delta=vd, k_scale=ones, v_scale=ones,
-                        k_floor=ones[:, 0], v_floor=ones[:, 0])
+    def granule_scales(k_floor, v_floor):     # what the cache holds: every granule its head's scale
+        return (jnp.broadcast_to(f[:, None], (kd.shape[0], kd.shape[1] // 8)) for f in (k_floor, v_floor))
+    ref = delta_truth(q, ak, av, *granule_scales(*head_scales), kd, vd, slot, lengths, scale)
+
+    # The scales are arguments, not closure constants: the jit is kept for every context of the run.
+    def fold(q, kd, vd, ak, av, lengths, starts, psz, k_floor, v_floor):
+        k_scale, v_scale = granule_scales(k_floor, v_floor)
+        cache = DeltaKV(anchor_k=ak, anchor_v=av, k_delta=kd, v_delta=vd, k_scale=k_scale, v_scale=v_scale,
+                        k_floor=k_floor, v_floor=v_floor, fixed_scales=fixed)
         return decode_attention(q, lengths - 1, RowTables(lengths, starts, psz), cache, None, backend="kernel",
                                 interpret=interpret, max_context=starts.shape[1] * 8)
-    r = measure_variant(lambda: jitted(("fold", kd.dtype), fold), (q, kd, vd, ak, av, lengths, starts, psz), ref,
-                        paged_ms, a, label=label, io_bytes=io)
+    r = measure_variant(lambda: jitted(("fold", kd.dtype), fold),
+                        (q, kd, vd, ak, av, lengths, starts, psz, *head_scales), ref, paged_ms, a, label=label,
+                        io_bytes=io)
     return dict(config="fold", **r)
 
 
@@ -777,10 +787,12 @@ def run_delta(a):
                             args, ref, rec["paged"]["ms"], a, io_bytes=io,
                             label=f"ctx={ctx} page={page} {prec} A={A} {cfg}"))
                         runs.append(r)
-                    if prec == "fp16-delta" and A == 1:
+                    if A == 1:   # fp16: unit scales; fp8: one fixed scale per head (--fp8-scale head)
+                        head_scales = None if prec == "fp16-delta" else (scales[0][:, 0], scales[1][:, 0])
                         runs.append(measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale,
                                                  rec["paged"]["ms"], a, io=io, interpret=interpret,
-                                                 label=f"ctx={ctx} page={page} {prec} A={A} fold"))
+                                                 label=f"ctx={ctx} page={page} {prec} A={A} fold",
+                                                 head_scales=head_scales))
                     ok = [r for r in runs if r.get("ok") and "ms" in r]
                     rec["delta"].append(dict(precision=prec, anchor_len=A, io_bytes=io, runs=runs,
                                              best=min(ok, key=lambda r: r["ms"]) if ok else None))

@@ -20,6 +20,13 @@ Here the keys are the M side and the group is the N side, padded to N = 8 (or th
 Per thread that is T*N/128 fp32 registers for S^T (8 at T=128, N=8) and D*N/128 for O^T (4-8), instead of
 T/2 and D/2 for the 64-row tiles, so the register file no longer limits CTAs per SM; SMEM (the K/V ring) does.
 
+Pools: bf16 (the engine's bf16 KV); float16 (`F16_PAGES`, a DKVC fp16-delta cache on the folded path); or
+float8_e4m3fn (`F8_PAGES`, an fp8-delta cache with fixed per-head scales on the same path: the caller folds the
+scales into q and the output). Hopper's fp8 WGMMA needs both operands fp8 and K-major, which V^T is not, so
+fp8 rows land by TMA in rings of half the bytes and each tile is converted (e4m3 pairs -> f16x2, exact) into
+one f16 staging tile for K and one for V before the f16 MMAs; the V tile's rows past the length are
+converted as zeros.
+
 Mosaic GPU capabilities this rests on (jax 0.11.2; each verified by lowering to Mosaic GPU on a CPU and by the
 interpreter, see tests/test_swapped_decode_attention.py; ptxas and the hardware are the GPU tests' job):
   - WGMMA with M = T (64/128/256: one to four M groups) and N = 8/16/...; A and B must share one swizzle, so
