@@ -328,27 +328,15 @@ def test_gpu_score_stats_match_reference(head_dim):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_float16_pools_match_float64(head_dim):
-    """float16 pools (the fp16-delta fold), compiled: B=64 at ~1K with every page size (the default config),
-    and B=4 (split-K) with score statistics, against float64."""
-    case = as_f16_pools(_gpu_case(64, head_dim, 1024, seed=3))
+@pytest.mark.parametrize("pool_dtype", [jnp.float16, jnp.float8_e4m3fn], ids=["f16", "fp8"])
+def test_gpu_reduced_pools_match_float64(pool_dtype, head_dim):
+    """float16 pools (the fp16-delta fold) and float8_e4m3fn pools (the fixed-scale fp8 fold), compiled: B=64 at
+    ~1K with every page size (the default config), and B=4 (split-K) with score statistics, against float64 of
+    the pools' values."""
+    as_pools = lambda c: {**c, "k_pool": c["k_pool"].astype(pool_dtype), "v_pool": c["v_pool"].astype(pool_dtype)}
+    case = as_pools(_gpu_case(64, head_dim, 1024, seed=3))
     check(swapped_paged_attention(**case), float64_attention(case))
-    small = as_f16_pools(_gpu_case(4, head_dim, 1024, seed=4))
-    out, var = swapped_paged_attention(**small, return_score_stats=True)
-    check(out, float64_attention(small))
-    check_var(var, float64_score_variance(small), rtol=10 * VAR_RTOL, atol=10 * VAR_ATOL)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_float8_pools_match_float64(head_dim):
-    """float8_e4m3fn pools (the fixed-scale fp8 fold), compiled: B=64 at ~1K with every page size (the default
-    config), and B=4 (split-K) with score statistics, against float64 of the fp8 values."""
-    as_f8 = lambda c: {**c, "k_pool": c["k_pool"].astype(jnp.float8_e4m3fn),
-                       "v_pool": c["v_pool"].astype(jnp.float8_e4m3fn)}
-    case = as_f8(_gpu_case(64, head_dim, 1024, seed=5))
-    check(swapped_paged_attention(**case), float64_attention(case))
-    small = as_f8(_gpu_case(4, head_dim, 1024, seed=6))
+    small = as_pools(_gpu_case(4, head_dim, 1024, seed=4))
     out, var = swapped_paged_attention(**small, return_score_stats=True)
     check(out, float64_attention(small))
     check_var(var, float64_score_variance(small), rtol=10 * VAR_RTOL, atol=10 * VAR_ATOL)
