@@ -10,7 +10,7 @@
 source benchmarks/gpu_env.sh
 case "${STEP:-kernels}" in
   kernels)
-    timeout ${T0:-120} python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py -k "gpu_reduced_pools and fp8" 2>&1 | tail -3
+    timeout ${T0:-120} python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py -k "gpu_reduced_pools and float8" 2>&1 | tail -3
     timeout ${T1:-200} python3 benchmarks/kernels.py --delta --precisions fp8-delta --anchor-lens 1 \
       --contexts ${CONTEXTS:-4096,16384} --pages ${PAGES:-16,64,mixed} --out $OUT/delta_kernels_fp8_head_h200.json \
       > $OUT/fp8_head_bench.log 2>&1

@@ -328,7 +328,7 @@ def test_gpu_score_stats_match_reference(head_dim):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("pool_dtype", [jnp.float16, jnp.float8_e4m3fn], ids=["f16", "fp8"])
+@pytest.mark.parametrize("pool_dtype", [jnp.float16, jnp.float8_e4m3fn], ids=["float16", "float8"])
 def test_gpu_reduced_pools_match_float64(pool_dtype, head_dim):
     """float16 pools (the fp16-delta fold) and float8_e4m3fn pools (the fixed-scale fp8 fold), compiled: B=64 at
     ~1K with every page size (the default config), and B=4 (split-K) with score statistics, against float64 of
