@@ -2,8 +2,10 @@
 runs on the plain kernels' f16 path (the swapped decode kernel, the warp-specialised prefill kernel) with the deltas
 as the pools, and the anchor's V added after. Checked in the Mosaic GPU interpreter against float64 attention over
 the K/V rebuilt from the stored values (anchor + delta: fp16 deltas keep unit scales), with NaN in every stale slot;
-and the routing: what does not fold (fp8 deltas, a position-aligned anchor, the "paged" decode variant, folding
-switched off) still takes the delta kernels."""
+the same fold for fp8 deltas with fixed per-head scales (`--fp8-scale head`: the scales folded into q and the
+output, the swapped kernel on the fp8 pools); and the routing: what does not fold (fp8 deltas with granule
+scales, a position-aligned anchor, the "paged" decode variant, folding switched off) still takes the delta
+kernels."""
 from __future__ import annotations
 
 import numpy as np
