@@ -140,19 +140,16 @@ class SwappedConfig:
     def __post_init__(self):
         check_tile_pipeline(self.block_kv, self.num_stages, self.num_splits)
 
-    def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2,
-                   kv_itemsize: int = 2) -> int:
-        """SMEM of one CTA in bytes (the K/V ring dominates): ring 2 * stages * T * D * kv_itemsize (fp8 pools:
-        1, plus the two f16 staging tiles 2 * T * D * 2), q [N, D] bf16,
+    def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2) -> int:
+        """SMEM of one CTA in bytes (the K/V ring dominates): ring 2 * stages * T * D * 2 (fp8 pools take
+        2 * stages * T * D plus two f16 staging tiles 2 * T * D * 2: no more at 2+ stages), q [N, D] bf16,
         P [N, T] bf16, out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32, the
         page-table window, the cross-warp reduction scratch, and 2 KB for barriers and alignment (score
         statistics add 3 * n * 4 bytes: 96 at n = 8, left out). Checked
         against the lowered kernels (B=64, Hq=32, Hkv=8, 128 table entries, bf16 q): 72,880 bytes lowered vs
         73,376 estimated at D=64, T=128, 2 stages; 73,872 vs 74,400 at D=128, T=64, 2 stages."""
         n = query_columns(group)
-        ring = 2 * self.num_stages * self.block_kv * head_dim * kv_itemsize
-        if kv_itemsize == 1:
-            ring += 2 * self.block_kv * head_dim * 2
+        ring = 2 * self.num_stages * self.block_kv * head_dim * 2
         tiles = n * head_dim * 2 + n * self.block_kv * 2 + n * head_dim * out_itemsize + n * 4
         table = 4 * _table_window(max_pages, self.num_splits or 1, self.block_kv)
         return ring + tiles + table + reduction_scratch_bytes(n) + 2048

@@ -271,7 +271,7 @@ def _head_scale_fold(delta: DeltaKV) -> bool:
 
 
 def _per_q_head(x, num_q_heads: int):
-    """[Hkv] per kv head -> [Hq] per q head (q head j reads kv head j // group), float32."""
+    """[Hkv, ...] per kv head -> [Hq, ...] per q head (q head j reads kv head j // group), float32."""
     return jnp.repeat(x.astype(jnp.float32), num_q_heads // x.shape[0], axis=0)
 
 
@@ -289,8 +289,7 @@ def _unit_scale_fold(delta: DeltaKV) -> bool:
 def _add_mean_anchor_v(out, delta: DeltaKV, has_keys):
     """out [rows, ..., Hq, D] (attention over the deltas) + anchor_v per q head, in f32, where has_keys [rows]
     (a row with no key stays zeros, as the kernels give); returns out's dtype."""
-    num_q_heads, head_dim = out.shape[-2:]
-    a_v = jnp.repeat(delta.anchor_v[:, 0].astype(jnp.float32), num_q_heads // delta.num_kv_heads, axis=0)
+    a_v = _per_q_head(delta.anchor_v[:, 0], out.shape[-2])                            # [Hq, D]
     mask = has_keys.reshape(has_keys.shape + (1,) * (out.ndim - 1))
     return (out.astype(jnp.float32) + jnp.where(mask, a_v, 0.0)).astype(out.dtype)
 

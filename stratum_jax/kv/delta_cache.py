@@ -204,7 +204,8 @@ def init_delta_cache(anchors, floors, num_slots: int, precision: str, sharding=N
     scale_bytes = 2 * ak.shape[0] * (num_slots // GRANULE) * 4
     anchor_bytes = 2 * ak.size * ak.dtype.itemsize
     log.info("KV cache (%s%s): %d layers x (2 x %s %s deltas + scales + anchor of %d positions) = %.3f GiB "
-             "allocated in %.2f s", precision, ", fixed per-head scales" if fixed_scales else "", len(cache), [ak.shape[0], num_slots, ak.shape[2]],
+             "allocated in %.2f s", precision, ", fixed per-head scales" if fixed_scales else "", len(cache),
+             [ak.shape[0], num_slots, ak.shape[2]],
              jnp.dtype(dtype).name, ak.shape[1], len(cache) * (pool_bytes + scale_bytes + anchor_bytes) / 2**30,
              time.perf_counter() - start)
     return cache

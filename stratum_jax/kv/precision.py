@@ -82,12 +82,12 @@ def start_kv_cache(requested: str, model, num_slots: int, sharding=None, fp8_sca
     precision, why = resolve_precision(requested, platform=device.platform, capability=_capability(device),
                                        bandwidth_gbps=bandwidth)
     log.log(logging.WARNING if precision != requested else logging.INFO, "KV precision: %s (%s)", precision, why)
-    if precision == "bf16":
-        return "bf16", init_kv_cache(model.config, num_slots, sharding=sharding), None
-    choice = fit_anchor(model.params, model.config, warmup_windows(model.tokenizer))
     fixed = precision == "fp8-delta" and fp8_scale == "head"
     if fp8_scale == "head" and not fixed:
         log.warning("--fp8-scale head has no effect: the KV cache runs %s", precision)
+    if precision == "bf16":
+        return "bf16", init_kv_cache(model.config, num_slots, sharding=sharding), None
+    choice = fit_anchor(model.params, model.config, warmup_windows(model.tokenizer))
     floors = choice.max_floors if fixed else choice.floors
     return precision, init_delta_cache(choice.anchors, floors, num_slots, precision, sharding=sharding,
                                        fixed_scales=fixed), choice
