@@ -107,3 +107,33 @@ def test_e2e_decode_profile_annotates_each_traced_full_batch_decode_call(tps, tm
     # The calls' executions run inside their annotations.
     runs = [float(e["ts"]) for e in events if e.get("ph") == "X" and e.get("name", "").startswith("PjitFunction")]
     assert sum(any(a <= t <= b for a, b in spans) for t in runs) >= 3
+
+
+@pytest.mark.parametrize("untimed", ["every other decode call", "every decode call"])
+def test_e2e_decode_leaves_untimed_steps_out_of_its_rates(monkeypatch, tmp_path, untimed):
+    """A step the engine could not time carries 0 s (engine_stats.record_timing). e2e_decode.py leaves such steps
+    out of its rates and medians and counts them: with some decode calls untimed the rates stay positive and
+    finite; with all of them untimed the decode rates are NaN instead of a division by zero. The engine is made
+    to miss the timings here (on a loaded CPU it does so by itself, at random)."""
+    import math
+    from stratum_jax.engine_stats import StepRecorder
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    e2e = load_benchmark("e2e_decode.py", "e2e_decode")
+    real, seen = StepRecorder.record_timing, []
+
+    def record(self, batch, device_s, work=None):
+        if batch.kind == "decode":
+            seen.append(batch)
+            if untimed == "every decode call" or len(seen) % 2:
+                device_s = 0.0
+        return real(self, batch, device_s, work)
+    monkeypatch.setattr(StepRecorder, "record_timing", record)
+    out = tmp_path / "e.json"
+    assert e2e.main(["--model", "tiny", "--batch", "2", "--prompt-len", "16", "--new-tokens", "24",
+                     "--decode-steps", "2", "--copy-gb", "0.01", "--out", str(out)]) == 0
+    r, = json.loads(out.read_text())
+    assert seen and r["untimed_steps"] > 0        # (seen also holds the untimed warm-up pass's calls)
+    if untimed == "every decode call":
+        assert math.isnan(r["decode_tokens_per_s"]) and math.isnan(r["decode_step_ms_median"])
+    else:
+        assert r["decode_tokens_per_s"] > 0 and r["decode_step_ms_median"] > 0
