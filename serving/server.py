@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Stratum"].full_name   # "stratum.v1.Stratum"
 _TRANSPORT_FACTOR = 4    # gRPC's receive limit, as a multiple of --max-message-bytes
 _CALIBRATION_DECODE_TOKENS = 4   # tokens each calibration prompt generates: a few decode steps to time
+# Timed calibration prompts at most: a step the engine could not time (it finished before the host looked: 0 s)
+# measures nothing, which on a loaded host can happen to all of one prompt's steps, so calibration runs prompts
+# until it has both a prefill rate and a decode step time.
+_CALIBRATION_PROMPTS = 8
 _LAST_STREAMS_S = 10.0   # after the grace period: time for cancelled streams to send their status
 
 
@@ -332,16 +336,20 @@ def _representative_prefill_tokens(config: RuntimeConfig) -> int:
 def _calibrate(engine, rate: cost.PrefillRate) -> None:
     """Gives the cost model a representative prefill rate (and a decode step time) before serving.
 
-    Warm-up only compiles, so nothing says yet how fast prompts prefill. Two prompts of one representative
-    length run here: the first warms the device, the second is timed (its steps are fed to `rate`). They
-    differ, so the prefix cache does not skip the second one's prefill. Each also decodes a few tokens, so
+    Warm-up only compiles, so nothing says yet how fast prompts prefill. Prompts of one representative
+    length run here: the first warms the device, the next are timed (their steps are fed to `rate`) until
+    both a prefill rate and a decode step time are measured (_CALIBRATION_PROMPTS at most). They differ, so
+    the prefix cache does not skip a later one's prefill. Each also decodes a few tokens, so
     the engine has a decode step time too: a stack that takes no traffic yet (the Stratum stack at
     --stratum-weight 0) can still be priced by CostEstimate.
     """
     config = engine.config
     length = max(rate.min_tokens, min(config.prefill_chunk, config.max_context // 2))
     vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
-    for offset, observe in ((0, False), (1, True)):
+    for offset in range(1 + _CALIBRATION_PROMPTS):
+        observe = offset > 0
+        if observe and rate.tokens_per_s > 0 and engine.stats().decode_step_ms > 0:
+            break
         ids = [(offset + 7 * i) % vocab for i in range(length)]
         engine.add_request(ids, SamplingParams(max_tokens=_CALIBRATION_DECODE_TOKENS, temperature=0.0,
                                                ignore_eos=True))

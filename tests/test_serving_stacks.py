@@ -399,3 +399,22 @@ def test_get_metrics_reports_every_stack(stacks):
         assert count == sum(s.requests_by_status.get(status, 0) for s in snap.stacks) + \
             snap.router_requests_by_status.get(status, 0)
     assert snap.prompt_length_entropy_bits == stacks.bg.server.frontend.served.router.lengths.bits()
+
+
+def test_calibration_runs_prompts_until_it_has_timed_a_prefill_and_a_decode_step(monkeypatch):
+    """A step the engine could not time (0 s) measures nothing; on a loaded host every step of a calibration prompt
+    can come back so. Calibration then runs another prompt, until it has both rates (the engine is made to miss
+    the timings of the first steps here)."""
+    from serving import server as server_module
+    from stratum_jax.engine import Engine
+    from stratum_jax.engine_stats import StepRecorder
+    real, seen = StepRecorder.record_timing, []
+
+    def record(self, batch, device_s, work=None):
+        seen.append(batch.kind)
+        return real(self, batch, 0.0 if len(seen) <= 12 else device_s, work)     # the first 12 steps untimed
+    monkeypatch.setattr(StepRecorder, "record_timing", record)
+    engine = Engine(CONFIG)
+    rate = cost.PrefillRate(min_tokens=16)
+    server_module._calibrate(engine, rate)
+    assert len(seen) > 12 and rate.tokens_per_s > 0 and engine.stats().decode_step_ms > 0
