@@ -7,6 +7,9 @@
 #     granule rule's profile: profile_decode_llama-1b_b64_fp8-delta_h200.json, session 16), then e2e_decode.py on
 #     llama-8b, batch 64, 4K context, bf16 and fp8-delta --fp8-scale head in one process (#12's end-to-end bar:
 #     >= 1.25x bf16's decode tok/s).
+#   STEP=sweep (~60 s warm, ~210 s with the GPU tests): the fp8-pool GPU tests, then benchmarks/fp8_fold_sweep.py: the
+#     swapped kernel alone on fp8 pools over SwappedConfigs (CONFIGS, overrides of the fp8 default) beside the bf16
+#     paged and swapped kernels (session 18's tables in BENCHMARKS.md).
 source benchmarks/gpu_env.sh
 case "${STEP:-kernels}" in
   kernels)
@@ -24,4 +27,9 @@ case "${STEP:-kernels}" in
       --attention kernel --kv-precision bf16 fp8-delta --fp8-scale head \
       --out $OUT/e2e_decode_llama-8b_b64_4k_fp8_head_h200.json > $OUT/e2e_8b_4k_head.log 2>&1
     echo "e2e 8b 4k: exit $?"; grep -vE "^\s*$|it/s\]|tok/s\]" $OUT/e2e_8b_4k_head.log | tail -20 ;;
+  sweep)
+    timeout ${T0:-120} python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py -k "gpu_reduced_pools and float8" 2>&1 | tail -3
+    timeout ${T1:-400} python3 benchmarks/fp8_fold_sweep.py --contexts ${CONTEXTS:-4096,16384} --pages ${PAGES:-16,64,mixed} \
+      --configs "${CONFIGS:-default;num_splits=1;num_splits=4;fp8_q_terms=3}" --out $OUT/fp8_fold_sweep_h200.json > $OUT/sweep.log 2>&1
+    echo "sweep: exit $?"; grep -v ptxas $OUT/sweep.log | grep -A40 "^ *ctx" ;;
 esac

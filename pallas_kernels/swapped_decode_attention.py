@@ -21,11 +21,13 @@ Per thread that is T*N/128 fp32 registers for S^T (8 at T=128, N=8) and D*N/128 
 T/2 and D/2 for the 64-row tiles, so the register file no longer limits CTAs per SM; SMEM (the K/V ring) does.
 
 Pools: bf16 (the engine's bf16 KV); float16 (`F16_PAGES`, a DKVC fp16-delta cache on the folded path); or
-float8_e4m3fn (`F8_PAGES`, an fp8-delta cache with fixed per-head scales on the same path: the caller folds the
-scales into q and the output). Hopper's fp8 WGMMA needs both operands fp8 and K-major, which V^T is not, so
-fp8 rows land by TMA in rings of half the bytes and each tile is converted (e4m3 pairs -> f16x2, exact) into
-one f16 staging tile for K and one for V before the f16 MMAs; the V tile's rows past the length are
-converted as zeros.
+float8_e4m3fn (`F8Pages`, an fp8-delta cache with fixed per-head scales on the same path: the caller folds the
+scales into q and the output). Hopper's fp8 WGMMA needs both operands fp8 and K-major. S^T = K q^T meets that
+as it stands (A = the K ring slot, B = q^T with q's rows contiguous along D), so q is split into e4m3 parts
+(`split_rows_fp8`: a power-of-two row scale, then each part the rounding residual of the ones before) and
+S^T is one fp8 MMA per part straight from the K ring, times the row's unscale. V^T is not K-major (V's rows
+are contiguous along D), so each V tile is converted (e4m3 pairs -> f16x2, exact) into an f16 staging tile,
+rows past the length as zeros, while the S^T MMAs run, and P V is an f16 MMA.
 
 Mosaic GPU capabilities this rests on (jax 0.11.2; each verified by lowering to Mosaic GPU on a CPU and by the
 interpreter, see tests/test_swapped_decode_attention.py; ptxas and the hardware are the GPU tests' job):
@@ -103,18 +105,47 @@ _SMEM_PER_CTA_RESERVED = 1024                  # ... of which the driver reserve
 class F8Pages(Bf16Pages):
     """float8 e4m3 pools (a DKVC fp8-delta cache with one fixed scale per layer and KV head, read on the folded
     mean-anchor path: stratum_jax/attention.py scales q and the output by the head's scales and adds the
-    anchor). TMA lands the fp8 rows in rings of half a bf16 ring's bytes; each tile is then converted (e4m3
-    pairs -> f16x2, exact, `convert_to_f16`) into one f16 staging tile for K and one for V, which the f16 MMAs
-    read. scratch_types: [k ring, v ring, k staging, v staging]."""
+    anchor). TMA lands the fp8 rows in rings of half a bf16 ring's bytes.
+    - S^T = K q^T runs as fp8 WGMMAs straight from the K ring (both operands K-major, as fp8 WGMMA needs): q is
+      split into `q_terms` e4m3 parts per row, q ~ (q_1 + q_2 + ...) * unscale, each part the rounding residual
+      of the ones before, after a power-of-two row scale that puts the row's largest |q| in [128, 256)
+      (`split_rows_fp8`); one MMA per part accumulates into S^T, which is then multiplied by the row's unscale
+      (one column of S^T). Two parts keep about 8 significant bits of q (bf16's 8), at no conversion work on K.
+    - P V needs V^T as a K-major A operand, which V's rows are not (fp8 WGMMA allows no transposed view), so each
+      V tile is converted (e4m3 pairs -> f16x2, exact, `convert_to_f16`) into one f16 staging tile that the f16
+      MMA reads, rows past the length as zeros. scratch_types: [k ring, v ring, v staging]."""
     mma_dtype: str = "float16"
+    q_terms: int = 3
 
     def scratch_types(self, *, stages, block_kv, head_dim):
         ring = delta_ring_type(stages, block_kv, head_dim, _FP8)
         staging = plgpu.SMEM((block_kv, head_dim), jnp.float16, transforms=MMA_TRANSFORMS)
-        return [ring, ring, staging, staging]
+        return [ring, ring, staging]
+
+    def q_smem_type(self, n_cols: int, head_dim: int):
+        """SMEM of the q parts [q_terms, N, D] e4m3, in the K ring's layout (WGMMA wants one swizzle)."""
+        swizzle = min(128, head_dim)
+        return plgpu.SMEM((self.q_terms, n_cols, head_dim), _FP8,
+                          transforms=(plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle)))
 
 
-F8_PAGES = F8Pages()
+def split_rows_fp8(x, terms: int):
+    """x [rows, D] float32 -> (parts [terms, rows, D] float8_e4m3fn, unscale [rows] float32) with
+    x ~ sum(parts) * unscale[:, None]. Each row is first scaled by a power of two (exact) that puts its largest
+    |x| in [128, 256), under e4m3's 448 and far above its subnormals (2^-6); each part is the e4m3 rounding of
+    what the parts before it left. Relative to the row's largest |x| the error is about 2^-(4 * terms + 1)."""
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    _, exponent = jnp.frexp(amax)                      # amax in [2^(e-1), 2^e), exactly (exp2/log2 are not)
+    shift = jnp.clip(8 - exponent, -100, 100)          # a zero (padding) row: frexp gives 0, any shift is fine
+    one = jnp.ones_like(amax)
+    rest = x * jnp.ldexp(one, shift)[:, None]
+    parts = []
+    for _ in range(terms):
+        part = rest.astype(_FP8)
+        parts.append(part)
+        rest = rest - part.astype(jnp.float32)
+    return jnp.stack(parts), jnp.ldexp(one, -shift)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +160,8 @@ class SwappedConfig:
       approx_math: fast approximate exp2 (MUFU).
       no_auto_barriers: drop Pallas' warpgroup barrier before every TMA issue; the kernel syncs once per
         refilled tile instead (as `paged_attention` does).
+      fp8_q_terms: float8 pools only: the e4m3 parts q is split into for the fp8 score MMAs (`F8Pages`); the
+        error relative to a row's largest |q| is about 2^-(4 * terms + 1): 2 is bf16's rounding, 3 f16's.
     """
 
     block_kv: int = 128
@@ -136,13 +169,17 @@ class SwappedConfig:
     num_splits: int | None = None
     approx_math: bool = True
     no_auto_barriers: bool = True
+    fp8_q_terms: int = 3
 
     def __post_init__(self):
         check_tile_pipeline(self.block_kv, self.num_stages, self.num_splits)
+        if self.fp8_q_terms not in (1, 2, 3, 4):
+            raise ValueError(f"SwappedConfig: fp8_q_terms must be 1..4, got {self.fp8_q_terms}")
 
     def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2) -> int:
         """SMEM of one CTA in bytes (the K/V ring dominates): ring 2 * stages * T * D * 2 (fp8 pools take
-        2 * stages * T * D plus two f16 staging tiles 2 * T * D * 2: no more at 2+ stages), q [N, D] bf16,
+        2 * stages * T * D plus one f16 V staging tile T * D * 2 and q's e4m3 parts fp8_q_terms * N * D: no
+        more at 2+ stages), q [N, D] bf16,
         P [N, T] bf16, out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32, the
         page-table window, the cross-warp reduction scratch, and 2 KB for barriers and alignment (score
         statistics add 3 * n * 4 bytes: 96 at n = 8, left out). Checked
@@ -164,7 +201,12 @@ class SwappedConfig:
 SHORT_CONTEXT_KEYS = 2048
 
 
-def default_swapped_config(head_dim: int, max_context: int | None = None) -> SwappedConfig:
+# float8 pools at head_dim 128 (`default_swapped_config`): split-K at least this deep when the caller gives no
+# num_splits, whatever the grid size.
+FP8_MIN_SPLITS = 2
+
+
+def default_swapped_config(head_dim: int, max_context: int | None = None, pool_dtype=jnp.bfloat16) -> SwappedConfig:
     """The config when the caller gives none (num_splits from the grid size), from the H200 timings
     (benchmarks/KERNEL_NOTES.md, B=64, Hq=32, Hkv=8, contexts 1K/4K/16K, pages 8/64/mixed, then 1K at every
     page size):
@@ -174,7 +216,15 @@ def default_swapped_config(head_dim: int, max_context: int | None = None) -> Swa
       --max-context): they are 3-26% faster at 1K (every page size) and 9-38% slower at 4K and 16K, and the
       kernel cannot see a step's longest context when it is traced.
     SMEM bounds the CTAs per SM (`SwappedConfig.ctas_per_sm`): the page-table window counts (without split-K
-    it is the sequence's whole table row, 4 bytes a page entry)."""
+    it is the sequence's whole table row, 4 bytes a page entry).
+    pool_dtype float8_e4m3fn (the fixed-scale fp8 fold) at head_dim 128: 64-token tiles, 2 stages, q in 2 e4m3
+    parts, and split-K of at least `FP8_MIN_SPLITS` (applied by the entry where num_splits is None): 0.64-0.80x
+    the bf16 paged kernel's time at 4K and 16K (pages 16/64/mixed) against 0.78-1.03x for the bf16 default
+    tiles with 3 q parts (same run) (benchmarks/fp8_fold_sweep.py, BENCHMARKS.md): with half the bytes a tile, a CTA's
+    chain of MMAs, softmax and V conversion bounds it, so more CTAs an SM (the smaller ring, split-K's smaller
+    table window) and a shorter chain pay. head_dim 64 fp8 was not timed: its bf16 default."""
+    if jnp.dtype(pool_dtype) == _FP8 and head_dim == 128:
+        return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2)
     if head_dim == 64:
         if max_context is not None and max_context <= SHORT_CONTEXT_KEYS:
             return SwappedConfig(block_kv=64, num_stages=3)
@@ -230,8 +280,8 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
       page_sizes: [batch] int32, one of PAGE_SIZES per sequence.
       sm_scale: score scale, default 1/sqrt(head_dim).
       soft_cap: if set (> 0), scores become soft_cap * tanh(scores / soft_cap).
-      config: SwappedConfig; None gives `default_swapped_config(head_dim, max_context)` with split-K from the
-        grid size.
+      config: SwappedConfig; None gives `default_swapped_config(head_dim, max_context, k_pool.dtype)` with
+        split-K from the grid size (float8 pools: at least `FP8_MIN_SPLITS`).
       max_context: a bound on every row's keys (lengths), when the caller has one (the engine's
         --max-context); it only picks the default config.
       interpret: run the kernel in the Mosaic GPU interpreter on CPU (tests).
@@ -259,11 +309,14 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
         raise ValueError(f"swapped_paged_attention: sm_scale must be > 0, got {sm_scale}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"swapped_paged_attention: soft_cap must be > 0, got {soft_cap}")
-    config = config or default_swapped_config(head_dim, max_context)
+    config = config or default_swapped_config(head_dim, max_context, k_pool.dtype)
     if not isinstance(config, SwappedConfig):
         raise TypeError(f"swapped_paged_attention: config must be a SwappedConfig, got {type(config).__name__}")
     if config.num_splits is None:
-        config = dataclasses.replace(config, num_splits=default_num_splits(batch, num_kv_heads))
+        splits = default_num_splits(batch, num_kv_heads)
+        if k_pool.dtype == _FP8:
+            splits = max(splits, FP8_MIN_SPLITS)
+        config = dataclasses.replace(config, num_splits=splits)
     scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
     args = (q, k_pool, v_pool, lengths, page_starts, page_sizes)
     kw = dict(scale=scale, config=config)
@@ -289,10 +342,17 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     num_kv_heads = k_pool.shape[0]
     group = num_q_heads // num_kv_heads
     splits = config.num_splits
-    kv_format = {jnp.dtype(jnp.float16): F16_PAGES, _FP8: F8_PAGES}.get(jnp.dtype(k_pool.dtype), BF16_PAGES)
+    kv_format = {jnp.dtype(jnp.float16): F16_PAGES, _FP8: F8Pages(q_terms=config.fp8_q_terms)}.get(
+        jnp.dtype(k_pool.dtype), BF16_PAGES)
     mma_dtype = jnp.dtype(kv_format.mma_dtype)
-    q_mma = jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX) if mma_dtype == jnp.float16 else q
-    q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q_mma.astype(mma_dtype), num_kv_heads)
+    extra = ()
+    if isinstance(kv_format, F8Pages):     # q as fp8 parts and a per-row unscale (F8Pages)
+        q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q.astype(jnp.float32), num_kv_heads)
+        q2, q_unscale = split_rows_fp8(q2, kv_format.q_terms)
+        extra = (q_unscale,)
+    else:
+        q_mma = jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX) if mma_dtype == jnp.float16 else q
+        q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q_mma.astype(mma_dtype), num_kv_heads)
     max_pages = page_starts.shape[1]
     table = _flat_table(page_starts, splits, config.block_kv)
     kernel = _build_swapped_kernel(
@@ -300,7 +360,7 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
         table_len=table.shape[0], rows_per_b=rows_per_b, rows_per_h=rows_per_h, n_cols=copy_rows,
         out_dtype=jnp.dtype(q.dtype if splits == 1 else jnp.float32), scale=scale, soft_cap=soft_cap,
         score_stats=score_stats, config=config, kv_format=kv_format)
-    res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool)
+    res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool, *extra)
 
     def group_cols(x):
         """[B * S, Hkv, N] column vectors (lse, score sums) -> the group's [B, S, Hkv, G]: its columns start at
@@ -354,7 +414,12 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         """A [N] column vector broadcast along the rows of a [rows, N] tile."""
         return lax.broadcast_in_dim(x, shape, [1])
 
+    fp8_scores = isinstance(kv_format, F8Pages)       # q parts [terms, rows, D] e4m3 + q_unscale [rows] f32
+
     def body(lengths_ref, psizes_ref, table_ref, q_ref, k_ref, v_ref, *rest):
+        q_unscale_ref = None
+        if fp8_scores:
+            q_unscale_ref, rest = rest[0], rest[1:]
         if splits == 1:
             (o_ref,), rest = rest[:1], rest[1:]
             lse_ref = None
@@ -363,7 +428,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         if score_stats:
             stat_refs, rest = rest[:3], rest[3:]
         table_smem, q_smem, kv_smem, p_smem, o_smem, lse_smem, meta_bar, k_bars, v_bars, *stat_smem = rest
-        kv_smem, staging = kv_smem[:2], kv_smem[2:]       # staging: F8Pages' f16 tiles (K, V), else none
+        kv_smem, staging = kv_smem[:2], kv_smem[2:]       # staging: F8Pages' f16 V tile, else none
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         k_split = lax.axis_index("k") if splits > 1 else 0
@@ -382,7 +447,14 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         q_row = b * rows_per_b + h * rows_per_h
         q_row0 = pl.multiple_of(q_row - lax.rem(q_row, 8), 8)       # tiled TMA wants 8-row alignment
         row_off = q_row - q_row0                                      # the group's first column in S^T
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0, N)], q_smem, meta_bar.at[1])
+        if fp8_scores:
+            plgpu.copy_gmem_to_smem(q_ref.at[:, pl.ds(q_row0, N)], q_smem, meta_bar.at[1])
+            # S^T's column j is in units of q row j's power-of-two scale (`split_rows_fp8`).
+            q_unscale = plgpu.load(q_unscale_ref.at[pl.ds(q_row0, N)], layout=_COL_LAYOUT, optimized=False)
+            score_scale = cols(q_unscale, (T, N))
+        else:
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0, N)], q_smem, meta_bar.at[1])
+            score_scale = 1.0
         plgpu.barrier_wait(meta_bar.at[0])
 
         def page_entry(p):   # slot of page p of this sequence (p inside this CTA's window)
@@ -412,15 +484,18 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             k_ring, v_ring = kv_smem
             k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
             ctx.wait_k(slot)
-            if staging:      # fp8 rows -> the f16 staging tile WGMMA reads (the last tile's MMAs were awaited)
-                k_tile, v_tile = staging
-                convert_to_f16(k_ring.at[slot], k_tile)
-                plgpu.commit_smem()
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
+                if fp8_scores:     # fp8 MMAs on the K ring slot, one per q part, into one accumulator
+                    for t in range(kv_format.q_terms):
+                        plgpu.wgmma(acc_ref, k_tile, q_smem.at[t].transpose((1, 0)))
+                else:
+                    plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
+                if staging:     # while the MMAs run: fp8 V rows -> the f16 tile the P V MMA reads, rows past
+                    ctx.wait_v(slot)        # the length as zeros (the last tile's MMAs were awaited, so the
+                    convert_to_f16(v_ring.at[slot], staging[0], valid_rows=n_valid)     # tile is free)
                 return acc_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((T, N), jnp.float32))
+            s = pl.run_scoped(qk, plgpu.ACC((T, N), jnp.float32)) * score_scale
             if soft_cap is None:
                 s = s * qk_scale
             else:   # cap in natural units, then to base 2 (exp2 below)
@@ -440,10 +515,10 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             # K-major B operand P^T. Every warp's store must land before the MMA reads: commit_smem is a
             # proxy fence plus a warpgroup barrier.
             p_smem.transpose((1, 0))[...] = p.astype(mma_dtype)
-            ctx.wait_v(slot)
-            if staging:      # rows past the length converted as zeros
-                convert_to_f16(v_ring.at[slot], v_tile, valid_rows=n_valid)
+            if staging:      # V was converted while S^T's MMAs ran
+                v_tile = staging[0]
             else:
+                ctx.wait_v(slot)
                 zero_rows_past(v_ring, slot, n_valid)     # P is 0 there, but 0 * NaN (a stale slot) = NaN in the MMA
             plgpu.commit_smem()
 
@@ -520,7 +595,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         out_type += [jax.ShapeDtypeStruct((batch * splits, num_kv_heads, N), jnp.float32)] * 3
     scratch = [
         plgpu.SMEM((window,), jnp.int32),
-        plgpu.SMEM((N, D), mma_dtype, transforms=MMA_TRANSFORMS),
+        kv_format.q_smem_type(N, D) if fp8_scores else plgpu.SMEM((N, D), mma_dtype, transforms=MMA_TRANSFORMS),
         kv_format.scratch_types(stages=stages, block_kv=T, head_dim=D),
         plgpu.SMEM((N, T), mma_dtype, transforms=MMA_TRANSFORMS),
         plgpu.SMEM((N, D), out_dtype),

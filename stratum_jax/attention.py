@@ -264,7 +264,8 @@ def _head_scale_fold(delta: DeltaKV) -> bool:
     """Whether a DeltaKV's decode runs on the swapped kernel with its deltas as the pools: `_unit_scale_fold`'s
     fp16 deltas, or fp8 deltas with one fixed scale per layer and KV head (`DeltaKV.fixed_scales`). Then
     K = a_k + s_k d_k and V = a_v + s_v d_v with s_k, s_v per kv head: q . K = q . a_k + (s_k q) . d_k, so the
-    kernel attends with s_k q over the fp8 deltas (converted to f16 in the kernel) and the output is
+    kernel attends with s_k q over the fp8 deltas (fp8 score MMAs on q in e4m3 parts, V converted to f16 in the
+    kernel: pallas_kernels/swapped_decode_attention.py `F8Pages`) and the output is
     a_v + s_v (attention over d_v)."""
     return _unit_scale_fold(delta) or (delta.fixed_scales and delta.k_delta.dtype == jnp.float8_e4m3fn
                                        and _folds_in_ws_kernel(delta))

@@ -86,8 +86,8 @@ def fp8_fixed_delta(seed, **kw):
 
 
 def test_decode_fold_of_fixed_fp8_scales_matches_float64(two_splits):
-    """fp8 deltas with fixed per-head scales: the swapped kernel on the fp8 pools (converted to f16 staging
-    tiles in the kernel) with s_k folded into q and s_v onto the output, plus the anchor's V, against float64
+    """fp8 deltas with fixed per-head scales: the swapped kernel on the fp8 pools (fp8 score MMAs, V converted
+    to an f16 staging tile in the kernel) with s_k folded into q and s_v onto the output, plus the anchor's V, against float64
     over anchor + scale x delta (NaN in stale slots); score variance too. Two kv heads of different scales."""
     case, delta = fp8_fixed_delta(4, num_q_heads=4, num_kv_heads=2)
     tables = RowTables(case["lengths"], case["page_starts"], case["page_sizes"])

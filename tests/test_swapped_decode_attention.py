@@ -127,9 +127,9 @@ def test_float16_pools_match_float64():
 
 
 def test_float8_pools_match_float64():
-    """float8_e4m3fn pools (the fold of an fp8-delta cache with fixed per-head scales): each tile's fp8 rows are
-    converted to f16 staging tiles (the last tile's V rows past the length as zeros: NaN in every stale slot),
-    f16 MMAs; split-K 2, score statistics, every page size, a partial last tile."""
+    """float8_e4m3fn pools (the fold of an fp8-delta cache with fixed per-head scales): fp8 score MMAs on the K
+    rows with q in e4m3 parts, each V tile converted to an f16 staging tile (the last tile's rows past the length
+    as zeros: NaN in every stale slot); split-K 2, score statistics, every page size, a partial last tile."""
     case = random_paged_case(7, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=4, num_kv_heads=1, head_dim=64)
     case = {**case, "k_pool": case["k_pool"].astype(jnp.float8_e4m3fn),
             "v_pool": case["v_pool"].astype(jnp.float8_e4m3fn)}
@@ -140,6 +140,76 @@ def test_float8_pools_match_float64():
     check_var(np.asarray(var), float64_score_variance(case), rtol=2e-3)
     with pytest.raises(ValueError, match="both float8_e4m3fn"):
         swapped_paged_attention(**{**case, "v_pool": case["v_pool"].astype(jnp.bfloat16)}, interpret=True)
+
+
+def test_float8_q_parts_carry_the_precision(monkeypatch):
+    """The fp8 score MMAs see q as e4m3 parts times a per-row unscale: one part (3 mantissa bits) is far from
+    the float64 truth, each further part cuts the error; the default (2 at head_dim 128, 3 elsewhere) is
+    within BF16_TOL. q here is fp32 with a spread of row norms (a row of zeros included), so the row scale
+    must be per row."""
+    case = random_paged_case(11, lengths=[65, 129, 300, 7], page_sizes=[16, 64, 256, 8], num_q_heads=8,
+                             num_kv_heads=2, head_dim=64)
+    q = np.asarray(case["q"], np.float32) * np.array([3.0, 0.01, 40.0, 1.0])[:, None, None]
+    q[3, 0] = 0.0
+    case = {**case, "q": jnp.asarray(q), "k_pool": case["k_pool"].astype(jnp.float8_e4m3fn),
+            "v_pool": case["v_pool"].astype(jnp.float8_e4m3fn)}
+    want = float64_attention(case)
+    errs = {}
+    for terms in (1, 2, 3):
+        out = swapped_paged_attention(**case, config=SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=terms),
+                                      interpret=True)
+        errs[terms] = float(np.abs(np.asarray(out, np.float32) - want).max())
+    assert errs[1] > 4 * errs[2] > 4 * 4 * errs[3], errs
+    assert errs[1] > BF16_TOL and errs[2] <= BF16_TOL, errs
+    with pytest.raises(ValueError, match="fp8_q_terms"):
+        SwappedConfig(fp8_q_terms=0)
+
+
+def test_split_rows_fp8_scales_each_row_by_a_power_of_two():
+    """Each row's largest |x| lands in [128, 256) (exact power-of-two scales, under e4m3's 448), parts are
+    rounding residuals (each smaller than the last), a zero row stays zero with a finite unscale, and the
+    error relative to the row's largest |x| is below 2^-(4 * terms)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6, 64)).astype(np.float32) * np.array([1e-6, 1e-2, 1.0, 3.0, 1e3, 0.0])[:, None]
+    for terms in (1, 2, 3):
+        parts, unscale = swapped_module.split_rows_fp8(jnp.asarray(x), terms)
+        assert parts.dtype == jnp.float8_e4m3fn and parts.shape == (terms, 6, 64)
+        p = np.asarray(parts.astype(jnp.float32))
+        unscale = np.asarray(unscale)
+        assert np.all(np.isfinite(unscale)) and np.all(np.log2(unscale) == np.round(np.log2(unscale)))
+        top = np.abs(p[0]).max(axis=1)
+        assert np.all((top[:5] >= 128) & (top[:5] <= 256)) and top[5] == 0, top
+        if terms > 1:
+            assert np.all(np.abs(p[1]).max(axis=1) <= np.abs(p[0]).max(axis=1) / 8)
+        rebuilt = p.sum(axis=0) * unscale[:, None]
+        amax = np.abs(x).max(axis=1, keepdims=True)
+        rel = np.abs(rebuilt - x) / np.where(amax > 0, amax, 1.0)
+        assert rel.max() < 2.0 ** (-4 * terms), (terms, rel.max())
+
+
+def test_float8_pools_default_config_and_min_splits(monkeypatch):
+    """float8 pools at head_dim 128 default to 64-token tiles, 2 stages, 2 q parts (the fastest timed,
+    BENCHMARKS.md) and split-K of at least FP8_MIN_SPLITS even where the grid rule says 1; bf16 pools keep their
+    default. head_dim 64 fp8 keeps the bf16 default tiles (not timed)."""
+    fp8 = jnp.float8_e4m3fn
+    cfg = swapped_module.default_swapped_config(128, pool_dtype=fp8)
+    assert (cfg.block_kv, cfg.num_stages, cfg.fp8_q_terms, cfg.num_splits) == (64, 2, 2, None)
+    assert swapped_module.default_swapped_config(128) == SwappedConfig(block_kv=64, num_stages=3)
+    assert swapped_module.default_swapped_config(64, pool_dtype=fp8) == swapped_module.default_swapped_config(64)
+    assert cfg.ctas_per_sm(128, max_pages=16384 // 8) >= 2
+    seen = []
+    real = swapped_module._build_swapped_kernel
+    monkeypatch.setattr(swapped_module, "_build_swapped_kernel",
+                        lambda **kw: seen.append(kw["config"]) or real(**kw))
+    monkeypatch.setattr(swapped_module, "default_num_splits", lambda batch, kv: 1)
+    case = random_paged_case(2, lengths=[40, 300], page_sizes=[16, 128], num_q_heads=4, num_kv_heads=1,
+                             head_dim=128)
+    as_fp8 = {**case, "k_pool": case["k_pool"].astype(fp8), "v_pool": case["v_pool"].astype(fp8)}
+    jax.make_jaxpr(lambda c: swapped_paged_attention(**c))(as_fp8)
+    jax.make_jaxpr(lambda c: swapped_paged_attention(**c))(case)
+    assert seen[0] == SwappedConfig(block_kv=64, num_stages=2, num_splits=swapped_module.FP8_MIN_SPLITS,
+                                    fp8_q_terms=2)
+    assert seen[1] == SwappedConfig(block_kv=64, num_stages=3, num_splits=1)
 
 
 def test_score_stats_shift_and_plain_output():
@@ -253,7 +323,7 @@ def test_float16_pools_lower_to_mosaic_gpu(head_dim):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_float8_pools_lower_to_mosaic_gpu(head_dim):
     """The fixed-scale fp8 fold's kernel at the engine's decode shapes: fp8 TMA rings, the in-kernel conversion
-    to f16 staging tiles, f16 WGMMA, score statistics."""
+    to an f16 V staging tile, fp8 and f16 WGMMA, score statistics."""
     assert "mosaic_gpu" in _lowered_text(64, head_dim, pool_dtype=jnp.float8_e4m3fn, return_score_stats=True)
 
 
