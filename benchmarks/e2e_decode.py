@@ -241,6 +241,8 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16",
         "date": datetime.date.today().isoformat(),
         "decode_steps_per_call": args.decode_steps, "async_scheduling": args.async_scheduling,
         "untimed_steps": len(timings) - len(timed),
+        # Every timed decode call, in order: where a rate and its median disagree, which call it was.
+        "decode_calls": [dict(ms=t.seconds * 1e3, tokens=t.num_tokens, seqs=t.num_seqs) for t in decode],
         "decode_tokens_per_s": sum(t.num_tokens for t in decode) / decode_s if decode_s > 0 else float("nan"),
         "decode_step_ms_median": step_ms, "decode_steps": len(decode),
         "prefill_tokens": sum(t.prefill_tokens for t in prefill),

@@ -135,5 +135,10 @@ def test_e2e_decode_leaves_untimed_steps_out_of_its_rates(monkeypatch, tmp_path,
     assert seen and r["untimed_steps"] > 0        # (seen also holds the untimed warm-up pass's calls)
     if untimed == "every decode call":
         assert math.isnan(r["decode_tokens_per_s"]) and math.isnan(r["decode_step_ms_median"])
+        assert r["decode_calls"] == []
     else:
         assert r["decode_tokens_per_s"] > 0 and r["decode_step_ms_median"] > 0
+        # The rate is the listed timed calls' tokens over their time (none of them an untimed 0).
+        calls = r["decode_calls"]
+        assert calls and all(c["ms"] > 0 for c in calls)
+        assert math.isclose(r["decode_tokens_per_s"], sum(c["tokens"] for c in calls) / sum(c["ms"] for c in calls) * 1e3)
