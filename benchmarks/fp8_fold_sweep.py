@@ -1,8 +1,8 @@
 """The swapped decode kernel on float8_e4m3fn pools (the fixed-scale fp8-delta fold, #12) against the bf16 paged
 kernel (#12's bar: <= 0.6x its time) and the swapped kernel on bf16 pools, over SwappedConfigs (overrides of
-`default_swapped_config(head_dim, context, float8_e4m3fn)`; 'auto' splits: the entry's grid rule, at least
-FP8_MIN_SPLITS), in one run with its read ceiling. The kernel alone (no fold wrapper: `benchmarks/kernels.py --delta` times the engine's whole
-folded path); q is split into `fp8_q_terms` e4m3 parts inside the timed call, as the engine's path does.
+`default_swapped_config(head_dim, context, float8_e4m3fn)`; 'auto' splits: `fp8_default_splits`), in one run
+with its read ceiling. The kernel alone (no fold wrapper: `benchmarks/kernels.py --delta` times the engine's
+whole folded path); q is split into `fp8_q_terms` e4m3 parts inside the timed call, as the engine's path does.
 
     python benchmarks/fp8_fold_sweep.py --contexts 4096,16384 --pages 16,64,mixed \
         --configs 'default;fp8_q_terms=3;num_stages=3;num_splits=4' --out results/x.json
@@ -119,7 +119,8 @@ def main(argv=None) -> dict:
             for r in rec["runs"]:
                 c = r["config"]
                 rows.append((ctx, page, rec["paged"]["ms"], rec["paged"]["pct_read"], rec["swapped_bf16"]["ms"],
-                             f"T{c['block_kv']} S{c['num_stages']} k{c['num_splits'] or 'auto'} q{c['fp8_q_terms']}",
+                             f"T{c['block_kv']} S{c['num_stages']} k{c['num_splits'] or 'auto'} "
+                             f"q{c['fp8_q_terms']}{' sh' if c['shared_smem'] else ''}",
                              r.get("ms", float("nan")), r.get("x_paged", float("nan")), r.get("pct_read", float("nan"))))
     print(f"{meta['device']}  jax {meta['jax']}  B={B} Hq={Hq} Hkv={Hkv} D={D}  read {read:.2f} TB/s")
     print(f"{'ctx':>6} {'page':>6} | {'paged ms':>8} {'%read':>6} | {'swp bf16':>8} | {'fp8 config':<18} "

@@ -162,6 +162,10 @@ class SwappedConfig:
         refilled tile instead (as `paged_attention` does).
       fp8_q_terms: float8 pools only: the e4m3 parts q is split into for the fp8 score MMAs (`F8Pages`); the
         error relative to a row's largest |q| is about 2^-(4 * terms + 1): 2 is bf16's rounding, 3 f16's.
+      shared_smem: the loop's buffers (K/V ring, staging, P) and the epilogue's (output, lse, score sums) in two
+        run_scoped regions that share their SMEM, instead of all allocated for the whole kernel: a few KB less a
+        CTA, so more CTAs may fit an SM (`smem_bytes`); the epilogue then starts with a warpgroup barrier.
+        On in the float8 default; the bf16/f16 defaults keep the layout they were timed with.
     """
 
     block_kv: int = 128
@@ -170,40 +174,65 @@ class SwappedConfig:
     approx_math: bool = True
     no_auto_barriers: bool = True
     fp8_q_terms: int = 3
+    shared_smem: bool = False
 
     def __post_init__(self):
         check_tile_pipeline(self.block_kv, self.num_stages, self.num_splits)
         if self.fp8_q_terms not in (1, 2, 3, 4):
             raise ValueError(f"SwappedConfig: fp8_q_terms must be 1..4, got {self.fp8_q_terms}")
 
-    def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2) -> int:
-        """SMEM of one CTA in bytes (the K/V ring dominates): ring 2 * stages * T * D * 2 (fp8 pools take
-        2 * stages * T * D plus one f16 V staging tile T * D * 2 and q's e4m3 parts fp8_q_terms * N * D: no
-        more at 2+ stages), q [N, D] bf16,
-        P [N, T] bf16, out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32, the
-        page-table window, the cross-warp reduction scratch, and 2 KB for barriers and alignment (score
-        statistics add 3 * n * 4 bytes: 96 at n = 8, left out). Checked
-        against the lowered kernels (B=64, Hq=32, Hkv=8, 128 table entries, bf16 q): 72,880 bytes lowered vs
-        73,376 estimated at D=64, T=128, 2 stages; 73,872 vs 74,400 at D=128, T=64, 2 stages."""
-        n = query_columns(group)
-        ring = 2 * self.num_stages * self.block_kv * head_dim * 2
-        tiles = n * head_dim * 2 + n * self.block_kv * 2 + n * head_dim * out_itemsize + n * 4
-        table = 4 * _table_window(max_pages, self.num_splits or 1, self.block_kv)
-        return ring + tiles + table + reduction_scratch_bytes(n) + 2048
+    def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2,
+                   pool_dtype=jnp.bfloat16, score_stats: bool = False) -> int:
+        """SMEM of one CTA in bytes, as Pallas sizes it (each allocation rounded up to 1 KB; with shared_smem, two
+        run_scoped regions in sequence take the larger) plus the mbarriers (8 bytes each):
+          - for the whole kernel: the page-table window (4 bytes an entry), q (bf16/f16 [N, D], or fp8_q_terms
+            e4m3 parts [N, D] for float8 pools), the cross-warp reduction scratch;
+          - the loop: the K and V rings stages * T * D each (itemsize of the pools), float8 pools' f16 V staging
+            tile T * D * 2, P [N, T] 16-bit;
+          - or the epilogue: out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32 and,
+            with score_stats, 3 more [N] f32.
+        Without shared_smem the loop's and the epilogue's buffers add up instead. The lowered kernels' resource
+        estimate is compared with this in tests/test_swapped_decode_attention.py."""
+        n, T, D, S = query_columns(group), self.block_kv, head_dim, self.num_stages
+        kb = lambda x: -(-x // 1024) * 1024
+        fp8 = jnp.dtype(pool_dtype) == _FP8
+        itemsize = jnp.dtype(pool_dtype).itemsize
+        whole = (kb(4 * _table_window(max_pages, self.num_splits or 1, T))
+                 + kb((self.fp8_q_terms if fp8 else 2) * n * D) + reduction_scratch_bytes(n))
+        loop = 2 * kb(S * T * D * itemsize) + (kb(T * D * 2) if fp8 else 0) + kb(n * T * 2)
+        epilogue = kb(n * D * out_itemsize) + kb(n * 4) * (4 if score_stats else 1)
+        barriers = 8 * (2 + 2 * S * (len(page_classes(T)) + 1))
+        return whole + (max(loop, epilogue) if self.shared_smem else loop + epilogue) + barriers
 
-    def ctas_per_sm(self, head_dim: int, max_pages: int, group: int = 4) -> int:
+    def ctas_per_sm(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2,
+                    pool_dtype=jnp.bfloat16) -> int:
         """CTAs of this config an H200 SM holds by SMEM alone (registers are not the limit here: the
         tiles need T*N/64 + D*N/128 + T*N/256 registers a thread)."""
-        return _SMEM_PER_SM // (self.smem_bytes(head_dim, max_pages, group) + _SMEM_PER_CTA_RESERVED)
+        return _SMEM_PER_SM // (self.smem_bytes(head_dim, max_pages, group, out_itemsize, pool_dtype)
+                                + _SMEM_PER_CTA_RESERVED)
 
 
 # At head_dim 64, contexts up to this many keys take 64-token tiles with 3 stages (`default_swapped_config`).
 SHORT_CONTEXT_KEYS = 2048
 
 
-# float8 pools at head_dim 128 (`default_swapped_config`): split-K at least this deep when the caller gives no
-# num_splits, whatever the grid size.
+# float8 pools when the caller gives no num_splits (`fp8_default_splits`): split-K at least this deep, whatever the
+# grid size, and deeper until this many CTAs fit an SM.
 FP8_MIN_SPLITS = 2
+FP8_CTAS_PER_SM = 4
+
+
+def fp8_default_splits(config: SwappedConfig, head_dim: int, max_pages: int, group: int, grid_splits: int) -> int:
+    """split-K for float8 pools when the caller gives none: the grid rule's `grid_splits`, at least
+    FP8_MIN_SPLITS, then doubled (16 at most) until FP8_CTAS_PER_SM CTAs fit an SM by SMEM. With half a bf16
+    tile's bytes, a CTA's chain of MMAs, softmax and V conversion per tile is what bounds the fp8 kernel, so
+    more CTAs an SM pay (session 18's sweep: fewer stages and split-K 2 were the fastest; 4 CTAs an SM was
+    not yet timed); a deeper split shrinks each CTA's page-table window (16K context: k2 holds 3 CTAs, k4 4)."""
+    splits = max(grid_splits, FP8_MIN_SPLITS)
+    while splits < 16 and dataclasses.replace(config, num_splits=splits).ctas_per_sm(
+            head_dim, max_pages, group, out_itemsize=4, pool_dtype=_FP8) < FP8_CTAS_PER_SM:
+        splits *= 2
+    return splits
 
 
 def default_swapped_config(head_dim: int, max_context: int | None = None, pool_dtype=jnp.bfloat16) -> SwappedConfig:
@@ -218,13 +247,13 @@ def default_swapped_config(head_dim: int, max_context: int | None = None, pool_d
     SMEM bounds the CTAs per SM (`SwappedConfig.ctas_per_sm`): the page-table window counts (without split-K
     it is the sequence's whole table row, 4 bytes a page entry).
     pool_dtype float8_e4m3fn (the fixed-scale fp8 fold) at head_dim 128: 64-token tiles, 2 stages, q in 2 e4m3
-    parts, and split-K of at least `FP8_MIN_SPLITS` (applied by the entry where num_splits is None): 0.64-0.80x
+    parts, and split-K from `fp8_default_splits` (applied by the entry where num_splits is None): 0.64-0.80x
     the bf16 paged kernel's time at 4K and 16K (pages 16/64/mixed) against 0.78-1.03x for the bf16 default
     tiles with 3 q parts (same run) (benchmarks/fp8_fold_sweep.py, BENCHMARKS.md): with half the bytes a tile, a CTA's
     chain of MMAs, softmax and V conversion bounds it, so more CTAs an SM (the smaller ring, split-K's smaller
     table window) and a shorter chain pay. head_dim 64 fp8 was not timed: its bf16 default."""
     if jnp.dtype(pool_dtype) == _FP8 and head_dim == 128:
-        return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2)
+        return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2, shared_smem=True)
     if head_dim == 64:
         if max_context is not None and max_context <= SHORT_CONTEXT_KEYS:
             return SwappedConfig(block_kv=64, num_stages=3)
@@ -281,7 +310,7 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
       sm_scale: score scale, default 1/sqrt(head_dim).
       soft_cap: if set (> 0), scores become soft_cap * tanh(scores / soft_cap).
       config: SwappedConfig; None gives `default_swapped_config(head_dim, max_context, k_pool.dtype)` with
-        split-K from the grid size (float8 pools: at least `FP8_MIN_SPLITS`).
+        split-K from the grid size (float8 pools: `fp8_default_splits`).
       max_context: a bound on every row's keys (lengths), when the caller has one (the engine's
         --max-context); it only picks the default config.
       interpret: run the kernel in the Mosaic GPU interpreter on CPU (tests).
@@ -315,7 +344,7 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
     if config.num_splits is None:
         splits = default_num_splits(batch, num_kv_heads)
         if k_pool.dtype == _FP8:
-            splits = max(splits, FP8_MIN_SPLITS)
+            splits = fp8_default_splits(config, head_dim, page_starts.shape[1], group, splits)
         config = dataclasses.replace(config, num_splits=splits)
     scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
     args = (q, k_pool, v_pool, lengths, page_starts, page_sizes)
@@ -415,6 +444,11 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         return lax.broadcast_in_dim(x, shape, [1])
 
     fp8_scores = isinstance(kv_format, F8Pages)       # q parts [terms, rows, D] e4m3 + q_unscale [rows] f32
+    loop_types = [kv_format.scratch_types(stages=stages, block_kv=T, head_dim=D),
+                  plgpu.SMEM((N, T), mma_dtype, transforms=MMA_TRANSFORMS)]
+    epilogue_types = [plgpu.SMEM((N, D), out_dtype), plgpu.SMEM((N,), jnp.float32)]
+    if score_stats:     # c, sum, sum of squares
+        epilogue_types += [plgpu.SMEM((N,), jnp.float32) for _ in range(3)]
 
     def body(lengths_ref, psizes_ref, table_ref, q_ref, k_ref, v_ref, *rest):
         q_unscale_ref = None
@@ -427,8 +461,10 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             (o_ref, lse_ref), rest = rest[:2], rest[2:]
         if score_stats:
             stat_refs, rest = rest[:3], rest[3:]
-        table_smem, q_smem, kv_smem, p_smem, o_smem, lse_smem, meta_bar, k_bars, v_bars, *stat_smem = rest
-        kv_smem, staging = kv_smem[:2], kv_smem[2:]       # staging: F8Pages' f16 V tile, else none
+        if config.shared_smem:
+            table_smem, q_smem, meta_bar, k_bars, v_bars = rest
+        else:
+            table_smem, q_smem, kv_smem, p_smem, o_smem, lse_smem, meta_bar, k_bars, v_bars, *stat_smem = rest
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         k_split = lax.axis_index("k") if splits > 1 else 0
@@ -457,155 +493,177 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             score_scale = 1.0
         plgpu.barrier_wait(meta_bar.at[0])
 
-        def page_entry(p):   # slot of page p of this sequence (p inside this CTA's window)
-            return table_smem[b * max_pages + p - win_start]
+        # The K/V ring, the staging tile and P live only through the loop, and the epilogue's output tiles only
+        # after it. With shared_smem they are two run_scoped regions in sequence, which share their SMEM (Pallas
+        # takes the larger): a CTA needs the loop's bytes, not both (`SwappedConfig.smem_bytes`).
+        def pipeline(kv_smem, p_smem):
+            kv_smem, staging = kv_smem[:2], kv_smem[2:]       # staging: F8Pages' f16 V tile, else none
 
-        def wait(bars, slot):
-            wait_page_class(bars, slot, log2_p, small_classes, T)
+            def page_entry(p):   # slot of page p of this sequence (p inside this CTA's window)
+                return table_smem[b * max_pages + p - win_start]
 
-        ctx = TileContext(h=h, inputs=(k_ref, v_ref), smem=kv_smem, block_kv=T, head_dim=D, log2_p=log2_p,
-                          n_pages=n_pages, page_entry=page_entry, small_classes=tuple(small_classes),
-                          wait_k=functools.partial(wait, k_bars), wait_v=functools.partial(wait, v_bars))
+            def wait(bars, slot):
+                wait_page_class(bars, slot, log2_p, small_classes, T)
 
-        def fetch(tile, slot):
-            issue_tile_copies(
-                tile * T, log2_p=log2_p, page=page, n_pages=n_pages, page_entry=page_entry,
-                small_classes=small_classes, block_kv=T,
-                piece=lambda gi, src, off, size: kv_format.fetch_page(ctx, src, off, size, slot, k_bars[gi].at[slot],
-                                                                       v_bars[gi].at[slot]))
+            ctx = TileContext(h=h, inputs=(k_ref, v_ref), smem=kv_smem, block_kv=T, head_dim=D, log2_p=log2_p,
+                              n_pages=n_pages, page_entry=page_entry, small_classes=tuple(small_classes),
+                              wait_k=functools.partial(wait, k_bars), wait_v=functools.partial(wait, v_bars))
 
-        # --- one tile: S^T, column softmax, O^T += V^T P^T ----------------------------------------
-        def attend(carry, slot, n_valid):
-            """carry: acc [D, N] f32 (O^T, unnormalised), m [N] f32 column max (base 2), l [T, N] f32
-            per-row partial column sums (with score_stats also the shift c [N] and the per-row partial sums
-            of (s - c) and (s - c)^2, [T, N] each). K is awaited before S^T, V only before P V (its copy may
-            still land while S^T and the softmax run)."""
-            acc, m_i, l_tile, *stats = carry
-            k_ring, v_ring = kv_smem
-            k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
-            ctx.wait_k(slot)
+            def fetch(tile, slot):
+                issue_tile_copies(
+                    tile * T, log2_p=log2_p, page=page, n_pages=n_pages, page_entry=page_entry,
+                    small_classes=small_classes, block_kv=T,
+                    piece=lambda gi, src, off, size: kv_format.fetch_page(
+                        ctx, src, off, size, slot, k_bars[gi].at[slot], v_bars[gi].at[slot]))
 
-            def qk(acc_ref):
-                if fp8_scores:     # fp8 MMAs on the K ring slot, one per q part, into one accumulator
-                    for t in range(kv_format.q_terms):
-                        plgpu.wgmma(acc_ref, k_tile, q_smem.at[t].transpose((1, 0)))
+            # --- one tile: S^T, column softmax, O^T += V^T P^T ----------------------------------------
+            def attend(carry, slot, n_valid):
+                """carry: acc [D, N] f32 (O^T, unnormalised), m [N] f32 column max (base 2), l [T, N] f32
+                per-row partial column sums (with score_stats also the shift c [N] and the per-row partial sums
+                of (s - c) and (s - c)^2, [T, N] each). K is awaited before S^T, V only before P V (its copy may
+                still land while S^T and the softmax run)."""
+                acc, m_i, l_tile, *stats = carry
+                k_ring, v_ring = kv_smem
+                k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
+                ctx.wait_k(slot)
+
+                def qk(acc_ref):
+                    if fp8_scores:     # fp8 MMAs on the K ring slot, one per q part, into one accumulator
+                        for t in range(kv_format.q_terms):
+                            plgpu.wgmma(acc_ref, k_tile, q_smem.at[t].transpose((1, 0)))
+                    else:
+                        plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
+                    if staging:     # while the MMAs run: fp8 V rows -> the f16 tile the P V MMA reads, rows past
+                        ctx.wait_v(slot)        # the length as zeros (the last tile's MMAs were awaited, so the
+                        convert_to_f16(v_ring.at[slot], staging[0], valid_rows=n_valid)     # tile is free)
+                    return acc_ref[...]
+                s = pl.run_scoped(qk, plgpu.ACC((T, N), jnp.float32)) * score_scale
+                if soft_cap is None:
+                    s = s * qk_scale
+                else:   # cap in natural units, then to base 2 (exp2 below)
+                    s = jnp.tanh(s * (scale / soft_cap)) * (soft_cap * _LOG2E)
+                # Keys past the length (stale slots, maybe NaN) drop out; every tile has >= 1 valid key, so
+                # every column's max is finite.
+                rows = plgpu.broadcasted_iota(jnp.int32, (T, N), 0, layout=wgmma_layout)
+                valid = rows < n_valid
+                s = jnp.where(valid, s, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=0))
+                if score_stats:
+                    stats = accumulate_stats(stats, s, valid, m_i, m_new)
+                alpha = jnp.exp2(m_i - m_new)                              # 0 on the first tile (m_i = -inf)
+                p = jnp.exp2(s - cols(m_new, s.shape))
+                l_tile = l_tile * cols(alpha, s.shape) + p
+                # P^T leaves registers transposed (stmatrix.trans) into P [N, T]; WGMMA reads it back as the
+                # K-major B operand P^T. Every warp's store must land before the MMA reads: commit_smem is a
+                # proxy fence plus a warpgroup barrier.
+                p_smem.transpose((1, 0))[...] = p.astype(mma_dtype)
+                if staging:      # V was converted while S^T's MMAs ran
+                    v_tile = staging[0]
                 else:
-                    plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
-                if staging:     # while the MMAs run: fp8 V rows -> the f16 tile the P V MMA reads, rows past
-                    ctx.wait_v(slot)        # the length as zeros (the last tile's MMAs were awaited, so the
-                    convert_to_f16(v_ring.at[slot], staging[0], valid_rows=n_valid)     # tile is free)
-                return acc_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((T, N), jnp.float32)) * score_scale
-            if soft_cap is None:
-                s = s * qk_scale
-            else:   # cap in natural units, then to base 2 (exp2 below)
-                s = jnp.tanh(s * (scale / soft_cap)) * (soft_cap * _LOG2E)
-            # Keys past the length (stale slots, maybe NaN) drop out; every tile has >= 1 valid key, so
-            # every column's max is finite.
-            rows = plgpu.broadcasted_iota(jnp.int32, (T, N), 0, layout=wgmma_layout)
-            valid = rows < n_valid
-            s = jnp.where(valid, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=0))
-            if score_stats:
-                stats = accumulate_stats(stats, s, valid, m_i, m_new)
-            alpha = jnp.exp2(m_i - m_new)                              # 0 on the first tile (m_i = -inf)
-            p = jnp.exp2(s - cols(m_new, s.shape))
-            l_tile = l_tile * cols(alpha, s.shape) + p
-            # P^T leaves registers transposed (stmatrix.trans) into P [N, T]; WGMMA reads it back as the
-            # K-major B operand P^T. Every warp's store must land before the MMA reads: commit_smem is a
-            # proxy fence plus a warpgroup barrier.
-            p_smem.transpose((1, 0))[...] = p.astype(mma_dtype)
-            if staging:      # V was converted while S^T's MMAs ran
-                v_tile = staging[0]
-            else:
-                ctx.wait_v(slot)
-                zero_rows_past(v_ring, slot, n_valid)     # P is 0 there, but 0 * NaN (a stale slot) = NaN in the MMA
-            plgpu.commit_smem()
+                    ctx.wait_v(slot)
+                    # P is 0 there, but 0 * NaN (a stale slot) = NaN in the MMA
+                    zero_rows_past(v_ring, slot, n_valid)
+                plgpu.commit_smem()
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)))
-                return acc_ref[...]
-            acc = acc * cols(alpha, acc.shape) + pl.run_scoped(pv, plgpu.ACC((D, N), jnp.float32))
-            return acc, m_new, l_tile, *stats
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)))
+                    return acc_ref[...]
+                acc = acc * cols(alpha, acc.shape) + pl.run_scoped(pv, plgpu.ACC((D, N), jnp.float32))
+                return acc, m_new, l_tile, *stats
 
-        def accumulate_stats(stats, s, valid, m_i, m_new):
-            """Adds one tile's scores to the score sums. s [T, N] f32 (base 2, -inf where not valid), valid
-            [T, N] bool, m_i / m_new [N] the column max before / after this tile. Returns (c [N], s1 [T, N],
-            s2 [T, N]): elementwise sums, so no cross-warp reduction per tile (reduced once, after the loop)."""
-            c_i, s1_tile, s2_tile = stats
-            # The shift is fixed at the first tile's column max (m_i = -inf only before it): every later
-            # tile adds to sums taken about the same c, so they need no rescaling.
-            c_i = jnp.where(m_i == -jnp.inf, m_new, c_i)
-            # Masked keys add exactly 0 (s is -inf there: the mask above already replaced any stale NaN).
-            d = jnp.where(valid, s - cols(c_i, s.shape), 0.0)
-            return c_i, s1_tile + d, s2_tile + d * d
+            def accumulate_stats(stats, s, valid, m_i, m_new):
+                """Adds one tile's scores to the score sums. s [T, N] f32 (base 2, -inf where not valid), valid
+                [T, N] bool, m_i / m_new [N] the column max before / after this tile. Returns (c [N], s1 [T, N],
+                s2 [T, N]): elementwise sums, so no cross-warp reduction per tile (reduced once, after the loop)."""
+                c_i, s1_tile, s2_tile = stats
+                # The shift is fixed at the first tile's column max (m_i = -inf only before it): every later
+                # tile adds to sums taken about the same c, so they need no rescaling.
+                c_i = jnp.where(m_i == -jnp.inf, m_new, c_i)
+                # Masked keys add exactly 0 (s is -inf there: the mask above already replaced any stale NaN).
+                d = jnp.where(valid, s - cols(c_i, s.shape), 0.0)
+                return c_i, s1_tile + d, s2_tile + d * d
 
-        # --- pipeline -----------------------------------------------------------------------------
-        for s_ in range(stages):
-            pl.when(s_ < num_steps)(functools.partial(fetch, tile_lo + s_, s_))
-        plgpu.barrier_wait(meta_bar.at[1])
+            # --- pipeline -----------------------------------------------------------------------------
+            for s_ in range(stages):
+                pl.when(s_ < num_steps)(functools.partial(fetch, tile_lo + s_, s_))
+            plgpu.barrier_wait(meta_bar.at[1])
 
-        def step(i, carry):
-            slot = lax.rem(i, stages)
-            tile = tile_lo + i
-            n_valid = length - tile * T
-            carry = attend(carry, slot, n_valid)
-            # attend() awaited its WGMMAs (each warp its share), so after one warpgroup sync the slot is free.
-            @pl.when(i + stages < num_steps)
-            def _():
-                if config.no_auto_barriers:
-                    plgpu.commit_smem()
-                fetch(tile + stages, slot)
-            return carry
+            def step(i, carry):
+                slot = lax.rem(i, stages)
+                tile = tile_lo + i
+                n_valid = length - tile * T
+                carry = attend(carry, slot, n_valid)
+                # attend() awaited its WGMMAs (each warp its share), so after one warpgroup sync the slot is free.
+                @pl.when(i + stages < num_steps)
+                def _():
+                    if config.no_auto_barriers:
+                        plgpu.commit_smem()
+                    fetch(tile + stages, slot)
+                return carry
 
-        acc0 = plgpu.layout_cast(jnp.zeros((D, N), jnp.float32), wgmma_layout)
-        m0 = plgpu.layout_cast(jnp.full((N,), -jnp.inf, jnp.float32), _COL_LAYOUT)
-        l0 = plgpu.layout_cast(jnp.zeros((T, N), jnp.float32), wgmma_layout)
-        stats0 = ()
-        if score_stats:   # an empty split keeps c = 0 and zero sums; the wrapper gives it no keys
-            stats0 = (plgpu.layout_cast(jnp.zeros((N,), jnp.float32), _COL_LAYOUT), l0, l0)
-        acc, m_i, l_tile, *stats = lax.fori_loop(0, num_steps, step, (acc0, m0, l0, *stats0))
+            acc0 = plgpu.layout_cast(jnp.zeros((D, N), jnp.float32), wgmma_layout)
+            m0 = plgpu.layout_cast(jnp.full((N,), -jnp.inf, jnp.float32), _COL_LAYOUT)
+            l0 = plgpu.layout_cast(jnp.zeros((T, N), jnp.float32), wgmma_layout)
+            stats0 = ()
+            if score_stats:   # an empty split keeps c = 0 and zero sums; the wrapper gives it no keys
+                stats0 = (plgpu.layout_cast(jnp.zeros((N,), jnp.float32), _COL_LAYOUT), l0, l0)
+            return lax.fori_loop(0, num_steps, step, (acc0, m0, l0, *stats0))
+
+        if config.shared_smem:
+            acc, m_i, l_tile, *stats = pl.run_scoped(pipeline, *loop_types)
+        else:
+            acc, m_i, l_tile, *stats = pipeline(kv_smem, p_smem)
 
         # --- epilogue: normalise, write the group's rows -----------------------------------------
         l_i = l_tile.sum(axis=0)
         o = acc / cols(jnp.where(l_i == 0.0, 1.0, l_i), acc.shape)    # an empty row (or split) gives zeros
-        # O^T leaves registers transposed into the [N, D] output tile (the WGMMA_TRANSPOSED register layout
-        # makes the f32 store transferable), so the TMA below writes q-head rows of the output.
-        o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-        if lse_ref is not None:
-            lse_smem[...] = m_i + jnp.log2(l_i)                       # -inf for an empty split
-        if score_stats:
-            c_i, s1_tile, s2_tile = stats
-            for ref, val in zip(stat_smem, (c_i, s1_tile.sum(axis=0), s2_tile.sum(axis=0))):
-                ref[...] = val
-        plgpu.commit_smem()
-        out_row = q_row if splits == 1 else (b * splits + k_split) * rows_per_b + h * rows_per_h
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row_off, group)], o_ref.at[pl.ds(out_row, group)])
-        if lse_ref is not None:
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b * splits + k_split, h])
-        if score_stats:
-            for src, dst in zip(stat_smem, stat_refs):
-                plgpu.copy_smem_to_gmem(src, dst.at[b * splits + k_split, h])
-        plgpu.wait_smem_to_gmem(0)
+
+        def epilogue(o_smem, lse_smem, *stat_smem):
+            if config.shared_smem:
+                # These tiles reuse the loop's SMEM: every warp's last MMA must be done reading it before any
+                # warp writes here (a warp's wgmma wait covers only its own share).
+                plgpu.commit_smem()
+            # O^T leaves registers transposed into the [N, D] output tile (the WGMMA_TRANSPOSED register layout
+            # makes the f32 store transferable), so the TMA below writes q-head rows of the output.
+            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+            if lse_ref is not None:
+                lse_smem[...] = m_i + jnp.log2(l_i)                       # -inf for an empty split
+            if score_stats:
+                c_i, s1_tile, s2_tile = stats
+                for ref, val in zip(stat_smem, (c_i, s1_tile.sum(axis=0), s2_tile.sum(axis=0))):
+                    ref[...] = val
+            plgpu.commit_smem()
+            out_row = q_row if splits == 1 else (b * splits + k_split) * rows_per_b + h * rows_per_h
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row_off, group)], o_ref.at[pl.ds(out_row, group)])
+            if lse_ref is not None:
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b * splits + k_split, h])
+            if score_stats:
+                for src, dst in zip(stat_smem, stat_refs):
+                    plgpu.copy_smem_to_gmem(src, dst.at[b * splits + k_split, h])
+            plgpu.wait_smem_to_gmem(0)
+
+        if config.shared_smem:
+            pl.run_scoped(epilogue, *epilogue_types)
+        else:
+            epilogue(o_smem, lse_smem, *stat_smem)
 
     out_type = [jax.ShapeDtypeStruct((batch * rows_per_b * splits, D), out_dtype)]
     if splits > 1:
         out_type.append(jax.ShapeDtypeStruct((batch * splits, num_kv_heads, N), jnp.float32))
     if score_stats:
         out_type += [jax.ShapeDtypeStruct((batch * splits, num_kv_heads, N), jnp.float32)] * 3
-    scratch = [
+    table_and_q = [
         plgpu.SMEM((window,), jnp.int32),
-        kv_format.q_smem_type(N, D) if fp8_scores else plgpu.SMEM((N, D), mma_dtype, transforms=MMA_TRANSFORMS),
-        kv_format.scratch_types(stages=stages, block_kv=T, head_dim=D),
-        plgpu.SMEM((N, T), mma_dtype, transforms=MMA_TRANSFORMS),
-        plgpu.SMEM((N, D), out_dtype),
-        plgpu.SMEM((N,), jnp.float32),
+        kv_format.q_smem_type(N, D) if fp8_scores else plgpu.SMEM((N, D), mma_dtype, transforms=MMA_TRANSFORMS)]
+    barriers = [
         plgpu.Barrier(num_barriers=2),
         [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
         [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
     ]
-    if score_stats:
-        scratch += [plgpu.SMEM((N,), jnp.float32) for _ in range(3)]   # c, sum, sum of squares
+    if config.shared_smem:
+        scratch = table_and_q + barriers
+    else:     # the order the kernel had before shared_smem (its traced program unchanged)
+        scratch = table_and_q + loop_types + epilogue_types[:2] + barriers + epilogue_types[2:]
     grid, names = (batch, num_kv_heads), ("b", "h")
     if splits > 1:
         grid, names = (batch, num_kv_heads, splits), ("b", "h", "k")

@@ -6,6 +6,8 @@ Interpret mode simulates every thread, barrier and TMA copy, so the shapes here 
 about a minute on 2 CPU cores)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -74,8 +76,9 @@ STATS = dict(return_score_stats=True)
     (64, 8, 2, 128, 1, jnp.bfloat16, None, STATS),
     # GQA 1, D=128's default tile, a given sm_scale; statistics of soft-capped scores
     (128, 2, 2, 64, 1, jnp.bfloat16, 0.2, dict(soft_cap=5.0, **STATS)),
-    # GQA 8, fp32 q and output, split-K 2 (the 1- and 7-token rows' second split is empty); statistics
-    (64, 8, 1, 64, 2, jnp.float32, None, STATS),
+    # GQA 8, fp32 q and output, split-K 2 (the 1- and 7-token rows' second split is empty); statistics; the
+    # loop's and the epilogue's SMEM shared
+    (64, 8, 1, 64, 2, jnp.float32, None, dict(shared_smem=True, **STATS)),
     (128, 3, 1, 64, 3, jnp.bfloat16, None, {}),     # GQA 3: groups padded to 8 rows, split-K 3
     (64, 16, 1, 256, 1, jnp.bfloat16, None, {}),    # GQA 16: N = 16, 256-token tiles (four M groups)
 ])
@@ -84,7 +87,8 @@ def test_kernel_matches_float64(head_dim, num_q_heads, num_kv_heads, block_kv, s
     float64 (one interpreter run checks both: the interpreter's time is the file's time)."""
     case = random_paged_case(1, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=num_q_heads,
                              num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=q_dtype)
-    config = SwappedConfig(block_kv=block_kv, num_splits=splits)
+    kw = dict(kw)
+    config = SwappedConfig(block_kv=block_kv, num_splits=splits, shared_smem=kw.pop("shared_smem", False))
     out = swapped_paged_attention(**case, sm_scale=sm_scale, config=config, interpret=True, **kw)
     soft_cap = kw.get("soft_cap")
     if kw.get("return_score_stats"):
@@ -129,12 +133,13 @@ def test_float16_pools_match_float64():
 def test_float8_pools_match_float64():
     """float8_e4m3fn pools (the fold of an fp8-delta cache with fixed per-head scales): fp8 score MMAs on the K
     rows with q in e4m3 parts, each V tile converted to an f16 staging tile (the last tile's rows past the length
-    as zeros: NaN in every stale slot); split-K 2, score statistics, every page size, a partial last tile."""
+    as zeros: NaN in every stale slot); split-K 2, score statistics, every page size, a partial last tile; the
+    float8 default's layout (2 stages, 2 q parts, the loop's and the epilogue's SMEM shared)."""
     case = random_paged_case(7, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=4, num_kv_heads=1, head_dim=64)
     case = {**case, "k_pool": case["k_pool"].astype(jnp.float8_e4m3fn),
             "v_pool": case["v_pool"].astype(jnp.float8_e4m3fn)}
-    out, var = swapped_paged_attention(**case, config=SwappedConfig(block_kv=64, num_splits=2), interpret=True,
-                                       return_score_stats=True)
+    config = SwappedConfig(block_kv=64, num_stages=2, num_splits=2, fp8_q_terms=2, shared_smem=True)
+    out, var = swapped_paged_attention(**case, config=config, interpret=True, return_score_stats=True)
     got = check(out, float64_attention(case))      # the fp8 values exactly, in float64
     assert np.all(got[LENGTHS.index(0)] == 0.0)
     check_var(np.asarray(var), float64_score_variance(case), rtol=2e-3)
@@ -189,11 +194,12 @@ def test_split_rows_fp8_scales_each_row_by_a_power_of_two():
 
 def test_float8_pools_default_config_and_min_splits(monkeypatch):
     """float8 pools at head_dim 128 default to 64-token tiles, 2 stages, 2 q parts (the fastest timed,
-    BENCHMARKS.md) and split-K of at least FP8_MIN_SPLITS even where the grid rule says 1; bf16 pools keep their
+    BENCHMARKS.md) and split-K of at least FP8_MIN_SPLITS even where the grid rule says 1, deeper where the page
+    table's window would leave fewer than FP8_CTAS_PER_SM CTAs an SM (16K context: 4); bf16 pools keep their
     default. head_dim 64 fp8 keeps the bf16 default tiles (not timed)."""
     fp8 = jnp.float8_e4m3fn
     cfg = swapped_module.default_swapped_config(128, pool_dtype=fp8)
-    assert (cfg.block_kv, cfg.num_stages, cfg.fp8_q_terms, cfg.num_splits) == (64, 2, 2, None)
+    assert (cfg.block_kv, cfg.num_stages, cfg.fp8_q_terms, cfg.num_splits, cfg.shared_smem) == (64, 2, 2, None, True)
     assert swapped_module.default_swapped_config(128) == SwappedConfig(block_kv=64, num_stages=3)
     assert swapped_module.default_swapped_config(64, pool_dtype=fp8) == swapped_module.default_swapped_config(64)
     assert cfg.ctas_per_sm(128, max_pages=16384 // 8) >= 2
@@ -208,8 +214,49 @@ def test_float8_pools_default_config_and_min_splits(monkeypatch):
     jax.make_jaxpr(lambda c: swapped_paged_attention(**c))(as_fp8)
     jax.make_jaxpr(lambda c: swapped_paged_attention(**c))(case)
     assert seen[0] == SwappedConfig(block_kv=64, num_stages=2, num_splits=swapped_module.FP8_MIN_SPLITS,
-                                    fp8_q_terms=2)
+                                    fp8_q_terms=2, shared_smem=True)
     assert seen[1] == SwappedConfig(block_kv=64, num_stages=3, num_splits=1)
+    splits = lambda pages, grid=1: swapped_module.fp8_default_splits(cfg, 128, pages, 4, grid)
+    assert (splits(4096 // 8), splits(16384 // 8), splits(4096 // 8, grid=8)) == (2, 4, 8)
+    for pages in (4096 // 8, 16384 // 8):
+        fits = dataclasses.replace(cfg, num_splits=splits(pages))
+        assert fits.ctas_per_sm(128, pages, out_itemsize=4, pool_dtype=fp8) >= swapped_module.FP8_CTAS_PER_SM
+
+
+@pytest.mark.parametrize("head_dim, context, pool_dtype, batch, kw", [
+    (128, 4096, jnp.float8_e4m3fn, 64, {}), (128, 16384, jnp.float8_e4m3fn, 64, {"return_score_stats": True}),
+    (64, 4096, jnp.float8_e4m3fn, 64, {}), (128, 4096, jnp.bfloat16, 64, {}), (64, 1024, jnp.float16, 64, {}),
+    (128, 16384, jnp.bfloat16, 4, {}),
+    (128, 4096, jnp.bfloat16, 64, {"config": SwappedConfig(block_kv=64, num_stages=3, shared_smem=True)})],
+    ids=["fp8-128-4k", "fp8-128-16k-stats", "fp8-64-4k", "bf16-128-4k", "f16-64-1k", "bf16-128-16k-b4",
+         "bf16-128-4k-shared"])
+def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype, batch, kw):
+    """`SwappedConfig.smem_bytes` (what the default configs and fp8's split rule are chosen by) against the SMEM
+    scratch Pallas' lowering sizes for the kernel (its resource estimate, read by wrapping the private
+    estimator) plus the mbarriers, at the engine's shapes: the loop's and the epilogue's buffers share one
+    region. fp32 q, so the output tile is fp32."""
+    lowering = pytest.importorskip("jax._src.pallas.mosaic_gpu.lowering")
+    seen = []
+    real = lowering._estimate_resources
+
+    def spy(ctx, jaxpr):
+        rs = real(ctx, jaxpr)
+        seen.append(rs.smem_scratch_bytes)
+        return rs
+    shape = lambda *s, dt=jnp.int32: jax.ShapeDtypeStruct(s, dt)
+    args = (shape(batch, 32, head_dim, dt=jnp.float32), shape(8, 1 << 16, head_dim, dt=pool_dtype),
+            shape(8, 1 << 16, head_dim, dt=pool_dtype), shape(batch), shape(batch, context // 8), shape(batch))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lowering, "_estimate_resources", spy)
+        captured = {}
+        real_build = swapped_module._build_swapped_kernel
+        mp.setattr(swapped_module, "_build_swapped_kernel", lambda **k: captured.update(k) or real_build(**k))
+        jax.jit(lambda *a: swapped_paged_attention(*a, **kw)).trace(*args).lower(lowering_platforms=("cuda",))
+    cfg = captured["config"]
+    want = cfg.smem_bytes(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype,
+                          score_stats=bool(kw.get("return_score_stats")))
+    barriers = 8 * (2 + 2 * cfg.num_stages * (len(swapped_module.page_classes(cfg.block_kv)) + 1))
+    assert seen[-1] + barriers == want, (seen[-1], barriers, want, cfg)
 
 
 def test_score_stats_shift_and_plain_output():
