@@ -30,6 +30,6 @@ case "${STEP:-kernels}" in
   sweep)
     timeout ${T0:-120} python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py -k "gpu_reduced_pools and float8" 2>&1 | tail -3
     timeout ${T1:-400} python3 benchmarks/fp8_fold_sweep.py --contexts ${CONTEXTS:-4096,16384} --pages ${PAGES:-16,64,mixed} \
-      --configs "${CONFIGS:-default;shared_smem=False;num_splits=2;num_splits=4;num_stages=3}" --out $OUT/fp8_fold_sweep_h200.json > $OUT/sweep.log 2>&1
+      --configs "${CONFIGS:-default;shared_smem=True;shared_smem=True,num_splits=4;shared_smem=True,num_stages=3}" --out $OUT/fp8_fold_sweep_h200.json > $OUT/sweep.log 2>&1
     echo "sweep: exit $?"; grep -v ptxas $OUT/sweep.log | grep -A40 "^ *ctx" ;;
 esac

@@ -164,8 +164,9 @@ class SwappedConfig:
         error relative to a row's largest |q| is about 2^-(4 * terms + 1): 2 is bf16's rounding, 3 f16's.
       shared_smem: the loop's buffers (K/V ring, staging, P) and the epilogue's (output, lse, score sums) in two
         run_scoped regions that share their SMEM, instead of all allocated for the whole kernel: a few KB less a
-        CTA, so more CTAs may fit an SM (`smem_bytes`); the epilogue then starts with a warpgroup barrier.
-        On in the float8 default; the bf16/f16 defaults keep the layout they were timed with.
+        CTA, so more CTAs may fit an SM (`smem_bytes`; 4 for the float8 default at head_dim 128 with
+        `fp8_default_splits`); the epilogue then starts with a warpgroup barrier. Off in every default: not yet
+        timed on a GPU (the defaults keep the traced program they were timed with).
     """
 
     block_kv: int = 128
@@ -224,12 +225,13 @@ FP8_CTAS_PER_SM = 4
 
 def fp8_default_splits(config: SwappedConfig, head_dim: int, max_pages: int, group: int, grid_splits: int) -> int:
     """split-K for float8 pools when the caller gives none: the grid rule's `grid_splits`, at least
-    FP8_MIN_SPLITS, then doubled (16 at most) until FP8_CTAS_PER_SM CTAs fit an SM by SMEM. With half a bf16
-    tile's bytes, a CTA's chain of MMAs, softmax and V conversion per tile is what bounds the fp8 kernel, so
-    more CTAs an SM pay (session 18's sweep: fewer stages and split-K 2 were the fastest; 4 CTAs an SM was
-    not yet timed); a deeper split shrinks each CTA's page-table window (16K context: k2 holds 3 CTAs, k4 4)."""
+    FP8_MIN_SPLITS; with config.shared_smem then doubled (16 at most) until FP8_CTAS_PER_SM CTAs fit an SM by
+    SMEM. With half a bf16 tile's bytes, a CTA's chain of MMAs, softmax and V conversion per tile is what bounds
+    the fp8 kernel, so more CTAs an SM should pay (session 18's sweep: fewer stages and split-K 2 were the
+    fastest; 4 CTAs an SM, which only shared_smem reaches, not yet timed); a deeper split shrinks each CTA's
+    page-table window (16K context: k2 holds 3 CTAs, k4 4)."""
     splits = max(grid_splits, FP8_MIN_SPLITS)
-    while splits < 16 and dataclasses.replace(config, num_splits=splits).ctas_per_sm(
+    while config.shared_smem and splits < 16 and dataclasses.replace(config, num_splits=splits).ctas_per_sm(
             head_dim, max_pages, group, out_itemsize=4, pool_dtype=_FP8) < FP8_CTAS_PER_SM:
         splits *= 2
     return splits
@@ -253,7 +255,7 @@ def default_swapped_config(head_dim: int, max_context: int | None = None, pool_d
     chain of MMAs, softmax and V conversion bounds it, so more CTAs an SM (the smaller ring, split-K's smaller
     table window) and a shorter chain pay. head_dim 64 fp8 was not timed: its bf16 default."""
     if jnp.dtype(pool_dtype) == _FP8 and head_dim == 128:
-        return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2, shared_smem=True)
+        return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2)
     if head_dim == 64:
         if max_context is not None and max_context <= SHORT_CONTEXT_KEYS:
             return SwappedConfig(block_kv=64, num_stages=3)

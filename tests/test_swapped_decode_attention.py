@@ -194,12 +194,12 @@ def test_split_rows_fp8_scales_each_row_by_a_power_of_two():
 
 def test_float8_pools_default_config_and_min_splits(monkeypatch):
     """float8 pools at head_dim 128 default to 64-token tiles, 2 stages, 2 q parts (the fastest timed,
-    BENCHMARKS.md) and split-K of at least FP8_MIN_SPLITS even where the grid rule says 1, deeper where the page
-    table's window would leave fewer than FP8_CTAS_PER_SM CTAs an SM (16K context: 4); bf16 pools keep their
-    default. head_dim 64 fp8 keeps the bf16 default tiles (not timed)."""
+    BENCHMARKS.md) and split-K of at least FP8_MIN_SPLITS even where the grid rule says 1; with shared_smem
+    (not a default yet) deeper where the page table's window would leave fewer than FP8_CTAS_PER_SM CTAs an SM
+    (16K context: 4); bf16 pools keep their default. head_dim 64 fp8 keeps the bf16 default tiles (not timed)."""
     fp8 = jnp.float8_e4m3fn
     cfg = swapped_module.default_swapped_config(128, pool_dtype=fp8)
-    assert (cfg.block_kv, cfg.num_stages, cfg.fp8_q_terms, cfg.num_splits, cfg.shared_smem) == (64, 2, 2, None, True)
+    assert (cfg.block_kv, cfg.num_stages, cfg.fp8_q_terms, cfg.num_splits, cfg.shared_smem) == (64, 2, 2, None, False)
     assert swapped_module.default_swapped_config(128) == SwappedConfig(block_kv=64, num_stages=3)
     assert swapped_module.default_swapped_config(64, pool_dtype=fp8) == swapped_module.default_swapped_config(64)
     assert cfg.ctas_per_sm(128, max_pages=16384 // 8) >= 2
@@ -214,21 +214,29 @@ def test_float8_pools_default_config_and_min_splits(monkeypatch):
     jax.make_jaxpr(lambda c: swapped_paged_attention(**c))(as_fp8)
     jax.make_jaxpr(lambda c: swapped_paged_attention(**c))(case)
     assert seen[0] == SwappedConfig(block_kv=64, num_stages=2, num_splits=swapped_module.FP8_MIN_SPLITS,
-                                    fp8_q_terms=2, shared_smem=True)
+                                    fp8_q_terms=2)
     assert seen[1] == SwappedConfig(block_kv=64, num_stages=3, num_splits=1)
-    splits = lambda pages, grid=1: swapped_module.fp8_default_splits(cfg, 128, pages, 4, grid)
-    assert (splits(4096 // 8), splits(16384 // 8), splits(4096 // 8, grid=8)) == (2, 4, 8)
+    # Without shared_smem, FP8_MIN_SPLITS (or the grid's); with it, deep enough for FP8_CTAS_PER_SM CTAs an SM.
+    splits = lambda c, pages, grid=1: swapped_module.fp8_default_splits(c, 128, pages, 4, grid)
+    shared = dataclasses.replace(cfg, shared_smem=True)
+    assert (splits(cfg, 4096 // 8), splits(cfg, 16384 // 8), splits(cfg, 4096 // 8, grid=8)) == (2, 2, 8)
+    assert (splits(shared, 4096 // 8), splits(shared, 16384 // 8), splits(shared, 4096 // 8, grid=8)) == (2, 4, 8)
     for pages in (4096 // 8, 16384 // 8):
-        fits = dataclasses.replace(cfg, num_splits=splits(pages))
+        fits = dataclasses.replace(shared, num_splits=splits(shared, pages))
         assert fits.ctas_per_sm(128, pages, out_itemsize=4, pool_dtype=fp8) >= swapped_module.FP8_CTAS_PER_SM
+    assert dataclasses.replace(cfg, num_splits=2).ctas_per_sm(128, 4096 // 8, out_itemsize=4, pool_dtype=fp8) == 3
+
+
+SHARED_FP8 = SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2, shared_smem=True)   # splits: the fp8 rule
 
 
 @pytest.mark.parametrize("head_dim, context, pool_dtype, batch, kw", [
-    (128, 4096, jnp.float8_e4m3fn, 64, {}), (128, 16384, jnp.float8_e4m3fn, 64, {"return_score_stats": True}),
+    (128, 4096, jnp.float8_e4m3fn, 64, {}), (128, 4096, jnp.float8_e4m3fn, 64, {"config": SHARED_FP8}),
+    (128, 16384, jnp.float8_e4m3fn, 64, {"config": SHARED_FP8, "return_score_stats": True}),
     (64, 4096, jnp.float8_e4m3fn, 64, {}), (128, 4096, jnp.bfloat16, 64, {}), (64, 1024, jnp.float16, 64, {}),
     (128, 16384, jnp.bfloat16, 4, {}),
     (128, 4096, jnp.bfloat16, 64, {"config": SwappedConfig(block_kv=64, num_stages=3, shared_smem=True)})],
-    ids=["fp8-128-4k", "fp8-128-16k-stats", "fp8-64-4k", "bf16-128-4k", "f16-64-1k", "bf16-128-16k-b4",
+    ids=["fp8-128-4k", "fp8-128-4k-shared", "fp8-128-16k-shared-stats", "fp8-64-4k", "bf16-128-4k", "f16-64-1k", "bf16-128-16k-b4",
          "bf16-128-4k-shared"])
 def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype, batch, kw):
     """`SwappedConfig.smem_bytes` (what the default configs and fp8's split rule are chosen by) against the SMEM
