@@ -107,25 +107,24 @@ class F8Pages(Bf16Pages):
     mean-anchor path: stratum_jax/attention.py scales q and the output by the head's scales and adds the
     anchor). TMA lands the fp8 rows in rings of half a bf16 ring's bytes.
     - S^T = K q^T runs as fp8 WGMMAs straight from the K ring (both operands K-major, as fp8 WGMMA needs): q is
-      split into `q_terms` e4m3 parts per row, q ~ (q_1 + q_2 + ...) * unscale, each part the rounding residual
-      of the ones before, after a power-of-two row scale that puts the row's largest |q| in [128, 256)
-      (`split_rows_fp8`); one MMA per part accumulates into S^T, which is then multiplied by the row's unscale
+      split into `SwappedConfig.fp8_q_terms` e4m3 parts per row, q ~ (q_1 + q_2 + ...) * unscale, each part the
+      rounding residual of the ones before, after a power-of-two row scale that puts the row's largest |q| in
+      [128, 256) (`split_rows_fp8`); one MMA per part accumulates into S^T, which is then multiplied by the row's unscale
       (one column of S^T). Two parts keep about 8 significant bits of q (bf16's 8), at no conversion work on K.
     - P V needs V^T as a K-major A operand, which V's rows are not (fp8 WGMMA allows no transposed view), so each
       V tile is converted (e4m3 pairs -> f16x2, exact, `convert_to_f16`) into one f16 staging tile that the f16
       MMA reads, rows past the length as zeros. scratch_types: [k ring, v ring, v staging]."""
     mma_dtype: str = "float16"
-    q_terms: int = 3
 
     def scratch_types(self, *, stages, block_kv, head_dim):
         ring = delta_ring_type(stages, block_kv, head_dim, _FP8)
         staging = plgpu.SMEM((block_kv, head_dim), jnp.float16, transforms=MMA_TRANSFORMS)
         return [ring, ring, staging]
 
-    def q_smem_type(self, n_cols: int, head_dim: int):
-        """SMEM of the q parts [q_terms, N, D] e4m3, in the K ring's layout (WGMMA wants one swizzle)."""
+    def q_smem_type(self, terms: int, n_cols: int, head_dim: int):
+        """SMEM of the q parts [terms, N, D] e4m3, in the K ring's layout (WGMMA wants one swizzle)."""
         swizzle = min(128, head_dim)
-        return plgpu.SMEM((self.q_terms, n_cols, head_dim), _FP8,
+        return plgpu.SMEM((terms, n_cols, head_dim), _FP8,
                           transforms=(plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle)))
 
 
@@ -146,6 +145,8 @@ def split_rows_fp8(x, terms: int):
         rest = rest - part.astype(jnp.float32)
     return jnp.stack(parts), jnp.ldexp(one, -shift)
 
+
+F8_PAGES = F8Pages()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,9 +252,9 @@ def default_swapped_config(head_dim: int, max_context: int | None = None, pool_d
     pool_dtype float8_e4m3fn (the fixed-scale fp8 fold) at head_dim 128: 64-token tiles, 2 stages, q in 2 e4m3
     parts, and split-K from `fp8_default_splits` (applied by the entry where num_splits is None): 0.64-0.80x
     the bf16 paged kernel's time at 4K and 16K (pages 16/64/mixed) against 0.78-1.03x for the bf16 default
-    tiles with 3 q parts (same run) (benchmarks/fp8_fold_sweep.py, BENCHMARKS.md): with half the bytes a tile, a CTA's
-    chain of MMAs, softmax and V conversion bounds it, so more CTAs an SM (the smaller ring, split-K's smaller
-    table window) and a shorter chain pay. head_dim 64 fp8 was not timed: its bf16 default."""
+    tiles with 3 q parts in the same run (benchmarks/fp8_fold_sweep.py, BENCHMARKS.md): with half the bytes a
+    tile, a CTA's chain of MMAs, softmax and V conversion bounds it, so more CTAs an SM (the smaller ring,
+    split-K's smaller table window) and a shorter chain pay. head_dim 64 fp8 was not timed: its bf16 default."""
     if jnp.dtype(pool_dtype) == _FP8 and head_dim == 128:
         return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2)
     if head_dim == 64:
@@ -373,13 +374,12 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     num_kv_heads = k_pool.shape[0]
     group = num_q_heads // num_kv_heads
     splits = config.num_splits
-    kv_format = {jnp.dtype(jnp.float16): F16_PAGES, _FP8: F8Pages(q_terms=config.fp8_q_terms)}.get(
-        jnp.dtype(k_pool.dtype), BF16_PAGES)
+    kv_format = {jnp.dtype(jnp.float16): F16_PAGES, _FP8: F8_PAGES}.get(jnp.dtype(k_pool.dtype), BF16_PAGES)
     mma_dtype = jnp.dtype(kv_format.mma_dtype)
     extra = ()
     if isinstance(kv_format, F8Pages):     # q as fp8 parts and a per-row unscale (F8Pages)
         q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q.astype(jnp.float32), num_kv_heads)
-        q2, q_unscale = split_rows_fp8(q2, kv_format.q_terms)
+        q2, q_unscale = split_rows_fp8(q2, config.fp8_q_terms)
         extra = (q_unscale,)
     else:
         q_mma = jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX) if mma_dtype == jnp.float16 else q
@@ -426,8 +426,9 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or, split, (o_part, lse), followed by
     (shift, sum, sum of squares) [B * S, Hkv, n_cols] f32 score-stat columns when score_stats.
 
-    kv_format: BF16_PAGES, F16_PAGES for float16 pools, or F8_PAGES for float8_e4m3fn pools (converted to f16
-    staging tiles per tile); q2, the MMA tiles and P are in its mma_dtype.
+    kv_format: BF16_PAGES, F16_PAGES for float16 pools, or F8_PAGES for float8_e4m3fn pools (then q2 is
+    [fp8_q_terms, rows, D] e4m3 parts and a last input q_unscale [rows] f32, `split_rows_fp8`); the MMA tiles
+    and P are in its mma_dtype.
     q2 [rows, D] (`q_row_blocks`): the CTA (b, h[, k]) copies the 8-aligned block of n_cols rows holding
     row q_row = b * rows_per_b + h * rows_per_h and writes its group's `group` output rows to o [rows, D] at
     q_row (split: o_part [B * S * rows_per_b, D] f32 at (b * S + k) * rows_per_b + h * rows_per_h, and lse
@@ -488,11 +489,10 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         if fp8_scores:
             plgpu.copy_gmem_to_smem(q_ref.at[:, pl.ds(q_row0, N)], q_smem, meta_bar.at[1])
             # S^T's column j is in units of q row j's power-of-two scale (`split_rows_fp8`).
-            q_unscale = plgpu.load(q_unscale_ref.at[pl.ds(q_row0, N)], layout=_COL_LAYOUT, optimized=False)
-            score_scale = cols(q_unscale, (T, N))
+            q_unscale = cols(plgpu.load(q_unscale_ref.at[pl.ds(q_row0, N)], layout=_COL_LAYOUT, optimized=False),
+                             (T, N))
         else:
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0, N)], q_smem, meta_bar.at[1])
-            score_scale = 1.0
         plgpu.barrier_wait(meta_bar.at[0])
 
         # The K/V ring, the staging tile and P live only through the loop, and the epilogue's output tiles only
@@ -531,7 +531,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
 
                 def qk(acc_ref):
                     if fp8_scores:     # fp8 MMAs on the K ring slot, one per q part, into one accumulator
-                        for t in range(kv_format.q_terms):
+                        for t in range(config.fp8_q_terms):
                             plgpu.wgmma(acc_ref, k_tile, q_smem.at[t].transpose((1, 0)))
                     else:
                         plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
@@ -539,7 +539,9 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                         ctx.wait_v(slot)        # the length as zeros (the last tile's MMAs were awaited, so the
                         convert_to_f16(v_ring.at[slot], staging[0], valid_rows=n_valid)     # tile is free)
                     return acc_ref[...]
-                s = pl.run_scoped(qk, plgpu.ACC((T, N), jnp.float32)) * score_scale
+                s = pl.run_scoped(qk, plgpu.ACC((T, N), jnp.float32))
+                if fp8_scores:
+                    s = s * q_unscale
                 if soft_cap is None:
                     s = s * qk_scale
                 else:   # cap in natural units, then to base 2 (exp2 below)
@@ -656,7 +658,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         out_type += [jax.ShapeDtypeStruct((batch * splits, num_kv_heads, N), jnp.float32)] * 3
     table_and_q = [
         plgpu.SMEM((window,), jnp.int32),
-        kv_format.q_smem_type(N, D) if fp8_scores else plgpu.SMEM((N, D), mma_dtype, transforms=MMA_TRANSFORMS)]
+        kv_format.q_smem_type(config.fp8_q_terms, N, D) if fp8_scores
+        else plgpu.SMEM((N, D), mma_dtype, transforms=MMA_TRANSFORMS)]
     barriers = [
         plgpu.Barrier(num_barriers=2),
         [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
