@@ -334,3 +334,29 @@ def test_prefill_kernel_compiled_on_gpu(config, heads):
     _check_valid(out, float64_prefill_attention(pcase), valid)
     np.testing.assert_allclose(np.asarray(var)[valid], float64_prefill_score_variance(pcase)[valid],
                                rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 17])
+def test_combine_splits_against_float64(splits):
+    """The split-K merge, unrolled (<= UNROLLED_COMBINE_SPLITS) or by reductions (above it), against the merge
+    in float64: partials normalised per split with base-2 lse; an empty split (lse -inf) holds NaN garbage and
+    must be ignored, and a row whose splits are all empty gives zeros."""
+    from pallas_kernels.paged_attention import UNROLLED_COMBINE_SPLITS, _combine_splits
+    assert (splits > UNROLLED_COMBINE_SPLITS) == (splits == 17)
+    rng = np.random.default_rng(splits)
+    b, hkv, g, d = 3, 2, 4, 8
+    o_part = rng.normal(size=(b, splits, hkv, g, d)).astype(np.float32)
+    lse = (rng.normal(size=(b, splits, hkv, g)) * 4).astype(np.float32)
+    empty = rng.random(size=lse.shape) < 0.3
+    empty[0, :, 0, 0] = True                                   # every split of one row empty
+    lse[empty] = -np.inf
+    o_part[empty] = np.nan
+    got = np.asarray(jax.jit(_combine_splits)(jnp.asarray(o_part), jnp.asarray(lse)))
+    w = np.where(empty, 0.0, np.exp2(lse.astype(np.float64) - np.max(np.where(empty, -1e30, lse), axis=1,
+                                                                       keepdims=True)))
+    num = np.sum(w[..., None] * np.where(empty[..., None], 0.0, o_part.astype(np.float64)), axis=1)
+    den = np.sum(w, axis=1)[..., None]
+    want = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert np.all(got[0, 0, 0] == 0.0)
