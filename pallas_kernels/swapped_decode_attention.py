@@ -132,18 +132,23 @@ def split_rows_fp8(x, terms: int):
     """x [rows, D] float32 -> (parts [terms, rows, D] float8_e4m3fn, unscale [rows] float32) with
     x ~ sum(parts) * unscale[:, None]. Each row is first scaled by a power of two (exact) that puts its largest
     |x| in [128, 256), under e4m3's 448 and far above its subnormals (2^-6); each part is the e4m3 rounding of
-    what the parts before it left. Relative to the row's largest |x| the error is about 2^-(4 * terms + 1)."""
-    amax = jnp.max(jnp.abs(x), axis=-1)
-    _, exponent = jnp.frexp(amax)                      # amax in [2^(e-1), 2^e), exactly (exp2/log2 are not)
-    shift = jnp.clip(8 - exponent, -100, 100)          # a zero (padding) row: frexp gives 0, any shift is fine
-    one = jnp.ones_like(amax)
-    rest = x * jnp.ldexp(one, shift)[:, None]
+    what the parts before it left. Relative to the row's largest |x| the error is about 2^-(4 * terms + 1).
+
+    The unscale is 2^(e - 8) for a row whose largest |x| is in [2^(e-1), 2^e): the largest over the row of
+    |x| with its mantissa bits cleared (a monotone map, so it commutes with the max), times 2^-7, clipped to
+    [2^-100, 2^100] (a zero row gets 2^-100 and stays zero). Written this way the row reduction's output is
+    the unscale itself, so XLA computes it in one kernel (reduce plus elementwise epilogue) where frexp /
+    ldexp of the row max took a second one; the parts then use 1 / unscale, exact for a power of two."""
+    exponent_bits = lax.bitcast_convert_type(jnp.abs(x), jnp.int32) & 0x7F800000
+    pow2_floor = lax.bitcast_convert_type(exponent_bits, jnp.float32)          # 2^floor(log2|x|), 0 if tiny
+    unscale = jnp.clip(jnp.max(pow2_floor, axis=-1) * 2.0 ** -7, 2.0 ** -100, 2.0 ** 100)
+    rest = x * (1.0 / unscale)[:, None]
     parts = []
     for _ in range(terms):
         part = rest.astype(_FP8)
         parts.append(part)
         rest = rest - part.astype(jnp.float32)
-    return jnp.stack(parts), jnp.ldexp(one, -shift)
+    return jnp.stack(parts), unscale
 
 
 F8_PAGES = F8Pages()
