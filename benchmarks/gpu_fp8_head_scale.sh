@@ -10,6 +10,9 @@
 #   STEP=sweep (~60 s warm, ~210 s with the GPU tests): the fp8-pool GPU tests, then benchmarks/fp8_fold_sweep.py: the
 #     swapped kernel alone on fp8 pools over SwappedConfigs (CONFIGS, overrides of the fp8 default) beside the bf16
 #     paged and swapped kernels (session 18's tables in BENCHMARKS.md).
+#   STEP=bars (~450 s): the GPU tests of the swapped kernel on f16 and fp8 pools (their assertion lines; on a
+#     failure benchmarks/fp8_gpu_diag.py says where and whether a rerun differs), e2e_decode.py on llama-8b 4K
+#     bf16 vs fp8-delta --fp8-scale head twice (#12's >= 1.25x), then kernels.py --delta on fp8 (#12's <= 0.6x).
 source benchmarks/gpu_env.sh
 case "${STEP:-kernels}" in
   kernels)
@@ -32,4 +35,18 @@ case "${STEP:-kernels}" in
     timeout ${T1:-400} python3 benchmarks/fp8_fold_sweep.py --contexts ${CONTEXTS:-4096,16384} --pages ${PAGES:-16,64,mixed} \
       --configs "${CONFIGS:-default;shared_smem=True;shared_smem=True,num_splits=4;shared_smem=True,num_stages=3}" --out $OUT/fp8_fold_sweep_h200.json > $OUT/sweep.log 2>&1
     echo "sweep: exit $?"; grep -v ptxas $OUT/sweep.log | grep -A40 "^ *ctx" ;;
+  bars)
+    timeout ${T0:-150} python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py -k "gpu_reduced_pools" \
+      > $OUT/gpu_tests.log 2>&1 || timeout 200 python3 benchmarks/fp8_gpu_diag.py --out $OUT/fp8_gpu_diag.json
+    grep -E "^E |passed|failed" $OUT/gpu_tests.log | head -12
+    for r in ${RUNS:-a b}; do
+      timeout ${T1:-130} python3 benchmarks/e2e_decode.py --model llama-8b --batch 64 --prompt-len 3968 --new-tokens 128 \
+        --attention kernel --kv-precision bf16 fp8-delta --fp8-scale head \
+        --out $OUT/e2e_decode_llama-8b_b64_4k_fp8_head_${TAG:-run}_$r.json > $OUT/e2e_$r.log 2>&1
+      echo "e2e $r: exit $?"; grep -E "^llama|x bf16" $OUT/e2e_$r.log
+    done
+    timeout ${T2:-160} python3 benchmarks/kernels.py --delta --precisions fp8-delta --anchor-lens 1 \
+      --contexts ${CONTEXTS:-4096,16384} --pages ${PAGES:-16,64,mixed} --out $OUT/delta_kernels_fp8_head_${TAG:-run}.json \
+      > $OUT/fp8_head_bench.log 2>&1
+    echo "kernels: exit $?"; grep -v "ptxas\|^\s*$" $OUT/fp8_head_bench.log | grep -E "fold|^ +[0-9]+ +[0-9m]|target|read" | tail -16 ;;
 esac

@@ -541,8 +541,13 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                     else:
                         plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
                     if staging:     # while the MMAs run: fp8 V rows -> the f16 tile the P V MMA reads, rows past
-                        ctx.wait_v(slot)        # the length as zeros (the last tile's MMAs were awaited, so the
-                        convert_to_f16(v_ring.at[slot], staging[0], valid_rows=n_valid)     # tile is free)
+                        ctx.wait_v(slot)        # the length as zeros.
+                        # The last tile's P V MMA read this staging tile, and a warp's wgmma wait covers only its
+                        # own share: without a warpgroup barrier here a warp that is ahead overwrites V rows
+                        # another warp's MMA still reads (nothing else syncs the warps between that MMA and this
+                        # store; the bf16 path's stores come after the softmax's cross-warp max, which does).
+                        plgpu.commit_smem()
+                        convert_to_f16(v_ring.at[slot], staging[0], valid_rows=n_valid)
                     return acc_ref[...]
                 s = pl.run_scoped(qk, plgpu.ACC((T, N), jnp.float32))
                 if fp8_scores:

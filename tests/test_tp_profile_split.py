@@ -135,6 +135,7 @@ def test_e2e_decode_leaves_untimed_steps_out_of_its_rates(monkeypatch, tmp_path,
     assert seen and r["untimed_steps"] > 0        # (seen also holds the untimed warm-up pass's calls)
     if untimed == "every decode call":
         assert math.isnan(r["decode_tokens_per_s"]) and math.isnan(r["decode_step_ms_median"])
+        assert math.isnan(r["decode_tokens_per_s_full_batch"])
         assert r["decode_calls"] == []
     else:
         assert r["decode_tokens_per_s"] > 0 and r["decode_step_ms_median"] > 0
@@ -142,3 +143,7 @@ def test_e2e_decode_leaves_untimed_steps_out_of_its_rates(monkeypatch, tmp_path,
         calls = r["decode_calls"]
         assert calls and all(c["ms"] > 0 for c in calls)
         assert math.isclose(r["decode_tokens_per_s"], sum(c["tokens"] for c in calls) / sum(c["ms"] for c in calls) * 1e3)
+        # The full-batch rate: only the calls in which all --batch rows decoded.
+        full = [c for c in calls if c["seqs"] == 2]
+        assert full and math.isclose(r["decode_tokens_per_s_full_batch"],
+                                     sum(c["tokens"] for c in full) / sum(c["ms"] for c in full) * 1e3)
