@@ -131,23 +131,32 @@ class F8Pages(Bf16Pages):
 def split_rows_fp8(x, terms: int):
     """x [rows, D] float32 -> (parts [terms, rows, D] float8_e4m3fn, unscale [rows] float32) with
     x ~ sum(parts) * unscale[:, None]. Each row is first scaled by a power of two (exact) that puts its largest
-    |x| in [128, 256), under e4m3's 448 and far above its subnormals (2^-6); each part is the e4m3 rounding of
-    what the parts before it left. Relative to the row's largest |x| the error is about 2^-(4 * terms + 1).
+    |x| in [64, 128); each part is the e4m3 rounding of what the parts before it left. Relative to the row's
+    largest |x| the error is about 2^-(4 * terms + 1).
 
-    The unscale is 2^(e - 8) for a row whose largest |x| is in [2^(e-1), 2^e): the largest over the row of
-    |x| with its mantissa bits cleared (a monotone map, so it commutes with the max), times 2^-7, clipped to
+    The rounding is `lax.reduce_precision` to e4m3's 4 exponent and 3 mantissa bits, not a round trip through
+    float8: XLA's GPU pipeline (excess precision allowed, its default) folds convert(convert(x, f8), f32) into x,
+    which made every part after the first zero on the H200 (the fp8 fold's scores then saw q to 4 bits;
+    `test_gpu_reduced_pools_match_float64`). reduce_precision has IEEE semantics, whose largest finite value with
+    4 exponent bits is 240 where e4m3fn reaches 448 (hence rows scaled into [64, 128), not [128, 256)), and it
+    flushes what is under e4m3's smallest normal (2^-6) to zero, which the later parts then carry; the last part is
+    a plain cast, which keeps e4m3's subnormals.
+
+    The unscale is 2^(e - 7) for a row whose largest |x| is in [2^(e-1), 2^e): the largest over the row of
+    |x| with its mantissa bits cleared (a monotone map, so it commutes with the max), times 2^-6, clipped to
     [2^-100, 2^100] (a zero row gets 2^-100 and stays zero). Written this way the row reduction's output is
     the unscale itself, so XLA computes it in one kernel (reduce plus elementwise epilogue) where frexp /
     ldexp of the row max took a second one; the parts then use 1 / unscale, exact for a power of two."""
     exponent_bits = lax.bitcast_convert_type(jnp.abs(x), jnp.int32) & 0x7F800000
     pow2_floor = lax.bitcast_convert_type(exponent_bits, jnp.float32)          # 2^floor(log2|x|), 0 if tiny
-    unscale = jnp.clip(jnp.max(pow2_floor, axis=-1) * 2.0 ** -7, 2.0 ** -100, 2.0 ** 100)
+    unscale = jnp.clip(jnp.max(pow2_floor, axis=-1) * 2.0 ** -6, 2.0 ** -100, 2.0 ** 100)
     rest = x * (1.0 / unscale)[:, None]
     parts = []
-    for _ in range(terms):
-        part = rest.astype(_FP8)
-        parts.append(part)
-        rest = rest - part.astype(jnp.float32)
+    for _ in range(terms - 1):
+        part = lax.reduce_precision(rest, exponent_bits=4, mantissa_bits=3)   # exactly representable in e4m3fn
+        parts.append(part.astype(_FP8))
+        rest = rest - part          # reduce_precision flushes |x| < 2^-6 to 0: those stay here for the next part
+    parts.append(rest.astype(_FP8))     # the last part needs no f32 value back: a plain cast, e4m3's subnormals kept
     return jnp.stack(parts), unscale
 
 
