@@ -109,7 +109,7 @@ class F8Pages(Bf16Pages):
     - S^T = K q^T runs as fp8 WGMMAs straight from the K ring (both operands K-major, as fp8 WGMMA needs): q is
       split into `SwappedConfig.fp8_q_terms` e4m3 parts per row, q ~ (q_1 + q_2 + ...) * unscale, each part the
       rounding residual of the ones before, after a power-of-two row scale that puts the row's largest |q| in
-      [128, 256) (`split_rows_fp8`); one MMA per part accumulates into S^T, which is then multiplied by the row's unscale
+      [64, 128) (`split_rows_fp8`); one MMA per part accumulates into S^T, which is then multiplied by the row's unscale
       (one column of S^T). Two parts keep about 8 significant bits of q (bf16's 8), at no conversion work on K.
     - P V needs V^T as a K-major A operand, which V's rows are not (fp8 WGMMA allows no transposed view), so each
       V tile is converted (e4m3 pairs -> f16x2, exact, `convert_to_f16`) into one f16 staging tile that the f16
