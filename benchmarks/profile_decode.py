@@ -135,8 +135,10 @@ def analyse(events: list[dict], window: dict, hlo_text: str, device: str = "GPU"
             part = PART_OF_KIND.get(kind) or (next(iter(candidates)) if len(candidates) == 1 else UNKNOWN_PART)
         part_of_name[k.name] = part
     parts = dict.fromkeys(PARTS, 0.0)
+    unattributed_launches = 0
     for k in ks:
         parts[part_of_name[k.name]] += k.us
+        unattributed_launches += part_of_name[k.name] == UNKNOWN_PART
     ms = 1e-3 / steps
     top = top_kernels(ks, top=25)
     return {
@@ -147,6 +149,8 @@ def analyse(events: list[dict], window: dict, hlo_text: str, device: str = "GPU"
         "by_kind_ms": {kind: us * ms for kind, us in by_kind_us(ks).items()},
         "by_part_ms": {part: us * ms for part, us in parts.items()},
         "attributed_share": 1 - parts[UNKNOWN_PART] / max(sum(parts.values()), 1e-9),
+        # The same by kernel launches: fixed by the program and the window, not by how long each kernel took.
+        "attributed_launch_share": 1 - unattributed_launches / len(ks),
         "top_kernels": [{"name": t["name"], "kind": t["kind"], "part": part_of_name.get(t["name"], UNKNOWN_PART),
                          "ms_per_step": t["us"] * ms, "launches_per_step": t["launches"] / steps} for t in top],
     }

@@ -112,8 +112,10 @@ def test_a_cpu_run_on_tiny_writes_the_table_and_a_trace(pd, tmp_path, capsys):
     result = json.loads(out.read_text())
     prof = result["profile"]
     assert prof["steps"] == 12 and prof["calls"] == 3
-    # The XLA CPU ops are attributed through the HLO: the LM head, the projections and the MLP all show.
-    assert prof["attributed_share"] > 0.5
+    # The XLA CPU ops are attributed through the HLO: the LM head, the projections and the MLP all show. The
+    # check counts launches (0.69 on tiny, fixed by the program): the share of kernel *time* moves with the CPU's
+    # load (0.47 to 0.82 seen), so a threshold on it was luck.
+    assert prof["attributed_launch_share"] > 0.5 and 0 < prof["attributed_share"] <= 1
     for part in ("LM head", "q/k/v projections", "MLP gate/up", "MLP down"):
         assert prof["by_part_ms"][part] > 0
     assert result["bytes_per_step"] > 0 and result["byte_floor_ms"] > 0
