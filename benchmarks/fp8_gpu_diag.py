@@ -5,24 +5,15 @@ differences), the worst rows by error, and the same values as bf16 pools through
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.paged_attention import PAGE_SIZES
 from pallas_kernels.swapped_decode_attention import SwappedConfig, default_swapped_config, swapped_paged_attention
-from pallas_kernels.testing import float64_attention, random_paged_case
-
-
-def case_of(batch, head_dim, context, seed):
-    sizes = [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(batch)]
-    rng = np.random.default_rng(seed)
-    lengths = [context - int(x) for x in rng.integers(0, 130, batch)]
-    lengths[0], lengths[1] = 0, 1
-    return random_paged_case(seed, lengths=lengths, page_sizes=sizes, num_q_heads=32, num_kv_heads=8,
-                             head_dim=head_dim)
+from pallas_kernels.testing import float64_attention, ragged_decode_case
 
 
 def main():
@@ -32,14 +23,14 @@ def main():
     res = []
     fp8 = jnp.float8_e4m3fn
     for head_dim, batch, seed in ((128, 64, 3), (64, 64, 3), (128, 4, 4)):
-        case = case_of(batch, head_dim, 1024, seed)
+        case = ragged_decode_case(batch, head_dim, 1024, seed)
         c8 = {**case, "k_pool": case["k_pool"].astype(fp8), "v_pool": case["v_pool"].astype(fp8)}
         want = float64_attention(c8)
-        lengths = np.asarray(case["lengths"]); sizes = np.asarray(case["page_sizes"])
+        lengths, sizes = np.asarray(case["lengths"]), np.asarray(case["page_sizes"])
         base = default_swapped_config(head_dim, None, fp8)
-        configs = {"default": None, "k1": dataclasses_replace(base, num_splits=1),
-                   "k2": dataclasses_replace(base, num_splits=2), "q3": dataclasses_replace(base, fp8_q_terms=3),
-                   "S3": dataclasses_replace(base, num_stages=3)}
+        configs = {"default": None, "k1": dataclasses.replace(base, num_splits=1),
+                   "k2": dataclasses.replace(base, num_splits=2), "q3": dataclasses.replace(base, fp8_q_terms=3),
+                   "S3": dataclasses.replace(base, num_stages=3)}
         for name, cfg in configs.items():
             try:
                 o1 = np.asarray(swapped_paged_attention(**c8, config=cfg).astype(jnp.float32))
@@ -65,11 +56,6 @@ def main():
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
-
-
-def dataclasses_replace(cfg, **kw):
-    import dataclasses
-    return dataclasses.replace(cfg, **kw)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,18 @@ def random_paged_case(seed, *, lengths, page_sizes, num_q_heads, num_kv_heads, h
                 page_starts=jnp.asarray(starts), page_sizes=jnp.asarray(page_sizes, jnp.int32))
 
 
+
+def ragged_decode_case(batch, head_dim, context, seed=0, page_sizes=None) -> dict:
+    """`random_paged_case` at a decode step's shape (Hq=32, Hkv=8): lengths context - [0, 130), the first two
+    0 and 1, page sizes cycling through PAGE_SIZES unless given (the swapped kernel's GPU tests and
+    benchmarks/fp8_gpu_diag.py)."""
+    sizes = page_sizes or [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(batch)]
+    rng = np.random.default_rng(seed)
+    lengths = [context - int(x) for x in rng.integers(0, 130, batch)]
+    lengths[0], lengths[1] = 0, 1
+    return random_paged_case(seed, lengths=lengths, page_sizes=sizes, num_q_heads=32, num_kv_heads=8,
+                             head_dim=head_dim)
+
 def _float64(x) -> np.ndarray:
     """A jax array's values (bf16/fp16/fp8 included) or a numpy array, as float64."""
     if isinstance(x, np.ndarray) and x.dtype == np.float64:

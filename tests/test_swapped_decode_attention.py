@@ -19,7 +19,8 @@ from pallas_kernels.paged_attention import PAGE_SIZES
 from pallas_kernels.swapped_decode_attention import (
     SHORT_CONTEXT_KEYS, SwappedConfig, default_swapped_config, query_columns, swapped_paged_attention,
     swapped_paged_attention_reference)
-from pallas_kernels.testing import float64_attention, float64_score_variance, random_paged_case
+from pallas_kernels.testing import (float64_attention, float64_score_variance, ragged_decode_case,
+                                    random_paged_case)
 
 BF16_TOL = 2e-2
 # Score variance: fp32 scores of the same bf16 values the float64 truth uses, summed after a shift (as
@@ -411,21 +412,12 @@ def test_score_stats_and_soft_cap_lower_to_mosaic_gpu():
 # GPU: the compiled kernel (approximate exp2) against the fp32 reference at the engine's shapes
 # ---------------------------------------------------------------------------------------------
 
-def _gpu_case(batch, head_dim, context, seed=0, page_sizes=None):
-    sizes = page_sizes or [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(batch)]
-    rng = np.random.default_rng(seed)
-    lengths = [context - int(x) for x in rng.integers(0, 130, batch)]
-    lengths[0], lengths[1] = 0, 1
-    return random_paged_case(seed, lengths=lengths, page_sizes=sizes, num_q_heads=32, num_kv_heads=8,
-                             head_dim=head_dim)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_compiled_matches_reference_1k(head_dim):
     """B=64, Hq=32, Hkv=8, ~1K context, every page size mixed, NaN in free slots: the default config (no split)
     and the other tile size, against the fp32 reference and against float64 numpy."""
-    case = _gpu_case(64, head_dim, 1024)
+    case = ragged_decode_case(64, head_dim, 1024)
     want = np.asarray(swapped_paged_attention_reference(**{**case, "q": case["q"].astype(jnp.float32)}))
     for config in (None, SwappedConfig(block_kv=64 if head_dim == 64 else 128, num_splits=1),
                    SwappedConfig(block_kv=64, num_stages=3, num_splits=1)):
@@ -437,7 +429,7 @@ def test_gpu_compiled_matches_reference_1k(head_dim):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_split_k_and_fp32_q(head_dim):
     """A small batch (the grid picks split-K) with fp32 q and output."""
-    case = _gpu_case(4, head_dim, 1024, seed=1)
+    case = ragged_decode_case(4, head_dim, 1024, seed=1)
     case["q"] = case["q"].astype(jnp.float32)
     out = swapped_paged_attention(**case)
     assert out.dtype == jnp.float32
@@ -452,7 +444,7 @@ def test_gpu_score_stats_match_reference(head_dim):
     reference, the output against float64 and bit-identical to the stats-off output. The kernel's variance is
     checked 10x looser than in the interpreter (as `paged_attention`'s GPU test): the approximate tanh."""
     for batch, kw in ((64, {}), (4, dict(soft_cap=8.0))):
-        case = _gpu_case(batch, head_dim, 1024, seed=2)
+        case = ragged_decode_case(batch, head_dim, 1024, seed=2)
         out, var = swapped_paged_attention(**case, return_score_stats=True, **kw)
         want = float64_score_variance(case, **kw)
         assert want.max() > 0.5
@@ -472,9 +464,9 @@ def test_gpu_reduced_pools_match_float64(pool_dtype, head_dim):
     ~1K with every page size (the default config), and B=4 (split-K) with score statistics, against float64 of
     the pools' values."""
     as_pools = lambda c: {**c, "k_pool": c["k_pool"].astype(pool_dtype), "v_pool": c["v_pool"].astype(pool_dtype)}
-    case = as_pools(_gpu_case(64, head_dim, 1024, seed=3))
+    case = as_pools(ragged_decode_case(64, head_dim, 1024, seed=3))
     check(swapped_paged_attention(**case), float64_attention(case))
-    small = as_pools(_gpu_case(4, head_dim, 1024, seed=4))
+    small = as_pools(ragged_decode_case(4, head_dim, 1024, seed=4))
     out, var = swapped_paged_attention(**small, return_score_stats=True)
     check(out, float64_attention(small))
     check_var(var, float64_score_variance(small), rtol=10 * VAR_RTOL, atol=10 * VAR_ATOL)
