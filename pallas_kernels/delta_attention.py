@@ -364,16 +364,24 @@ def granule_columns(k_scale_of, v_scale_of, n_valid, block_kv: int) -> TileColum
     return TileColumns(score_scale=ks, value_scale=vs, log2_value_scale=lvs)
 
 
-def convert_to_f16(src, dst, *, valid_rows=None) -> None:
+def convert_to_f16(src, dst, *, valid_rows=None, wide_loads: bool = False) -> None:
     """In a kernel: dst[...] = src[...] as f16, 64 rows (WGMMA's M) at a time: src [T, D] fp8 rows in SMEM as
     `delta_ring_type` lays them out, dst [T, D] f16 in MMA_TRANSFORMS' layout. A plain convert (e4m3 pairs
     -> f16x2, exact), no math. valid_rows (traced): rows at or past it are written as zeros instead (stale
-    V slots may hold NaN, and 0 * NaN = NaN inside the P @ V MMA). The caller commits the stores."""
+    V slots may hold NaN, and 0 * NaN = NaN inside the P @ V MMA). The caller commits the stores.
+
+    The f16 rows leave registers in the WGMMA layout (stmatrix). Loaded in that layout, the fp8 rows take one
+    2-byte SMEM load per e4m3 pair; wide_loads reads them in the WGMMA_UPCAST_2X layout instead (4-byte loads,
+    half as many) and moves them into the WGMMA layout with a warp shuffle per 4 elements."""
     rows = None
     if valid_rows is not None:
         rows = plgpu.broadcasted_iota(jnp.int32, (_CHUNK, dst.shape[1]), 0, layout=plgpu.Layout.WGMMA)
     for r0 in range(0, src.shape[0], _CHUNK):
-        x = src[pl.ds(r0, _CHUNK)].astype(jnp.float16)
+        if wide_loads:
+            x = plgpu.load(src.at[pl.ds(r0, _CHUNK)], layout=plgpu.Layout.WGMMA_UPCAST_2X).astype(jnp.float16)
+            x = plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+        else:
+            x = src[pl.ds(r0, _CHUNK)].astype(jnp.float16)
         if rows is not None:
             x = jnp.where(rows < valid_rows - r0, x, jnp.zeros_like(x))
         dst[pl.ds(r0, _CHUNK)] = x

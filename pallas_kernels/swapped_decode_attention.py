@@ -112,8 +112,9 @@ class F8Pages(Bf16Pages):
       [64, 128) (`split_rows_fp8`); one MMA per part accumulates into S^T, which is then multiplied by the row's unscale
       (one column of S^T). Two parts keep about 8 significant bits of q (bf16's 8), at no conversion work on K.
     - P V needs V^T as a K-major A operand, which V's rows are not (fp8 WGMMA allows no transposed view), so each
-      V tile is converted (e4m3 pairs -> f16x2, exact, `convert_to_f16`) into one f16 staging tile that the f16
-      MMA reads, rows past the length as zeros. scratch_types: [k ring, v ring, v staging]."""
+      V tile is converted (e4m3 pairs -> f16x2, exact, `convert_to_f16` with 4-byte loads) into one f16 staging
+      tile that the f16 MMA reads, rows past the length as zeros (masked on a sequence's last tile only).
+      scratch_types: [k ring, v ring, v staging]."""
     mma_dtype: str = "float16"
 
     def scratch_types(self, *, stages, block_kv, head_dim):
@@ -143,13 +144,15 @@ def split_rows_fp8(x, terms: int):
     a plain cast, which keeps e4m3's subnormals.
 
     The unscale is 2^(e - 7) for a row whose largest |x| is in [2^(e-1), 2^e): the largest over the row of
-    |x| with its mantissa bits cleared (a monotone map, so it commutes with the max), times 2^-6, clipped to
-    [2^-100, 2^100] (a zero row gets 2^-100 and stays zero). Written this way the row reduction's output is
-    the unscale itself, so XLA computes it in one kernel (reduce plus elementwise epilogue) where frexp /
-    ldexp of the row max took a second one; the parts then use 1 / unscale, exact for a power of two."""
+    |x| with its mantissa bits cleared, times 2^-6, clipped to [2^-100, 2^100] (a zero row gets 2^-100 and
+    stays zero). Each of these maps is monotone, so they commute with the max: they are applied elementwise
+    before it, and the row reduction's output is the unscale itself. XLA fuses elementwise producers into a
+    reduction but ran a clip after it as a kernel of its own (the H200's decode program, session 20: about
+    1 us a layer), as frexp / ldexp of the row max did before; the parts then use 1 / unscale, exact for a
+    power of two."""
     exponent_bits = lax.bitcast_convert_type(jnp.abs(x), jnp.int32) & 0x7F800000
     pow2_floor = lax.bitcast_convert_type(exponent_bits, jnp.float32)          # 2^floor(log2|x|), 0 if tiny
-    unscale = jnp.clip(jnp.max(pow2_floor, axis=-1) * 2.0 ** -6, 2.0 ** -100, 2.0 ** 100)
+    unscale = jnp.max(jnp.clip(pow2_floor * 2.0 ** -6, 2.0 ** -100, 2.0 ** 100), axis=-1)
     rest = x * (1.0 / unscale)[:, None]
     parts = []
     for _ in range(terms - 1):
@@ -268,7 +271,9 @@ def default_swapped_config(head_dim: int, max_context: int | None = None, pool_d
     the bf16 paged kernel's time at 4K and 16K (pages 16/64/mixed) against 0.78-1.03x for the bf16 default
     tiles with 3 q parts in the same run (benchmarks/fp8_fold_sweep.py, BENCHMARKS.md): with half the bytes a
     tile, a CTA's chain of MMAs, softmax and V conversion bounds it, so more CTAs an SM (the smaller ring,
-    split-K's smaller table window) and a shorter chain pay. head_dim 64 fp8 was not timed: its bf16 default."""
+    split-K's smaller table window) and a shorter chain pay. Still the fastest after session 20's cheaper V
+    conversion (0.61-0.66x at 4K against shared SMEM, 3 stages, k1, k4). head_dim 64 fp8 was not timed: its bf16
+    default."""
     if jnp.dtype(pool_dtype) == _FP8 and head_dim == 128:
         return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2)
     if head_dim == 64:
@@ -555,8 +560,14 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                         # own share: without a warpgroup barrier here a warp that is ahead overwrites V rows
                         # another warp's MMA still reads (nothing else syncs the warps between that MMA and this
                         # store; the bf16 path's stores come after the softmax's cross-warp max, which does).
+                        # (Two staging tiles by tile parity need no barrier, but were no faster: session 20's sweep.)
                         plgpu.commit_smem()
-                        convert_to_f16(v_ring.at[slot], staging[0], valid_rows=n_valid)
+                        # Only a sequence's last tile has rows past its length: the other tiles skip the mask's
+                        # selects. Wide (4-byte) loads: half the SMEM loads, plus a shuffle per 4 elements.
+                        # Together 4-8% off the kernel's time on the H200 (BENCHMARKS.md, session 20).
+                        convert = functools.partial(convert_to_f16, v_ring.at[slot], staging[0], wide_loads=True)
+                        pl.when(n_valid >= T)(lambda: convert())
+                        pl.when(n_valid < T)(lambda: convert(valid_rows=n_valid))
                     return acc_ref[...]
                 s = pl.run_scoped(qk, plgpu.ACC((T, N), jnp.float32))
                 if fp8_scores:

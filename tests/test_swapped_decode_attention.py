@@ -7,6 +7,7 @@ about a minute on 2 CPU cores)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels.swapped_decode_attention as swapped_module
-from pallas_kernels.paged_attention import PAGE_SIZES
 from pallas_kernels.swapped_decode_attention import (
     SHORT_CONTEXT_KEYS, SwappedConfig, default_swapped_config, query_columns, swapped_paged_attention,
     swapped_paged_attention_reference)
@@ -135,7 +135,8 @@ def test_float8_pools_match_float64():
     """float8_e4m3fn pools (the fold of an fp8-delta cache with fixed per-head scales): fp8 score MMAs on the K
     rows with q in e4m3 parts, each V tile converted to an f16 staging tile (the last tile's rows past the length
     as zeros: NaN in every stale slot); split-K 2, score statistics, every page size, a partial last tile; the
-    float8 default's layout (2 stages, 2 q parts, the loop's and the epilogue's SMEM shared)."""
+    float8 default's layout (2 stages, 2 q parts, the loop's and the epilogue's SMEM shared). Tiles of 64 keys over
+    lengths up to 300: full tiles take the V conversion without the mask, a last partial one with it."""
     case = random_paged_case(7, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=4, num_kv_heads=1, head_dim=64)
     case = {**case, "k_pool": case["k_pool"].astype(jnp.float8_e4m3fn),
             "v_pool": case["v_pool"].astype(jnp.float8_e4m3fn)}
@@ -204,6 +205,22 @@ def test_split_rows_fp8_rounds_with_reduce_precision():
     text = jax.jit(lambda x: swapped_module.split_rows_fp8(x, 3)).lower(jnp.zeros((8, 64), jnp.float32)).as_text()
     assert text.count("stablehlo.reduce_precision") == 2 and text.count("format = e4m3") == 2
     assert "f8E4M3FN) -> tensor<8x64xf32>" not in text         # no convert back from float8
+
+
+def test_split_rows_fp8_unscale_is_the_row_reduction():
+    """The per-row unscale is the row max's own output, with no elementwise op after it: XLA's GPU pipeline ran a
+    clip that followed the max as a kernel of its own (a launch a layer). Also pins that clipping before the max
+    changes nothing: zero, tiny, huge and non-finite rows keep their unscale in [2^-100, 2^100]."""
+    jaxpr = jax.make_jaxpr(lambda x: swapped_module.split_rows_fp8(x, 2))(jnp.zeros((8, 64), jnp.float32)).jaxpr
+    reduce_eqn = next(e for e in jaxpr.eqns if e.primitive.name == "reduce_max")
+    assert jaxpr.outvars[1] is reduce_eqn.outvars[0]
+    x = np.zeros((5, 64), np.float32)
+    x[1, 3] = 1e-38                                 # subnormal: no exponent bits
+    x[2, 7] = 3e38                                  # 2^127 * 2^-6 clipped to 2^100
+    x[3, 0] = np.inf
+    x[4, :] = np.linspace(-200.0, 100.0, 64)        # largest |x| 200 in [2^7, 2^8): 2^(8 - 7)
+    _, unscale = swapped_module.split_rows_fp8(jnp.asarray(x), 2)
+    assert list(np.asarray(unscale)) == [2.0 ** -100, 2.0 ** -100, 2.0 ** 100, 2.0 ** 100, 2.0]
 
 
 def test_float8_pools_default_config_and_min_splits(monkeypatch):
@@ -394,6 +411,27 @@ def test_float8_pools_lower_to_mosaic_gpu(head_dim):
     """The fixed-scale fp8 fold's kernel at the engine's decode shapes: fp8 TMA rings, the in-kernel conversion
     to an f16 V staging tile, fp8 and f16 WGMMA, score statistics."""
     assert "mosaic_gpu" in _lowered_text(64, head_dim, pool_dtype=jnp.float8_e4m3fn, return_score_stats=True)
+
+
+def test_float8_v_conversion_uses_wide_loads():
+    """The fp8 kernel's V conversion reads the e4m3 rows with 4-byte SMEM loads (the WGMMA_UPCAST_2X layout, then a
+    shuffle into the WGMMA layout for stmatrix), not a 2-byte load per pair (the WGMMA layout's, 32 a thread a
+    64 x 128 tile): read from the Mosaic GPU module the lowering builds (its LLVM-dialect loads)."""
+    core = pytest.importorskip("jax.experimental.mosaic.gpu.core")
+    modules = []
+    real = core.lower_mgpu_module
+
+    def spy(module, *a, **k):
+        out = real(module, *a, **k)
+        modules.append(str(module))
+        return out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(core, "lower_mgpu_module", spy)
+        _lowered_text(64, 128, pool_dtype=jnp.float8_e4m3fn)
+    text = modules[-1]
+    wide = len(re.findall(r"llvm\.load .*: !llvm\.ptr<3> -> vector<4xi8>", text))
+    narrow = len(re.findall(r"llvm\.load .*-> vector<2xi8>", text))
+    assert wide >= 16 and narrow == 0, (wide, narrow)
 
 
 def test_split_k_lowers_to_mosaic_gpu():
