@@ -49,6 +49,7 @@ from stratum_jax.model.loader import load_model
 from stratum_jax.bandwidth import measure_device_peaks
 from stratum_jax.request import SamplingParams
 from stratum_jax.tensor_parallel import make_tensor_parallel
+from gpu_clocks import ClockSampler  # noqa: E402  (benchmarks/, this script's directory)
 from tp_profile_split import WINDOW_FILE  # noqa: E402  (benchmarks/, this script's directory)
 
 WINDOW_ANNOTATION = "e2e_decode_call"   # the TraceAnnotation around each profiled decode call
@@ -188,8 +189,10 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16",
         engine.add_request([2] + p[1:], sp)
     timings = []
     t_all = time.perf_counter()
-    with tqdm.tqdm(total=args.batch * args.new_tokens, desc=f"{attention} {engine.kv_precision} decode", unit="tok",
-                   disable=not sys.stderr.isatty()) as bar:
+    # The SM clock under load: a step bound by its kernels' instruction chains follows it, one bound by HBM does not.
+    with ClockSampler() as clocks, tqdm.tqdm(total=args.batch * args.new_tokens, unit="tok",
+                                             desc=f"{attention} {engine.kv_precision} decode",
+                                             disable=not sys.stderr.isatty()) as bar:
         while engine.has_unfinished():
             outs = engine.step()
             bar.update(sum(len(o.new_token_ids) for o in outs))
@@ -251,7 +254,8 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16",
         "decode_step_ms_median": step_ms, "decode_steps": len(decode),
         "prefill_tokens": sum(t.prefill_tokens for t in prefill),
         "prefill_seconds": sum(t.seconds for t in prefill),
-        "wall_seconds": wall, "copy_bandwidth_gbps": bw / 1e9, "weight_bytes": w_bytes,
+        "wall_seconds": wall, "gpu_clocks": clocks.summary(),   # None without nvidia-smi
+        "copy_bandwidth_gbps": bw / 1e9, "weight_bytes": w_bytes,
         "weight_bytes_per_device": w_device, "kv_bytes_per_token": kv_per_token,
         "kv_bytes_per_token_per_device": kv_per_token_device, "roofline_step_ms": roofline_ms,
         "roofline_tokens_per_s": args.batch / (roofline_ms / 1e3),
@@ -345,6 +349,11 @@ def main(argv=None) -> int:
               f"{r['decode_step_ms_median']:8.2f} {r['roofline_step_ms']:8.2f} {r['fraction_of_roofline'] or 0:7.1%} "
               f"{r['prefill_tokens'] / max(r['prefill_seconds'], 1e-9):13.0f} {r['hbm_bandwidth_utilization']:8.1%} "
               f"{r['gpu_compute_utilization']:8.1%}")
+        if r.get("gpu_clocks"):
+            c = r["gpu_clocks"]
+            print(f"  {r['kv_precision']} decode: SM clock median {c['sm_mhz_median']} MHz (min {c['sm_mhz_min']}, "
+                  f"max {c['max_sm_mhz']}), power median {c['power_w_median']} W of {c['power_limit_w']}, "
+                  f"throttle reasons {c['throttle_reasons']} ({c['samples']} samples)")
     base = {r["attention"]: r for r in runs
             if r["kv_precision"] == "bf16" and r["decode_kernel"] in (None, args.decode_kernel[0])}
     for r in runs:

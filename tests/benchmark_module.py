@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHARED_HELPERS = ("device_trace", "config_flags")   # benchmarks/<name>.py that other scripts import by bare name
+SHARED_HELPERS = ("device_trace", "config_flags", "gpu_clocks")   # benchmarks/<name>.py that other scripts import by bare name
 
 
 def load_benchmark(script: str, name: str):
