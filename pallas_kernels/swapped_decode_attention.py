@@ -25,7 +25,8 @@ float8_e4m3fn (`F8Pages`, an fp8-delta cache with fixed per-head scales on the s
 scales into q and the output). Hopper's fp8 WGMMA needs both operands fp8 and K-major. S^T = K q^T meets that
 as it stands (A = the K ring slot, B = q^T with q's rows contiguous along D), so q is split into e4m3 parts
 (`split_rows_fp8`: a power-of-two row scale, then each part the rounding residual of the ones before) and
-S^T is one fp8 MMA per part straight from the K ring, times the row's unscale. V^T is not K-major (V's rows
+S^T is the parts' fp8 products straight from the K ring (at N = 8 one MMA over the parts side by side, so the
+K tile is read from SMEM once), times the row's unscale. V^T is not K-major (V's rows
 are contiguous along D), so each V tile is converted (e4m3 pairs -> f16x2, exact) into an f16 staging tile,
 rows past the length as zeros, while the S^T MMAs run, and P V is an f16 MMA.
 
@@ -109,8 +110,12 @@ class F8Pages(Bf16Pages):
     - S^T = K q^T runs as fp8 WGMMAs straight from the K ring (both operands K-major, as fp8 WGMMA needs): q is
       split into `SwappedConfig.fp8_q_terms` e4m3 parts per row, q ~ (q_1 + q_2 + ...) * unscale, each part the
       rounding residual of the ones before, after a power-of-two row scale that puts the row's largest |q| in
-      [64, 128) (`split_rows_fp8`); one MMA per part accumulates into S^T, which is then multiplied by the row's unscale
+      [64, 128) (`split_rows_fp8`); S^T is the sum of the parts' products, then multiplied by the row's unscale
       (one column of S^T). Two parts keep about 8 significant bits of q (bf16's 8), at no conversion work on K.
+      With N = 8 the parts sit side by side as one [terms * 8, D] B operand (`SwappedConfig.fp8_q_stacked`): one
+      MMA of N = terms * 8 reads the K tile from SMEM once, and the parts' [T, 8] column blocks are added in
+      registers (column j + 8t of the accumulator is in the same thread as column j); otherwise one MMA per
+      part, each re-reading K, accumulates into S^T.
     - P V needs V^T as a K-major A operand, which V's rows are not (fp8 WGMMA allows no transposed view), so each
       V tile is converted (e4m3 pairs -> f16x2, exact, `convert_to_f16` with 4-byte loads) into one f16 staging
       tile that the f16 MMA reads, rows past the length as zeros (masked on a sequence's last tile only).
@@ -122,10 +127,12 @@ class F8Pages(Bf16Pages):
         staging = plgpu.SMEM((block_kv, head_dim), jnp.float16, transforms=MMA_TRANSFORMS)
         return [ring, ring, staging]
 
-    def q_smem_type(self, terms: int, n_cols: int, head_dim: int):
-        """SMEM of the q parts [terms, N, D] e4m3, in the K ring's layout (WGMMA wants one swizzle)."""
+    def q_smem_type(self, terms: int, n_cols: int, head_dim: int, stacked: bool = False):
+        """SMEM of the q parts [terms, N, D] e4m3 (stacked: [terms * N, D], one B operand), in the K ring's
+        layout (WGMMA wants one swizzle)."""
         swizzle = min(128, head_dim)
-        return plgpu.SMEM((terms, n_cols, head_dim), _FP8,
+        shape = (terms * n_cols, head_dim) if stacked else (terms, n_cols, head_dim)
+        return plgpu.SMEM(shape, _FP8,
                           transforms=(plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle)))
 
 
@@ -163,6 +170,19 @@ def split_rows_fp8(x, terms: int):
     return jnp.stack(parts), unscale
 
 
+def stacks_q_parts(config: "SwappedConfig", n_cols: int) -> bool:
+    """Whether the kernel takes q's fp8 parts stacked (`SwappedConfig.fp8_q_stacked`, N = 8 only)."""
+    return config.fp8_q_stacked and n_cols == 8
+
+
+def stack_q_parts(parts):
+    """parts [terms, rows, D] (rows a multiple of 8) -> [rows * terms, D]: each 8-row block's parts one after
+    the other, so a CTA's block of 8 rows is the contiguous rows [8 * terms * (row0 // 8), + 8 * terms), and its
+    [terms * 8, D] SMEM copy is one B operand whose column block t is part t."""
+    terms, rows, d = parts.shape
+    return parts.reshape(terms, rows // 8, 8, d).transpose(1, 0, 2, 3).reshape(rows * terms, d)
+
+
 F8_PAGES = F8Pages()
 
 
@@ -185,6 +205,9 @@ class SwappedConfig:
         CTA, so more CTAs may fit an SM (`smem_bytes`; 4 for the float8 default at head_dim 128 with
         `fp8_default_splits`); the epilogue then starts with a warpgroup barrier. Off in every default: not yet
         timed on a GPU (the defaults keep the traced program they were timed with).
+      fp8_q_stacked: float8 pools whose q block has N = 8 columns (GQA groups up to 8): the q parts as one
+        [fp8_q_terms * 8, D] B operand, so one fp8 MMA a tile reads the K tile from SMEM once (`F8Pages`); off,
+        one MMA per part. Ignored for other pools and for N > 8.
     """
 
     block_kv: int = 128
@@ -194,6 +217,7 @@ class SwappedConfig:
     no_auto_barriers: bool = True
     fp8_q_terms: int = 3
     shared_smem: bool = False
+    fp8_q_stacked: bool = True
 
     def __post_init__(self):
         check_tile_pipeline(self.block_kv, self.num_stages, self.num_splits)
@@ -399,6 +423,8 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     if isinstance(kv_format, F8Pages):     # q as fp8 parts and a per-row unscale (F8Pages)
         q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q.astype(jnp.float32), num_kv_heads)
         q2, q_unscale = split_rows_fp8(q2, config.fp8_q_terms)
+        if stacks_q_parts(config, copy_rows):
+            q2 = stack_q_parts(q2)
         extra = (q_unscale,)
     else:
         q_mma = jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX) if mma_dtype == jnp.float16 else q
@@ -446,7 +472,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     (shift, sum, sum of squares) [B * S, Hkv, n_cols] f32 score-stat columns when score_stats.
 
     kv_format: BF16_PAGES, F16_PAGES for float16 pools, or F8_PAGES for float8_e4m3fn pools (then q2 is
-    [fp8_q_terms, rows, D] e4m3 parts and a last input q_unscale [rows] f32, `split_rows_fp8`); the MMA tiles
+    [fp8_q_terms, rows, D] e4m3 parts, or with `stacks_q_parts` [rows * fp8_q_terms, D] (`stack_q_parts`), and a
+    last input q_unscale [rows] f32, `split_rows_fp8`); the MMA tiles
     and P are in its mma_dtype.
     q2 [rows, D] (`q_row_blocks`): the CTA (b, h[, k]) copies the 8-aligned block of n_cols rows holding
     row q_row = b * rows_per_b + h * rows_per_h and writes its group's `group` output rows to o [rows, D] at
@@ -466,6 +493,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         return lax.broadcast_in_dim(x, shape, [1])
 
     fp8_scores = isinstance(kv_format, F8Pages)       # q parts [terms, rows, D] e4m3 + q_unscale [rows] f32
+    q_stacked = fp8_scores and stacks_q_parts(config, N)     # ... or [rows * terms, D] (`stack_q_parts`)
+    terms = config.fp8_q_terms
     loop_types = [kv_format.scratch_types(stages=stages, block_kv=T, head_dim=D),
                   plgpu.SMEM((N, T), mma_dtype, transforms=MMA_TRANSFORMS)]
     epilogue_types = [plgpu.SMEM((N, D), out_dtype), plgpu.SMEM((N,), jnp.float32)]
@@ -506,7 +535,10 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         q_row0 = pl.multiple_of(q_row - lax.rem(q_row, 8), 8)       # tiled TMA wants 8-row alignment
         row_off = q_row - q_row0                                      # the group's first column in S^T
         if fp8_scores:
-            plgpu.copy_gmem_to_smem(q_ref.at[:, pl.ds(q_row0, N)], q_smem, meta_bar.at[1])
+            if q_stacked:
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0 * terms, terms * N)], q_smem, meta_bar.at[1])
+            else:
+                plgpu.copy_gmem_to_smem(q_ref.at[:, pl.ds(q_row0, N)], q_smem, meta_bar.at[1])
             # S^T's column j is in units of q row j's power-of-two scale (`split_rows_fp8`).
             q_unscale = cols(plgpu.load(q_unscale_ref.at[pl.ds(q_row0, N)], layout=_COL_LAYOUT, optimized=False),
                              (T, N))
@@ -549,7 +581,9 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                 ctx.wait_k(slot)
 
                 def qk(acc_ref):
-                    if fp8_scores:     # fp8 MMAs on the K ring slot, one per q part, into one accumulator
+                    if q_stacked:      # one fp8 MMA on the K ring slot: column block t of the result is part t's
+                        plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
+                    elif fp8_scores:     # fp8 MMAs on the K ring slot, one per q part, into one accumulator
                         for t in range(config.fp8_q_terms):
                             plgpu.wgmma(acc_ref, k_tile, q_smem.at[t].transpose((1, 0)))
                     else:
@@ -569,7 +603,9 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                         pl.when(n_valid >= T)(lambda: convert())
                         pl.when(n_valid < T)(lambda: convert(valid_rows=n_valid))
                     return acc_ref[...]
-                s = pl.run_scoped(qk, plgpu.ACC((T, N), jnp.float32))
+                s = pl.run_scoped(qk, plgpu.ACC((T, N * terms if q_stacked else N), jnp.float32))
+                if q_stacked:   # the parts' column blocks, added in registers (WGMMA tiles are 8 columns wide)
+                    s = functools.reduce(lambda a, b: a + b, (s[:, t * N:(t + 1) * N] for t in range(terms)))
                 if fp8_scores:
                     s = s * q_unscale
                 if soft_cap is None:
@@ -688,7 +724,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         out_type += [jax.ShapeDtypeStruct((batch * splits, num_kv_heads, N), jnp.float32)] * 3
     table_and_q = [
         plgpu.SMEM((window,), jnp.int32),
-        kv_format.q_smem_type(config.fp8_q_terms, N, D) if fp8_scores
+        kv_format.q_smem_type(config.fp8_q_terms, N, D, stacked=q_stacked) if fp8_scores
         else plgpu.SMEM((N, D), mma_dtype, transforms=MMA_TRANSFORMS)]
     barriers = [
         plgpu.Barrier(num_barriers=2),

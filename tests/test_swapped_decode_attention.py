@@ -163,13 +163,36 @@ def test_float8_q_parts_carry_the_precision(monkeypatch):
     want = float64_attention(case)
     errs = {}
     for terms in (1, 2, 3):
-        out = swapped_paged_attention(**case, config=SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=terms),
-                                      interpret=True)
-        errs[terms] = float(np.abs(np.asarray(out, np.float32) - want).max())
+        config = SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=terms)
+        out = np.asarray(swapped_paged_attention(**case, config=config, interpret=True), np.float32)
+        errs[terms] = float(np.abs(out - want).max())
+        # the parts as one MMA (the default at N = 8) or one MMA each: the same scores up to fp32 summation order
+        apart = swapped_paged_attention(**case, config=dataclasses.replace(config, fp8_q_stacked=False),
+                                        interpret=True)
+        np.testing.assert_allclose(out, np.asarray(apart, np.float32), rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert errs[1] > 4 * errs[2] > 4 * 4 * errs[3], errs
     assert errs[1] > BF16_TOL and errs[2] <= BF16_TOL, errs
     with pytest.raises(ValueError, match="fp8_q_terms"):
         SwappedConfig(fp8_q_terms=0)
+
+
+def test_float8_stacked_q_parts_take_one_score_mma():
+    """`fp8_q_stacked` (N = 8): `stack_q_parts` puts each 8-row block's parts one after the other, and the kernel
+    then runs one score MMA a tile (its K tile read from SMEM once) instead of one per part: 2 WGMMAs in the
+    traced kernel (S^T, P V) against terms + 1."""
+    parts = jnp.arange(3 * 16 * 4, dtype=jnp.float32).reshape(3, 16, 4)
+    stacked = np.asarray(swapped_module.stack_q_parts(parts))
+    for block in range(2):
+        for t in range(3):
+            np.testing.assert_array_equal(stacked[(block * 3 + t) * 8:(block * 3 + t + 1) * 8],
+                                          np.asarray(parts[t, block * 8:(block + 1) * 8]))
+    case = random_paged_case(2, lengths=[65, 129], page_sizes=[16, 64], num_q_heads=8, num_kv_heads=2, head_dim=64)
+    case = {**case, "k_pool": case["k_pool"].astype(jnp.float8_e4m3fn),
+            "v_pool": case["v_pool"].astype(jnp.float8_e4m3fn)}
+    for stacked_parts, mmas in ((True, 2), (False, 4)):
+        config = SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=3, fp8_q_stacked=stacked_parts)
+        text = str(jax.make_jaxpr(lambda c: swapped_paged_attention(**c, config=config))(case))
+        assert text.count("wgmma_ref") == mmas, (stacked_parts, text.count("wgmma_ref"))
 
 
 def test_split_rows_fp8_scales_each_row_by_a_power_of_two():
