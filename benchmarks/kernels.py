@@ -46,7 +46,10 @@ the same run (a large bf16 sum). Each delta output is checked against XLA dense 
 K/V rebuilt in fp32. Reported: time, the delta/paged time ratio (#12 asks fp8 <= 0.6x and fp16 <=
 1.1x at 4K and 16K), bytes/s over the bytes each kernel must read, and the paged kernel's % of the
 read ceiling (#12 asks >= 80% at 1K for every page size). JSON: --out (default
-benchmarks/results/delta_kernels_h200.json).
+benchmarks/results/delta_kernels_h200.json). `--timing` applies here too (`seconds_per_call`): with `device`
+both sides of each ratio are device times per call (the chain slope), as a decoder layer inside the engine's step
+sees them; host timing can carry the host's per-call dispatch (a call with every length 0 takes 45-62 us),
+which, wherever it is not hidden behind the kernels, pulls a ratio toward 1 (most at 4K).
 
 `--delta-prefill` times the causal-block prefill kernels instead: `delta_prefill_attention` (fp16/fp8
 deltas, --anchor-lens) beside `paged_prefill_attention` on bf16 pools (PREFILL_KERNEL_CONFIG, what the
@@ -147,6 +150,19 @@ def device_time(fn, args, *, short, long, reps, rounds=3):
     t_long = bench(chained(fn, long), args, reps=reps, inner=1, rounds=rounds)
     return dict(seconds=(t_long - t_short) / (long - short), per_call_long=t_long / long,
                 short=short, long=long, t_short=t_short, t_long=t_long)
+
+
+def seconds_per_call(fn, args, a) -> tuple[float, dict]:
+    """fn(*args)'s seconds per call by --timing (--delta's kernels and their bf16 baseline): host (`bench`) or
+    device (`device_time`, args[0] chained); with both, the headline is host's, as the other modes' tables.
+    Returns (headline seconds, {method: figures})."""
+    out = {}
+    if a.timing in ("host", "both"):
+        out["host"] = dict(seconds=bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds))
+    if a.timing in ("device", "both"):
+        short, long = a.chain_lengths
+        out["device"] = device_time(fn, args, short=short, long=long, reps=a.reps, rounds=a.rounds)
+    return out["host" if "host" in out else "device"]["seconds"], out
 
 
 def parse_configs(spec: str, head_dim: int) -> list[TuningConfig]:
@@ -395,6 +411,7 @@ def main(argv=None):
         chain_short = chain_long = 0
     if not 1 <= chain_short < chain_long:
         ap.error(f"--chain must be two lengths short,long with 1 <= short < long (e.g. 8,40), got {a.chain!r}")
+    a.chain_lengths = (chain_short, chain_long)
     if a.out is None:
         name = ("delta_prefill_kernels_h200.json" if a.delta_prefill else
                 "delta_kernels_h200.json" if a.delta else "kernels_h200.json")
@@ -661,8 +678,8 @@ def measure_variant(build, args, ref, paged_ms, a, *, label, io_bytes=None) -> d
         got = np.asarray(fn(*args).astype(jnp.float32))
         r["max_abs_err"] = float(np.abs(got - ref).max())
         r["ok"] = bool(r["max_abs_err"] <= 3e-2 * max(1.0, float(np.abs(ref).max())))
-        t = bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds)
-        r.update(ms=t * 1e3, x_paged=t * 1e3 / paged_ms)
+        t, timing = seconds_per_call(fn, args, a)
+        r.update(ms=t * 1e3, x_paged=t * 1e3 / paged_ms, timing=timing)
         if io_bytes is not None:
             r["tbps"] = io_bytes / t / 1e12
     except Exception as e:  # noqa: BLE001
@@ -725,7 +742,8 @@ def run_delta(a):
     dev = jax.devices()[0]
     meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, platform=dev.platform,
                 jax=jax.__version__, batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D, reps=a.reps, inner=a.inner,
-                rounds=a.rounds, dry_run=a.dry_run, mode="delta",
+                rounds=a.rounds, dry_run=a.dry_run, mode="delta", timing=a.timing,
+                chain=list(a.chain_lengths) if a.timing != "host" else None,
                 fold_mean_anchor=default_fold_mean_anchor())
     print(json.dumps(meta), flush=True)
     out_path = pathlib.Path(a.out)
@@ -763,8 +781,9 @@ def run_delta(a):
             starts, psz = jnp.asarray(starts_np), jnp.asarray(sizes, jnp.int32)
             rec = dict(context=ctx, page=page, paged=None, delta=[])
             fn = jitted("paged", functools.partial(paged_attention, interpret=interpret))
-            t = bench(fn, (q, k_pool, v_pool, lengths, starts, psz), reps=a.reps, inner=a.inner, rounds=a.rounds)
-            rec["paged"] = dict(ms=t * 1e3, tbps=paged_io / t / 1e12, pct_read=100 * paged_io / t / 1e12 / read)
+            t, timing = seconds_per_call(fn, (q, k_pool, v_pool, lengths, starts, psz), a)
+            rec["paged"] = dict(ms=t * 1e3, tbps=paged_io / t / 1e12, pct_read=100 * paged_io / t / 1e12 / read,
+                                timing=timing)
             print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} paged: {t * 1e3:.3f} ms "
                   f"{rec['paged']['pct_read']:.1f}% of read", flush=True)
             t_np = np.arange(ctx)

@@ -65,3 +65,19 @@ def test_swapped_configs_and_kernel_names_parse():
     assert kernels.parse_kernels("swapped") == ("swapped",)
     with pytest.raises(SystemExit, match="--kernels"):
         kernels.parse_kernels("paged,triton")
+
+
+def test_delta_mode_times_by_the_timing_flag(monkeypatch):
+    """--delta's kernels and their bf16 baseline are timed by --timing: host (`bench`), device (the chain slope)
+    or both (host is the headline, as in the other modes), each method's figures kept."""
+    import argparse
+    monkeypatch.setattr(kernels, "chained", lambda fn, calls: calls)
+    monkeypatch.setattr(kernels, "bench", lambda fn, args, **kw: 5e-3 if fn == "kernel" else 70e-6 + 30e-6 * fn)
+    a = argparse.Namespace(timing="host", chain_lengths=(8, 40), reps=1, inner=1, rounds=1)
+    assert kernels.seconds_per_call("kernel", (), a) == (5e-3, {"host": {"seconds": 5e-3}})
+    a.timing = "device"
+    seconds, timing = kernels.seconds_per_call("kernel", (), a)
+    assert seconds == pytest.approx(30e-6) and set(timing) == {"device"}
+    a.timing = "both"
+    seconds, timing = kernels.seconds_per_call("kernel", (), a)
+    assert seconds == 5e-3 and timing["device"]["seconds"] == pytest.approx(30e-6)
