@@ -13,6 +13,8 @@
 #   STEP=bars (~450 s): the GPU tests of the swapped kernel on f16 and fp8 pools (their assertion lines; on a
 #     failure benchmarks/fp8_gpu_diag.py says where and whether a rerun differs), e2e_decode.py on llama-8b 4K
 #     bf16 vs fp8-delta --fp8-scale head twice (#12's >= 1.25x), then kernels.py --delta on fp8 (#12's <= 0.6x).
+#   STEP=devicebar (~250 s): the fp8-pool GPU tests, then kernels.py --delta on fp8 with --timing both (host and device
+#     time per call: #12's kernel bar by the method the 1K paged bar was judged by; BENCHMARKS.md session 22 item 6).
 source benchmarks/gpu_env.sh
 case "${STEP:-kernels}" in
   kernels)
@@ -35,6 +37,12 @@ case "${STEP:-kernels}" in
     timeout ${T1:-400} python3 benchmarks/fp8_fold_sweep.py --contexts ${CONTEXTS:-4096,16384} --pages ${PAGES:-16,64,mixed} \
       --configs "${CONFIGS:-default;shared_smem=True;shared_smem=True,num_splits=4;shared_smem=True,num_stages=3}" --out $OUT/fp8_fold_sweep_h200.json > $OUT/sweep.log 2>&1
     echo "sweep: exit $?"; grep -v ptxas $OUT/sweep.log | grep -A40 "^ *ctx" ;;
+  devicebar)
+    timeout ${T0:-120} python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py -k "gpu_reduced_pools and float8" 2>&1 | tail -3
+    timeout ${T1:-400} python3 benchmarks/kernels.py --delta --precisions fp8-delta --anchor-lens 1 --quick --timing both \
+      --contexts ${CONTEXTS:-4096,16384} --pages ${PAGES:-16,64,mixed} --out $OUT/delta_kernels_fp8_head_${TAG:-run}_device.json \
+      > $OUT/fp8_head_device.log 2>&1
+    echo "kernels: exit $?"; grep -v "ptxas\|^\s*$" $OUT/fp8_head_device.log | grep -E "fold|paged:|target|read" | tail -20 ;;
   bars)
     timeout ${T0:-150} python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py -k "gpu_reduced_pools" \
       > $OUT/gpu_tests.log 2>&1 || timeout 200 python3 benchmarks/fp8_gpu_diag.py --out $OUT/fp8_gpu_diag.json
