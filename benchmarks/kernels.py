@@ -153,8 +153,8 @@ def device_time(fn, args, *, short, long, reps, rounds=3):
 
 
 def seconds_per_call(fn, args, a) -> tuple[float, dict]:
-    """fn(*args)'s seconds per call by --timing (--delta's kernels and their bf16 baseline): host (`bench`) or
-    device (`device_time`, args[0] chained); with both, the headline is host's, as the other modes' tables.
+    """fn(*args)'s seconds per call by --timing (every mode's kernels): host (`bench`) or device (`device_time`,
+    args[0] chained); with both, the headline is host's (what the tables and plots show).
     Returns (headline seconds, {method: figures})."""
     out = {}
     if a.timing in ("host", "both"):
@@ -466,12 +466,7 @@ def main(argv=None):
 
     def timed(fn, args):
         """{timing: metrics} for fn(*args) by each --timing method (seconds per call)."""
-        out = {}
-        if "host" in timings:
-            out["host"] = dict(seconds=bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds))
-        if "device" in timings:
-            out["device"] = device_time(fn, args, short=chain_short, long=chain_long, reps=a.reps, rounds=a.rounds)
-        return out
+        return seconds_per_call(fn, args, a)[1]
 
     B, Hq, Hkv, D = a.batch, a.q_heads, a.kv_heads, a.head_dim
     scale = 1.0 / math.sqrt(D)

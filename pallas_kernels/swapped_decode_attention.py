@@ -584,7 +584,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                     if q_stacked:      # one fp8 MMA on the K ring slot: column block t of the result is part t's
                         plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
                     elif fp8_scores:     # fp8 MMAs on the K ring slot, one per q part, into one accumulator
-                        for t in range(config.fp8_q_terms):
+                        for t in range(terms):
                             plgpu.wgmma(acc_ref, k_tile, q_smem.at[t].transpose((1, 0)))
                     else:
                         plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
@@ -605,7 +605,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                     return acc_ref[...]
                 s = pl.run_scoped(qk, plgpu.ACC((T, N * terms if q_stacked else N), jnp.float32))
                 if q_stacked:   # the parts' column blocks, added in registers (WGMMA tiles are 8 columns wide)
-                    s = functools.reduce(lambda a, b: a + b, (s[:, t * N:(t + 1) * N] for t in range(terms)))
+                    s = sum((s[:, t * N:(t + 1) * N] for t in range(1, terms)), s[:, :N])
                 if fp8_scores:
                     s = s * q_unscale
                 if soft_cap is None:
@@ -724,7 +724,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         out_type += [jax.ShapeDtypeStruct((batch * splits, num_kv_heads, N), jnp.float32)] * 3
     table_and_q = [
         plgpu.SMEM((window,), jnp.int32),
-        kv_format.q_smem_type(config.fp8_q_terms, N, D, stacked=q_stacked) if fp8_scores
+        kv_format.q_smem_type(terms, N, D, stacked=q_stacked) if fp8_scores
         else plgpu.SMEM((N, D), mma_dtype, transforms=MMA_TRANSFORMS)]
     barriers = [
         plgpu.Barrier(num_barriers=2),
