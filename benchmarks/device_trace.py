@@ -23,11 +23,12 @@ DERIVED_LINES = re.compile(r"^(XLA Modules|XLA Ops|Steps|Framework|TensorFlow|So
 
 # (kind, pattern over the kernel name), first match wins. Order matters: a collective is communication even
 # when its name says "reduce"; a Triton GEMM fusion ("gemm_fusion_dot") is a matmul, not a fusion.
+PALLAS_KIND = "attention kernel (Pallas)"
 KERNEL_KINDS: tuple[tuple[str, re.Pattern], ...] = (
     ("communication", COMMUNICATION),
     # The attention kernels show up as `body_mosaic_gpu_kernel`; the projections' Pallas GEMM as
     # `decode_matmul_mosaic_gpu_kernel` (a matmul).
-    ("attention kernel (Pallas)", re.compile(r"^(?!.*matmul).*(mosaic|pallas|paged_attention|delta_attention)", re.I)),
+    (PALLAS_KIND, re.compile(r"^(?!.*matmul).*(mosaic|pallas|paged_attention|delta_attention)", re.I)),
     ("matmul", re.compile(r"nvjet|gemm|cutlass|cublas|xmma|matmul|dot", re.I)),
     ("KV write (scatter)", re.compile(r"scatter", re.I)),
     ("concatenate / copy", re.compile(r"concatenate|copy|memcpy|memset|transpose", re.I)),

@@ -40,7 +40,7 @@ case "${STEP:-kernels}" in
   devicebar)
     timeout ${T0:-120} python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py -k "gpu_reduced_pools and float8" 2>&1 | tail -3
     timeout ${T1:-400} python3 benchmarks/kernels.py --delta --precisions fp8-delta --anchor-lens 1 --quick --timing both \
-      --contexts ${CONTEXTS:-4096,16384} --pages ${PAGES:-16,64,mixed} --out $OUT/delta_kernels_fp8_head_${TAG:-run}_device.json \
+      ${PROFILE:+--profile-kernels} --contexts ${CONTEXTS:-4096,16384} --pages ${PAGES:-16,64,mixed} --out $OUT/delta_kernels_fp8_head_${TAG:-run}_device.json \
       > $OUT/fp8_head_device.log 2>&1
     echo "kernels: exit $?"; grep -v "ptxas\|^\s*$" $OUT/fp8_head_device.log | grep -E "fold|paged:|target|read" | tail -20 ;;
   bars)

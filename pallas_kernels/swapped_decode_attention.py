@@ -208,6 +208,10 @@ class SwappedConfig:
       fp8_q_stacked: float8 pools whose q block has N = 8 columns (GQA groups up to 8): the q parts as one
         [fp8_q_terms * 8, D] B operand, so one fp8 MMA a tile reads the K tile from SMEM once (`F8Pages`); off,
         one MMA per part. Ignored for other pools and for N > 8.
+      refill_under_pv: float8 pools: issue the ring slot's next copies while the P V MMA runs (between its issue
+        and its wait) instead of after it. With V converted into the staging tile, neither ring slot is read
+        after the softmax's warpgroup sync, so the copies (one per page piece: 16 a tile for 8-token pages) can
+        start a P V MMA earlier and their issue overlaps the MMA. Ignored for other pools (P V reads the V slot).
     """
 
     block_kv: int = 128
@@ -218,6 +222,7 @@ class SwappedConfig:
     fp8_q_terms: int = 3
     shared_smem: bool = False
     fp8_q_stacked: bool = True
+    refill_under_pv: bool = False
 
     def __post_init__(self):
         check_tile_pipeline(self.block_kv, self.num_stages, self.num_splits)
@@ -296,10 +301,11 @@ def default_swapped_config(head_dim: int, max_context: int | None = None, pool_d
     tiles with 3 q parts in the same run (benchmarks/fp8_fold_sweep.py, BENCHMARKS.md): with half the bytes a
     tile, a CTA's chain of MMAs, softmax and V conversion bounds it, so more CTAs an SM (the smaller ring,
     split-K's smaller table window) and a shorter chain pay. Still the fastest after session 20's cheaper V
-    conversion (0.61-0.66x at 4K against shared SMEM, 3 stages, k1, k4). head_dim 64 fp8 was not timed: its bf16
-    default."""
+    conversion (0.61-0.66x at 4K against shared SMEM, 3 stages, k1, k4). The ring refilled under the P V MMA
+    (`refill_under_pv`): faster than after it in 11 of 12 pairs at 4K and 16K, pages 16/64/mixed (BENCHMARKS.md,
+    session 23). head_dim 64 fp8 was not timed: its bf16 default."""
     if jnp.dtype(pool_dtype) == _FP8 and head_dim == 128:
-        return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2)
+        return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2, refill_under_pv=True)
     if head_dim == 64:
         if max_context is not None and max_context <= SHORT_CONTEXT_KEYS:
             return SwappedConfig(block_kv=64, num_stages=3)
@@ -570,11 +576,12 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                         ctx, src, off, size, slot, k_bars[gi].at[slot], v_bars[gi].at[slot]))
 
             # --- one tile: S^T, column softmax, O^T += V^T P^T ----------------------------------------
-            def attend(carry, slot, n_valid):
+            def attend(carry, slot, n_valid, refill_under_pv=None):
                 """carry: acc [D, N] f32 (O^T, unnormalised), m [N] f32 column max (base 2), l [T, N] f32
                 per-row partial column sums (with score_stats also the shift c [N] and the per-row partial sums
                 of (s - c) and (s - c)^2, [T, N] each). K is awaited before S^T, V only before P V (its copy may
-                still land while S^T and the softmax run)."""
+                still land while S^T and the softmax run). refill_under_pv: issues the ring slot's next copies
+                (`SwappedConfig.refill_under_pv`, staging formats only), called while the P V MMA runs."""
                 acc, m_i, l_tile, *stats = carry
                 k_ring, v_ring = kv_smem
                 k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
@@ -637,6 +644,10 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_smem.transpose((1, 0)))
+                    if refill_under_pv is not None:
+                        # The ring slot is free: every warp's S^T MMA was awaited and its V rows converted
+                        # before the warpgroup sync above (commit_smem: also the proxy fence TMA's writes need).
+                        refill_under_pv()
                     return acc_ref[...]
                 acc = acc * cols(alpha, acc.shape) + pl.run_scoped(pv, plgpu.ACC((D, N), jnp.float32))
                 return acc, m_new, l_tile, *stats
@@ -658,17 +669,24 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                 pl.when(s_ < num_steps)(functools.partial(fetch, tile_lo + s_, s_))
             plgpu.barrier_wait(meta_bar.at[1])
 
+            refill_early = config.refill_under_pv and bool(staging)
+
             def step(i, carry):
                 slot = lax.rem(i, stages)
                 tile = tile_lo + i
                 n_valid = length - tile * T
-                carry = attend(carry, slot, n_valid)
-                # attend() awaited its WGMMAs (each warp its share), so after one warpgroup sync the slot is free.
-                @pl.when(i + stages < num_steps)
-                def _():
-                    if config.no_auto_barriers:
-                        plgpu.commit_smem()
-                    fetch(tile + stages, slot)
+
+                def refill():
+                    pl.when(i + stages < num_steps)(lambda: fetch(tile + stages, slot))
+                carry = attend(carry, slot, n_valid, refill if refill_early else None)
+                if not refill_early:
+                    # attend() awaited its WGMMAs (each warp its share), so after one warpgroup sync the slot is
+                    # free.
+                    @pl.when(i + stages < num_steps)
+                    def _():
+                        if config.no_auto_barriers:
+                            plgpu.commit_smem()
+                        fetch(tile + stages, slot)
                 return carry
 
             acc0 = plgpu.layout_cast(jnp.zeros((D, N), jnp.float32), wgmma_layout)

@@ -73,7 +73,7 @@ def test_delta_mode_times_by_the_timing_flag(monkeypatch):
     import argparse
     monkeypatch.setattr(kernels, "chained", lambda fn, calls: calls)
     monkeypatch.setattr(kernels, "bench", lambda fn, args, **kw: 5e-3 if fn == "kernel" else 70e-6 + 30e-6 * fn)
-    a = argparse.Namespace(timing="host", chain_lengths=(8, 40), reps=1, inner=1, rounds=1)
+    a = argparse.Namespace(timing="host", chain_lengths=(8, 40), reps=1, inner=1, rounds=1, profile_kernels=False)
     assert kernels.seconds_per_call("kernel", (), a) == (5e-3, {"host": {"seconds": 5e-3}})
     a.timing = "device"
     seconds, timing = kernels.seconds_per_call("kernel", (), a)
@@ -81,3 +81,60 @@ def test_delta_mode_times_by_the_timing_flag(monkeypatch):
     a.timing = "both"
     seconds, timing = kernels.seconds_per_call("kernel", (), a)
     assert seconds == 5e-3 and timing["device"]["seconds"] == pytest.approx(30e-6)
+
+
+def test_kernel_breakdown_sums_each_kernel_per_call():
+    from device_trace import Kernel
+    ks = [Kernel("body_mosaic_gpu_kernel", "GPU", 0.0, 50.0), Kernel("loop_multiply_fusion", "GPU", 52.0, 55.0),
+          Kernel("body_mosaic_gpu_kernel", "GPU", 60.0, 110.0), Kernel("loop_multiply_fusion", "GPU", 112.0, 115.0),
+          Kernel("input_reduce_fusion", "GPU", 113.0, 120.0)]       # overlaps the multiply on another stream
+    got = kernels.kernel_breakdown(ks, calls=2)
+    assert got["kernels"] == {"body_mosaic_gpu_kernel": 50.0, "input_reduce_fusion": 3.5, "loop_multiply_fusion": 3.0}
+    assert list(got["kernels"]) == ["body_mosaic_gpu_kernel", "input_reduce_fusion", "loop_multiply_fusion"]
+    assert got["pallas_us"] == 50.0                  # the Mosaic GPU kernel only
+    assert got["busy_us"] == pytest.approx((50 + 3 + 50 + 8) / 2)      # union: the overlap counted once
+    assert got["span_us"] == 60.0
+
+
+def test_kernel_profile_traces_the_chain_on_this_backend():
+    """A real jax.profiler trace of a chained function (the XLA ops stand in for kernels on CPU): every call's
+    dot is seen, so a kernel's time per call is its total over the chain's length."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 64)) / 8, jnp.float32)
+    got = kernels.kernel_profile(_layer, (x, w), calls=3)
+    assert got["calls"] == 3 and got["kernels"], got
+    assert got["busy_us"] > 0 and got["span_us"] >= got["busy_us"] - 1e-6
+    assert got["pallas_us"] == 0.0                   # no Pallas kernel in this function
+
+
+def test_profile_kernels_needs_device_timing():
+    with pytest.raises(SystemExit):
+        kernels.main(["--delta", "--profile-kernels", "--timing", "host", "--dry-run"])
+
+
+def test_pair_breakdown_splits_interleaved_kernels_by_order():
+    from device_trace import Kernel
+    ks = []
+    for i, (base_us, mine_us) in enumerate([(250.0, 150.0), (260.0, 145.0), (240.0, 160.0)]):
+        t = 1000.0 * i
+        ks += [Kernel("body_mosaic_gpu_kernel", "GPU", t, t + base_us),                    # paged
+               Kernel("loop_multiply_fusion", "GPU", t + 300, t + 303),                     # the run's q prep
+               Kernel("body_mosaic_gpu_kernel", "GPU", t + 305, t + 305 + mine_us),         # the run's kernel
+               Kernel("input_reduce_fusion", "GPU", t + 306 + mine_us, t + 308 + mine_us)]  # its merge
+    got = kernels.pair_breakdown(ks[::-1], calls=3)       # order in the list does not matter, timestamps do
+    assert got["base_pallas_us"] == 250.0 and got["pallas_us"] == 150.0
+    assert got["x_pallas"] == pytest.approx(150.0 / 250.0)          # median of 0.6, 0.558, 0.667
+    assert got["busy_us"] == pytest.approx(155.0)                   # 3 + 150 + 2, the median pair
+    assert got["x_busy"] == pytest.approx(155.0 / 250.0)
+    with pytest.raises(ValueError, match="exactly one"):
+        kernels.pair_breakdown(ks[:-2], calls=3)                    # a pair short of its run's kernel
+
+
+def test_pallas_timing_prefers_the_paired_profile():
+    run = dict(x_paged=0.7, timing=dict(profile=dict(pallas_us=62.0), paired=dict(x_pallas=0.58)))
+    paged = dict(timing=dict(profile=dict(pallas_us=100.0)))
+    assert kernels.x_paged_by(run, paged, "pallas") == 0.58
+    del run["timing"]["paired"]
+    assert kernels.x_paged_by(run, paged, "pallas") == pytest.approx(0.62)
+    assert kernels.x_paged_by(run, paged, "device") is None

@@ -149,6 +149,36 @@ def test_float8_pools_match_float64():
         swapped_paged_attention(**{**case, "v_pool": case["v_pool"].astype(jnp.bfloat16)}, interpret=True)
 
 
+def test_float8_refill_under_pv_gives_the_same_output():
+    """`refill_under_pv` (float8 pools): the ring slot's next copies are issued while the P V MMA runs, not after
+    it. Only when the copies start changes: the output is the default order's bit for bit (NaN in every stale
+    slot, every page size, so 8-token pages' 8 copies a tile; 2 and 3 stages, split-K 1 and 2, lengths that
+    leave slots never refilled) and float64's. For bf16 pools (P V reads the V slot) the flag is ignored: the
+    traced kernel is the default's."""
+    case = random_paged_case(13, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=4, num_kv_heads=1, head_dim=64)
+    f8 = {**case, "k_pool": case["k_pool"].astype(jnp.float8_e4m3fn),
+          "v_pool": case["v_pool"].astype(jnp.float8_e4m3fn)}
+    want = float64_attention(f8)
+    for stages, splits in ((2, 1), (3, 2)):
+        config = SwappedConfig(block_kv=64, num_stages=stages, num_splits=splits, fp8_q_terms=2)
+        default = np.asarray(swapped_paged_attention(**f8, config=config, interpret=True), np.float32)
+        early = np.asarray(swapped_paged_attention(**f8, config=dataclasses.replace(config, refill_under_pv=True),
+                                                   interpret=True), np.float32)
+        np.testing.assert_array_equal(early, default)
+        check(early, want)
+    config = SwappedConfig(block_kv=64, num_stages=2)
+    trace = lambda cfg: str(jax.make_jaxpr(lambda c: swapped_paged_attention(**c, config=cfg))(case))
+    assert trace(dataclasses.replace(config, refill_under_pv=True)).replace("refill_under_pv=True", "") == \
+        trace(config).replace("refill_under_pv=False", "")
+
+
+def test_float8_refill_under_pv_lowers_to_mosaic_gpu():
+    """llama-8b's decode shape with the copies issued under the P V MMA: the ring refill inside the MMA's scope
+    lowers (TMA issue between the WGMMA and its wait)."""
+    config = SwappedConfig(block_kv=64, num_stages=2, num_splits=2, fp8_q_terms=2, refill_under_pv=True)
+    assert "mosaic_gpu" in _lowered_text(64, 128, config=config, pool_dtype=jnp.float8_e4m3fn)
+
+
 def test_float8_q_parts_carry_the_precision(monkeypatch):
     """The fp8 score MMAs see q as e4m3 parts times a per-row unscale: one part (3 mantissa bits) is far from
     the float64 truth, each further part cuts the error; the default (2 at head_dim 128, 3 elsewhere) is
@@ -253,7 +283,8 @@ def test_float8_pools_default_config_and_min_splits(monkeypatch):
     (16K context: 4); bf16 pools keep their default. head_dim 64 fp8 keeps the bf16 default tiles (not timed)."""
     fp8 = jnp.float8_e4m3fn
     cfg = swapped_module.default_swapped_config(128, pool_dtype=fp8)
-    assert (cfg.block_kv, cfg.num_stages, cfg.fp8_q_terms, cfg.num_splits, cfg.shared_smem) == (64, 2, 2, None, False)
+    assert (cfg.block_kv, cfg.num_stages, cfg.fp8_q_terms, cfg.num_splits, cfg.shared_smem, cfg.refill_under_pv) == \
+        (64, 2, 2, None, False, True)
     assert swapped_module.default_swapped_config(128) == SwappedConfig(block_kv=64, num_stages=3)
     assert swapped_module.default_swapped_config(64, pool_dtype=fp8) == swapped_module.default_swapped_config(64)
     assert cfg.ctas_per_sm(128, max_pages=16384 // 8) >= 2
@@ -268,7 +299,7 @@ def test_float8_pools_default_config_and_min_splits(monkeypatch):
     jax.make_jaxpr(lambda c: swapped_paged_attention(**c))(as_fp8)
     jax.make_jaxpr(lambda c: swapped_paged_attention(**c))(case)
     assert seen[0] == SwappedConfig(block_kv=64, num_stages=2, num_splits=swapped_module.FP8_MIN_SPLITS,
-                                    fp8_q_terms=2)
+                                    fp8_q_terms=2, refill_under_pv=True)
     assert seen[1] == SwappedConfig(block_kv=64, num_stages=3, num_splits=1)
     # Without shared_smem, FP8_MIN_SPLITS (or the grid's); with it, deep enough for FP8_CTAS_PER_SM CTAs an SM.
     splits = lambda c, pages, grid=1: swapped_module.fp8_default_splits(c, 128, pages, 4, grid)
