@@ -15,6 +15,8 @@
 #     bf16 vs fp8-delta --fp8-scale head twice (#12's >= 1.25x), then kernels.py --delta on fp8 (#12's <= 0.6x).
 #   STEP=devicebar (~250 s): the fp8-pool GPU tests, then kernels.py --delta on fp8 with --timing both (host and device
 #     time per call: #12's kernel bar by the method the 1K paged bar was judged by; BENCHMARKS.md session 22 item 6).
+#     PROFILE=1 adds --profile-kernels: each kernel's traced device time, and the fold path interleaved with the paged
+#     kernel in one executable (the Pallas kernels' ratio under one clock; BENCHMARKS.md session 23).
 source benchmarks/gpu_env.sh
 case "${STEP:-kernels}" in
   kernels)
