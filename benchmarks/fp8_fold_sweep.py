@@ -120,7 +120,8 @@ def main(argv=None) -> dict:
                 c = r["config"]
                 rows.append((ctx, page, rec["paged"]["ms"], rec["paged"]["pct_read"], rec["swapped_bf16"]["ms"],
                              f"T{c['block_kv']} S{c['num_stages']} k{c['num_splits'] or 'auto'} "
-                             f"q{c['fp8_q_terms']}{'' if c['fp8_q_stacked'] else 'x'}{' sh' if c['shared_smem'] else ''}",
+                             f"q{c['fp8_q_terms']}{'' if c['fp8_q_stacked'] else 'x'}{' sh' if c['shared_smem'] else ''}"
+                             f"{' R' if c['refill_under_pv'] else ''}",
                              r.get("ms", float("nan")), r.get("x_paged", float("nan")), r.get("pct_read", float("nan"))))
     print(f"{meta['device']}  jax {meta['jax']}  B={B} Hq={Hq} Hkv={Hkv} D={D}  read {read:.2f} TB/s")
     print(f"{'ctx':>6} {'page':>6} | {'paged ms':>8} {'%read':>6} | {'swp bf16':>8} | {'fp8 config':<18} "
