@@ -29,7 +29,8 @@ import jax.numpy as jnp                        # noqa: E402
 import numpy as np                             # noqa: E402
 
 from config_flags import parse_overrides       # noqa: E402  (beside this script)
-from kernels import MIXED, bench, page_layout, read_ceiling   # noqa: E402
+from kernel_timing import bench, read_ceiling   # noqa: E402
+from kernels import MIXED, page_layout   # noqa: E402
 from pallas_kernels.paged_attention import PAGE_SIZES, paged_attention   # noqa: E402
 from pallas_kernels.swapped_decode_attention import (   # noqa: E402
     SwappedConfig, default_swapped_config, swapped_paged_attention)

@@ -10,12 +10,14 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHARED_HELPERS = ("device_trace", "config_flags", "gpu_clocks")   # benchmarks/<name>.py that other scripts import by bare name
+# benchmarks/<name>.py that other scripts import by bare name, loaded in this order (a helper imports only helpers
+# listed before it: kernel_timing imports device_trace).
+SHARED_HELPERS = ("device_trace", "config_flags", "gpu_clocks", "kernel_timing")
 
 
 def load_benchmark(script: str, name: str):
     """benchmarks/<script> as a module called `name` (left in sys.modules; `forget` removes it)."""
-    if name not in SHARED_HELPERS:       # the helpers import no benchmark script, nor each other
+    if name not in SHARED_HELPERS:       # the helpers import no benchmark script
         for helper in SHARED_HELPERS:
             if helper not in sys.modules:
                 load_benchmark(f"{helper}.py", helper)

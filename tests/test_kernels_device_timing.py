@@ -1,7 +1,9 @@
-"""benchmarks/kernels.py --timing device: the chained calls really run (none folded or merged), the
-per-call device time is the slope between two chain lengths, --configs parses into TuningConfigs, and
+"""benchmarks/kernel_timing.py (kernels.py's --timing device and --profile-kernels): the chained calls really run
+(none folded or merged), the per-call device time is the slope between two chain lengths, a trace's kernels are
+summed per call and split between interleaved pairs; and kernels.py's --configs parses into TuningConfigs,
 --swapped-configs / --kernels into SwappedConfigs and kernel names."""
 import dataclasses
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from benchmark_module import load_benchmark
 from pallas_kernels.paged_attention import TuningConfig, default_config
 
 kernels = load_benchmark("kernels.py", "bench_kernels_timing")
+timing = sys.modules["kernel_timing"]       # loaded beside it (tests/benchmark_module.py SHARED_HELPERS)
 
 
 def _layer(x, w):
@@ -25,7 +28,7 @@ def test_chain_runs_every_call_in_order_in_one_executable():
     want = x
     for _ in range(5):
         want = _layer(want, w)
-    run = kernels.chained(_layer, 5)
+    run = timing.chained(_layer, 5)
     np.testing.assert_allclose(np.asarray(run(x, w)), np.asarray(want), rtol=1e-5, atol=1e-6)
     # Five dots survive XLA's optimisation: no call was dropped or merged into another.
     hlo = run.lower(x, w).compile().as_text()
@@ -34,9 +37,9 @@ def test_chain_runs_every_call_in_order_in_one_executable():
 
 def test_device_time_is_the_slope_between_chain_lengths(monkeypatch):
     # A fake clock: an executable of n chained calls takes 70 us of dispatch and sync plus 30 us per call.
-    monkeypatch.setattr(kernels, "chained", lambda fn, calls: calls)
-    monkeypatch.setattr(kernels, "bench", lambda n, args, **kw: 70e-6 + 30e-6 * n)
-    got = kernels.device_time(None, (), short=8, long=40, reps=1, rounds=1)
+    monkeypatch.setattr(timing, "chained", lambda fn, calls: calls)
+    monkeypatch.setattr(timing, "bench", lambda n, args, **kw: 70e-6 + 30e-6 * n)
+    got = timing.device_time(None, (), short=8, long=40, reps=1, rounds=1)
     assert got["seconds"] == pytest.approx(30e-6)
     assert got["per_call_long"] == pytest.approx((70e-6 + 40 * 30e-6) / 40)
 
@@ -71,16 +74,16 @@ def test_delta_mode_times_by_the_timing_flag(monkeypatch):
     """--delta's kernels and their bf16 baseline are timed by --timing: host (`bench`), device (the chain slope)
     or both (host is the headline, as in the other modes), each method's figures kept."""
     import argparse
-    monkeypatch.setattr(kernels, "chained", lambda fn, calls: calls)
-    monkeypatch.setattr(kernels, "bench", lambda fn, args, **kw: 5e-3 if fn == "kernel" else 70e-6 + 30e-6 * fn)
+    monkeypatch.setattr(timing, "chained", lambda fn, calls: calls)
+    monkeypatch.setattr(timing, "bench", lambda fn, args, **kw: 5e-3 if fn == "kernel" else 70e-6 + 30e-6 * fn)
     a = argparse.Namespace(timing="host", chain_lengths=(8, 40), reps=1, inner=1, rounds=1, profile_kernels=False)
-    assert kernels.seconds_per_call("kernel", (), a) == (5e-3, {"host": {"seconds": 5e-3}})
+    assert timing.seconds_per_call("kernel", (), a) == (5e-3, {"host": {"seconds": 5e-3}})
     a.timing = "device"
-    seconds, timing = kernels.seconds_per_call("kernel", (), a)
-    assert seconds == pytest.approx(30e-6) and set(timing) == {"device"}
+    seconds, figures = timing.seconds_per_call("kernel", (), a)
+    assert seconds == pytest.approx(30e-6) and set(figures) == {"device"}
     a.timing = "both"
-    seconds, timing = kernels.seconds_per_call("kernel", (), a)
-    assert seconds == 5e-3 and timing["device"]["seconds"] == pytest.approx(30e-6)
+    seconds, figures = timing.seconds_per_call("kernel", (), a)
+    assert seconds == 5e-3 and figures["device"]["seconds"] == pytest.approx(30e-6)
 
 
 def test_kernel_breakdown_sums_each_kernel_per_call():
@@ -88,7 +91,7 @@ def test_kernel_breakdown_sums_each_kernel_per_call():
     ks = [Kernel("body_mosaic_gpu_kernel", "GPU", 0.0, 50.0), Kernel("loop_multiply_fusion", "GPU", 52.0, 55.0),
           Kernel("body_mosaic_gpu_kernel", "GPU", 60.0, 110.0), Kernel("loop_multiply_fusion", "GPU", 112.0, 115.0),
           Kernel("input_reduce_fusion", "GPU", 113.0, 120.0)]       # overlaps the multiply on another stream
-    got = kernels.kernel_breakdown(ks, calls=2)
+    got = timing.kernel_breakdown(ks, calls=2)
     assert got["kernels"] == {"body_mosaic_gpu_kernel": 50.0, "input_reduce_fusion": 3.5, "loop_multiply_fusion": 3.0}
     assert list(got["kernels"]) == ["body_mosaic_gpu_kernel", "input_reduce_fusion", "loop_multiply_fusion"]
     assert got["pallas_us"] == 50.0                  # the Mosaic GPU kernel only
@@ -102,7 +105,7 @@ def test_kernel_profile_traces_the_chain_on_this_backend():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((64, 64)) / 8, jnp.float32)
-    got = kernels.kernel_profile(_layer, (x, w), calls=3)
+    got = timing.kernel_profile(_layer, (x, w), calls=3)
     assert got["calls"] == 3 and got["kernels"], got
     assert got["busy_us"] > 0 and got["span_us"] >= got["busy_us"] - 1e-6
     assert got["pallas_us"] == 0.0                   # no Pallas kernel in this function
@@ -122,13 +125,13 @@ def test_pair_breakdown_splits_interleaved_kernels_by_order():
                Kernel("loop_multiply_fusion", "GPU", t + 300, t + 303),                     # the run's q prep
                Kernel("body_mosaic_gpu_kernel", "GPU", t + 305, t + 305 + mine_us),         # the run's kernel
                Kernel("input_reduce_fusion", "GPU", t + 306 + mine_us, t + 308 + mine_us)]  # its merge
-    got = kernels.pair_breakdown(ks[::-1], calls=3)       # order in the list does not matter, timestamps do
+    got = timing.pair_breakdown(ks[::-1], calls=3)       # order in the list does not matter, timestamps do
     assert got["base_pallas_us"] == 250.0 and got["pallas_us"] == 150.0
     assert got["x_pallas"] == pytest.approx(150.0 / 250.0)          # median of 0.6, 0.558, 0.667
     assert got["busy_us"] == pytest.approx(155.0)                   # 3 + 150 + 2, the median pair
     assert got["x_busy"] == pytest.approx(155.0 / 250.0)
     with pytest.raises(ValueError, match="exactly one"):
-        kernels.pair_breakdown(ks[:-2], calls=3)                    # a pair short of its run's kernel
+        timing.pair_breakdown(ks[:-2], calls=3)                    # a pair short of its run's kernel
 
 
 def test_pallas_timing_prefers_the_paired_profile():
