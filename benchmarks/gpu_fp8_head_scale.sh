@@ -17,6 +17,9 @@
 #     time per call: #12's kernel bar by the method the 1K paged bar was judged by; BENCHMARKS.md session 22 item 6).
 #     PROFILE=1 adds --profile-kernels: each kernel's traced device time, and the fold path interleaved with the paged
 #     kernel in one executable (the Pallas kernels' ratio under one clock; BENCHMARKS.md session 23).
+#   STEP=paired (~230 s a run): kernels.py --delta on fp8 with --timing both --profile-kernels, RUNS times (default
+#     "a b"): #12's kernel bar judged three ways (host, device chain slope, the Pallas kernels interleaved), repeated
+#     to see the run-to-run spread (session 23: 0.025 in the paired ratio at 4K page 64).
 source benchmarks/gpu_env.sh
 case "${STEP:-kernels}" in
   kernels)
@@ -45,6 +48,13 @@ case "${STEP:-kernels}" in
       ${PROFILE:+--profile-kernels} --contexts ${CONTEXTS:-4096,16384} --pages ${PAGES:-16,64,mixed} --out $OUT/delta_kernels_fp8_head_${TAG:-run}_device.json \
       > $OUT/fp8_head_device.log 2>&1
     echo "kernels: exit $?"; grep -v "ptxas\|^\s*$" $OUT/fp8_head_device.log | grep -E "fold|paged:|target|read" | tail -20 ;;
+  paired)
+    for r in ${RUNS:-a b}; do
+      timeout ${T1:-280} python3 benchmarks/kernels.py --delta --precisions fp8-delta --anchor-lens 1 --quick --timing both \
+        --profile-kernels --contexts ${CONTEXTS:-4096,16384} --pages ${PAGES:-16,64,mixed} \
+        --out $OUT/delta_kernels_fp8_head_${TAG:-run}_paired_$r.json > $OUT/paired_$r.log 2>&1
+      echo "paired $r: exit $?"; grep -v ptxas $OUT/paired_$r.log | grep -E "fold|target"
+    done ;;
   bars)
     timeout ${T0:-150} python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py -k "gpu_reduced_pools" \
       > $OUT/gpu_tests.log 2>&1 || timeout 200 python3 benchmarks/fp8_gpu_diag.py --out $OUT/fp8_gpu_diag.json
