@@ -96,8 +96,8 @@ def paired_profile(base_fn, base_args, fn, args, *, calls: int) -> dict:
     `chained`), warmed, then run once under jax.profiler. The H200 runs at its power cap, so its clock, and with
     it two kernels timed minutes apart, can differ by several percent (BENCHMARKS.md, session 22); interleaved,
     both see the same clock. Each must launch exactly one Pallas kernel a call (the k-th Pallas kernel of the
-    trace is base's for even k, fn's for odd k); fn's other kernels (its wrapper work) are those between its
-    pair's base kernel and the next pair's. Returns {calls, base_pallas_us, pallas_us (medians over the
+    trace is base's for even k, fn's for odd k); fn's other kernels (its wrapper work) are those that start
+    between its pair's base kernel and the next pair's. Returns {calls, base_pallas_us, pallas_us (medians over the
     pairs), x_pallas (the median of the pairs' ratios), busy_us (fn's kernels, wrapper included: median of
     their union a pair), x_busy (the median of busy / base's Pallas kernel)}; ValueError when the trace does
     not hold 2 * calls Pallas kernels. GPU only (the interpreter leaves no Pallas kernel in a trace)."""
@@ -127,7 +127,9 @@ def pair_breakdown(ks, calls: int) -> dict:
     busy = []
     for i, b in enumerate(base):
         stop = base[i + 1].start_us if i + 1 < calls else float("inf")
-        busy.append(union_us((k.start_us, k.end_us) for k in ks if k.start_us >= b.end_us and k.end_us <= stop))
+        # By start time only: a trace's timestamps may put the next kernel's start a little before the last one's
+        # end (seen with the granule-scale delta kernel, session 23), which an end-before-start filter would drop.
+        busy.append(union_us((k.start_us, k.end_us) for k in ks if k is not b and b.start_us <= k.start_us < stop))
     return dict(calls=calls, base_pallas_us=statistics.median(k.us for k in base),
                 pallas_us=statistics.median(k.us for k in mine),
                 x_pallas=statistics.median(m.us / b.us for m, b in zip(mine, base)),
