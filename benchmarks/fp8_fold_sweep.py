@@ -29,6 +29,7 @@ import jax.numpy as jnp                        # noqa: E402
 import numpy as np                             # noqa: E402
 
 from config_flags import parse_overrides       # noqa: E402  (beside this script)
+from gpu_clocks import ClockSampler            # noqa: E402
 from kernel_timing import bench, read_ceiling   # noqa: E402
 from kernels import MIXED, page_layout   # noqa: E402
 from pallas_kernels.paged_attention import PAGE_SIZES, paged_attention   # noqa: E402
@@ -88,8 +89,9 @@ def main(argv=None) -> dict:
             starts, psz = jnp.asarray(starts), jnp.asarray(sizes, jnp.int32)
 
             def timed(name, fn, args, io):
-                t = bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds)
-                return dict(name=name, ms=t * 1e3, pct_read=100 * io / t / 1e12 / read)
+                with ClockSampler() as clocks:     # the SM clock moves between configs at the power cap
+                    t = bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds)
+                return dict(name=name, ms=t * 1e3, pct_read=100 * io / t / 1e12 / read, gpu_clocks=clocks.summary())
             paged = jits.setdefault("paged", jax.jit(lambda *x: paged_attention(*x, interpret=interpret)))
             qb = q.astype(jnp.bfloat16)
             rec = dict(context=ctx, page=page, paged=timed("paged bf16", paged, (qb, kb, vb, lengths, starts, psz),
@@ -123,13 +125,14 @@ def main(argv=None) -> dict:
                              f"T{c['block_kv']} S{c['num_stages']} k{c['num_splits'] or 'auto'} "
                              f"q{c['fp8_q_terms']}{'' if c['fp8_q_stacked'] else 'x'}{' sh' if c['shared_smem'] else ''}"
                              f"{' R' if c['refill_under_pv'] else ''}",
-                             r.get("ms", float("nan")), r.get("x_paged", float("nan")), r.get("pct_read", float("nan"))))
+                             r.get("ms", float("nan")), r.get("x_paged", float("nan")), r.get("pct_read", float("nan")),
+                             (r.get("gpu_clocks") or {}).get("sm_mhz_median")))
     print(f"{meta['device']}  jax {meta['jax']}  B={B} Hq={Hq} Hkv={Hkv} D={D}  read {read:.2f} TB/s")
     print(f"{'ctx':>6} {'page':>6} | {'paged ms':>8} {'%read':>6} | {'swp bf16':>8} | {'fp8 config':<18} "
-          f"{'ms':>7} {'x paged':>7} {'%read':>6}")
-    for ctx, page, pms, ppct, sms, name, ms, x, pct in rows:
+          f"{'ms':>7} {'x paged':>7} {'%read':>6} {'SM MHz':>6}")
+    for ctx, page, pms, ppct, sms, name, ms, x, pct, mhz in rows:
         print(f"{ctx:>6} {page!s:>6} | {pms:8.3f} {ppct:5.1f}% | {sms:8.3f} | {name:<18} {ms:7.3f} {x:7.2f} "
-              f"{pct:5.1f}%")
+              f"{pct:5.1f}% {'-' if mhz is None else f'{mhz:.0f}':>6}")
     return result
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from device_trace import PALLAS_KIND, kernel_kind, kernels, load_events, newest_trace, union_us
+from gpu_clocks import ClockSampler
 
 
 def bench(fn, args, *, reps, inner, rounds=3):
@@ -139,16 +140,22 @@ def pair_breakdown(ks, calls: int) -> dict:
 def seconds_per_call(fn, args, a) -> tuple[float, dict]:
     """fn(*args)'s seconds per call by --timing (every mode's kernels): host (`bench`) or device (`device_time`,
     args[0] chained); with both, the headline is host's (what the tables and plots show). With
-    --profile-kernels (device/both) also "profile": `kernel_profile` of the short chain.
+    --profile-kernels (device/both) also "profile": `kernel_profile` of the short chain. Where nvidia-smi exists,
+    also "gpu_clocks": the SM clock, power and throttle reasons sampled while it was timed (`ClockSampler`): a
+    kernel bound by the SMs follows the clock, which this H200's power cap sets, and one bound by HBM does not, so
+    a ratio of the two moves with it.
     Returns (headline seconds, {method: figures})."""
     out = {}
-    if a.timing in ("host", "both"):
-        out["host"] = dict(seconds=bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds))
-    if a.timing in ("device", "both"):
-        short, long = a.chain_lengths
-        out["device"] = device_time(fn, args, short=short, long=long, reps=a.reps, rounds=a.rounds)
-        if a.profile_kernels:
-            out["profile"] = kernel_profile(fn, args, calls=short)
+    with ClockSampler() as clocks:
+        if a.timing in ("host", "both"):
+            out["host"] = dict(seconds=bench(fn, args, reps=a.reps, inner=a.inner, rounds=a.rounds))
+        if a.timing in ("device", "both"):
+            short, long = a.chain_lengths
+            out["device"] = device_time(fn, args, short=short, long=long, reps=a.reps, rounds=a.rounds)
+            if a.profile_kernels:
+                out["profile"] = kernel_profile(fn, args, calls=short)
+    if (summary := clocks.summary()) is not None:
+        out["gpu_clocks"] = summary
     return out["host" if "host" in out else "device"]["seconds"], out
 
 

@@ -634,9 +634,15 @@ def measure_variant(build, args, ref, paged_ms, a, *, label, io_bytes=None, base
     except Exception as e:  # noqa: BLE001
         r.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
     print(f"  [{time.strftime('%H:%M:%S')}] {label}: " +
-          (f"{r['ms']:.3f} ms x{r['x_paged']:.2f} of paged, err {r['max_abs_err']:.2g}"
+          (f"{r['ms']:.3f} ms x{r['x_paged']:.2f} of paged, err {r['max_abs_err']:.2g}{sm_clock(r['timing'])}"
            if "ms" in r else r.get("error", "")[:300]), flush=True)
     return r
+
+
+def sm_clock(timing: dict) -> str:
+    """', SM <median> MHz' from a seconds_per_call record's gpu_clocks, or '' (no nvidia-smi)."""
+    mhz = (timing.get("gpu_clocks") or {}).get("sm_mhz_median")
+    return f", SM {mhz:.0f} MHz" if mhz is not None else ""
 
 
 def delta_truth(q, ak, av, k_scale, v_scale, kd, vd, slot, lengths, scale) -> np.ndarray:
@@ -758,7 +764,7 @@ def run_delta(a):
             rec["paged"] = dict(ms=t * 1e3, tbps=paged_io / t / 1e12, pct_read=100 * paged_io / t / 1e12 / read,
                                 timing=timing)
             print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} paged: {t * 1e3:.3f} ms "
-                  f"{rec['paged']['pct_read']:.1f}% of read", flush=True)
+                  f"{rec['paged']['pct_read']:.1f}% of read{sm_clock(timing)}", flush=True)
             t_np = np.arange(ctx)
             slot = jnp.asarray(np.stack([starts_np[b, t_np // P] + t_np % P for b, P in enumerate(sizes)]))
             for prec in precisions:

@@ -145,3 +145,29 @@ def test_pallas_timing_prefers_the_paired_profile():
     del run["timing"]["paired"]
     assert kernels.x_paged_by(run, paged, "pallas") == pytest.approx(0.62)
     assert kernels.x_paged_by(run, paged, "device") is None
+
+
+def test_seconds_per_call_keeps_the_clocks_sampled_while_it_timed(monkeypatch):
+    """Where nvidia-smi exists the SM clock sampled during the timing is kept beside the figures (a ratio of an
+    SM-bound kernel to an HBM-bound one moves with it) and printed; without it nothing is added."""
+    import argparse
+
+    class FakeSampler:
+        entered = False
+
+        def __enter__(self):
+            FakeSampler.entered = True
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def summary(self):
+            return {"sm_mhz_median": 1605.0, "power_w_median": 694.0}
+    monkeypatch.setattr(timing, "ClockSampler", FakeSampler)
+    monkeypatch.setattr(timing, "bench", lambda fn, args, **kw: 5e-3)
+    a = argparse.Namespace(timing="host", chain_lengths=(8, 40), reps=1, inner=1, rounds=1, profile_kernels=False)
+    seconds, figures = timing.seconds_per_call("kernel", (), a)
+    assert FakeSampler.entered and figures["gpu_clocks"]["sm_mhz_median"] == 1605.0 and seconds == 5e-3
+    assert kernels.sm_clock(figures) == ", SM 1605 MHz"
+    assert kernels.sm_clock({"host": {"seconds": 1.0}}) == ""
