@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from config_flags import parse_overrides  # noqa: E402  (beside this script)
 from device_trace import kernels as trace_kernels, load_events, newest_trace  # noqa: E402  (beside this script)
+from kernel_timing import kernel_breakdown  # noqa: E402
 from pallas_kernels.decode_matmul import (TuningConfig, decode_matmul, decode_matmul_reference,  # noqa: E402
                                           default_k_splits, supports)
 from stratum_jax.bandwidth import measure_read_bandwidth_gbps  # noqa: E402
@@ -62,9 +63,7 @@ def device_us_per_call(fn, xs, ws, *, calls: int, trace_root: str) -> tuple[floa
                 out = fn(xs, ws[i % len(ws)])
             jax.block_until_ready(out)
         ks = trace_kernels(load_events(newest_trace(d)), device="GPU")
-    names: dict[str, float] = {}
-    for k in ks:
-        names[k.name] = names.get(k.name, 0.0) + k.us / calls
+    names = kernel_breakdown(ks, calls)["kernels"]
     return sum(names.values()), names
 
 

@@ -64,7 +64,7 @@ def device_time(fn, args, *, short, long, reps, rounds=3):
                 short=short, long=long, t_short=t_short, t_long=t_long)
 
 
-def kernel_profile(fn, args, *, calls: int, trace_root: str | None = None) -> dict:
+def kernel_profile(fn, args, *, calls: int) -> dict:
     """Device time per call of each kernel fn(*args) launches: one executable of `calls` chained calls (see
     `chained`), warmed, then run once under jax.profiler; each kernel's summed duration / calls. Returns
     {calls, kernels: {name: us per call}, pallas_us (the Pallas kernels' sum), busy_us (the union of every
@@ -73,7 +73,7 @@ def kernel_profile(fn, args, *, calls: int, trace_root: str | None = None) -> di
     run = chained(fn, calls)
     jax.block_until_ready(run(*args))
     on_gpu = jax.default_backend() == "gpu"
-    with tempfile.TemporaryDirectory(dir=trace_root) as d:
+    with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             jax.block_until_ready(run(*args))
         ks = kernels(load_events(newest_trace(d)), "GPU" if on_gpu else "/host:CPU", xla_ops_only=not on_gpu)

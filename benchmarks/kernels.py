@@ -91,8 +91,7 @@ import jax.numpy as jnp                        # noqa: E402
 import numpy as np                             # noqa: E402
 
 from config_flags import parse_overrides       # noqa: E402  (beside this script)
-from kernel_timing import (bench, chained, copy_ceiling, device_time, kernel_breakdown, kernel_profile,  # noqa: E402,F401
-                           pair_breakdown, paired_profile, read_ceiling, seconds_per_call)
+from kernel_timing import bench, copy_ceiling, paired_profile, read_ceiling, seconds_per_call   # noqa: E402
 from pallas_kernels.testing import float64_attention, random_paged_case   # noqa: E402
 from pallas_kernels.paged_attention import (   # noqa: E402
     PAGE_SIZES, PREFILL_KERNEL_CONFIG, TuningConfig, default_config, paged_attention, paged_prefill_attention,

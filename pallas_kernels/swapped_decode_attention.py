@@ -676,17 +676,17 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                 tile = tile_lo + i
                 n_valid = length - tile * T
 
-                def refill():
-                    pl.when(i + stages < num_steps)(lambda: fetch(tile + stages, slot))
-                carry = attend(carry, slot, n_valid, refill if refill_early else None)
-                if not refill_early:
-                    # attend() awaited its WGMMAs (each warp its share), so after one warpgroup sync the slot is
-                    # free.
+                def refill(sync: bool):
                     @pl.when(i + stages < num_steps)
                     def _():
-                        if config.no_auto_barriers:
+                        if sync:
                             plgpu.commit_smem()
                         fetch(tile + stages, slot)
+                if refill_early:    # attend() has synced the warpgroup before its P V MMA
+                    return attend(carry, slot, n_valid, functools.partial(refill, False))
+                carry = attend(carry, slot, n_valid)
+                # attend() awaited its WGMMAs (each warp its share), so after one warpgroup sync the slot is free.
+                refill(config.no_auto_barriers)
                 return carry
 
             acc0 = plgpu.layout_cast(jnp.zeros((D, N), jnp.float32), wgmma_layout)
