@@ -119,10 +119,12 @@ def parse_configs(spec: str, head_dim: int) -> list[TuningConfig]:
     return parse_overrides(spec, default_config(head_dim))
 
 
-def parse_swapped_configs(spec: str, head_dim: int) -> list[SwappedConfig]:
+def parse_swapped_configs(spec: str, head_dim: int, max_context: int | None = None) -> list[SwappedConfig]:
     """`--swapped-configs`: SwappedConfigs as `parse_configs` writes TuningConfigs, overriding
-    `default_swapped_config(head_dim)`, e.g. 'default;block_kv=64,num_stages=3'."""
-    return parse_overrides(spec, default_swapped_config(head_dim))
+    `default_swapped_config(head_dim, max_context)`, e.g. 'default;block_kv=64,num_stages=3'. A shape's
+    context is its rows' longest, so max_context = the context gives the config an engine bounded by it
+    (--max-context) would run: at head_dim 64 the short-context tile up to SHORT_CONTEXT_KEYS."""
+    return parse_overrides(spec, default_swapped_config(head_dim, max_context))
 
 
 def parse_kernels(spec: str) -> tuple[str, ...]:
@@ -417,7 +419,8 @@ def main(argv=None):
             parse_configs(a.configs, D) if a.configs else
             [default_config(D)] if a.default_only else sweep_configs(D, table_width, a.quick, a.short_sweep))
         # (kernel name, config) pairs, the paged kernel's first; ours_jits is keyed by the pair.
-        runs = [("paged", c) for c in configs] + ([] if a.triton_only else [("swapped", c) for c in swapped_cfgs])
+        ctx_swapped = parse_swapped_configs(a.swapped_configs, D, max_context=ctx) if swapped_cfgs else []
+        runs = [("paged", c) for c in configs] + ([] if a.triton_only else [("swapped", c) for c in ctx_swapped])
         xla_time = None
         for page in pages:
             sizes = [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(B)] if page == MIXED else [page] * B
@@ -433,7 +436,8 @@ def main(argv=None):
             def metrics(times):
                 """The first --timing method's figures at top level (what the table and plot read), every
                 method's under "timing"."""
-                for rec_t in times.values():
+                for method in timings:      # times also holds "profile" and "gpu_clocks", which carry no seconds
+                    rec_t = times[method]
                     t = rec_t["seconds"]
                     rec_t.update(ms=t * 1e3, tbps=io_bytes / t / 1e12, pct_copy=100 * io_bytes / t / 1e12 / copy["tbps"],
                                  pct_read=100 * io_bytes / t / 1e12 / read["tbps"])
@@ -457,7 +461,8 @@ def main(argv=None):
                         traceback.print_exc()
                 rec["ours"].append(r)
                 print(f"  [{time.strftime('%H:%M:%S')}] ctx={ctx} page={page} {kname} {cfg}: " + (
-                    " ".join(f"{k} {v['ms']:.4f} ms {v['pct_read']:.1f}% of read" for k, v in r["timing"].items())
+                    " ".join(f"{k} {r['timing'][k]['ms']:.4f} ms {r['timing'][k]['pct_read']:.1f}% of read"
+                             for k in timings)
                     + f" err {r['max_abs_err']:.2g}" if "ms" in r else r["error"][:200]), flush=True)
             if triton is not None and page != MIXED:
                 pps = ctx // page
@@ -519,12 +524,16 @@ def main(argv=None):
     for rec in result["shapes"]:
         for r in rec["ours"]:
             cfg = r["config"]
-            cells = " | ".join(f"{k} {v['ms']:7.4f} {v['pct_read']:5.1f}%" for k, v in r.get("timing", {}).items())
+            cells = " | ".join(f"{k} {r['timing'][k]['ms']:7.4f} {r['timing'][k]['pct_read']:5.1f}%"
+                               for k in timings if k in r.get("timing", {}))
             print(f"{rec['context']:>6} {rec['page']:>6} | {r['kernel']:>7} T={cfg['block_kv']} st={cfg['num_stages']} "
                   f"sp={cfg['num_splits']} | {cells or r.get('error', '')[:100]}")
     if len(kernel_names) > 1:
         print_kernel_comparison(result["shapes"], kernel_names, read["tbps"])
     save()
+    if not any(rec["best"] for rec in result["shapes"]):
+        print(f"wrote {out_path}; no kernel was timed (every run's error is in the JSON), so no plot")
+        return 1
     plot(result, out_path.with_suffix(".png"))
     print(f"wrote {out_path} and {out_path.with_suffix('.png')}")
     return 0

@@ -116,6 +116,32 @@ def test_profile_kernels_needs_device_timing():
         kernels.main(["--delta", "--profile-kernels", "--timing", "host", "--dry-run"])
 
 
+def test_kernel_mode_keeps_every_timing_record_and_the_engine_config(monkeypatch, tmp_path):
+    """The paged/swapped mode with --timing device --profile-kernels: the timing record also holds "profile" and
+    "gpu_clocks" (no seconds), which the figures must skip (they raised KeyError for every kernel on the H200,
+    session 24); and the swapped "default" is the config an engine bounded by the shape's context runs (the
+    short-context tile at head_dim 64), not the long-context one."""
+    def fake_seconds_per_call(fn, args, a):
+        fn(*args)
+        return 1e-3, {"device": {"seconds": 1e-3}, "profile": {"pallas_us": 900.0, "kernels": {}},
+                      "gpu_clocks": {"sm_mhz_median": 1980.0}}
+    monkeypatch.setattr(kernels, "seconds_per_call", fake_seconds_per_call)
+    out = tmp_path / "k.json"
+    rc = kernels.main(["--kernels", "paged,swapped", "--default-only", "--no-check", "--no-xla", "--timing", "device",
+                       "--profile-kernels", "--pages", "64", "--dry-run", "--out", str(out)])
+    assert rc == 0
+    import json
+    from pallas_kernels.swapped_decode_attention import SHORT_CONTEXT_KEYS, default_swapped_config
+    shape, = json.loads(out.read_text())["shapes"]
+    assert shape["context"] <= SHORT_CONTEXT_KEYS
+    for run in shape["ours"]:
+        assert "error" not in run, run
+        assert run["ms"] == pytest.approx(1.0) and run["timing"]["profile"]["pallas_us"] == 900.0
+    swapped = [r for r in shape["ours"] if r["kernel"] == "swapped"]
+    assert [r["config"] for r in swapped] == [dataclasses.asdict(default_swapped_config(64, shape["context"]))]
+    assert swapped[0]["config"]["block_kv"] == 64
+
+
 def test_pair_breakdown_splits_interleaved_kernels_by_order():
     from device_trace import Kernel
     ks = []
