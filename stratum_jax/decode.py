@@ -41,6 +41,7 @@ from jax import lax
 
 from stratum_jax.attention import RowTables
 from stratum_jax.kv.delta_cache import num_slots_of
+from stratum_jax.kv.slot_write import padding_slots
 from stratum_jax.model import llama
 from stratum_jax.model.projection import step_matmul
 from stratum_jax.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
@@ -285,7 +286,8 @@ def decode_steps(params, kv_cache, last_tokens, positions, steps_allowed, tables
         active = i < steps_allowed
         pos = positions + i
         page = jnp.minimum(pos // tables.page_sizes, tables.page_starts.shape[1] - 1)
-        slot = jnp.where(active, tables.page_starts[batch_rows, page] + pos % tables.page_sizes, num_slots)
+        slot = jnp.where(active, tables.page_starts[batch_rows, page] + pos % tables.page_sizes,
+                         padding_slots(num_slots, batch_rows))
         batch = PackedBatch(
             token_ids=tokens, positions=jnp.where(active, pos, -1), write_slots=slot,
             stats_weight=active.astype(jnp.float32), prompt_next=jnp.full((rows,), -1, jnp.int32),

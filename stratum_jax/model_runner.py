@@ -25,6 +25,7 @@ from stratum_jax.decode import (PROMPT_LOGPROB_PIECE, DecodeResult, PackedBatch,
                                 SamplerVariant, StepGeometry, StepResult, TokenFeed, decode_steps, packed_step,
                                 packed_step_compiler_options, prompt_logprobs_piece, sample_step)
 from stratum_jax.executable_cache import ExportedSteps
+from stratum_jax.kv.slot_write import padding_slots
 from stratum_jax.model.llama import fused_shards_of
 from stratum_jax.sampling import MAX_TOP_LOGPROBS
 from stratum_jax.sampling import SamplingArrays
@@ -368,7 +369,7 @@ class ModelRunner:
         total = rows + prefill_tokens
         tokens = np.zeros(total, np.int32)
         positions = np.full(total, -1, np.int32)
-        slots = np.full(total, self.num_slots, np.int32)          # out of range = dropped write
+        slots = padding_slots(self.num_slots, np.arange(total, dtype=np.int32))   # out of range = dropped write
         weight = np.zeros(total, np.float32)
         prompt_next = np.full(total, -1, np.int32)
         tile_rows = np.full(prefill_tokens // tile, -1, np.int32)

@@ -18,22 +18,14 @@ import numpy as np
 import pytest
 
 from attention_cases import float64_truth, per_query_case, tiled_case
+from packing_cases import NUM_SLOTS, ROWS, TILE, packing_runner, packing_sequences
 from pallas_kernels.testing import float64_score_variance, random_paged_case
 from stratum_jax.attention import RowTables, decode_attention, tiled_paged_attention
-from stratum_jax.config import RuntimeConfig
 from stratum_jax.decode import SamplerVariant, decode_steps, packed_step
-from stratum_jax.kv.block_table import BlockTable
-from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.model import llama
 from stratum_jax.model.config import PRESETS
-from stratum_jax.model_runner import ModelRunner
-from stratum_jax.request import SamplingParams
 from stratum_jax.scheduler.base import ScheduledBatch
-from stratum_jax.sequence import Sequence
 
-NUM_SLOTS = 4096
-ROWS = 4
-TILE = 8
 # Per-query variance: fp32 scores of the same values the float64 truth uses, summed after a shift,
 # measured ~1e-6 relative; one key too many or too few moves a variance by ~var / n (> 1e-3 here).
 VAR_RTOL, VAR_ATOL = 2e-4, 1e-5
@@ -48,26 +40,6 @@ def _model(dtype, head_dim, qk_gain=4.0):
         lambda path, x: x * qk_gain if any(getattr(p, "key", None) in ("q_proj", "k_proj") for p in path) else x,
         params)
     return cfg, params
-
-
-def _runner(backend="reference", attn_stats=True):
-    """The engine's ModelRunner (only its input packing and StepGeometry are used): 4 rows, tiles of 8,
-    block tables for 64 tokens, 2 decode steps per call."""
-    config = RuntimeConfig(model="tiny", max_batch_size=ROWS, max_context=64, kv_pool_tokens=NUM_SLOTS,
-                           prefill_chunk=TILE, max_num_batched_tokens=ROWS + 64, decode_steps=2)
-    return ModelRunner(config, model=None, num_slots=NUM_SLOTS, backend=backend, attn_stats=attn_stats)
-
-
-def _sequences():
-    """Greedy sequences of 30, 3 and 12 prompt tokens in pages of 32, 8 and 16 (room for 4 more tokens)."""
-    pool = PagePool(NUM_SLOTS, enable_prefix_caching=False)
-    seqs = []
-    for name, prompt, page_size in (("a", [7, 9, 11] * 10, 32), ("b", [3, 4, 5], 8), ("c", list(range(40, 52)), 16)):
-        seq = Sequence(name, prompt, SamplingParams(temperature=0.0), seed=0, detokenizer=None)
-        seq.blocks = BlockTable(pool, page_size)
-        assert seq.blocks.ensure_capacity(len(prompt) + 4)
-        seqs.append(seq)
-    return seqs
 
 
 def _advance(batch: ScheduledBatch, tokens):
@@ -121,8 +93,8 @@ def test_packed_step_attn_score_var_matches_float64():
     float64 recomputation of its token's variance; prompt tokens are not measured (decode.py), so a row
     that only prefilled reads 0; with attn_stats off, the same tokens and zero stats."""
     cfg, params = _model("float32", 32)
-    runner = _runner()
-    a, b, c = _sequences()
+    runner = packing_runner()
+    a, b, c = packing_sequences()
     cache = llama.init_kv_cache(cfg, NUM_SLOTS)
     steps = [ScheduledBatch([], [], [b, c, a], [3, 12, 22]),
              ScheduledBatch([b, c], [1, 1], [a], [8])]
@@ -218,8 +190,8 @@ def test_decode_steps_kernel_matches_reference_and_float64(two_splits):
     [2 steps, rows] is the same from the kernel (interpret mode) and the reference backend, 0 for rows
     that are not running; the reference's step-0 value equals the float64 recomputation."""
     cfg, params = _model("bfloat16", 64)
-    runner = _runner()
-    a, b, c = _sequences()
+    runner = packing_runner()
+    a, b, c = packing_sequences()
     prefill = ScheduledBatch([], [], [b, c, a], [3, 12, 30])
     res, cache, _ = _greedy_step(runner, params, cfg, llama.init_kv_cache(cfg, NUM_SLOTS), prefill, 56)
     _advance(prefill, res.tokens)

@@ -50,6 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stratum_jax.kv.slot_write import write_slot_rows
+
 log = logging.getLogger(__name__)
 
 GRANULE = 8                     # slots per scale entry (the smallest page)
@@ -117,10 +119,10 @@ def _write(anchor, delta, scale, floor, x, positions, slots, fixed_scales=False)
     a = anchor[:, positions % anchor.shape[1]].astype(jnp.float32)                   # [Hkv, T, D]
     d = x.transpose(1, 0, 2).astype(jnp.float32) - a
     if delta.dtype == jnp.float16:
-        return delta.at[:, slots].set(d.astype(jnp.float16), mode="drop"), scale
+        return write_slot_rows(delta, slots, d.astype(jnp.float16)), scale
     if fixed_scales:
         q = jnp.clip(d / floor[:, None, None], -FP8_MAX, FP8_MAX).astype(delta.dtype)
-        return delta.at[:, slots].set(q, mode="drop"), scale
+        return write_slot_rows(delta, slots, q), scale
     granules = scale.shape[1]
     g = slots // GRANULE                                                             # padding: >= granules
     first = jnp.where(slots % GRANULE == 0, g, granules)                             # granules restarted
@@ -131,7 +133,7 @@ def _write(anchor, delta, scale, floor, x, positions, slots, fixed_scales=False)
     scale = scale.at[:, in_fresh].max(jnp.max(jnp.abs(d), axis=-1) / FP8_MAX, mode="drop")
     s = scale.at[:, g].get(mode="fill", fill_value=1.0)                              # [Hkv, T]
     q = jnp.clip(d / s[..., None], -FP8_MAX, FP8_MAX).astype(delta.dtype)
-    return delta.at[:, slots].set(q, mode="drop"), scale
+    return write_slot_rows(delta, slots, q), scale
 
 
 def _rebuild(anchor, delta, scale, slots, positions):

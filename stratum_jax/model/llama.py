@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stratum_jax.kv.delta_cache import DeltaKV
+from stratum_jax.kv.slot_write import write_slot_rows
 from stratum_jax.model.config import ModelConfig
 from stratum_jax.model.projection import Matmul, xla_matmul
 
@@ -231,10 +232,10 @@ class Attention(nn.Module):
                 o = attend(self.layer, q, cache, None).astype(dtype)
         else:
             k_pool, v_pool = cache
-            # Slots >= num_slots are padding tokens: mode="drop" discards their writes.
+            # Slots >= num_slots are padding tokens, whose writes are dropped (kv/slot_write.py).
             with jax.named_scope("kv_write"):
-                k_pool = k_pool.at[:, write_slots, :].set(k.transpose(1, 0, 2), mode="drop")
-                v_pool = v_pool.at[:, write_slots, :].set(v.transpose(1, 0, 2), mode="drop")
+                k_pool = write_slot_rows(k_pool, write_slots, k.transpose(1, 0, 2))
+                v_pool = write_slot_rows(v_pool, write_slots, v.transpose(1, 0, 2))
             with jax.named_scope("attention"):
                 o = attend(self.layer, q, k_pool, v_pool).astype(dtype)
             cache = (k_pool, v_pool)
