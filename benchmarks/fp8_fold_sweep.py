@@ -31,10 +31,10 @@ import numpy as np                             # noqa: E402
 from config_flags import parse_overrides       # noqa: E402  (beside this script)
 from gpu_clocks import ClockSampler            # noqa: E402
 from kernel_timing import bench, read_ceiling   # noqa: E402
-from kernels import MIXED, page_layout   # noqa: E402
+from paged_layout import MIXED, page_layout   # noqa: E402
 from pallas_kernels.paged_attention import PAGE_SIZES, paged_attention   # noqa: E402
 from pallas_kernels.swapped_decode_attention import (   # noqa: E402
-    SwappedConfig, default_swapped_config, swapped_paged_attention)
+    default_swapped_config, swapped_paged_attention)
 
 
 def main(argv=None) -> dict:

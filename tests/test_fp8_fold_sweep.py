@@ -7,7 +7,6 @@ from benchmark_module import load_benchmark
 
 @pytest.fixture(scope="module")
 def sweep():
-    load_benchmark("kernels.py", "kernels")       # the sweep imports kernels.py's page layout by bare name
     return load_benchmark("fp8_fold_sweep.py", "fp8_fold_sweep")
 
 

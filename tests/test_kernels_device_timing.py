@@ -14,6 +14,7 @@ from pallas_kernels.paged_attention import TuningConfig, default_config
 
 kernels = load_benchmark("kernels.py", "bench_kernels_timing")
 timing = sys.modules["kernel_timing"]       # loaded beside it (tests/benchmark_module.py SHARED_HELPERS)
+delta_kernels = sys.modules["delta_kernels"]
 
 
 def _layer(x, w):
@@ -167,10 +168,10 @@ def test_pair_breakdown_splits_interleaved_kernels_by_order():
 def test_pallas_timing_prefers_the_paired_profile():
     run = dict(x_paged=0.7, timing=dict(profile=dict(pallas_us=62.0), paired=dict(x_pallas=0.58)))
     paged = dict(timing=dict(profile=dict(pallas_us=100.0)))
-    assert kernels.x_paged_by(run, paged, "pallas") == 0.58
+    assert delta_kernels.x_paged_by(run, paged, "pallas") == 0.58
     del run["timing"]["paired"]
-    assert kernels.x_paged_by(run, paged, "pallas") == pytest.approx(0.62)
-    assert kernels.x_paged_by(run, paged, "device") is None
+    assert delta_kernels.x_paged_by(run, paged, "pallas") == pytest.approx(0.62)
+    assert delta_kernels.x_paged_by(run, paged, "device") is None
 
 
 def test_seconds_per_call_keeps_the_clocks_sampled_while_it_timed(monkeypatch):
@@ -195,5 +196,5 @@ def test_seconds_per_call_keeps_the_clocks_sampled_while_it_timed(monkeypatch):
     a = argparse.Namespace(timing="host", chain_lengths=(8, 40), reps=1, inner=1, rounds=1, profile_kernels=False)
     seconds, figures = timing.seconds_per_call("kernel", (), a)
     assert FakeSampler.entered and figures["gpu_clocks"]["sm_mhz_median"] == 1605.0 and seconds == 5e-3
-    assert kernels.sm_clock(figures) == ", SM 1605 MHz"
-    assert kernels.sm_clock({"host": {"seconds": 1.0}}) == ""
+    assert delta_kernels.sm_clock(figures) == ", SM 1605 MHz"
+    assert delta_kernels.sm_clock({"host": {"seconds": 1.0}}) == ""
