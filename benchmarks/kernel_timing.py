@@ -1,4 +1,4 @@
-"""Timing helpers shared by the kernel benchmarks (kernels.py, fp8_fold_sweep.py): host-timed calls (`bench`),
+"""Timing helpers shared by the kernel benchmarks (kernels.py, delta_kernels.py, fp8_fold_sweep.py): host-timed calls (`bench`),
 device time per call as the slope between two chains of calls in one executable (`chained`, `device_time`), each
 kernel's device time from a jax.profiler trace (`kernel_profile`) and two kernels interleaved under one clock
 (`paired_profile`), the per-call figures by a --timing flag (`seconds_per_call`), and the copy and read-only

@@ -64,7 +64,8 @@ def packed_batch(geo, decode_ctx, chunks, chunk, prefill_ctx, starts, sizes, num
     P = max(tile, chunks * per)
     P = 1 << (P - 1).bit_length() if P > tile else P       # the engine's power-of-2 bucket
     T = R + P
-    tok = np.ones(T, np.int32); pos = np.full(T, -1, np.int32); slots = padding_slots(num_slots, np.arange(T, dtype=np.int32))
+    tok = np.ones(T, np.int32); pos = np.full(T, -1, np.int32)
+    slots = padding_slots(num_slots, np.arange(T, dtype=np.int32))
     ctx = np.zeros(R, np.int32); si = np.zeros(R, np.int32); tile_rows = np.full(P // tile, -1, np.int32)
     for r in range(R - chunks):
         pos[r] = decode_ctx - 1; ctx[r] = decode_ctx; si[r] = r

@@ -3,6 +3,7 @@
 summed per call and split between interleaved pairs; and kernels.py's --configs parses into TuningConfigs,
 --swapped-configs / --kernels into SwappedConfigs and kernel names."""
 import dataclasses
+import json
 import sys
 
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 
 from benchmark_module import load_benchmark
 from pallas_kernels.paged_attention import TuningConfig, default_config
+from pallas_kernels.swapped_decode_attention import SHORT_CONTEXT_KEYS, default_swapped_config
 
 kernels = load_benchmark("kernels.py", "bench_kernels_timing")
 timing = sys.modules["kernel_timing"]       # loaded beside it (tests/benchmark_module.py SHARED_HELPERS)
@@ -59,7 +61,7 @@ def test_configs_parse_into_tuning_configs():
 
 
 def test_swapped_configs_and_kernel_names_parse():
-    from pallas_kernels.swapped_decode_attention import SwappedConfig, default_swapped_config
+    from pallas_kernels.swapped_decode_attention import SwappedConfig
     got = kernels.parse_swapped_configs("default;block_kv=64,num_stages=3", 64)
     assert got == [default_swapped_config(64), SwappedConfig(block_kv=64, num_stages=3)]
     assert kernels.parse_swapped_configs("default", 128) == [default_swapped_config(128)]
@@ -131,8 +133,6 @@ def test_kernel_mode_keeps_every_timing_record_and_the_engine_config(monkeypatch
     rc = kernels.main(["--kernels", "paged,swapped", "--default-only", "--no-check", "--no-xla", "--timing", "device",
                        "--profile-kernels", "--pages", "64", "--dry-run", "--out", str(out)])
     assert rc == 0
-    import json
-    from pallas_kernels.swapped_decode_attention import SHORT_CONTEXT_KEYS, default_swapped_config
     shape, = json.loads(out.read_text())["shapes"]
     assert shape["context"] <= SHORT_CONTEXT_KEYS
     for run in shape["ours"]:
