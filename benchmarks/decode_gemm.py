@@ -2,7 +2,9 @@
 
 For each projection of a preset (q/k/v fused, o, gate/up fused, down, LM head) at M token rows, times
 y = x @ w.T by XLA (`jnp.einsum`, what the model's Linear runs) and by `decode_matmul` under each --configs
-entry, as *device* time: every call's GPU kernels (the split-K partial sum and any padding included) summed
+entry; part "gate_up_act" is gate/up with the MLP's activation, silu(gate) * up: XLA's dot and then the
+activation (`projection.xla_gated`) against `decode_gated_matmul` (the activation in the GEMM's epilogue). All
+as *device* time: every call's GPU kernels (the split-K partial sum and any padding included) summed
 from a jax.profiler trace, divided by the calls. The calls cycle over enough distinct weight copies (>= 3x
 the 50 MB L2) that each reads its weights from HBM, as a model's layers do. Bandwidth = weight bytes / time,
 against the read ceiling `stratum_jax.bandwidth` measures (a large bf16 sum) in the same run.
@@ -30,10 +32,12 @@ sys.path.insert(0, str(ROOT))
 from config_flags import parse_overrides  # noqa: E402  (beside this script)
 from device_trace import kernels as trace_kernels, load_events, newest_trace  # noqa: E402  (beside this script)
 from kernel_timing import kernel_breakdown  # noqa: E402
-from pallas_kernels.decode_matmul import (TuningConfig, decode_matmul, decode_matmul_reference,  # noqa: E402
+from pallas_kernels.decode_matmul import (TuningConfig, decode_gated_matmul,  # noqa: E402
+                                          decode_gated_matmul_reference, decode_matmul, decode_matmul_reference,
                                           default_k_splits, supports)
 from stratum_jax.bandwidth import measure_read_bandwidth_gbps  # noqa: E402
 from stratum_jax.model.config import PRESETS  # noqa: E402
+from stratum_jax.model.projection import xla_gated  # noqa: E402
 
 L2_BYTES = 50 * 2**20
 
@@ -43,7 +47,7 @@ def projections(cfg) -> dict[str, tuple[int, int]]:
     q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return {"qkv": (q_out + 2 * kv_out, cfg.hidden_size), "o": (cfg.hidden_size, q_out),
             "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size),
-            "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+            "lm_head": (cfg.vocab_size, cfg.hidden_size), "gate_up_act": (2 * cfg.intermediate_size, cfg.hidden_size)}
 
 
 def parse_configs(spec: str) -> list[TuningConfig]:
@@ -67,13 +71,17 @@ def device_us_per_call(fn, xs, ws, *, calls: int, trace_root: str) -> tuple[floa
     return sum(names.values()), names
 
 
-def check(rows: int, n: int, k: int, config: TuningConfig, *, interpret: bool, seed: int = 0) -> float:
-    """Max |kernel - reference| / max |reference| on random data (bf16 output)."""
+def check(rows: int, n: int, k: int, config: TuningConfig, *, interpret: bool, seed: int = 0,
+          gated: bool = False) -> float:
+    """Max |kernel - reference| / max |reference| on random data (bf16 output); gated: `decode_gated_matmul`
+    with w [n, k] as the gate_up weight."""
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
-    got = decode_matmul(x, w, config=config, interpret=interpret).astype(jnp.float32)
-    ref = decode_matmul_reference(x, w).astype(jnp.float32)
+    op, reference = (decode_gated_matmul, decode_gated_matmul_reference) if gated else (decode_matmul,
+                                                                                       decode_matmul_reference)
+    got = op(x, w, config=config, interpret=interpret).astype(jnp.float32)
+    ref = reference(x, w).astype(jnp.float32)
     return float(jnp.max(jnp.abs(got - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
 
 
@@ -81,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama-1b,llama-8b", help="comma-separated presets")
     ap.add_argument("--rows", default="64", help="comma-separated M (token rows), each in [1, 256]")
-    ap.add_argument("--parts", default="qkv,o,gate_up,down,lm_head", help="comma-separated projections")
+    ap.add_argument("--parts", default="qkv,o,gate_up,down,lm_head,gate_up_act", help="comma-separated projections "
+                    "(gate_up_act: gate/up and the activation)")
     ap.add_argument("--configs", default="default", help="';'-separated TuningConfig overrides, e.g. "
                     "'default;tile_n=64;num_stages=4'")
     ap.add_argument("--calls", type=int, default=48, help="traced calls per method and shape")
@@ -101,12 +110,13 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--rows: every M must be in [1, 256], got {a.rows}")
     if a.dry_run:
         results = []
-        for rows, n, k in ((64, 256, 512), (5, 128, 1024)):
+        for rows, n, k, gated in ((64, 256, 512, False), (5, 128, 1024, False), (5, 512, 256, True)):
             for config in configs:
-                cfg = dataclasses.replace(config, tile_n=min(config.tile_n, 128))
-                err = check(rows, n, k, cfg, interpret=True)
-                results.append(dict(rows=rows, n=n, k=k, config=dataclasses.asdict(cfg), rel_err=err))
-                print(f"dry run M={rows} N={n} K={k} {cfg}: rel err {err:.2e}")
+                cfg = dataclasses.replace(config, tile_n=min(config.tile_n, 128), k_splits=None if gated
+                                          else config.k_splits)
+                err = check(rows, n, k, cfg, interpret=True, gated=gated)
+                results.append(dict(rows=rows, n=n, k=k, gated=gated, config=dataclasses.asdict(cfg), rel_err=err))
+                print(f"dry run M={rows} N={n} K={k}{' gated' if gated else ''} {cfg}: rel err {err:.2e}")
         return dict(benchmark="decode_gemm", dry_run=True, results=results)
 
     models = [m for m in a.models.split(",") if m]
@@ -131,16 +141,19 @@ def main(argv=None) -> dict:
             for rows in rows_list:
                 x = jax.random.normal(jax.random.fold_in(key, 10_000 + rows), (rows, k), jnp.bfloat16)
                 row = dict(model=model, part=part, rows=rows, n=n, k=k, weight_bytes=wbytes, methods={})
-                us, names = device_us_per_call(xla, x, ws, calls=a.calls, trace_root=trace_root)
+                gated = part == "gate_up_act"
+                base = jax.jit(xla_gated) if gated else xla
+                us, names = device_us_per_call(base, x, ws, calls=a.calls, trace_root=trace_root)
                 row["methods"]["xla"] = dict(us=us, tbps=wbytes / us / 1e6, kernels=names)
-                ref = xla(x, ws[0]).astype(jnp.float32)
+                ref = base(x, ws[0]).astype(jnp.float32)
                 for config in configs:
                     label = "kernel " + ",".join(f"{f}={v}" for f, v in dataclasses.asdict(config).items()
                                                  if v != getattr(TuningConfig(), f))
-                    if not supports(rows, n, k, config):
+                    if not supports(rows, n // 2 if gated else n, k, config, gated=gated):
                         row["methods"][label] = dict(error="shape not supported")
                         continue
-                    fn = jax.jit(lambda x, w, c=config: decode_matmul(x, w, config=c))
+                    op = decode_gated_matmul if gated else decode_matmul
+                    fn = jax.jit(lambda x, w, c=config, op=op: op(x, w, config=c))
                     try:
                         got = fn(x, ws[0]).astype(jnp.float32)
                         err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
@@ -148,7 +161,7 @@ def main(argv=None) -> dict:
                     except Exception as e:   # a config that does not compile or fit is a result, not a crash
                         row["methods"][label] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
                         continue
-                    splits = config.k_splits or default_k_splits(n, k, config.tile_n)
+                    splits = 1 if gated else config.k_splits or default_k_splits(n, k, config.tile_n)
                     row["methods"][label] = dict(us=us, tbps=wbytes / us / 1e6, rel_err=err, k_splits=splits,
                                                  kernels=names)
                 results.append(row)

@@ -26,8 +26,8 @@ DERIVED_LINES = re.compile(r"^(XLA Modules|XLA Ops|Steps|Framework|TensorFlow|So
 PALLAS_KIND = "attention kernel (Pallas)"
 KERNEL_KINDS: tuple[tuple[str, re.Pattern], ...] = (
     ("communication", COMMUNICATION),
-    # The attention kernels show up as `body_mosaic_gpu_kernel`; the projections' Pallas GEMM as
-    # `decode_matmul_mosaic_gpu_kernel` (a matmul).
+    # The attention kernels show up as `body_mosaic_gpu_kernel`; the projections' Pallas GEMMs as
+    # `decode_matmul_{N}x{K}_mosaic_gpu_kernel` / `decode_gated_matmul_{N}x{K}_mosaic_gpu_kernel` (matmuls).
     (PALLAS_KIND, re.compile(r"^(?!.*matmul).*(mosaic|pallas|paged_attention|delta_attention)", re.I)),
     ("matmul", re.compile(r"nvjet|gemm|cutlass|cublas|xmma|matmul|dot", re.I)),
     ("KV write (scatter)", re.compile(r"scatter", re.I)),

@@ -73,12 +73,39 @@ def _key(name: str) -> str:
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
-    """{instruction name (and its kernel-name spelling): op_name} of every instruction with metadata."""
+    """{instruction name (and its kernel-name spelling): op_name} of every instruction with metadata, and
+    {Pallas kernel name: op_name} where `mosaic_kernel_ops` can tell."""
     out: dict[str, str] = {}
     for name, op in _INSTRUCTION.findall(hlo_text):
         out.setdefault(name, op)
         out.setdefault(_key(name), op)
+    for name, op in mosaic_kernel_ops(hlo_text).items():
+        out.setdefault(name, op)
     return out
+
+
+_MOSAIC_CALL = re.compile(r'^.*custom_call_target="mosaic_gpu[^"]*".*$', re.M)
+_MOSAIC_SYMBOL = re.compile(r"\\00(\w+)_mosaic_gpu\\00")
+_MOSAIC_DIALECTS = {"stable"}         # `stable_mosaic_gpu` is a dialect name in the module, not a kernel
+
+
+def mosaic_kernel_ops(hlo_text: str) -> dict[str, str]:
+    """{`<function>_mosaic_gpu_kernel`: op_name} for the Pallas Mosaic GPU kernels of a program. A trace names such
+    a kernel after its function, not its HLO instruction (a custom call); the call's serialized module holds the
+    function's symbol (`\\00<function>_mosaic_gpu\\00`) beside its op_name. A name whose calls belong to more than one
+    model part is left out (the projections' GEMM names its shape, pallas_kernels/decode_matmul.py, so each
+    projection's kernel has a name of its own)."""
+    ops: dict[str, str] = {}
+    parts: dict[str, set[str]] = {}
+    for line in _MOSAIC_CALL.findall(hlo_text):
+        op = re.search(r'op_name="([^"]+)"', line)
+        symbols = {m for m in _MOSAIC_SYMBOL.findall(line) if m not in _MOSAIC_DIALECTS}
+        if op is None or len(symbols) != 1:
+            continue
+        name = f"{symbols.pop()}_mosaic_gpu_kernel"
+        ops.setdefault(name, op.group(1))
+        parts.setdefault(name, set()).add(model_part(op.group(1)))
+    return {name: op for name, op in ops.items() if len(parts[name]) == 1}
 
 
 _LIBRARY_GEMM = re.compile(r'custom_call_target="__cublas[^"]*".*?op_name="([^"]+)"')

@@ -23,6 +23,12 @@ are M * N * 4 bytes per split, small beside the weights at decode sizes, and sta
 
 Numerics: bf16 inputs, fp32 accumulation, output rounded once to `out_dtype` (split-K sums the fp32
 partials first), as XLA's dot with fp32 accumulation does.
+
+*Gated variant* (`decode_gated_matmul`): the gated MLP's input to down_proj, silu(x @ w_gate.T) * (x @ w_up.T),
+from the engine's fused gate_up weight [2I, K] (gate rows, then up rows). Each CTA streams the gate rows and the
+up rows of its output columns (two weight tiles a step, two accumulators) and applies the activation in its
+epilogue, so the step has no separate activation kernel and never writes the [M, 2I] product. No split-K (the
+activation is not linear); llama's gate/up has enough output tiles to fill the GPU without it.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ _ROWS = 64             # WGMMA M
 _TILE_K = 64           # bf16 elements in one 128-byte swizzled row: one WGMMA K group per tile
 _NUM_SMS = 132         # H100 SXM / H200; for the default split only
 _MAX_ROWS = 256        # beyond this the GEMM is no longer weight-bound: use XLA's
+_SMEM_LIMIT = 226 * 1024   # the H100/H200's 227 KB of dynamic SMEM a CTA, less 1 KB for barriers and alignment
+_ACC_REGISTERS = 128       # fp32 accumulator registers a thread may hold (of 255: addressing and the epilogue need the rest)
 _TRANSFORMS = (plgpu.TilingTransform((8, _TILE_K)), plgpu.SwizzleTransform(128))
 
 
@@ -90,6 +98,13 @@ def decode_matmul_reference(x, w, *, out_dtype=None):
     return jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
+def decode_gated_matmul_reference(x, w):
+    """silu(x @ w[:I].T) * (x @ w[I:].T) for w [2I, K], each product rounded to x.dtype first (as XLA's dot
+    and then the activation compute it) -> [M, I] in x.dtype."""
+    gate, up = jnp.split(decode_matmul_reference(x, w), 2, axis=-1)
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+
+
 def check_inputs(x, w, config: TuningConfig) -> None:
     """Raises ValueError, saying what to fix, for shapes and dtypes the kernel does not take."""
     if x.ndim != 2 or w.ndim != 2:
@@ -110,10 +125,41 @@ def check_inputs(x, w, config: TuningConfig) -> None:
                          f"({config.k_splits})")
 
 
-def supports(m: int, n: int, k: int, config: TuningConfig | None = None) -> bool:
-    """Whether `decode_matmul` takes these shapes (for callers choosing between it and XLA's dot)."""
+def cta_resources(m: int, k: int, config: TuningConfig, *, gated: bool = False, out_itemsize: int = 2) -> tuple[int, int]:
+    """(SMEM bytes, fp32 accumulator registers a thread) of one CTA for M rows and K (config.k_splits resolved;
+    None counts as 1): the ring of [rows, 64] x tiles and one (gated: two) [tile_n, 64] weight tiles a stage, and
+    the [rows, tile_n] output tile (out_itemsize: 4 for split-K's fp32 partials)."""
+    rows = -(-m // _ROWS) * _ROWS
+    weight_tiles = 2 if gated else 1
+    stages = min(config.num_stages, k // (config.k_splits or 1) // _TILE_K)
+    smem = stages * (rows + weight_tiles * config.tile_n) * _TILE_K * 2 + rows * config.tile_n * out_itemsize
+    return smem, weight_tiles * rows * config.tile_n // 128
+
+
+def check_resources(m: int, k: int, config: TuningConfig, *, gated: bool, out_itemsize: int) -> None:
+    """Raises ValueError, saying what to lower, when a CTA would need more SMEM or accumulator registers than the
+    GPU gives (the compile would fail on the GPU; the interpreter has no such limit)."""
+    smem, regs = cta_resources(m, k, config, gated=gated, out_itemsize=out_itemsize)
+    if smem > _SMEM_LIMIT:
+        raise ValueError(f"decode_matmul: {m} rows with {config} need {smem // 1024} KB of SMEM a CTA (at most "
+                         f"{_SMEM_LIMIT // 1024}): lower num_stages or tile_n")
+    if regs > _ACC_REGISTERS:
+        raise ValueError(f"decode_matmul: {m} rows with tile_n={config.tile_n} need {regs} accumulator registers a "
+                         f"thread (at most {_ACC_REGISTERS}): lower tile_n")
+
+
+def supports(m: int, n: int, k: int, config: TuningConfig | None = None, *, gated: bool = False) -> bool:
+    """Whether `decode_matmul` (gated: `decode_gated_matmul`, n its I) takes these shapes under config, SMEM and
+    registers included (for callers choosing between it and XLA's dot)."""
     config = config or TuningConfig()
-    return 1 <= m <= _MAX_ROWS and k % _TILE_K == 0 and n % config.tile_n == 0
+    if not (1 <= m <= _MAX_ROWS and k % _TILE_K == 0 and n % config.tile_n == 0):
+        return False
+    splits = 1 if gated else config.k_splits or default_k_splits(n, k, config.tile_n)
+    if (k // _TILE_K) % splits or (gated and config.k_splits not in (None, 1)):
+        return False
+    smem, regs = cta_resources(m, k, dataclasses.replace(config, k_splits=splits), gated=gated,
+                               out_itemsize=4 if splits > 1 else 2)
+    return smem <= _SMEM_LIMIT and regs <= _ACC_REGISTERS
 
 
 def decode_matmul(x, w, *, out_dtype=None, config: TuningConfig | None = None, interpret: bool = False):
@@ -133,64 +179,109 @@ def decode_matmul(x, w, *, out_dtype=None, config: TuningConfig | None = None, i
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if config.k_splits is None:
         config = dataclasses.replace(config, k_splits=default_k_splits(w.shape[0], w.shape[1], config.tile_n))
+    check_resources(x.shape[0], x.shape[1], config, gated=False,
+                    out_itemsize=4 if config.k_splits > 1 else out_dtype.itemsize)
     if interpret:
         with mosaic_gpu_interpret():
             return _decode_matmul(x, w, out_dtype=out_dtype, config=config)
     return _decode_matmul(x, w, out_dtype=out_dtype, config=config, interpreted=interpret_mode_active())
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpreted"))
-def _decode_matmul(x, w, *, out_dtype, config, interpreted=False):
+def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, interpret: bool = False):
+    """silu(x @ w_gate.T) * (x @ w_up.T) for a decode step's few rows, streaming w once (module docstring).
+
+    Args:
+      x: [M, K] bf16 activations, 1 <= M <= 256.
+      w: [2I, K] bf16: the gate projection's I rows, then the up projection's (the engine's fused gate_up_proj
+        on one device); K a multiple of 64, I a multiple of config.tile_n.
+      config: TuningConfig; its k_splits must be None or 1 (the activation needs whole sums).
+      interpret: run in the Mosaic GPU interpreter on CPU (tests).
+    Returns [M, I] in x.dtype; both products are rounded to x.dtype before the activation, as the unfused path
+    (XLA's dot, then silu(gate) * up) rounds them.
+    """
+    config = config or TuningConfig()
+    if w.ndim != 2 or w.shape[0] % 2:
+        raise ValueError(f"decode_gated_matmul: w must be [2I, K] (gate rows, then up rows), got {w.shape}")
+    check_inputs(x, jax.ShapeDtypeStruct((w.shape[0] // 2, w.shape[1]), w.dtype), config)    # gate's half
+    if config.k_splits not in (None, 1):
+        raise ValueError(f"decode_gated_matmul: k_splits must be None or 1 (the activation needs whole sums), "
+                         f"got {config.k_splits}")
+    config = dataclasses.replace(config, k_splits=1)
+    check_resources(x.shape[0], x.shape[1], config, gated=True, out_itemsize=jnp.dtype(x.dtype).itemsize)
+    if interpret:
+        with mosaic_gpu_interpret():
+            return _decode_matmul(x, w, out_dtype=jnp.dtype(x.dtype), config=config, gated=True, interpreted=True)
+    return _decode_matmul(x, w, out_dtype=jnp.dtype(x.dtype), config=config, gated=True,
+                          interpreted=interpret_mode_active())
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "gated", "interpreted"))
+def _decode_matmul(x, w, *, out_dtype, config, gated=False, interpreted=False):
     # `interpreted` only keys the jit cache: interpreted and compiled traces never share an entry.
     del interpreted
     m, k = x.shape
-    n = w.shape[0]
+    n = w.shape[0] // 2 if gated else w.shape[0]       # output columns
     rows = -(-m // _ROWS) * _ROWS
     if rows != m:
         x = jnp.pad(x, ((0, rows - m), (0, 0)))
     splits = config.k_splits
     partial_dtype = out_dtype if splits == 1 else jnp.dtype(jnp.float32)
-    kernel = _build_kernel(rows=rows, n=n, k=k, out_dtype=partial_dtype, config=config)
+    kernel = _build_kernel(rows=rows, n=n, k=k, out_dtype=partial_dtype, config=config, gated=gated)
     y = kernel(x, w)
     y = y[0] if splits == 1 else jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype)
 
 
-def _build_kernel(*, rows, n, k, out_dtype, config):
-    """Returns f(x [rows, K], w [N, K]) -> [S, rows, N] partials (S = config.k_splits) in out_dtype."""
+def _build_kernel(*, rows, n, k, out_dtype, config, gated=False):
+    """Returns f(x [rows, K], w [N, K]) -> [S, rows, N] partials (S = config.k_splits) in out_dtype; gated:
+    f(x, w [2N, K]) -> [1, rows, N], silu(x @ w[:N].T) * (x @ w[N:].T) (`decode_gated_matmul`)."""
     tile_n, splits = config.tile_n, config.k_splits
     k_len = k // splits
     k_steps = k_len // _TILE_K
     stages = min(config.num_stages, k_steps)
 
-    # The function's name is the kernel's name in a profile: `decode_matmul_mosaic_gpu_kernel`.
-    def decode_matmul(x_gmem, w_gmem, out_gmem, out_smem):
+    def body(x_gmem, w_gmem, out_gmem, out_smem):
         col = lax.axis_index("n")
         split = lax.axis_index("k")
         n0 = pl.multiple_of(col * tile_n, tile_n)
         k0 = pl.multiple_of(split * k_len, _TILE_K)
 
-        def accumulate(acc_ref):
-            def step(_, x_tile, w_tile):
-                plgpu.wgmma(acc_ref, x_tile, w_tile.transpose((1, 0)))
+        # The weight rows this CTA streams: its tile_n rows, or (gated) its gate rows and the matching up rows.
+        w_rows = [n0, n + n0] if gated else [n0]
+
+        def accumulate(*acc_refs):
+            def step(_, x_tile, *w_tiles):
+                for acc_ref, w_tile in zip(acc_refs, w_tiles, strict=True):
+                    plgpu.wgmma(acc_ref, x_tile, w_tile.transpose((1, 0)))
                 plgpu.wgmma_wait(1)      # keep one WGMMA in flight; its slot is released a step late
 
+            w_spec = plgpu.BlockSpec((tile_n, _TILE_K), lambda kk: (0, kk), transforms=_TRANSFORMS, delay_release=1)
             pipeline = plgpu.emit_pipeline(
                 step, grid=(k_steps,), max_concurrent_steps=stages,
                 in_specs=[
                     plgpu.BlockSpec((rows, _TILE_K), lambda kk: (0, kk), transforms=_TRANSFORMS, delay_release=1),
-                    plgpu.BlockSpec((tile_n, _TILE_K), lambda kk: (0, kk), transforms=_TRANSFORMS, delay_release=1),
+                    *[w_spec] * len(w_rows),
                 ])
-            pipeline(x_gmem.at[:, pl.ds(k0, k_len)], w_gmem.at[pl.ds(n0, tile_n), pl.ds(k0, k_len)])
+            pipeline(x_gmem.at[:, pl.ds(k0, k_len)],
+                     *[w_gmem.at[pl.ds(r0, tile_n), pl.ds(k0, k_len)] for r0 in w_rows])
             plgpu.wgmma_wait(0)
-            return acc_ref[...]
+            return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-        acc = pl.run_scoped(accumulate, plgpu.ACC((rows, tile_n), jnp.float32))
-        out_smem[...] = acc.astype(out_dtype)
+        accs = pl.run_scoped(accumulate, *[plgpu.ACC((rows, tile_n), jnp.float32)] * len(w_rows))
+        if gated:
+            # Each product rounded to the output dtype first, as the unfused path's dot outputs are.
+            gate, up = (a.astype(out_dtype).astype(jnp.float32) for a in accs)
+            out_smem[...] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(out_dtype)
+        else:
+            out_smem[...] = accs[0].astype(out_dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, :, pl.ds(n0, tile_n)])
         plgpu.wait_smem_to_gmem(0)
 
+    # The function's name is the kernel's name in a profile, `<name>_mosaic_gpu_kernel`: decode_matmul_{N}x{K} or
+    # decode_gated_matmul_{N}x{K}, so a trace tells the projections apart (benchmarks/profile_decode.py attributes
+    # each to its model part; benchmarks/device_trace.py counts them all as matmuls).
+    body.__name__ = body.__qualname__ = f"decode_{'gated_' if gated else ''}matmul_{n}x{k}"
     return plgpu.kernel(
-        decode_matmul, out_type=jax.ShapeDtypeStruct((splits, rows, n), out_dtype), grid=(n // tile_n, splits),
+        body, out_type=jax.ShapeDtypeStruct((splits, rows, n), out_dtype), grid=(n // tile_n, splits),
         grid_names=("n", "k"), scratch_types=[plgpu.SMEM((rows, tile_n), out_dtype)])

@@ -12,7 +12,7 @@ def bench():
 
 def test_dry_run_checks_the_kernel(bench):
     out = bench.main(["--dry-run", "--configs", "default;tile_n=64,num_stages=2"])
-    assert out["dry_run"] and len(out["results"]) == 4
+    assert out["dry_run"] and len(out["results"]) == 6 and sum(r["gated"] for r in out["results"]) == 2
     assert all(r["rel_err"] < 1e-2 for r in out["results"])
 
 
@@ -31,4 +31,4 @@ def test_projections_of_a_preset(bench):
     from stratum_jax.model.config import PRESETS
     shapes = bench.projections(PRESETS["llama-1b"])
     assert shapes == {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
-                      "lm_head": (128256, 2048)}
+                      "lm_head": (128256, 2048), "gate_up_act": (16384, 2048)}

@@ -7,12 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_matmul import TuningConfig, decode_matmul, decode_matmul_reference, default_k_splits
+from pallas_kernels.decode_matmul import (TuningConfig, decode_gated_matmul, decode_gated_matmul_reference,
+                                          decode_matmul, decode_matmul_reference, default_k_splits, supports)
 from stratum_jax.config import RuntimeConfig
 from stratum_jax.model import llama
 from stratum_jax.model.config import PRESETS
 from stratum_jax.model.fused import fuse_layer
-from stratum_jax.model.projection import DecodeKernelMatmul, kernel_takes, resolve_projections
+from stratum_jax.model.projection import (DecodeKernelMatmul, gated_kernel_takes, kernel_takes, resolve_projections,
+                                         xla_gated)
 
 
 def _operands(m, n, k, seed=0):
@@ -48,6 +50,58 @@ def test_split_k_sums_in_fp32_before_rounding():
     np.testing.assert_allclose(np.asarray(split), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("m,i,k,config", [
+    (5, 128, 256, TuningConfig(tile_n=64, num_stages=2)),       # few rows (padded), two column tiles
+    (64, 256, 512, TuningConfig(tile_n=128, num_stages=3)),     # a full row tile, 128-column tiles
+    (100, 64, 256, TuningConfig(tile_n=64, num_stages=4)),      # two row tiles
+])
+def test_the_gated_kernel_computes_silu_of_gate_times_up(m, i, k, config):
+    """decode_gated_matmul against silu(x @ gate.T) * (x @ up.T) with each product rounded to bf16 first (the
+    unfused path's numerics); then each half of the weight moves only its own output column."""
+    x, w = _operands(m, 2 * i, k, seed=2)
+    got = decode_gated_matmul(x, w, config=config, interpret=True)
+    assert got.shape == (m, i) and got.dtype == jnp.bfloat16
+    want = np.asarray(decode_gated_matmul_reference(x, w), np.float32)
+    # The same bf16 products (fp32 sums in another order) and the same activation: equal up to one bf16 rounding.
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-2, atol=1e-2)
+    assert np.abs(want).max() > 0.3
+    # Negating up row 3 negates output column 3 alone; negating gate row 5 changes column 5 alone.
+    up_flipped = decode_gated_matmul(x, w.at[i + 3].set(-w[i + 3]), config=config, interpret=True)
+    np.testing.assert_array_equal(np.asarray(up_flipped[:, 3], np.float32), -np.asarray(got[:, 3], np.float32))
+    np.testing.assert_array_equal(np.asarray(up_flipped[:, 4:]), np.asarray(got[:, 4:]))
+    gate_flipped = decode_gated_matmul(x, w.at[5].set(-w[5]), config=config, interpret=True)
+    assert not np.array_equal(np.asarray(gate_flipped[:, 5]), np.asarray(got[:, 5]))
+    np.testing.assert_array_equal(np.asarray(gate_flipped[:, 6:]), np.asarray(got[:, 6:]))
+
+
+def test_the_gated_kernel_refuses_what_it_cannot_compute():
+    x = jnp.zeros((4, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"\[2I, K\]"):
+        decode_gated_matmul(x, jnp.zeros((129, 128), jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match="whole sums"):
+        decode_gated_matmul(x, jnp.zeros((256, 128), jnp.bfloat16), config=TuningConfig(k_splits=2), interpret=True)
+    with pytest.raises(ValueError, match="multiple of tile_n"):
+        decode_gated_matmul(x, jnp.zeros((192, 128), jnp.bfloat16), config=TuningConfig(tile_n=64), interpret=True)
+
+
+def test_the_gated_projection_falls_back_to_xla_where_the_kernel_does_not_take_it():
+    x32 = jnp.asarray(np.random.default_rng(4).standard_normal((3, 128)), jnp.float32)
+    w32 = jnp.asarray(np.random.default_rng(5).standard_normal((256, 128)) / 12, jnp.float32)
+    assert not gated_kernel_takes(3, 128, 128, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(DecodeKernelMatmul(interpret=True).gated(x32, w32)),
+                                  np.asarray(xla_gated(x32, w32)))
+
+
+@pytest.mark.parametrize("i,k", [(8192, 2048), (14336, 4096)])
+def test_the_gated_kernel_lowers_to_mosaic_gpu_at_llama_shapes(i, k):
+    """llama-1b's and 8b's gate/up at batch 64, lowered for CUDA on this CPU (Mosaic GPU's passes all run)."""
+    from stratum_jax.model.projection import gated_kernel_config
+    fn = jax.jit(lambda x, w: decode_gated_matmul(x, w, config=gated_kernel_config(i, 64, k)))
+    text = fn.trace(jax.ShapeDtypeStruct((64, k), jnp.bfloat16), jax.ShapeDtypeStruct((2 * i, k), jnp.bfloat16)
+                    ).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"decode_gated_matmul_{i}x{k}_mosaic_gpu" in text       # the kernel's name in a trace tells its shape
+
+
 @pytest.mark.parametrize("x_shape,w_shape,dtype,config,match", [
     ((4, 128), (64, 128), jnp.float32, None, "bfloat16"),
     ((4, 100), (64, 100), jnp.bfloat16, None, "multiple of 64"),
@@ -59,6 +113,22 @@ def test_split_k_sums_in_fp32_before_rounding():
 def test_bad_shapes_are_refused_with_what_to_fix(x_shape, w_shape, dtype, config, match):
     with pytest.raises(ValueError, match=match):
         decode_matmul(jnp.zeros(x_shape, dtype), jnp.zeros(w_shape, dtype), config=config, interpret=True)
+
+
+def test_configs_that_would_not_fit_a_cta_on_the_gpu_are_refused_before_compiling():
+    """The interpreter has no SMEM or register limit; the GPU's compile would fail: both entries say what to lower,
+    and `supports` says no (so the engine's projections fall back to XLA's dot)."""
+    x, w = _operands(256, 128, 1024)
+    with pytest.raises(ValueError, match="KB of SMEM.*lower num_stages or tile_n"):      # 6 x (256 + 128) rows
+        decode_matmul(x, w, config=TuningConfig(tile_n=128, num_stages=6, k_splits=1), interpret=True)
+    assert not supports(256, 128, 1024, TuningConfig(tile_n=128, num_stages=6, k_splits=1))
+    assert not supports(256, 128, 1024, TuningConfig(tile_n=128, num_stages=2, k_splits=1))   # [256, 128] fp32 acc
+    assert supports(256, 128, 1024, TuningConfig(tile_n=64, num_stages=2, k_splits=1))
+    x, w = _operands(128, 256, 256)
+    with pytest.raises(ValueError, match="accumulator registers.*lower tile_n"):        # 2 x [128, 128] fp32
+        decode_gated_matmul(x, w, config=TuningConfig(tile_n=128, num_stages=2), interpret=True)
+    assert not supports(128, 128, 256, TuningConfig(tile_n=128, num_stages=2), gated=True)
+    assert supports(64, 128, 256, TuningConfig(tile_n=128, num_stages=2), gated=True)
 
 
 def test_bad_configs_are_refused():
@@ -89,6 +159,16 @@ def test_which_projections_take_the_kernel():
     assert not kernel_takes(64, 128256, 2048, jnp.bfloat16)
     assert not kernel_takes(512, 2048, 2048, jnp.bfloat16)
     assert not kernel_takes(64, 2048, 2048, jnp.float32)
+    # The gated kernel takes llama-1b's and 8b's gate/up (the activation moves into its epilogue).
+    assert gated_kernel_takes(64, 8192, 2048, jnp.bfloat16) and gated_kernel_takes(64, 14336, 4096, jnp.bfloat16)
+    assert not gated_kernel_takes(512, 8192, 2048, jnp.bfloat16)
+    # One wave of one CTA an SM: llama-1b's 8192 columns as 128 tiles of 64, llama-8b's 14336 as 112 of 128.
+    from stratum_jax.model.projection import gated_kernel_config
+    assert gated_kernel_config(8192, 64, 2048) == TuningConfig(tile_n=64, num_stages=6)
+    assert gated_kernel_config(14336, 64, 4096) == TuningConfig(tile_n=128, num_stages=4)
+    # 128 rows: the wide tile's two accumulators would need 256 registers a thread, so the narrow tile, which fits.
+    assert gated_kernel_config(14336, 128, 4096) == TuningConfig(tile_n=64, num_stages=6)
+    assert gated_kernel_takes(128, 14336, 4096, jnp.bfloat16)
 
 
 def test_the_model_on_the_kernel_computes_what_xlas_dot_does():
@@ -100,6 +180,7 @@ def test_the_model_on_the_kernel_computes_what_xlas_dot_does():
     for n, k in (((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size),
                  (cfg.hidden_size, q_out), (cfg.hidden_size, cfg.intermediate_size)):
         assert kernel_takes(8, n, k, jnp.bfloat16)
+    assert gated_kernel_takes(8, cfg.intermediate_size, cfg.hidden_size, jnp.bfloat16)     # gate/up + activation
     tokens = jnp.asarray([5, 17, 99, 3, 250, 7, 1, 42], jnp.int32)
     pos = jnp.arange(8, dtype=jnp.int32)
 

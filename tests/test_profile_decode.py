@@ -26,6 +26,8 @@ def pd(dt):
 @pytest.mark.parametrize("name, kind", [
     ("body_mosaic_gpu_kernel", "attention kernel (Pallas)"),
     ("decode_matmul_mosaic_gpu_kernel", "matmul"),           # the projections' Pallas GEMM
+    ("decode_matmul_2048x8192_mosaic_gpu_kernel", "matmul"),  # ... named by its shape
+    ("decode_gated_matmul_8192x2048_mosaic_gpu_kernel", "matmul"),
     ("nvjet_sm90_tss_112x64_64x9_2x1_v_bz_TNN", "matmul"),
     ("gemm_fusion_dot_general_564", "matmul"),
     ("input_scatter_fusion_31", "KV write (scatter)"),
@@ -95,6 +97,37 @@ def test_a_library_gemm_without_hlo_op_is_matched_by_its_launches_per_step(pd):
     assert got["by_part_ms"]["LM head"] == pytest.approx(0.07)     # 1 launch: the part with 1
     assert got["by_part_ms"]["attention"] == pytest.approx(0.03)   # the Pallas kernel, by its kind
     assert got["attributed_share"] == pytest.approx(1.0)
+
+
+def _mosaic_call(n, symbol, op_name):
+    """An HLO line of a Pallas Mosaic GPU custom call as XLA prints it: the serialized module (escaped bytes) after
+    the metadata, with the kernel's symbol and the `stable_mosaic_gpu` dialect name in it."""
+    return (f'  %mpmd_map.{n} = f32[4,64,2048]{{2,1,0}} custom-call(%x, %w), custom_call_target="mosaic_gpu_v2", '
+            f'metadata={{op_name="jit(decode_steps)/while/body/forward/Decoder/{op_name}/mpmd_map"}}, '
+            f'backend_config={{module = "ML\\EFR\\01builtin\\00stable_mosaic_gpu\\00llvm\\00'
+            f'emit_c_interface\\00{symbol}_mosaic_gpu\\00ordering\\00"}}')
+
+
+def test_pallas_kernels_are_attributed_through_the_symbol_in_their_custom_call(pd):
+    """The projections' Pallas GEMMs name their shape, so each maps to its part through its custom call's module;
+    a kernel name whose calls span two parts stays unattributed rather than guessed."""
+    hlo = "\n".join([
+        _mosaic_call(1, "decode_matmul_2048x2048", "layers_0/self_attn/o_proj/jit(_decode_matmul)/decode_matmul"),
+        _mosaic_call(2, "decode_matmul_2048x2048", "layers_1/self_attn/o_proj/jit(_decode_matmul)/decode_matmul"),
+        _mosaic_call(3, "decode_gated_matmul_8192x2048", "layers_0/mlp/gate_up_proj/jit(_decode_matmul)/x"),
+        _mosaic_call(4, "decode_matmul_3072x2048", "layers_0/self_attn/qkv_proj/jit(_decode_matmul)/x"),
+        _mosaic_call(5, "decode_matmul_3072x2048", "layers_0/mlp/down_proj/jit(_decode_matmul)/x")])
+    assert pd.mosaic_kernel_ops(hlo).keys() == {"decode_matmul_2048x2048_mosaic_gpu_kernel",
+                                                "decode_gated_matmul_8192x2048_mosaic_gpu_kernel"}
+    events = list(META) + [{"ph": "X", "pid": 2, "name": "e2e_decode_call", "ts": 0, "dur": 1000}]
+    for i, (name, dur) in enumerate([("decode_matmul_2048x2048", 5), ("decode_gated_matmul_8192x2048", 20),
+                                     ("decode_matmul_3072x2048", 7), ("decode_matmul_2048x2048", 5)]):
+        events.append({"ph": "X", "pid": 1, "name": f"{name}_mosaic_gpu_kernel", "ts": 10 + 50 * i, "dur": dur})
+    got = pd.analyse(events, {"annotation": "e2e_decode_call", "calls": [{"kind": "decode", "steps": 1, "seconds": 0.001}]},
+                     hlo)
+    assert got["by_part_ms"]["o projection"] == pytest.approx(0.010)
+    assert got["by_part_ms"]["MLP gate/up"] == pytest.approx(0.020)
+    assert got["by_part_ms"]["other / unattributed"] == pytest.approx(0.007)       # qkv and down share a name here
 
 
 def test_a_window_of_other_calls_is_refused(pd):

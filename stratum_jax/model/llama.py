@@ -163,18 +163,26 @@ class Linear(nn.Module):
 class ShardedFusedLinear(nn.Module):
     """Several column-parallel projections in one GEMM: weight [S, sum(features) / S, in], where shard s's
     block holds its slice of each projection in turn (fused.py builds it). Returns one [..., features[j]]
-    per projection, each laid out as its own Linear's output."""
+    per projection, each laid out as its own Linear's output; gated (two equal features, gate then up, no
+    bias): silu(gate) * up instead, [..., features[0]] (on one device through `Matmul.gated`, whose kernel
+    applies the activation in the GEMM's epilogue)."""
 
     features: tuple[int, ...]
     shards: int
     use_bias: bool
     dtype: Any
     matmul: Matmul | None = None   # used when shards == 1 (None: XLA's dot); several shards are one einsum
+    gated: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, ...] | jax.Array:
         s = self.shards
         w = self.param("weight", _normal_init, (s, sum(self.features) // s, x.shape[-1]), self.dtype)
+        if self.gated and (len(self.features) != 2 or self.features[0] != self.features[1] or self.use_bias):
+            raise ValueError(f"ShardedFusedLinear: gated needs two equal features and no bias, got "
+                             f"{self.features}, use_bias={self.use_bias}")
+        if self.gated and s == 1 and self.matmul is not None:
+            return self.matmul.gated(x, w[0])
         if s == 1 and self.matmul is not None:
             y = self.matmul(x, w[0])[..., None, :]                     # [..., 1, sum(features)]
         else:
@@ -182,8 +190,12 @@ class ShardedFusedLinear(nn.Module):
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (s, sum(self.features) // s), self.dtype)
         bounds = np.cumsum([f // s for f in self.features])[:-1]
-        return tuple(part.reshape(*x.shape[:-1], f) for part, f in
-                     zip(jnp.split(y, bounds, axis=-1), self.features, strict=True))
+        parts = tuple(part.reshape(*x.shape[:-1], f) for part, f in
+                      zip(jnp.split(y, bounds, axis=-1), self.features, strict=True))
+        if self.gated:
+            gate, up = parts
+            return jax.nn.silu(gate) * up
+        return parts
 
 
 class RMSNorm(nn.Module):
@@ -253,12 +265,13 @@ class MLP(nn.Module):
     def __call__(self, x):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         if self.fused_shards:
-            gate, up = ShardedFusedLinear((cfg.intermediate_size,) * 2, self.fused_shards, False, dtype,
-                                          self.matmul, name="gate_up_proj")(x)
+            act = ShardedFusedLinear((cfg.intermediate_size,) * 2, self.fused_shards, False, dtype,
+                                     self.matmul, gated=True, name="gate_up_proj")(x)
         else:
             gate = Linear(cfg.intermediate_size, False, dtype, matmul=self.matmul, name="gate_proj")(x)
             up = Linear(cfg.intermediate_size, False, dtype, matmul=self.matmul, name="up_proj")(x)
-        return Linear(cfg.hidden_size, False, dtype, matmul=self.matmul, name="down_proj")(jax.nn.silu(gate) * up)
+            act = jax.nn.silu(gate) * up
+        return Linear(cfg.hidden_size, False, dtype, matmul=self.matmul, name="down_proj")(act)
 
 
 class DecoderLayer(nn.Module):
