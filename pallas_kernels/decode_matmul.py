@@ -49,7 +49,7 @@ _TILE_K = 64           # bf16 elements in one 128-byte swizzled row: one WGMMA K
 _NUM_SMS = 132         # H100 SXM / H200; for the default split only
 _MAX_ROWS = 256        # beyond this the GEMM is no longer weight-bound: use XLA's
 _SMEM_LIMIT = 226 * 1024   # the H100/H200's 227 KB of dynamic SMEM a CTA, less 1 KB for barriers and alignment
-_ACC_REGISTERS = 128       # fp32 accumulator registers a thread may hold (of 255: addressing and the epilogue need the rest)
+_ACC_REGISTERS = 128       # fp32 accumulator registers a thread may hold (of 255; addressing, epilogue: the rest)
 _TRANSFORMS = (plgpu.TilingTransform((8, _TILE_K)), plgpu.SwizzleTransform(128))
 
 
@@ -125,7 +125,8 @@ def check_inputs(x, w, config: TuningConfig) -> None:
                          f"({config.k_splits})")
 
 
-def cta_resources(m: int, k: int, config: TuningConfig, *, gated: bool = False, out_itemsize: int = 2) -> tuple[int, int]:
+def cta_resources(m: int, k: int, config: TuningConfig, *, gated: bool = False,
+                  out_itemsize: int = 2) -> tuple[int, int]:
     """(SMEM bytes, fp32 accumulator registers a thread) of one CTA for M rows and K (config.k_splits resolved;
     None counts as 1): the ring of [rows, 64] x tiles and one (gated: two) [tile_n, 64] weight tiles a stage, and
     the [rows, tile_n] output tile (out_itemsize: 4 for split-K's fp32 partials)."""

@@ -123,8 +123,8 @@ def test_pallas_kernels_are_attributed_through_the_symbol_in_their_custom_call(p
     for i, (name, dur) in enumerate([("decode_matmul_2048x2048", 5), ("decode_gated_matmul_8192x2048", 20),
                                      ("decode_matmul_3072x2048", 7), ("decode_matmul_2048x2048", 5)]):
         events.append({"ph": "X", "pid": 1, "name": f"{name}_mosaic_gpu_kernel", "ts": 10 + 50 * i, "dur": dur})
-    got = pd.analyse(events, {"annotation": "e2e_decode_call", "calls": [{"kind": "decode", "steps": 1, "seconds": 0.001}]},
-                     hlo)
+    window = {"annotation": "e2e_decode_call", "calls": [{"kind": "decode", "steps": 1, "seconds": 0.001}]}
+    got = pd.analyse(events, window, hlo)
     assert got["by_part_ms"]["o projection"] == pytest.approx(0.010)
     assert got["by_part_ms"]["MLP gate/up"] == pytest.approx(0.020)
     assert got["by_part_ms"]["other / unattributed"] == pytest.approx(0.007)       # qkv and down share a name here

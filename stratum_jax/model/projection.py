@@ -36,11 +36,13 @@ class Matmul(Protocol):
         """The gated MLP's activation input: x [..., K], w [2I, K] (gate rows, then up rows) ->
         silu(x @ w[:I].T) * (x @ w[I:].T) [..., I] in x.dtype, each product rounded to x.dtype first."""
 
+
 # The kernel is used up to this many token rows: a decode step's batch. Beyond it x's tiles, which every CTA
 # re-reads, grow past the weight tiles and the GEMM stops being weight-bound.
 KERNEL_MAX_ROWS = 128
-# Projections with more output columns than this go to XLA: from llama-1b's gate/up (16384 columns, 128 tiles of
-# 128) up, XLA's GEMM fills the GPU without splitting K and matched the kernel on the H200.
+# Plain projections with more output columns than this go to XLA: from llama-1b's gate/up (16384 columns, 128 tiles
+# of 128) up, XLA's GEMM fills the GPU without splitting K and matched the kernel on the H200. (The model's gate/up
+# goes through `gated` instead, where the kernel also saves the activation's kernel.)
 KERNEL_MAX_COLUMNS = 8192
 # 64-column tiles: the fastest or within 5% of it for every llama-1b/8b q/k/v, o and down projection at 64
 # rows on the H200 (decode_gemm.py sweep, BENCHMARKS.md).
@@ -92,8 +94,8 @@ def gated_kernel_takes(rows: int, i: int, k: int, dtype) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeKernelMatmul:
-    """A `Matmul`: the Pallas kernel where `kernel_takes` says so, XLA's dot otherwise. Frozen (hashable): it
-    is part of the model modules' static configuration. interpret: run the kernel in the Mosaic GPU
+    """A `Matmul`: the Pallas kernels where `kernel_takes` / `gated_kernel_takes` say so, XLA's dot otherwise.
+    Frozen (hashable): it is part of the model modules' static configuration. interpret: run the kernel in the Mosaic GPU
     interpreter (CPU tests)."""
 
     interpret: bool = False
