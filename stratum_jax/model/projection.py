@@ -55,8 +55,12 @@ def xla_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def xla_gated(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`Matmul.gated` on XLA's dot: silu(gate) * up of x @ w.T's two halves."""
-    gate, up = jnp.split(xla_matmul(x, w), 2, axis=-1)
+    """`Matmul.gated` on XLA's dot: silu(gate) * up of x @ w.T's two halves. The ops are the ones the model ran
+    before the gated kernel existed (the product, a unit axis, the split, a reshape of each half), so a step on
+    this path (a prefill chunk, a model on CPU) compiles to the program it did."""
+    i = w.shape[0] // 2
+    y = xla_matmul(x, w)[..., None, :]
+    gate, up = (part.reshape(*x.shape[:-1], i) for part in jnp.split(y, [i], axis=-1))
     return jax.nn.silu(gate) * up
 
 
