@@ -246,6 +246,9 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16",
         "untimed_steps": len(timings) - len(timed),
         # Every timed decode call, in order: where a rate and its median disagree, which call it was.
         "decode_calls": [dict(ms=t.seconds * 1e3, tokens=t.num_tokens, seqs=t.num_seqs) for t in decode],
+        # Every timed packed step (prefill or mixed), in order: which step moves the prefill rate.
+        "prefill_calls": [dict(kind=t.kind, ms=t.seconds * 1e3, tokens=t.num_tokens, prefill_tokens=t.prefill_tokens,
+                               seqs=t.num_seqs) for t in prefill],
         "decode_tokens_per_s": sum(t.num_tokens for t in decode) / decode_s if decode_s > 0 else float("nan"),
         # Over the calls in which every one of the --batch rows decoded: the rate at that batch size, without the
         # calls at the start and end of the pass that run fewer rows (chunked prefill starts the rows apart).

@@ -137,7 +137,12 @@ def test_e2e_decode_leaves_untimed_steps_out_of_its_rates(monkeypatch, tmp_path,
         assert math.isnan(r["decode_tokens_per_s"]) and math.isnan(r["decode_step_ms_median"])
         assert math.isnan(r["decode_tokens_per_s_full_batch"])
         assert r["decode_calls"] == []
-    else:
+    # The prefill rate is the listed packed steps' prompt tokens over their time.
+    packed = r["prefill_calls"]
+    assert packed and all(c["ms"] > 0 and c["kind"] in ("prefill", "mixed") for c in packed)
+    assert sum(c["prefill_tokens"] for c in packed) == r["prefill_tokens"]
+    assert math.isclose(sum(c["ms"] for c in packed), r["prefill_seconds"] * 1e3)
+    if untimed != "every decode call":
         assert r["decode_tokens_per_s"] > 0 and r["decode_step_ms_median"] > 0
         # The rate is the listed timed calls' tokens over their time (none of them an untimed 0).
         calls = r["decode_calls"]
