@@ -115,7 +115,8 @@ def test_e2e_decode_leaves_untimed_steps_out_of_its_rates(monkeypatch, tmp_path,
     out of its rates and medians and counts them: with some decode calls untimed the rates stay positive and
     finite; with all of them untimed the decode rates are NaN instead of a division by zero. Every decode call's
     timing is set here: missed, or a fixed 2 ms (on a CPU the engine itself misses a step that finished before
-    it was collected, at random, so the real timings would make this test depend on the machine's load)."""
+    it was collected, at random, so the real timings would make this test depend on the machine's load); every
+    packed step's is a fixed 3 ms, for the same reason."""
     import math
     from stratum_jax.engine_stats import StepRecorder
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -126,6 +127,8 @@ def test_e2e_decode_leaves_untimed_steps_out_of_its_rates(monkeypatch, tmp_path,
         if batch.kind == "decode":
             seen.append(batch)
             device_s = 0.0 if untimed == "every decode call" or len(seen) % 2 else 2e-3
+        else:
+            device_s = 3e-3
         return real(self, batch, device_s, work)
     monkeypatch.setattr(StepRecorder, "record_timing", record)
     out = tmp_path / "e.json"
@@ -142,6 +145,7 @@ def test_e2e_decode_leaves_untimed_steps_out_of_its_rates(monkeypatch, tmp_path,
     assert packed and all(c["ms"] > 0 and c["kind"] in ("prefill", "mixed") for c in packed)
     assert sum(c["prefill_tokens"] for c in packed) == r["prefill_tokens"]
     assert math.isclose(sum(c["ms"] for c in packed), r["prefill_seconds"] * 1e3)
+    assert all(c["ms"] == pytest.approx(3.0) for c in packed)
     if untimed != "every decode call":
         assert r["decode_tokens_per_s"] > 0 and r["decode_step_ms_median"] > 0
         # The rate is the listed timed calls' tokens over their time (none of them an untimed 0).
