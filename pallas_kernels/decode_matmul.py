@@ -137,16 +137,24 @@ def cta_resources(m: int, k: int, config: TuningConfig, *, gated: bool = False,
     return smem, weight_tiles * rows * config.tile_n // 128
 
 
-def check_resources(m: int, k: int, config: TuningConfig, *, gated: bool, out_itemsize: int) -> None:
-    """Raises ValueError, saying what to lower, when a CTA would need more SMEM or accumulator registers than the
-    GPU gives (the compile would fail on the GPU; the interpreter has no such limit)."""
+def resource_problem(m: int, k: int, config: TuningConfig, *, gated: bool, out_itemsize: int) -> str | None:
+    """What to lower when a CTA would need more SMEM or accumulator registers than the GPU gives (the compile
+    would fail on the GPU; the interpreter has no such limit), else None."""
     smem, regs = cta_resources(m, k, config, gated=gated, out_itemsize=out_itemsize)
     if smem > _SMEM_LIMIT:
-        raise ValueError(f"decode_matmul: {m} rows with {config} need {smem // 1024} KB of SMEM a CTA (at most "
-                         f"{_SMEM_LIMIT // 1024}): lower num_stages or tile_n")
+        return (f"{m} rows with {config} need {smem // 1024} KB of SMEM a CTA (at most {_SMEM_LIMIT // 1024}): "
+                "lower num_stages or tile_n")
     if regs > _ACC_REGISTERS:
-        raise ValueError(f"decode_matmul: {m} rows with tile_n={config.tile_n} need {regs} accumulator registers a "
-                         f"thread (at most {_ACC_REGISTERS}): lower tile_n")
+        return (f"{m} rows with tile_n={config.tile_n} need {regs} accumulator registers a thread (at most "
+                f"{_ACC_REGISTERS}): lower tile_n")
+    return None
+
+
+def check_resources(m: int, k: int, config: TuningConfig, *, gated: bool, out_itemsize: int) -> None:
+    """Raises ValueError with `resource_problem`'s message, if any."""
+    problem = resource_problem(m, k, config, gated=gated, out_itemsize=out_itemsize)
+    if problem:
+        raise ValueError(f"decode_matmul: {problem}")
 
 
 def supports(m: int, n: int, k: int, config: TuningConfig | None = None, *, gated: bool = False) -> bool:
@@ -158,9 +166,8 @@ def supports(m: int, n: int, k: int, config: TuningConfig | None = None, *, gate
     splits = 1 if gated else config.k_splits or default_k_splits(n, k, config.tile_n)
     if (k // _TILE_K) % splits or (gated and config.k_splits not in (None, 1)):
         return False
-    smem, regs = cta_resources(m, k, dataclasses.replace(config, k_splits=splits), gated=gated,
-                               out_itemsize=4 if splits > 1 else 2)
-    return smem <= _SMEM_LIMIT and regs <= _ACC_REGISTERS
+    return resource_problem(m, k, dataclasses.replace(config, k_splits=splits), gated=gated,
+                            out_itemsize=4 if splits > 1 else 2) is None
 
 
 def decode_matmul(x, w, *, out_dtype=None, config: TuningConfig | None = None, interpret: bool = False):
@@ -182,10 +189,17 @@ def decode_matmul(x, w, *, out_dtype=None, config: TuningConfig | None = None, i
         config = dataclasses.replace(config, k_splits=default_k_splits(w.shape[0], w.shape[1], config.tile_n))
     check_resources(x.shape[0], x.shape[1], config, gated=False,
                     out_itemsize=4 if config.k_splits > 1 else out_dtype.itemsize)
+    return _run(x, w, out_dtype=out_dtype, config=config, gated=False, interpret=interpret)
+
+
+def _run(x, w, *, out_dtype, config, gated, interpret):
+    """`_decode_matmul` compiled, or in the Mosaic GPU interpreter (interpret, or inside an active one); the
+    static `interpreted` keeps the two traces apart in jit's cache."""
     if interpret:
         with mosaic_gpu_interpret():
-            return _decode_matmul(x, w, out_dtype=out_dtype, config=config)
-    return _decode_matmul(x, w, out_dtype=out_dtype, config=config, interpreted=interpret_mode_active())
+            return _decode_matmul(x, w, out_dtype=out_dtype, config=config, gated=gated, interpreted=True)
+    return _decode_matmul(x, w, out_dtype=out_dtype, config=config, gated=gated,
+                          interpreted=interpret_mode_active())
 
 
 def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, interpret: bool = False):
@@ -209,11 +223,7 @@ def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, interpret: 
                          f"got {config.k_splits}")
     config = dataclasses.replace(config, k_splits=1)
     check_resources(x.shape[0], x.shape[1], config, gated=True, out_itemsize=jnp.dtype(x.dtype).itemsize)
-    if interpret:
-        with mosaic_gpu_interpret():
-            return _decode_matmul(x, w, out_dtype=jnp.dtype(x.dtype), config=config, gated=True, interpreted=True)
-    return _decode_matmul(x, w, out_dtype=jnp.dtype(x.dtype), config=config, gated=True,
-                          interpreted=interpret_mode_active())
+    return _run(x, w, out_dtype=jnp.dtype(x.dtype), config=config, gated=True, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "gated", "interpreted"))
