@@ -7,7 +7,8 @@ gap, and the byte floor, from a jax.profiler trace of N decode calls.
 
 Takes every flag of benchmarks/e2e_decode.py (model, batch, context, --decode-steps, --tensor-parallel, ...;
 one --attention and one --kv-precision) and runs it: the timed pass gives the decode step's wall time with
-no profiler, then --calls full-batch decode calls are traced, each drained inside its own annotation.
+no profiler, then --calls full-batch decode calls are traced, each drained inside its own annotation, around
+the timed pass's median context (where its median step ran), so wall and busy read the same KV.
 Per decode step it reports:
     wall          e2e_decode's median decode step (untraced, async scheduling as configured)
     GPU busy      the union of the device's kernel intervals inside the traced calls

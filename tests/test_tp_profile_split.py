@@ -91,7 +91,8 @@ def test_command_line_reads_the_trace_and_window_file_and_writes_the_split(tps, 
 
 def test_e2e_decode_profile_annotates_each_traced_full_batch_decode_call(tps, tmp_path, monkeypatch):
     """A real (CPU) profile from e2e_decode.py: the trace holds one annotation per call of its window file,
-    and every traced call is a decode call of the whole batch."""
+    every traced call is a decode call of the whole batch, and the calls sit around the timed pass's median
+    context."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))        # e2e_decode imports tp_profile_split
     e2e = load_benchmark("e2e_decode.py", "e2e_decode")
     prof = tmp_path / "prof"
@@ -100,6 +101,9 @@ def test_e2e_decode_profile_annotates_each_traced_full_batch_decode_call(tps, tm
                      "--profile-dir", str(prof), "--profile-calls", "3"]) == 0
     window = json.loads((prof / tps.WINDOW_FILE).read_text())
     assert [(c["kind"], c["steps"]) for c in window["calls"]] == [("decode", 4)] * 3
+    # The traced calls straddle the timed pass's median context (16 + 40 / 2): the first starts within one call of
+    # 16 + (40 - 3 x 4) / 2 = 30, so their 12 steps span ~30-42.
+    assert 30 <= window["calls"][0]["mean_context"] < 30 + 4
     trace, = prof.rglob("perfetto_trace.json.gz")
     events = json.load(gzip.open(trace))["traceEvents"]
     spans = tps.annotation_windows(events, window["annotation"])
@@ -109,14 +113,14 @@ def test_e2e_decode_profile_annotates_each_traced_full_batch_decode_call(tps, tm
     assert sum(any(a <= t <= b for a, b in spans) for t in runs) >= 3
 
 
-@pytest.mark.parametrize("untimed", ["every other decode call", "every decode call"])
+@pytest.mark.parametrize("untimed", ["no decode call", "every other decode call", "every decode call"])
 def test_e2e_decode_leaves_untimed_steps_out_of_its_rates(monkeypatch, tmp_path, untimed):
     """A step the engine could not time carries 0 s (engine_stats.record_timing). e2e_decode.py leaves such steps
     out of its rates and medians and counts them: with some decode calls untimed the rates stay positive and
     finite; with all of them untimed the decode rates are NaN instead of a division by zero. Every decode call's
     timing is set here: missed, or a fixed 2 ms (on a CPU the engine itself misses a step that finished before
     it was collected, at random, so the real timings would make this test depend on the machine's load); every
-    packed step's is a fixed 3 ms, for the same reason."""
+    packed step's is a fixed 3 ms, for the same reason. With none missed, the timed calls are exactly the pass's."""
     import math
     from stratum_jax.engine_stats import StepRecorder
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -126,7 +130,8 @@ def test_e2e_decode_leaves_untimed_steps_out_of_its_rates(monkeypatch, tmp_path,
     def record(self, batch, device_s, work=None):
         if batch.kind == "decode":
             seen.append(batch)
-            device_s = 0.0 if untimed == "every decode call" or len(seen) % 2 else 2e-3
+            device_s = (2e-3 if untimed == "no decode call" else
+                        0.0 if untimed == "every decode call" or len(seen) % 2 else 2e-3)
         else:
             device_s = 3e-3
         return real(self, batch, device_s, work)
@@ -135,7 +140,7 @@ def test_e2e_decode_leaves_untimed_steps_out_of_its_rates(monkeypatch, tmp_path,
     assert e2e.main(["--model", "tiny", "--batch", "2", "--prompt-len", "16", "--new-tokens", "24",
                      "--decode-steps", "2", "--copy-gb", "0.01", "--out", str(out)]) == 0
     r, = json.loads(out.read_text())
-    assert seen and r["untimed_steps"] > 0        # (seen also holds the untimed warm-up pass's calls)
+    assert seen and (r["untimed_steps"] > 0) == (untimed != "no decode call")   # (seen: the warm-up's calls too)
     if untimed == "every decode call":
         assert math.isnan(r["decode_tokens_per_s"]) and math.isnan(r["decode_step_ms_median"])
         assert math.isnan(r["decode_tokens_per_s_full_batch"])
@@ -146,6 +151,15 @@ def test_e2e_decode_leaves_untimed_steps_out_of_its_rates(monkeypatch, tmp_path,
     assert sum(c["prefill_tokens"] for c in packed) == r["prefill_tokens"]
     assert math.isclose(sum(c["ms"] for c in packed), r["prefill_seconds"] * 1e3)
     assert all(c["ms"] == pytest.approx(3.0) for c in packed)
+    # The wall-clock prefill figure counts every prompt token of the timed pass (2 prompts of 16, no prefix shared
+    # with the warm-up's), timed or not, over a window inside the pass.
+    assert r["prefill_wall_tokens"] == 2 * 16
+    assert 0 < r["prefill_wall_seconds"] <= r["wall_seconds"]
+    # Only steps of the timed pass are counted: the warm-up's last decode call (still engine.last_step when the
+    # pass's first step() only dispatches) is not. Timed, the pass's decode calls hold 2 x 23 tokens (the first
+    # of each request's 24 comes from its prefill step); the warm-up's call counted too made it 48.
+    if untimed == "no decode call":
+        assert sum(c["tokens"] for c in r["decode_calls"]) == 2 * 23
     if untimed != "every decode call":
         assert r["decode_tokens_per_s"] > 0 and r["decode_step_ms_median"] > 0
         # The rate is the listed timed calls' tokens over their time (none of them an untimed 0).
