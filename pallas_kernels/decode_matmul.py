@@ -192,14 +192,29 @@ def decode_matmul(x, w, *, out_dtype=None, config: TuningConfig | None = None, i
     return _run(x, w, out_dtype=out_dtype, config=config, gated=False, interpret=interpret)
 
 
-def _run(x, w, *, out_dtype, config, gated, interpret):
+def decode_matmul_partials(x, w, *, config: TuningConfig | None = None, interpret: bool = False):
+    """`decode_matmul`'s product before its split-K sum, for a consumer that sums it itself (the fused RoPE and
+    KV write, pallas_kernels/rope_kv_write.py): x [M, K] bf16, w [N, K] bf16 -> [S, R, N], S = the config's
+    split (default_k_splits when None), R = M rounded up to 64 (rows past M are zeros); float32 when S > 1, else
+    x.dtype. Summed over S and rounded to x.dtype, its first M rows are `decode_matmul(x, w)`."""
+    config = config or TuningConfig()
+    check_inputs(x, w, config)
+    if config.k_splits is None:
+        config = dataclasses.replace(config, k_splits=default_k_splits(w.shape[0], w.shape[1], config.tile_n))
+    out_dtype = jnp.dtype(x.dtype)
+    check_resources(x.shape[0], x.shape[1], config, gated=False, out_itemsize=4 if config.k_splits > 1 else 2)
+    return _run(x, w, out_dtype=out_dtype, config=config, gated=False, interpret=interpret, partials=True)
+
+
+def _run(x, w, *, out_dtype, config, gated, interpret, partials=False):
     """`_decode_matmul` compiled, or in the Mosaic GPU interpreter (interpret, or inside an active one); the
     static `interpreted` keeps the two traces apart in jit's cache."""
     if interpret:
         with mosaic_gpu_interpret():
-            return _decode_matmul(x, w, out_dtype=out_dtype, config=config, gated=gated, interpreted=True)
+            return _decode_matmul(x, w, out_dtype=out_dtype, config=config, gated=gated, interpreted=True,
+                                  partials=partials)
     return _decode_matmul(x, w, out_dtype=out_dtype, config=config, gated=gated,
-                          interpreted=interpret_mode_active())
+                          interpreted=interpret_mode_active(), partials=partials)
 
 
 def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, interpret: bool = False):
@@ -226,9 +241,10 @@ def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, interpret: 
     return _run(x, w, out_dtype=jnp.dtype(x.dtype), config=config, gated=True, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "gated", "interpreted"))
-def _decode_matmul(x, w, *, out_dtype, config, gated=False, interpreted=False):
-    # `interpreted` only keys the jit cache: interpreted and compiled traces never share an entry.
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "gated", "interpreted", "partials"))
+def _decode_matmul(x, w, *, out_dtype, config, gated=False, interpreted=False, partials=False):
+    # `interpreted` only keys the jit cache: interpreted and compiled traces never share an entry. partials: the
+    # kernel's [S, R, N] output as it is (`decode_matmul_partials`).
     del interpreted
     m, k = x.shape
     n = w.shape[0] // 2 if gated else w.shape[0]       # output columns
@@ -239,6 +255,8 @@ def _decode_matmul(x, w, *, out_dtype, config, gated=False, interpreted=False):
     partial_dtype = out_dtype if splits == 1 else jnp.dtype(jnp.float32)
     kernel = _build_kernel(rows=rows, n=n, k=k, out_dtype=partial_dtype, config=config, gated=gated)
     y = kernel(x, w)
+    if partials:
+        return y
     y = y[0] if splits == 1 else jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype)
 

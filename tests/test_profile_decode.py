@@ -28,6 +28,7 @@ def pd(dt):
     ("decode_matmul_mosaic_gpu_kernel", "matmul"),           # the projections' Pallas GEMM
     ("decode_matmul_2048x8192_mosaic_gpu_kernel", "matmul"),  # ... named by its shape
     ("decode_gated_matmul_8192x2048_mosaic_gpu_kernel", "matmul"),
+    ("rope_kv_write_mosaic_gpu_kernel", "KV write (scatter)"),  # q/k/v's sum, RoPE and the KV write in one kernel
     ("nvjet_sm90_tss_112x64_64x9_2x1_v_bz_TNN", "matmul"),
     ("gemm_fusion_dot_general_564", "matmul"),
     ("input_scatter_fusion_31", "KV write (scatter)"),

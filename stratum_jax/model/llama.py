@@ -46,7 +46,7 @@ import numpy as np
 from stratum_jax.kv.delta_cache import DeltaKV
 from stratum_jax.kv.slot_write import write_slot_rows
 from stratum_jax.model.config import ModelConfig
-from stratum_jax.model.projection import Matmul, xla_matmul
+from stratum_jax.model.projection import Matmul, RopeKVWrite, xla_matmul
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +103,20 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(is_medium, smoothed, inv_freq_llama).astype(np.float32)
 
 
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [T, head_dim/2] float32 of the RoPE angles positions [T] * inv_freq."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotates x [T, heads, head_dim] by the angles positions [T] * inv_freq, in HF's rotate_half layout.
 
     Dimension i pairs with i + head_dim/2 (not with i+1): that is how Llama/Qwen2 HF checkpoints store
-    q_proj/k_proj. Computed in float32, returned in x.dtype.
+    q_proj/k_proj. Computed in float32, returned in x.dtype (the decode step's fused kernel,
+    pallas_kernels/rope_kv_write.py, rotates the same way).
     """
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    cos, sin = (a[:, None, :] for a in rope_cos_sin(positions, inv_freq))
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -175,9 +181,20 @@ class ShardedFusedLinear(nn.Module):
     gated: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, ...] | jax.Array:
+    def __call__(self, x: jax.Array, rope_kv_write: RopeKVWrite | None = None
+                 ) -> tuple[jax.Array, ...] | jax.Array | None:
+        """rope_kv_write (q/k/v, one shard, no bias): `Matmul.rope_kv_write`'s (q rotated, k_pool, v_pool), or None
+        where the Matmul does not fuse them (call again without it)."""
         s = self.shards
         w = self.param("weight", _normal_init, (s, sum(self.features) // s, x.shape[-1]), self.dtype)
+        if rope_kv_write is not None:
+            if s != 1 or self.use_bias or self.gated or len(self.features) != 3:
+                raise ValueError("ShardedFusedLinear: rope_kv_write is for the q/k/v projection on one shard without "
+                                 f"bias, got features {self.features}, shards {s}, use_bias={self.use_bias}")
+            if self.matmul is None:
+                return None
+            return self.matmul.rope_kv_write(x, w[0], rope_kv_write,
+                                             num_q_heads=self.features[0] // rope_kv_write.k_pool.shape[-1])
         if self.gated and (len(self.features) != 2 or self.features[0] != self.features[1] or self.use_bias):
             raise ValueError(f"ShardedFusedLinear: gated needs two equal features and no bias, got "
                              f"{self.features}, use_bias={self.use_bias}")
@@ -221,16 +238,30 @@ class Attention(nn.Module):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         t = x.shape[0]
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inv_freq = rope_inv_freq(cfg)
+
+        def o_proj(o):      # o [T, Hq, D]
+            return Linear(cfg.hidden_size, False, dtype, matmul=self.matmul, name="o_proj")(o.reshape(t, q_out))
+
+        # The named scopes label the compiled ops (HLO metadata op_name), so a profile can say which part
+        # of the model a kernel belongs to (benchmarks/profile_decode.py); they change no computation.
         if self.fused_shards:
-            q, k, v = ShardedFusedLinear((q_out, kv_out, kv_out), self.fused_shards, cfg.attention_bias, dtype,
-                                         self.matmul, name="qkv_proj")(x)
+            qkv_proj = ShardedFusedLinear((q_out, kv_out, kv_out), self.fused_shards, cfg.attention_bias, dtype,
+                                          self.matmul, name="qkv_proj")
+            if self.fused_shards == 1 and not cfg.attention_bias and not isinstance(cache, DeltaKV):
+                # A decode step on the Pallas projections: q/k/v, RoPE and the KV write in two kernels
+                # (pallas_kernels/rope_kv_write.py) instead of four; None where the Matmul does not fuse them.
+                fused = qkv_proj(x, RopeKVWrite(*rope_cos_sin(positions, inv_freq), write_slots, *cache))
+                if fused is not None:
+                    q, k_pool, v_pool = fused
+                    with jax.named_scope("attention"):
+                        o = attend(self.layer, q, k_pool, v_pool).astype(dtype)
+                    return o_proj(o), (k_pool, v_pool)
+            q, k, v = qkv_proj(x)
         else:
             q = Linear(q_out, cfg.attention_bias, dtype, matmul=self.matmul, name="q_proj")(x)
             k = Linear(kv_out, cfg.attention_bias, dtype, matmul=self.matmul, name="k_proj")(x)
             v = Linear(kv_out, cfg.attention_bias, dtype, matmul=self.matmul, name="v_proj")(x)
-        inv_freq = rope_inv_freq(cfg)
-        # The named scopes label the compiled ops (HLO metadata op_name), so a profile can say which part
-        # of the model a kernel belongs to (benchmarks/profile_decode.py); they change no computation.
         with jax.named_scope("rope"):
             q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
             k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
@@ -251,9 +282,7 @@ class Attention(nn.Module):
             with jax.named_scope("attention"):
                 o = attend(self.layer, q, k_pool, v_pool).astype(dtype)
             cache = (k_pool, v_pool)
-        o = Linear(cfg.hidden_size, False, dtype, matmul=self.matmul, name="o_proj")(
-            o.reshape(t, cfg.num_heads * cfg.head_dim))
-        return o, cache
+        return o_proj(o), cache
 
 
 class MLP(nn.Module):

@@ -12,18 +12,33 @@ the kernel on the H200). The projections with few output columns (q/k/v, o, down
 K with an extra reduction and streams at 35-75% of the read ceiling; the kernel's split-K is faster there
 (BENCHMARKS.md, "Decode projections: the weight-streaming kernel"). gate/up streams as fast on either, but on the
 kernel (`decode_gated_matmul`) the activation runs in the GEMM's epilogue: the step loses the activation's kernel
-and the [rows, 2I] product's round trip through HBM.
+and the [rows, 2I] product's round trip through HBM. q/k/v's split-K partials go unsummed to the fused RoPE and KV
+write (`Matmul.rope_kv_write`, pallas_kernels/rope_kv_write.py): one kernel where XLA ran three.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decode_matmul import TuningConfig, decode_gated_matmul, decode_matmul, supports
+from pallas_kernels.decode_matmul import (TuningConfig, decode_gated_matmul, decode_matmul, decode_matmul_partials,
+                                          supports)
+from pallas_kernels.rope_kv_write import HEAD_DIMS as ROPE_KV_WRITE_HEAD_DIMS, rope_kv_write
+from stratum_jax.kv.slot_write import padding_slots
+
+
+class RopeKVWrite(NamedTuple):
+    """What the q/k/v projection fused with RoPE and the KV write needs beside x and the weight
+    (`Matmul.rope_kv_write`): cos, sin [T, D/2] float32 of each token row's RoPE angles, the rows' write slots
+    [T] int32 (>= num_slots: padding, not written), and the layer's pools k_pool, v_pool [Hkv, num_slots, D]."""
+    cos: jax.Array
+    sin: jax.Array
+    slots: jax.Array
+    k_pool: jax.Array
+    v_pool: jax.Array
 
 
 class Matmul(Protocol):
@@ -35,6 +50,13 @@ class Matmul(Protocol):
     def gated(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """The gated MLP's activation input: x [..., K], w [2I, K] (gate rows, then up rows) ->
         silu(x @ w[:I].T) * (x @ w[I:].T) [..., I] in x.dtype, each product rounded to x.dtype first."""
+
+    def rope_kv_write(self, x: jax.Array, w: jax.Array, write: RopeKVWrite,
+                      num_q_heads: int) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+        """The fused q/k/v projection with RoPE on q and k and the K/V rows written into the pools: x [T, K], w
+        [(Hq + 2 Hkv) * D, K] (q rows, then k, then v) -> (q [T, Hq, D] rotated, k_pool, v_pool), each value rounded
+        as the unfused path rounds it; None where this Matmul does not fuse them (the caller then projects,
+        rotates and writes as before)."""
 
 
 # The kernel is used up to this many token rows: a decode step's batch. Beyond it x's tiles, which every CTA
@@ -88,6 +110,13 @@ def kernel_takes(rows: int, n: int, k: int, dtype) -> bool:
             and supports(rows, n, k, KERNEL_CONFIG))
 
 
+def rope_kv_write_takes(rows: int, n: int, k: int, dtype, pool_dtype, head_dim: int) -> bool:
+    """Whether `DecodeKernelMatmul.rope_kv_write` fuses the q/k/v projection of [rows, k] x [n, k] with RoPE and the
+    KV write: where the projection runs on the kernel, into bf16 pools, at a head_dim the fused kernel takes."""
+    return (kernel_takes(rows, n, k, dtype) and jnp.dtype(pool_dtype) == jnp.bfloat16
+            and head_dim in ROPE_KV_WRITE_HEAD_DIMS and n % head_dim == 0)
+
+
 def gated_kernel_takes(rows: int, i: int, k: int, dtype) -> bool:
     """Whether `DecodeKernelMatmul.gated` sends x [rows, k] and a gate_up weight [2i, k] to the kernel: a decode
     step's rows of a bf16 model, at any width (the kernel streams gate/up as fast as XLA's GEMM and saves the
@@ -120,6 +149,26 @@ class DecodeKernelMatmul:
         y = decode_gated_matmul(x.reshape(rows, k), w, config=gated_kernel_config(i, rows, k),
                                 interpret=self.interpret)
         return y.reshape(*x.shape[:-1], i)
+
+    def rope_kv_write(self, x: jax.Array, w: jax.Array, write: RopeKVWrite,
+                      num_q_heads: int) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+        rows, k = x.shape
+        num_kv_heads, num_slots, head_dim = write.k_pool.shape
+        if (not rope_kv_write_takes(rows, w.shape[0], k, x.dtype, write.k_pool.dtype, head_dim)
+                or w.dtype != x.dtype or write.v_pool.dtype != write.k_pool.dtype):
+            return None
+        # The projection's split-K partials [S, R, N] (R: rows rounded up to 64) go to the fused kernel unsummed; the
+        # padding rows get rotation angles 0 and slots past the pool (not written).
+        parts = decode_matmul_partials(x, w, config=KERNEL_CONFIG, interpret=self.interpret)
+        pad = parts.shape[1] - rows
+        cos, sin = (jnp.pad(a, ((0, pad), (0, 0))) for a in (write.cos, write.sin))
+        slots = jnp.concatenate([write.slots.astype(jnp.int32),
+                                 padding_slots(num_slots, jnp.arange(rows, rows + pad, dtype=jnp.int32))])
+        with jax.named_scope("kv_write"):       # the profile's part for the fused kernel (the GEMM stays q/k/v's)
+            q, k_pool, v_pool = rope_kv_write(parts, cos, sin, slots, write.k_pool, write.v_pool,
+                                              num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                              interpret=self.interpret)
+        return q[:rows], k_pool, v_pool
 
 
 def resolve_projections(config, model_config, *, on_hopper: bool, tensor_parallel: int) -> str:

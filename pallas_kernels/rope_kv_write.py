@@ -1,0 +1,197 @@
+"""q/k/v's split-K sum, RoPE on q and k, and the K/V rows written into their slot pools, in one kernel (a Pallas
+Mosaic GPU kernel for Hopper).
+
+In a decode step the q/k/v projection (`decode_matmul`) leaves fp32 partials [S, R, N] (its split-K), and XLA ran
+three small kernels on them before attention: q's sum and RoPE (a concatenate fusion), K's sum, RoPE and scatter
+into the pool, V's sum and scatter. Each moves well under a megabyte and costs ~1.5-2.6 us, mostly launch, ramp
+and drain (BENCHMARKS.md, #18 session 26). This kernel does all three in one launch.
+
+Design
+------
+*Grid.* One CTA (one warpgroup) per (head, block of 8 rows), over the Hq + 2 Hkv heads of the fused q/k/v
+columns (q heads, then k heads, then v heads, as the fused weight lays them out). A CTA copies its head's
+partials as two halves [S, 8, D/2] (RoPE pairs dimension i with i + D/2: HF's rotate_half layout), with cos and
+sin [8, D/2] and the rows' write slots [8], sums the partials in fp32 and rounds to bf16 (what `decode_matmul`
+returns), rotates q and k heads in fp32 and rounds to bf16 (what the model's `apply_rope` does), and writes:
+q heads to the [R, Hq * D] output; k and v heads row by row into pool[h, slot, :] with a TMA store per half-row,
+skipping slots >= num_slots (padding rows: kv/slot_write.py).
+
+*In place.* The pools are passed as `jax.Ref`s (`jax.new_ref`), so the kernel writes into the pool's buffer:
+XLA aliases the custom call's output to the pool operand (`output_operand_aliases`), as it updates a donated
+pool in place for the scatter this replaces.
+
+Numerics: the reference (`rope_kv_write_reference`) sums the partials over S in order, rounds to bf16, then
+rotates in fp32 as `apply_rope` does; the kernel does the same operations, so outputs agree to the last bit
+except where XLA reassociates the split-K sum or contracts the rotation into FMAs.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
+
+ROW_BLOCK = 8          # rows a CTA takes (tiled TMA boxes want 8-row multiples; a decode step has 8-128 rows)
+HEAD_DIMS = (32, 64, 128)
+
+
+def rotate_half_reference(x, cos, sin):
+    """x [R, heads, D] -> RoPE-rotated, in x.dtype: dimension i pairs with i + D/2, computed in fp32 with cos and sin
+    [R, D/2] fp32 (llama.apply_rope's rotation)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def rope_kv_write_reference(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads: int, num_kv_heads: int):
+    """`rope_kv_write` in jnp on arrays: returns (q [R, Hq, D] bf16, k_pool, v_pool) with the pools updated."""
+    y = parts[0].astype(jnp.float32)
+    for s in range(1, parts.shape[0]):
+        y = y + parts[s].astype(jnp.float32)
+    y = y.astype(k_pool.dtype)
+    r, d = y.shape[0], k_pool.shape[-1]
+    q, k, v = jnp.split(y.reshape(r, num_q_heads + 2 * num_kv_heads, d), [num_q_heads, num_q_heads + num_kv_heads],
+                        axis=1)
+    q, k = rotate_half_reference(q, cos, sin), rotate_half_reference(k, cos, sin)
+    k_pool = k_pool.at[:, slots].set(k.transpose(1, 0, 2), mode="drop")
+    v_pool = v_pool.at[:, slots].set(v.transpose(1, 0, 2), mode="drop")
+    return q, k_pool, v_pool
+
+
+def check_inputs(parts, cos, sin, slots, k_pool, v_pool, num_q_heads: int, num_kv_heads: int) -> None:
+    """Raises ValueError, saying what to fix, for shapes and dtypes the kernel does not take."""
+    if parts.ndim != 3 or parts.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"rope_kv_write: parts must be [S, R, N] float32 or bfloat16, got {parts.shape} {parts.dtype}")
+    _, r, n = parts.shape
+    if k_pool.ndim != 3 or k_pool.shape != v_pool.shape or k_pool.dtype != jnp.bfloat16 or v_pool.dtype != jnp.bfloat16:
+        raise ValueError(f"rope_kv_write: k_pool and v_pool must be [Hkv, num_slots, D] bfloat16 of one shape, got "
+                         f"{k_pool.shape} {k_pool.dtype} and {v_pool.shape} {v_pool.dtype}")
+    hkv, _, d = k_pool.shape
+    if d not in HEAD_DIMS:
+        raise ValueError(f"rope_kv_write: head_dim must be one of {HEAD_DIMS}, got {d}")
+    if hkv != num_kv_heads or n != (num_q_heads + 2 * num_kv_heads) * d:
+        raise ValueError(f"rope_kv_write: parts' N ({n}) must be (num_q_heads + 2 * num_kv_heads) * head_dim = "
+                         f"({num_q_heads} + 2 * {num_kv_heads}) * {d}, and the pools must have {num_kv_heads} heads "
+                         f"(they have {hkv})")
+    if r % ROW_BLOCK:
+        raise ValueError(f"rope_kv_write: R ({r}) must be a multiple of {ROW_BLOCK}")
+    if cos.shape != (r, d // 2) or sin.shape != (r, d // 2) or cos.dtype != jnp.float32 or sin.dtype != jnp.float32:
+        raise ValueError(f"rope_kv_write: cos and sin must be [R, D/2] = [{r}, {d // 2}] float32, got {cos.shape} "
+                         f"{cos.dtype} and {sin.shape} {sin.dtype}")
+    if slots.shape != (r,) or slots.dtype != jnp.int32:
+        raise ValueError(f"rope_kv_write: slots must be [R] = [{r}] int32, got {slots.shape} {slots.dtype}")
+
+
+def rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads: int, num_kv_heads: int,
+                  interpret: bool = False):
+    """q/k/v from the q/k/v projection's partials, RoPE on q and k, K and V written into the pools (module docstring).
+
+    Args:
+      parts: [S, R, (Hq + 2 Hkv) * D] float32 split-K partials (or bfloat16 with S = 1) of the fused q/k/v
+        projection (`decode_matmul_partials`); R a multiple of 8.
+      cos, sin: [R, D/2] float32, cos and sin of each row's RoPE angles (position * inverse frequency).
+      slots: [R] int32 write slot of each row; a slot >= num_slots (padding rows) is not written.
+      k_pool, v_pool: [Hkv, num_slots, D] bfloat16 arrays.
+      interpret: run in the Mosaic GPU interpreter on CPU (tests).
+    Returns (q [R, Hq, D] bfloat16 rotated, k_pool, v_pool) with row r's k and v at slot slots[r] of each head.
+    """
+    check_inputs(parts, cos, sin, slots, k_pool, v_pool, num_q_heads, num_kv_heads)
+    if interpret:
+        with mosaic_gpu_interpret():
+            return _rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, num_q_heads=num_q_heads,
+                                  num_kv_heads=num_kv_heads, interpreted=True)
+    return _rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                          interpreted=interpret_mode_active())
+
+
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "num_kv_heads", "interpreted"))
+def _rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads, num_kv_heads, interpreted=False):
+    del interpreted       # keys jit's cache only: interpreted and compiled traces never share an entry
+    _, r, _ = parts.shape
+    d = k_pool.shape[-1]
+    kernel = _build_kernel(splits=parts.shape[0], rows=r, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                           head_dim=d, num_slots=k_pool.shape[1], parts_dtype=parts.dtype)
+    k_ref, v_ref = jax.new_ref(k_pool), jax.new_ref(v_pool)
+    q = kernel(parts, cos, sin, slots, k_ref, v_ref)
+    return q.reshape(r, num_q_heads, d), jax.freeze(k_ref), jax.freeze(v_ref)
+
+
+def _build_kernel(*, splits, rows, num_q_heads, num_kv_heads, head_dim, num_slots, parts_dtype):
+    """f(parts, cos, sin, slots, k_ref, v_ref) -> q [rows, Hq * D] bf16, writing the refs (module docstring)."""
+    half = head_dim // 2
+    out_dtype = jnp.bfloat16
+
+    def body(parts_gmem, cos_gmem, sin_gmem, slots_gmem, k_ref, v_ref, q_gmem):
+        head = lax.axis_index("head")
+        r0 = pl.multiple_of(lax.axis_index("rows") * ROW_BLOCK, ROW_BLOCK)
+        col0 = head * head_dim
+
+        def scoped(x1_smem, x2_smem, cos_smem, sin_smem, slots_smem, o1_smem, o2_smem, loaded):
+            rows_ = pl.ds(r0, ROW_BLOCK)
+            plgpu.copy_gmem_to_smem(parts_gmem.at[:, rows_, pl.ds(col0, half)], x1_smem, loaded)
+            plgpu.copy_gmem_to_smem(parts_gmem.at[:, rows_, pl.ds(col0 + half, half)], x2_smem, loaded)
+            plgpu.copy_gmem_to_smem(cos_gmem.at[rows_], cos_smem, loaded)
+            plgpu.copy_gmem_to_smem(sin_gmem.at[rows_], sin_smem, loaded)
+            plgpu.copy_gmem_to_smem(slots_gmem.at[rows_], slots_smem, loaded)
+            plgpu.barrier_wait(loaded)
+
+            def summed(x_smem):      # the split-K sum in order, rounded as decode_matmul rounds it
+                x = x_smem.at[0][...].astype(jnp.float32)
+                for s in range(1, splits):
+                    x = x + x_smem.at[s][...].astype(jnp.float32)
+                return x.astype(out_dtype).astype(jnp.float32)
+
+            x1, x2 = summed(x1_smem), summed(x2_smem)
+
+            @pl.when(head < num_q_heads + num_kv_heads)      # q and k heads: rotated
+            def _():
+                c, s = cos_smem[...], sin_smem[...]
+                o1_smem[...] = (x1 * c - x2 * s).astype(out_dtype)
+                o2_smem[...] = (x2 * c + x1 * s).astype(out_dtype)
+
+            @pl.when(head >= num_q_heads + num_kv_heads)     # v heads: as summed
+            def _():
+                o1_smem[...] = x1.astype(out_dtype)
+                o2_smem[...] = x2.astype(out_dtype)
+
+            plgpu.commit_smem()
+
+            @pl.when(head < num_q_heads)
+            def _():
+                plgpu.copy_smem_to_gmem(o1_smem, q_gmem.at[rows_, pl.ds(col0, half)])
+                plgpu.copy_smem_to_gmem(o2_smem, q_gmem.at[rows_, pl.ds(col0 + half, half)])
+
+            def write_rows(pool_ref, kv_head):
+                for i in range(ROW_BLOCK):
+                    slot = slots_smem[i]
+
+                    @pl.when(slot < num_slots)         # padding rows' slots are past the pool
+                    def _():
+                        dst = pool_ref.at[kv_head, pl.ds(slot, 1)]
+                        plgpu.copy_smem_to_gmem(o1_smem.at[pl.ds(i, 1)], dst.at[:, pl.ds(0, half)])
+                        plgpu.copy_smem_to_gmem(o2_smem.at[pl.ds(i, 1)], dst.at[:, pl.ds(half, half)])
+
+            is_k = (head >= num_q_heads) & (head < num_q_heads + num_kv_heads)
+            pl.when(is_k)(lambda: write_rows(k_ref, head - num_q_heads))
+            pl.when(head >= num_q_heads + num_kv_heads)(
+                lambda: write_rows(v_ref, head - num_q_heads - num_kv_heads))
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((splits, ROW_BLOCK, half), parts_dtype), plgpu.SMEM((splits, ROW_BLOCK, half), parts_dtype),
+            plgpu.SMEM((ROW_BLOCK, half), jnp.float32), plgpu.SMEM((ROW_BLOCK, half), jnp.float32),
+            plgpu.SMEM((ROW_BLOCK,), jnp.int32),
+            plgpu.SMEM((ROW_BLOCK, half), out_dtype), plgpu.SMEM((ROW_BLOCK, half), out_dtype),
+            plgpu.Barrier(num_arrivals=5))
+
+    # The name a profile shows: rope_kv_write_mosaic_gpu_kernel (benchmarks/device_trace.py).
+    body.__name__ = body.__qualname__ = "rope_kv_write"
+    heads = num_q_heads + 2 * num_kv_heads
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((rows, num_q_heads * head_dim), out_dtype),
+                        grid=(heads, rows // ROW_BLOCK), grid_names=("head", "rows"))
