@@ -95,7 +95,8 @@ def rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads: int, n
       parts: [S, R, (Hq + 2 Hkv) * D] float32 split-K partials (or bfloat16 with S = 1) of the fused q/k/v
         projection (`decode_matmul_partials`); R a multiple of 8.
       cos, sin: [R, D/2] float32, cos and sin of each row's RoPE angles (position * inverse frequency).
-      slots: [R] int32 write slot of each row; a slot >= num_slots (padding rows) is not written.
+      slots: [R] int32 write slot of each row; a slot >= num_slots (padding rows) is not written, a negative one
+        counts from the end (as the scatter it replaces, `.at[].set(mode="drop")`).
       k_pool, v_pool: [Hkv, num_slots, D] bfloat16 arrays.
       interpret: run in the Mosaic GPU interpreter on CPU (tests).
     Returns (q [R, Hq, D] bfloat16 rotated, k_pool, v_pool) with row r's k and v at slot slots[r] of each head.
@@ -116,6 +117,8 @@ def _rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads, num_k
     d = k_pool.shape[-1]
     kernel = _build_kernel(splits=parts.shape[0], rows=r, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                            head_dim=d, num_slots=k_pool.shape[1], parts_dtype=parts.dtype)
+    num_slots = k_pool.shape[1]
+    slots = jnp.where(slots < 0, slots + num_slots, slots)      # jnp's negative indices; still < 0: not written
     k_ref, v_ref = jax.new_ref(k_pool), jax.new_ref(v_pool)
     q = kernel(parts, cos, sin, slots, k_ref, v_ref)
     return q.reshape(r, num_q_heads, d), jax.freeze(k_ref), jax.freeze(v_ref)
@@ -170,7 +173,7 @@ def _build_kernel(*, splits, rows, num_q_heads, num_kv_heads, head_dim, num_slot
                 for i in range(ROW_BLOCK):
                     slot = slots_smem[i]
 
-                    @pl.when(slot < num_slots)         # padding rows' slots are past the pool
+                    @pl.when((slot >= 0) & (slot < num_slots))      # padding rows' slots are past the pool
                     def _():
                         dst = pool_ref.at[kv_head, pl.ds(slot, 1)]
                         plgpu.copy_smem_to_gmem(o1_smem.at[pl.ds(i, 1)], dst.at[:, pl.ds(0, half)])

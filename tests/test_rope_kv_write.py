@@ -55,17 +55,26 @@ def test_the_kernel_matches_the_models_rope_and_slot_write(splits, rows, head_di
 
 def test_each_row_lands_in_its_own_slot_and_head():
     """A head or row off by one would still pass a test whose rows were alike: every row and head differs here, and
-    the written slots are checked one by one."""
+    the written slots are checked one by one. A negative slot counts from the pool's end, as in the scatter
+    (`.at[].set(mode="drop")`) this kernel replaces; one below -num_slots is dropped."""
     c = _case(1, splits=2, rows=16, num_q_heads=2, num_kv_heads=2, head_dim=64, padding=3)
+    slots = np.asarray(c["slots"]).copy()
+    slots[0] = np.setdiff1d(np.arange(96), slots)[-1] - 96    # row 0 -> a free slot, counted from the end
+    slots[12] = -200                                          # dropped
+    c["slots"] = jnp.asarray(slots, jnp.int32)
     _, k_pool, v_pool = rope_kv_write(c["parts"], c["cos"], c["sin"], c["slots"], c["k_pool"], c["v_pool"],
                                       num_q_heads=2, num_kv_heads=2, interpret=True)
     y = np.asarray(jnp.sum(c["parts"], axis=0).astype(jnp.bfloat16), np.float32).reshape(16, 6, 64)
-    slots = np.asarray(c["slots"])
-    for r in range(13):
+    written = {int(s) % 96: r for r, s in enumerate(slots[:13]) if -96 <= s < 96}
+    assert len(written) == 12
+    for slot, r in written.items():
         for h in range(2):
-            np.testing.assert_array_equal(np.asarray(v_pool[h, slots[r]], np.float32), y[r, 4 + h])
-    untouched = np.setdiff1d(np.arange(96), slots[:13])
+            np.testing.assert_array_equal(np.asarray(v_pool[h, slot], np.float32), y[r, 4 + h])
+    untouched = np.setdiff1d(np.arange(96), list(written))
     np.testing.assert_array_equal(np.asarray(k_pool[:, untouched]), np.asarray(c["k_pool"][:, untouched]))
+    ref = rope_kv_write_reference(c["parts"], c["cos"], c["sin"], c["slots"], c["k_pool"], c["v_pool"],
+                                  num_q_heads=2, num_kv_heads=2)
+    np.testing.assert_array_equal(np.asarray(k_pool, np.float32), np.asarray(ref[1], np.float32))
 
 
 @pytest.mark.parametrize("change, match", [
