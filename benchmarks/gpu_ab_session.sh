@@ -1,0 +1,51 @@
+# One device call (from the repo root): the e2e decode step of this tree against another revision's, alternating on
+# one machine loan, so loan-to-loan movement (1-5% between loans on the H200) cancels out of the comparison.
+#
+#   Here, before the call (the device gets the working tree, not .git; the base tree travels as untracked files):
+#     rm -rf ab_base && mkdir ab_base && git archive REV stratum_jax pallas_kernels benchmarks | tar -x -C ab_base \
+#       && rm -rf ab_base/benchmarks/results
+#   On the device:
+#     MODELS="llama-1b llama-8b" ROUNDS=2 TAG=s27 bash benchmarks/gpu_ab_session.sh
+#   Afterwards: rm -rf ab_base
+#
+# Each round runs every model on the base tree, then on this one (benchmarks/e2e_decode.py --batch 64 --prompt-len
+# 512 --new-tokens 256 --attention kernel, plus E2E_ARGS); both use this tree's e2e_decode.py, so the two differ only
+# in stratum_jax/ and pallas_kernels/. JSON: $OUT/e2e_ab_<model>_<base|this>_<round>_<TAG>.json; prints one line a run
+# (step ms, tok/s, SM clock, power) and, per model, the mean step of each side.
+source benchmarks/gpu_env.sh
+BASE=${BASE:-ab_base}
+TAG=${TAG:-ab}
+[ -d "$BASE/stratum_jax" ] || { echo "no base tree at $BASE (see the header of this script)"; exit 2; }
+cp benchmarks/*.py "$BASE/benchmarks/"        # the same benchmark script on both sides
+ROOT=$PWD
+for round in $(seq 1 "${ROUNDS:-2}"); do
+  for m in ${MODELS:-llama-1b}; do
+    for side in base this; do
+      tree=$ROOT; [ $side = base ] && tree=$ROOT/$BASE
+      json=$OUT/e2e_ab_${m}_${side}_${round}_${TAG}.json
+      (cd "$tree" && PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} timeout ${E2E_TIMEOUT:-150} python3 benchmarks/e2e_decode.py \
+        --model "$m" --batch 64 --prompt-len 512 --new-tokens 256 --attention kernel ${E2E_ARGS:-} --out "$json" \
+        > /tmp/e2e_ab.log 2>&1) || { echo "$m $side round $round: FAILED"; tail -3 /tmp/e2e_ab.log; continue; }
+      python3 - "$json" "$m" "$side" "$round" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))[0]
+c = r.get("gpu_clocks") or {}
+print(f"{sys.argv[2]:9s} {sys.argv[3]:4s} round {sys.argv[4]}: step {r['decode_step_ms_median']:.3f} ms, "
+      f"{r['decode_tokens_per_s']:,.0f} tok/s, SM {c.get('sm_mhz_median')} MHz, {c.get('power_w_median')} W")
+PY
+    done
+  done
+done
+python3 - "$OUT" "$TAG" <<'PY'
+import glob, json, statistics, sys
+out, tag = sys.argv[1], sys.argv[2]
+steps = {}
+for f in glob.glob(f"{out}/e2e_ab_*_{tag}.json"):
+    model, side = f.split("/")[-1][len("e2e_ab_"):].split("_")[:2]
+    steps.setdefault((model, side), []).append(json.load(open(f))[0]["decode_step_ms_median"])
+for model in sorted({m for m, _ in steps}):
+    base, this = steps.get((model, "base"), []), steps.get((model, "this"), [])
+    if base and this:
+        b, t = statistics.fmean(base), statistics.fmean(this)
+        print(f"{model}: base {b:.3f} ms ({len(base)} runs), this {t:.3f} ms ({len(this)} runs): {t / b - 1:+.1%}")
+PY
