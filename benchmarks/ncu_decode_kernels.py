@@ -10,8 +10,9 @@ M = 64 token rows): the swapped decode attention kernel, the o projection (2048 
         python3 benchmarks/ncu_decode_kernels.py
     ncu -i /tmp/att.ncu-rep --page source --csv --print-source sass > att_sass.csv    # stall samples a SASS line
 
-ncu locks the SM clock to its base (1.35 GHz on the H200) unless given `--clock-control none`, so its durations are
-longer than a run's (1.98 GHz): compare kernels within one ncu run. BENCHMARKS.md #18 session 26 has the findings.
+ncu's default clock control locks the SM clock to its base (it ran at 1.35 GHz on the H200, session 26; its
+`--clock-control none` was not tried), so its durations are longer than a run's (1.98 GHz): compare kernels
+within one ncu run. BENCHMARKS.md #18 session 26 has the findings.
 --interpret --small runs the same calls at small shapes in the Mosaic GPU interpreter (CPU; the test).
 """
 from __future__ import annotations

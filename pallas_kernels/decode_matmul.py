@@ -182,13 +182,8 @@ def decode_matmul(x, w, *, out_dtype=None, config: TuningConfig | None = None, i
       interpret: run in the Mosaic GPU interpreter on CPU (tests).
     Returns [M, N] in out_dtype.
     """
-    config = config or TuningConfig()
-    check_inputs(x, w, config)
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    if config.k_splits is None:
-        config = dataclasses.replace(config, k_splits=default_k_splits(w.shape[0], w.shape[1], config.tile_n))
-    check_resources(x.shape[0], x.shape[1], config, gated=False,
-                    out_itemsize=4 if config.k_splits > 1 else out_dtype.itemsize)
+    config = _checked_config(x, w, config, out_dtype)
     return _run(x, w, out_dtype=out_dtype, config=config, gated=False, interpret=interpret)
 
 
@@ -197,13 +192,21 @@ def decode_matmul_partials(x, w, *, config: TuningConfig | None = None, interpre
     KV write, pallas_kernels/rope_kv_write.py): x [M, K] bf16, w [N, K] bf16 -> [S, R, N], S = the config's
     split (default_k_splits when None), R = M rounded up to 64 (rows past M are zeros); float32 when S > 1, else
     x.dtype. Summed over S and rounded to x.dtype, its first M rows are `decode_matmul(x, w)`."""
+    out_dtype = jnp.dtype(x.dtype)
+    config = _checked_config(x, w, config, out_dtype)
+    return _run(x, w, out_dtype=out_dtype, config=config, gated=False, interpret=interpret, partials=True)
+
+
+def _checked_config(x, w, config: TuningConfig | None, out_dtype) -> TuningConfig:
+    """The plain kernel's config with its split resolved (default_k_splits when None), after the shape and CTA
+    resource checks (each raises ValueError saying what to fix)."""
     config = config or TuningConfig()
     check_inputs(x, w, config)
     if config.k_splits is None:
         config = dataclasses.replace(config, k_splits=default_k_splits(w.shape[0], w.shape[1], config.tile_n))
-    out_dtype = jnp.dtype(x.dtype)
-    check_resources(x.shape[0], x.shape[1], config, gated=False, out_itemsize=4 if config.k_splits > 1 else 2)
-    return _run(x, w, out_dtype=out_dtype, config=config, gated=False, interpret=interpret, partials=True)
+    check_resources(x.shape[0], x.shape[1], config, gated=False,
+                    out_itemsize=4 if config.k_splits > 1 else out_dtype.itemsize)
+    return config
 
 
 def _run(x, w, *, out_dtype, config, gated, interpret, partials=False):

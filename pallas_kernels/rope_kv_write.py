@@ -114,10 +114,9 @@ def rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads: int, n
 def _rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads, num_kv_heads, interpreted=False):
     del interpreted       # keys jit's cache only: interpreted and compiled traces never share an entry
     _, r, _ = parts.shape
-    d = k_pool.shape[-1]
+    _, num_slots, d = k_pool.shape
     kernel = _build_kernel(splits=parts.shape[0], rows=r, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                           head_dim=d, num_slots=k_pool.shape[1], parts_dtype=parts.dtype)
-    num_slots = k_pool.shape[1]
+                           head_dim=d, num_slots=num_slots, parts_dtype=parts.dtype)
     slots = jnp.where(slots < 0, slots + num_slots, slots)      # jnp's negative indices; still < 0: not written
     k_ref, v_ref = jax.new_ref(k_pool), jax.new_ref(v_pool)
     q = kernel(parts, cos, sin, slots, k_ref, v_ref)
