@@ -27,6 +27,7 @@ benchmarks/results/profile_decode_<model>_b<batch>.json); the trace stays in --t
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import pathlib
@@ -37,8 +38,8 @@ import sys
 import jax
 
 import e2e_decode  # noqa: E402  (benchmarks/, this script's directory)
-from device_trace import (by_kind_us, decode_call_spans, kernel_kind, kernels, load_events,  # noqa: E402
-                          newest_trace, top_kernels, union_us)
+from device_trace import (Kernel, by_kind_us, decode_call_spans, kernel_kind, kernels,  # noqa: E402
+                          load_events, newest_trace, top_kernels, union_us)
 from stratum_jax.step_work import ModelWork
 
 # (part, pattern over an op's op_name), first match wins; the scopes are set in stratum_jax/model/llama.py and
@@ -169,6 +170,7 @@ def analyse(events: list[dict], window: dict, hlo_text: str, device: str = "GPU"
         unattributed_launches += part_of_name[k.name] == UNKNOWN_PART
     ms = 1e-3 / steps
     top = top_kernels(ks, top=25)
+    handoffs = kernel_handoffs_us([dataclasses.replace(k, name=part_of_name[k.name]) for k in ks])
     return {
         "steps": steps, "calls": len(calls),
         "mean_context": statistics.fmean(c.get("mean_context", 0.0) for c in calls),
@@ -181,7 +183,24 @@ def analyse(events: list[dict], window: dict, hlo_text: str, device: str = "GPU"
         "attributed_launch_share": 1 - unattributed_launches / len(ks),
         "top_kernels": [{"name": t["name"], "kind": t["kind"], "part": part_of_name.get(t["name"], UNKNOWN_PART),
                          "ms_per_step": t["us"] * ms, "launches_per_step": t["launches"] / steps} for t in top],
+        "handoffs_us": handoffs,
     }
+
+
+def kernel_handoffs_us(ks: list[Kernel]) -> dict[str, dict]:
+    """Between each kernel and the next one to start on its device: the next one's start minus this one's end, in
+    us (negative where they overlap, as a programmatic dependent launch allows), per "this -> next" pair of kernel
+    names: {"mean_us", "count"}, most frequent pair first. A kernel cut by a window edge counts as cut."""
+    by_device: dict[str, list[Kernel]] = {}
+    for k in ks:
+        by_device.setdefault(k.device, []).append(k)
+    gaps: dict[str, list[float]] = {}
+    for device_ks in by_device.values():
+        device_ks.sort(key=lambda k: k.start_us)
+        for a, b in zip(device_ks, device_ks[1:]):
+            gaps.setdefault(f"{a.name} -> {b.name}", []).append(b.start_us - a.end_us)
+    ranked = sorted(gaps.items(), key=lambda kv: -len(kv[1]))
+    return {pair: {"mean_us": statistics.fmean(g), "count": len(g)} for pair, g in ranked}
 
 
 def byte_floor_ms(run: dict, cfg, mean_context: float, read_bytes_per_s: float, dtype_bytes: int) -> dict:
@@ -210,6 +229,11 @@ def print_table(result: dict) -> None:
     for part, v in sorted(p["by_part_ms"].items(), key=lambda kv: -kv[1]):
         if v > 0:
             print(f"  {part:46} {v:8.3f}")
+    handoffs = p.get("handoffs_us", {})
+    if handoffs:
+        print(f"\n{'kernel handoffs (next start - this end; < 0: overlap)':78} {'us':>7} {'count':>6}")
+        for pair, h in list(handoffs.items())[:12]:
+            print(f"  {pair[:76]:76} {h['mean_us']:7.2f} {h['count']:6d}")
     print(f"\n{'top kernels':60} {'ms/step':>8} {'launches':>8}  kind / part")
     for t in p["top_kernels"][:15]:
         print(f"  {t['name'][:58]:58} {t['ms_per_step']:8.3f} {t['launches_per_step']:8.2f}  {t['kind']} / {t['part']}")

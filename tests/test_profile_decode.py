@@ -82,6 +82,19 @@ def test_parts_come_from_hlo_metadata_through_hlo_op_or_the_kernel_name(pd):
     assert top["gemm_fusion_dot_1"]["launches_per_step"] == pytest.approx(0.25)
 
 
+def test_handoffs_are_the_gaps_between_consecutive_kernels_by_part(pd):
+    """Each kernel's next start minus its end, per pair of model parts; an overlap (a dependent launched early) is
+    negative."""
+    got = pd.analyse(_trace(), WINDOW, HLO)["handoffs_us"]
+    assert got["MLP gate/up -> attention"] == {"mean_us": 0.0, "count": 2}
+    assert got["LM head -> other / unattributed"] == {"mean_us": 0.0, "count": 2}
+    events = _trace()
+    events[4] = {**events[4], "ts": events[4]["ts"] - 5}       # attention starts 5 us before the GEMM ends
+    got = pd.analyse(events, WINDOW, HLO)["handoffs_us"]
+    assert got["MLP gate/up -> attention"] == {"mean_us": -2.5, "count": 2}    # one of the two calls moved
+    assert list(got)[0] in ("MLP gate/up -> attention", "attention -> LM head", "LM head -> other / unattributed")
+
+
 def test_a_library_gemm_without_hlo_op_is_matched_by_its_launches_per_step(pd):
     hlo = HLO + "\n".join(
         f'  %custom-call.{20 + i} = bf16[64,4096]{{1,0}} custom-call(%x), custom_call_target="__cublas$lt$matmul", '
