@@ -28,13 +28,14 @@ KERNEL_KINDS: tuple[tuple[str, re.Pattern], ...] = (
     ("communication", COMMUNICATION),
     # The attention kernels show up as `body_mosaic_gpu_kernel`; the projections' Pallas GEMMs as
     # `decode_matmul_{N}x{K}_mosaic_gpu_kernel` / `decode_gated_matmul_{N}x{K}_mosaic_gpu_kernel` (matmuls); the
-    # fused q/k/v sum, RoPE and KV write as `rope_kv_write_mosaic_gpu_kernel` (a KV write).
-    (PALLAS_KIND, re.compile(r"^(?!.*(matmul|rope_kv_write)).*(mosaic|pallas|paged_attention|delta_attention)",
+    # fused q/k/v sum, RoPE and KV write as `rope_kv_write_mosaic_gpu_kernel` (a KV write); the residual add with its
+    # norm as `residual_rmsnorm_mosaic_gpu_kernel` (a norm).
+    (PALLAS_KIND, re.compile(r"^(?!.*(matmul|rope_kv_write|rmsnorm)).*(mosaic|pallas|paged_attention|delta_attention)",
                              re.I)),
     ("matmul", re.compile(r"nvjet|gemm|cutlass|cublas|xmma|matmul|dot", re.I)),
     ("KV write (scatter)", re.compile(r"scatter|rope_kv_write", re.I)),
     ("concatenate / copy", re.compile(r"concatenate|copy|memcpy|memset|transpose", re.I)),
-    ("reductions (norms, sampling)", re.compile(r"reduce|argmax|sort|topk|top_k", re.I)),
+    ("reductions (norms, sampling)", re.compile(r"reduce|argmax|sort|topk|top_k|rmsnorm", re.I)),
 )
 OTHER_KIND = "other fusions (RoPE, residual, activation)"
 KINDS = tuple(k for k, _ in KERNEL_KINDS) + (OTHER_KIND,)

@@ -170,7 +170,7 @@ def analyse(events: list[dict], window: dict, hlo_text: str, device: str = "GPU"
         unattributed_launches += part_of_name[k.name] == UNKNOWN_PART
     ms = 1e-3 / steps
     top = top_kernels(ks, top=25)
-    handoffs = kernel_handoffs_us([dataclasses.replace(k, name=part_of_name[k.name]) for k in ks])
+    handoffs = kernel_handoffs_us([dataclasses.replace(k, name=part_of_name[k.name]) for k in ks], spans)
     return {
         "steps": steps, "calls": len(calls),
         "mean_context": statistics.fmean(c.get("mean_context", 0.0) for c in calls),
@@ -187,13 +187,17 @@ def analyse(events: list[dict], window: dict, hlo_text: str, device: str = "GPU"
     }
 
 
-def kernel_handoffs_us(ks: list[Kernel]) -> dict[str, dict]:
-    """Between each kernel and the next one to start on its device: the next one's start minus this one's end, in
-    us (negative where they overlap, as a programmatic dependent launch allows), per "this -> next" pair of kernel
-    names: {"mean_us", "count"}, most frequent pair first. A kernel cut by a window edge counts as cut."""
-    by_device: dict[str, list[Kernel]] = {}
+def kernel_handoffs_us(ks: list[Kernel], windows: list[tuple[float, float]] | None = None) -> dict[str, dict]:
+    """Between each kernel and the next one to start on its device inside the same window (a traced call): the next
+    one's start minus this one's end, in us (negative where they overlap, as a programmatic dependent launch
+    allows), per "this -> next" pair of kernel names: {"mean_us", "count"}, most frequent pair first. A kernel cut
+    by a window edge counts as cut."""
+    def window_of(k: Kernel) -> int:
+        return next((i for i, (a, b) in enumerate(windows or ()) if a <= k.start_us < b), -1)
+
+    by_device: dict[tuple[str, int], list[Kernel]] = {}
     for k in ks:
-        by_device.setdefault(k.device, []).append(k)
+        by_device.setdefault((k.device, window_of(k)), []).append(k)
     gaps: dict[str, list[float]] = {}
     for device_ks in by_device.values():
         device_ks.sort(key=lambda k: k.start_us)

@@ -98,6 +98,15 @@ def decode_matmul_reference(x, w, *, out_dtype=None):
     return jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
+def sum_partials(parts, dtype):
+    """Split-K partials [S, ...] -> their sum over S in order, in fp32, rounded once to dtype: how the consumers of
+    `decode_matmul_partials` (the fused RoPE/KV write, the residual add + norm) and their references sum them."""
+    y = parts[0].astype(jnp.float32)
+    for s in range(1, parts.shape[0]):
+        y = y + parts[s].astype(jnp.float32)
+    return y.astype(dtype)
+
+
 def decode_gated_matmul_reference(x, w):
     """silu(x @ w[:I].T) * (x @ w[I:].T) for w [2I, K], each product rounded to x.dtype first (as XLA's dot
     and then the activation compute it) -> [M, I] in x.dtype."""

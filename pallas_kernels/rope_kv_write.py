@@ -35,6 +35,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
+from pallas_kernels.decode_matmul import sum_partials
 
 ROW_BLOCK = 8          # rows a CTA takes (tiled TMA boxes want 8-row multiples; a decode step has 8-128 rows)
 HEAD_DIMS = (32, 64, 128)
@@ -50,10 +51,7 @@ def rotate_half_reference(x, cos, sin):
 
 def rope_kv_write_reference(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads: int, num_kv_heads: int):
     """`rope_kv_write` in jnp on arrays: returns (q [R, Hq, D] bf16, k_pool, v_pool) with the pools updated."""
-    y = parts[0].astype(jnp.float32)
-    for s in range(1, parts.shape[0]):
-        y = y + parts[s].astype(jnp.float32)
-    y = y.astype(k_pool.dtype)
+    y = sum_partials(parts, k_pool.dtype)
     r, d = y.shape[0], k_pool.shape[-1]
     q, k, v = jnp.split(y.reshape(r, num_q_heads + 2 * num_kv_heads, d), [num_q_heads, num_q_heads + num_kv_heads],
                         axis=1)

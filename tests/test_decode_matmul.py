@@ -13,8 +13,8 @@ from stratum_jax.config import RuntimeConfig
 from stratum_jax.model import llama
 from stratum_jax.model.config import PRESETS
 from stratum_jax.model.fused import fuse_layer
-from stratum_jax.model.projection import (DecodeKernelMatmul, gated_kernel_takes, kernel_takes, resolve_projections,
-                                         xla_gated)
+from stratum_jax.model.projection import (KERNEL_CONFIG, LONG_K_CONFIG, DecodeKernelMatmul, gated_kernel_takes,
+                                          kernel_config, kernel_takes, resolve_projections, xla_gated)
 
 
 def _operands(m, n, k, seed=0):
@@ -159,6 +159,11 @@ def test_which_projections_take_the_kernel():
     assert not kernel_takes(64, 128256, 2048, jnp.bfloat16)
     assert not kernel_takes(512, 2048, 2048, jnp.bfloat16)
     assert not kernel_takes(64, 2048, 2048, jnp.float32)
+    # llama-8b's down (K >= 3 N, N >= 4096) on 128-column tiles split 4 ways where they fit a CTA: at 64 rows, not at
+    # 128 (their SMEM); every other llama projection on 64-column tiles.
+    assert kernel_config(64, 4096, 14336) == LONG_K_CONFIG and kernel_config(128, 4096, 14336) == KERNEL_CONFIG
+    for n, k in ((3072, 2048), (2048, 2048), (2048, 8192), (6144, 4096), (4096, 4096)):
+        assert kernel_config(64, n, k) == KERNEL_CONFIG
     # The gated kernel takes llama-1b's and 8b's gate/up (the activation moves into its epilogue).
     assert gated_kernel_takes(64, 8192, 2048, jnp.bfloat16) and gated_kernel_takes(64, 14336, 4096, jnp.bfloat16)
     assert not gated_kernel_takes(512, 8192, 2048, jnp.bfloat16)

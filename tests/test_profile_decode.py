@@ -29,6 +29,7 @@ def pd(dt):
     ("decode_matmul_2048x8192_mosaic_gpu_kernel", "matmul"),  # ... named by its shape
     ("decode_gated_matmul_8192x2048_mosaic_gpu_kernel", "matmul"),
     ("rope_kv_write_mosaic_gpu_kernel", "KV write (scatter)"),  # q/k/v's sum, RoPE and the KV write in one kernel
+    ("residual_rmsnorm_mosaic_gpu_kernel", "reductions (norms, sampling)"),  # the residual add and its norm
     ("nvjet_sm90_tss_112x64_64x9_2x1_v_bz_TNN", "matmul"),
     ("gemm_fusion_dot_general_564", "matmul"),
     ("input_scatter_fusion_31", "KV write (scatter)"),
@@ -88,6 +89,7 @@ def test_handoffs_are_the_gaps_between_consecutive_kernels_by_part(pd):
     got = pd.analyse(_trace(), WINDOW, HLO)["handoffs_us"]
     assert got["MLP gate/up -> attention"] == {"mean_us": 0.0, "count": 2}
     assert got["LM head -> other / unattributed"] == {"mean_us": 0.0, "count": 2}
+    assert "other / unattributed -> MLP gate/up" not in got      # the last kernel of call 1 and the first of call 2
     events = _trace()
     events[4] = {**events[4], "ts": events[4]["ts"] - 5}       # attention starts 5 us before the GEMM ends
     got = pd.analyse(events, WINDOW, HLO)["handoffs_us"]

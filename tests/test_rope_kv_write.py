@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fusion_cases import forward_with, greedy_tokens
 from pallas_kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
 from stratum_jax.kv.slot_write import write_slot_rows
 from stratum_jax.model import llama
@@ -120,25 +121,9 @@ def test_the_models_decode_layers_fused_match_them_unfused():
                                jnp.bfloat16, jnp.bfloat16, cfg.head_dim)
     params = llama.init_params(cfg, seed=5)
     params = {k: fuse_layer(v, 1) if k.startswith("layers_") else v for k, v in params.items()}
-    tokens = jnp.asarray([5, 17, 99, 3, 250, 7, 1, 42], jnp.int32)
-    pos = jnp.asarray([0, 1, 2, 3, 40, 41, 42, 43], jnp.int32)
-    slots = jnp.asarray([3, 9, 10, 11, 33, 20, 64, 65], jnp.int32)          # the last two: padding (64 slots)
-
-    def run(matmul):
-        rng = np.random.default_rng(0)
-        cache = [tuple(jnp.asarray(rng.standard_normal((cfg.num_kv_heads, 64, cfg.head_dim)), jnp.bfloat16)
-                       for _ in range(2)) for _ in range(cfg.num_layers)]
-        # One jitted program, awaited (the interpreter's callbacks and an eager forward once deadlocked on 2 cores).
-        forward = jax.jit(lambda p, c: llama.forward(
-            p, cfg, tokens, pos, c, slots, lambda layer, q, k, v: llama.attend_dense_causal(q, k, v, pos), matmul))
-        run.programs.append(str(jax.make_jaxpr(forward)(params, cache)))       # which path each run took
-        hidden, cache = forward(params, cache)
-        return [np.asarray(a, np.float32) for a in (hidden, *jax.tree.leaves(cache))]
-
-    run.programs = []
-
-    fused, unfused = run(DecodeKernelMatmul(interpret=True)), run(_Unfused(interpret=True))
-    assert run.programs[0].count("rope_kv_write") >= cfg.num_layers and "rope_kv_write" not in run.programs[1]
+    (fused_program, fused), (unfused_program, unfused) = (
+        forward_with(cfg, params, m) for m in (DecodeKernelMatmul(interpret=True), _Unfused(interpret=True)))
+    assert fused_program.count("rope_kv_write") >= cfg.num_layers and "rope_kv_write" not in unfused_program
     for a, b in zip(fused, unfused, strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -168,26 +153,11 @@ def test_the_engine_with_the_fused_write_generates_what_xlas_projections_do(monk
     --projections kernel in the interpreter: the fused kernel runs in every layer of every step of <= 128 rows, and
     the greedy tokens equal --projections xla's."""
     import pallas_kernels.rope_kv_write as module
-    from stratum_jax.config import RuntimeConfig
-    from stratum_jax.engine import Engine
-    from stratum_jax.model.loader import LoadedModel
-    from stratum_jax.model.tokenizer import ByteTokenizer
-    from stratum_jax.request import SamplingParams
 
     traced = []
     real = module._rope_kv_write
     monkeypatch.setattr(module, "_rope_kv_write", lambda *a, **kw: traced.append(1) or real(*a, **kw))
     cfg = dataclasses.replace(PRESETS["tiny"], head_dim=64, dtype="bfloat16")
-    model = LoadedModel(config=cfg, params=llama.init_params(cfg, seed=0), tokenizer=ByteTokenizer(cfg.vocab_size),
-                        name="tiny-d64")
-
-    def generate(projections):
-        engine = Engine(RuntimeConfig(model="tiny", max_context=256, kv_pool_tokens=4096, max_batch_size=2,
-                                      prefill_chunk=64, page_size=8, decode_steps=2, projections=projections,
-                                      interpret_kernels=True), model=model)
-        sp = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
-        return [r.token_ids for r in engine.generate([[5, 6, 7], list(range(20, 45))], SamplingParams(**sp))]
-
-    fused = generate("kernel")
+    fused = greedy_tokens(cfg, "kernel")
     assert len(traced) >= cfg.num_layers          # traced in the packed step and in the decode step
-    assert fused == generate("xla")
+    assert fused == greedy_tokens(cfg, "xla")

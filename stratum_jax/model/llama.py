@@ -46,7 +46,7 @@ import numpy as np
 from stratum_jax.kv.delta_cache import DeltaKV
 from stratum_jax.kv.slot_write import write_slot_rows
 from stratum_jax.model.config import ModelConfig
-from stratum_jax.model.projection import Matmul, RopeKVWrite, xla_matmul
+from stratum_jax.model.projection import Matmul, RopeKVWrite, Unsummed, xla_matmul
 
 log = logging.getLogger(__name__)
 
@@ -146,17 +146,24 @@ def attend_dense_causal(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, q_po
 
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias), weight [features, in] in torch's layout; y in out_dtype (default: dtype).
-    matmul: how x @ weight.T is computed when out_dtype is the default (None: XLA's dot; projection.py)."""
+    matmul: how x @ weight.T is computed when out_dtype is the default (None: XLA's dot; projection.py).
+    unsummed (no bias, default out_dtype): the product may come back as `Unsummed` partials where the Matmul leaves
+    them for the residual add after it (`ResidualRMSNorm`); else y."""
 
     features: int
     use_bias: bool
     dtype: Any
     out_dtype: Any = None
     matmul: Matmul | None = None
+    unsummed: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array | Unsummed:
         w = self.param("weight", _normal_init, (self.features, x.shape[-1]), self.dtype)
+        if self.unsummed and self.matmul is not None and self.out_dtype is None and not self.use_bias:
+            parts = self.matmul.unsummed(x, w)
+            if parts is not None:
+                return parts
         if self.out_dtype is None:
             y = (self.matmul or xla_matmul)(x, w)
         else:
@@ -215,16 +222,38 @@ class ShardedFusedLinear(nn.Module):
         return parts
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF Llama's RMSNorm: x [..., H] normalised in fp32, cast back to x.dtype, then times weight [H]."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)  # HF casts back before the weight multiply
+
+
+# What the residual stream still has to add: a sublayer's output, or its unsummed partials, or nothing (the first
+# layer's input).
+Pending = jax.Array | Unsummed | None
+
+
+class ResidualRMSNorm(nn.Module):
+    """A layer boundary: the residual stream x [T, H] plus what is pending (a sublayer's output y, or its `Unsummed`
+    partials), and the RMSNorm of the sum. Returns (x + y, rms_norm(x + y)). Its parameter is the norm's "weight",
+    so it reads the same checkpoints. Unsummed partials go to `Matmul.residual_rmsnorm` (one kernel for the sum, the
+    add and the norm, writing both outputs) where it takes them; else they are summed here."""
     eps: float
     dtype: Any
+    matmul: Matmul | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, pending: Pending) -> tuple[jax.Array, jax.Array]:
         w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return w * x32.astype(x.dtype)  # HF casts back before the weight multiply
+        if isinstance(pending, Unsummed):
+            fused = self.matmul.residual_rmsnorm(x, pending, w, self.eps) if self.matmul is not None else None
+            if fused is not None:
+                return fused
+            pending = pending.summed(x.shape[0], x.dtype)
+        if pending is not None:
+            x = x + pending
+        return x, rms_norm(x, w, self.eps)
 
 
 class Attention(nn.Module):
@@ -240,8 +269,9 @@ class Attention(nn.Module):
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         inv_freq = rope_inv_freq(cfg)
 
-        def o_proj(o):      # o [T, Hq, D]
-            return Linear(cfg.hidden_size, False, dtype, matmul=self.matmul, name="o_proj")(o.reshape(t, q_out))
+        def o_proj(o):      # o [T, Hq, D] -> [T, hidden] or its Unsummed partials (for the residual add after it)
+            return Linear(cfg.hidden_size, False, dtype, matmul=self.matmul, unsummed=True,
+                          name="o_proj")(o.reshape(t, q_out))
 
         # The named scopes label the compiled ops (HLO metadata op_name), so a profile can say which part
         # of the model a kernel belongs to (benchmarks/profile_decode.py); they change no computation.
@@ -300,7 +330,7 @@ class MLP(nn.Module):
             gate = Linear(cfg.intermediate_size, False, dtype, matmul=self.matmul, name="gate_proj")(x)
             up = Linear(cfg.intermediate_size, False, dtype, matmul=self.matmul, name="up_proj")(x)
             act = jax.nn.silu(gate) * up
-        return Linear(cfg.hidden_size, False, dtype, matmul=self.matmul, name="down_proj")(act)
+        return Linear(cfg.hidden_size, False, dtype, matmul=self.matmul, unsummed=True, name="down_proj")(act)
 
 
 class DecoderLayer(nn.Module):
@@ -310,14 +340,16 @@ class DecoderLayer(nn.Module):
     matmul: Matmul | None = None
 
     @nn.compact
-    def __call__(self, x, positions, cache, write_slots, attend: Attend):
+    def __call__(self, x, pending: Pending, positions, cache, write_slots, attend: Attend):
+        """x [T, hidden]: the residual stream before the previous layer's MLP output `pending` is added. Returns
+        (the stream after this layer's attention, this layer's MLP output to add to it, the cache): the add happens
+        in the next boundary's `ResidualRMSNorm`, which can take the output as unsummed partials."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        h = RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x)
-        h, cache = Attention(cfg, self.layer, self.fused_shards, self.matmul, name="self_attn")(
+        x, h = ResidualRMSNorm(cfg.rms_norm_eps, dtype, self.matmul, name="input_layernorm")(x, pending)
+        o, cache = Attention(cfg, self.layer, self.fused_shards, self.matmul, name="self_attn")(
             h, positions, cache, write_slots, attend)
-        x = x + h
-        h = RMSNorm(cfg.rms_norm_eps, dtype, name="post_attention_layernorm")(x)
-        return x + MLP(cfg, self.fused_shards, self.matmul, name="mlp")(h), cache
+        x, h = ResidualRMSNorm(cfg.rms_norm_eps, dtype, self.matmul, name="post_attention_layernorm")(x, o)
+        return x, MLP(cfg, self.fused_shards, self.matmul, name="mlp")(h), cache
 
 
 class Embedding(nn.Module):
@@ -347,17 +379,17 @@ class Decoder(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         # named layers_0, layers_1, ...
         self.layers = [DecoderLayer(cfg, i, self.fused_shards, self.matmul) for i in range(cfg.num_layers)]
-        self.norm = RMSNorm(cfg.rms_norm_eps, dtype)
+        self.norm = ResidualRMSNorm(cfg.rms_norm_eps, dtype, self.matmul)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.vocab_size, False, dtype, out_dtype=jnp.float32)
 
     def __call__(self, token_ids, positions, kv_cache: KVCache, write_slots, attend: Attend):
         x = self.embed_tokens(token_ids)
-        new_cache = []
+        pending, new_cache = None, []
         for layer, cache in zip(self.layers, kv_cache, strict=True):  # unrolled: the cache stays per layer
-            x, cache = layer(x, positions, cache, write_slots, attend)
+            x, pending, cache = layer(x, pending, positions, cache, write_slots, attend)
             new_cache.append(cache)
-        return self.norm(x), new_cache
+        return self.norm(x, pending)[1], new_cache
 
     def logits(self, hidden):
         if self.cfg.tie_word_embeddings:

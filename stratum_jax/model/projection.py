@@ -13,7 +13,10 @@ K with an extra reduction and streams at 35-75% of the read ceiling; the kernel'
 (BENCHMARKS.md, "Decode projections: the weight-streaming kernel"). gate/up streams as fast on either, but on the
 kernel (`decode_gated_matmul`) the activation runs in the GEMM's epilogue: the step loses the activation's kernel
 and the [rows, 2I] product's round trip through HBM. q/k/v's split-K partials go unsummed to the fused RoPE and KV
-write (`Matmul.rope_kv_write`, pallas_kernels/rope_kv_write.py): one kernel where XLA ran three.
+write (`Matmul.rope_kv_write`, pallas_kernels/rope_kv_write.py): one kernel where XLA ran three. The o and down
+projections' partials go unsummed (`Matmul.unsummed`) to the residual add and the norm after it
+(`Matmul.residual_rmsnorm`, pallas_kernels/residual_rmsnorm.py): one kernel a layer boundary, with both outputs
+written, where XLA ran three for the two boundaries of a layer and recomputed the residual stream.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_matmul import (TuningConfig, decode_gated_matmul, decode_matmul, decode_matmul_partials,
-                                          supports)
+                                          default_k_splits, sum_partials, supports)
+from pallas_kernels.residual_rmsnorm import residual_rmsnorm, supports as residual_rmsnorm_supports
 from pallas_kernels.rope_kv_write import HEAD_DIMS as ROPE_KV_WRITE_HEAD_DIMS, rope_kv_write
 from stratum_jax.kv.slot_write import padding_slots
 
@@ -39,6 +43,16 @@ class RopeKVWrite(NamedTuple):
     slots: jax.Array
     k_pool: jax.Array
     v_pool: jax.Array
+
+
+class Unsummed(NamedTuple):
+    """A projection's product left as its split-K partials for the residual add that consumes it (`Matmul.unsummed`):
+    parts [S, R, N] float32 (bfloat16 when S = 1), R >= the token rows (the rows past them are padding)."""
+    parts: jax.Array
+
+    def summed(self, rows: int, dtype) -> jax.Array:
+        """[rows, N] in dtype: the partials summed over S in order in fp32, rounded once (as the kernels sum them)."""
+        return sum_partials(self.parts[:, :rows], dtype)
 
 
 class Matmul(Protocol):
@@ -58,6 +72,16 @@ class Matmul(Protocol):
         as the unfused path rounds it; None where this Matmul does not fuse them (the caller then projects,
         rotates and writes as before)."""
 
+    def unsummed(self, x: jax.Array, w: jax.Array) -> Unsummed | None:
+        """x [T, K] @ w [N, K].T left as split-K partials for `residual_rmsnorm`; None where this Matmul does not run
+        that product on a split-K kernel whose partials `residual_rmsnorm` takes (the caller then multiplies)."""
+
+    def residual_rmsnorm(self, residual: jax.Array, pending: Unsummed, weight: jax.Array,
+                         eps: float) -> tuple[jax.Array, jax.Array] | None:
+        """residual [T, H] plus `pending` summed, and llama's RMSNorm of that sum: (x [T, H], x's norm times weight
+        [H]), each rounded as the unfused path rounds it; None where this Matmul does not fuse them (the caller
+        then sums, adds and normalises)."""
+
 
 # The kernel is used up to this many token rows: a decode step's batch. Beyond it x's tiles, which every CTA
 # re-reads, grow past the weight tiles and the GEMM stops being weight-bound.
@@ -69,6 +93,17 @@ KERNEL_MAX_COLUMNS = 8192
 # 64-column tiles: the fastest or within 5% of it for every llama-1b/8b q/k/v, o and down projection at 64
 # rows on the H200 (decode_gemm.py sweep, BENCHMARKS.md).
 KERNEL_CONFIG = TuningConfig(tile_n=64)
+# ... except a long-K projection wide enough for one CTA an SM on 128-column tiles split 4 ways (K >= 3 N, N >= 4096:
+# llama-8b's down projection, 33.4 against 34.9 us at 64 rows on the H200, sessions 13 and 26; the same tiles were
+# slower on llama-1b's down, 8b's q/k/v, and no faster on 8b's o).
+LONG_K_CONFIG = TuningConfig(tile_n=128, k_splits=4)
+
+
+def kernel_config(rows: int, n: int, k: int) -> TuningConfig | None:
+    """The plain kernel's config for an [rows, k] x [n, k] product (LONG_K_CONFIG where it applies and fits a CTA,
+    else KERNEL_CONFIG); None where neither fits (`decode_matmul.supports`)."""
+    order = (LONG_K_CONFIG, KERNEL_CONFIG) if n >= 4096 and k >= 3 * n else (KERNEL_CONFIG,)
+    return next((c for c in order if supports(rows, n, k, c)), None)
 
 
 def xla_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -107,7 +142,7 @@ def gated_kernel_config(i: int, rows: int, k: int) -> TuningConfig | None:
 def kernel_takes(rows: int, n: int, k: int, dtype) -> bool:
     """Whether `DecodeKernelMatmul` sends an [rows, k] x [n, k] product to the kernel."""
     return (jnp.dtype(dtype) == jnp.bfloat16 and rows <= KERNEL_MAX_ROWS and n <= KERNEL_MAX_COLUMNS
-            and supports(rows, n, k, KERNEL_CONFIG))
+            and kernel_config(rows, n, k) is not None)
 
 
 def rope_kv_write_takes(rows: int, n: int, k: int, dtype, pool_dtype, head_dim: int) -> bool:
@@ -115,6 +150,16 @@ def rope_kv_write_takes(rows: int, n: int, k: int, dtype, pool_dtype, head_dim: 
     KV write: where the projection runs on the kernel, into bf16 pools, at a head_dim the fused kernel takes."""
     return (kernel_takes(rows, n, k, dtype) and jnp.dtype(pool_dtype) == jnp.bfloat16
             and head_dim in ROPE_KV_WRITE_HEAD_DIMS and n % head_dim == 0)
+
+
+def unsummed_kernel_takes(rows: int, n: int, k: int, dtype) -> bool:
+    """Whether `DecodeKernelMatmul.unsummed` leaves [rows, k] x [n, k] as partials: where the product runs on the
+    kernel and the residual add + norm kernel takes its partials."""
+    if not kernel_takes(rows, n, k, dtype):
+        return False
+    config = kernel_config(rows, n, k)
+    splits = config.k_splits or default_k_splits(n, k, config.tile_n)
+    return residual_rmsnorm_supports(splits, rows, n, jnp.float32 if splits > 1 else dtype)
 
 
 def gated_kernel_takes(rows: int, i: int, k: int, dtype) -> bool:
@@ -138,7 +183,7 @@ class DecodeKernelMatmul:
         n, k = w.shape
         if not kernel_takes(rows, n, k, x.dtype) or w.dtype != x.dtype:
             return xla_matmul(x, w)
-        y = decode_matmul(x.reshape(rows, k), w, config=KERNEL_CONFIG, interpret=self.interpret)
+        y = decode_matmul(x.reshape(rows, k), w, config=kernel_config(rows, n, k), interpret=self.interpret)
         return y.reshape(*x.shape[:-1], n)
 
     def gated(self, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -159,7 +204,7 @@ class DecodeKernelMatmul:
             return None
         # The projection's split-K partials [S, R, N] (R: rows rounded up to 64) go to the fused kernel unsummed; the
         # padding rows get rotation angles 0 and slots past the pool (not written).
-        parts = decode_matmul_partials(x, w, config=KERNEL_CONFIG, interpret=self.interpret)
+        parts = decode_matmul_partials(x, w, config=kernel_config(rows, w.shape[0], k), interpret=self.interpret)
         pad = parts.shape[1] - rows
         cos, sin = (jnp.pad(a, ((0, pad), (0, 0))) for a in (write.cos, write.sin))
         slots = jnp.concatenate([write.slots.astype(jnp.int32),
@@ -169,6 +214,20 @@ class DecodeKernelMatmul:
                                               num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                               interpret=self.interpret)
         return q[:rows], k_pool, v_pool
+
+    def unsummed(self, x: jax.Array, w: jax.Array) -> Unsummed | None:
+        n, k = w.shape
+        if x.ndim != 2 or not unsummed_kernel_takes(x.shape[0], n, k, x.dtype) or w.dtype != x.dtype:
+            return None
+        return Unsummed(decode_matmul_partials(x, w, config=kernel_config(x.shape[0], n, k), interpret=self.interpret))
+
+    def residual_rmsnorm(self, residual: jax.Array, pending: Unsummed, weight: jax.Array,
+                         eps: float) -> tuple[jax.Array, jax.Array] | None:
+        splits, _, hidden = pending.parts.shape
+        if (residual.ndim != 2 or residual.dtype != jnp.bfloat16 or weight.dtype != jnp.bfloat16
+                or not residual_rmsnorm_supports(splits, residual.shape[0], hidden, pending.parts.dtype)):
+            return None
+        return residual_rmsnorm(pending.parts, residual, weight, eps=eps, interpret=self.interpret)
 
 
 def resolve_projections(config, model_config, *, on_hopper: bool, tensor_parallel: int) -> str:
