@@ -124,10 +124,21 @@ def test_the_models_layer_boundaries_on_the_kernel_match_them_unfused():
         np.testing.assert_allclose(a, b, rtol=2.0 ** -6, atol=2.0 ** -6)
 
 
-def test_the_engine_with_the_fused_boundaries_generates_what_xlas_projections_do():
-    """The engine's real step (packed prefill, then decode calls of 2 steps) with --projections kernel in the
-    interpreter: the greedy tokens equal --projections xla's."""
-    assert greedy_tokens(_CFG, "kernel") == greedy_tokens(_CFG, "xla")
+def test_the_engine_with_the_fused_kernels_generates_what_xlas_projections_do(monkeypatch):
+    """The engine's real step (packed prefill, then decode calls of 2 steps inside the step's loop) with
+    --projections kernel in the interpreter: both fused kernels (q/k/v's RoPE and KV write, the residual add and
+    norm) run in the step, and the greedy tokens equal --projections xla's."""
+    import pallas_kernels.residual_rmsnorm as norm_module
+    import pallas_kernels.rope_kv_write as write_module
+
+    traced = {"write": 0, "norm": 0}
+    for module, name, key in ((write_module, "_rope_kv_write", "write"), (norm_module, "_residual_rmsnorm", "norm")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _key=key, **kw: traced.update(
+            {_key: traced[_key] + 1}) or _real(*a, **kw))
+    fused = greedy_tokens(_CFG, "kernel")
+    assert traced["write"] >= _CFG.num_layers and traced["norm"] >= 2 * _CFG.num_layers    # traced in each step kind
+    assert fused == greedy_tokens(_CFG, "xla")
 
 
 @pytest.mark.gpu

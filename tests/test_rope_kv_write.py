@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fusion_cases import forward_with, greedy_tokens
+from fusion_cases import forward_with
 from pallas_kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
 from stratum_jax.kv.slot_write import write_slot_rows
 from stratum_jax.model import llama
@@ -148,16 +148,4 @@ def test_gpu_compiled_matches_the_reference_at_llama_shapes(head_dim, splits):
         assert np.mean(g != w) < 1e-3
 
 
-def test_the_engine_with_the_fused_write_generates_what_xlas_projections_do(monkeypatch):
-    """The engine's real step (packed prefill, then decode calls of 2 steps inside the step's loop) with
-    --projections kernel in the interpreter: the fused kernel runs in every layer of every step of <= 128 rows, and
-    the greedy tokens equal --projections xla's."""
-    import pallas_kernels.rope_kv_write as module
-
-    traced = []
-    real = module._rope_kv_write
-    monkeypatch.setattr(module, "_rope_kv_write", lambda *a, **kw: traced.append(1) or real(*a, **kw))
-    cfg = dataclasses.replace(PRESETS["tiny"], head_dim=64, dtype="bfloat16")
-    fused = greedy_tokens(cfg, "kernel")
-    assert len(traced) >= cfg.num_layers          # traced in the packed step and in the decode step
-    assert fused == greedy_tokens(cfg, "xla")
+# The engine with this kernel in its step: tests/test_residual_rmsnorm.py, whose engine test runs both fused kernels.
