@@ -54,10 +54,11 @@ def check_inputs(parts, residual, weight) -> None:
     if parts.ndim != 3 or parts.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"residual_rmsnorm: parts must be [S, R, H] float32 or bfloat16, got {parts.shape} "
                          f"{parts.dtype}")
-    s, r, h = parts.shape
-    if residual.shape != (r, h) or residual.dtype != jnp.bfloat16:
-        raise ValueError(f"residual_rmsnorm: residual must be [R, H] = [{r}, {h}] bfloat16, got {residual.shape} "
-                         f"{residual.dtype}")
+    s, r_parts, h = parts.shape
+    if residual.ndim != 2 or residual.shape[1] != h or not 1 <= residual.shape[0] <= r_parts \
+            or residual.dtype != jnp.bfloat16:
+        raise ValueError(f"residual_rmsnorm: residual must be [R, H] bfloat16 with H = {h} and 1 <= R <= {r_parts} "
+                         f"(the partials' rows), got {residual.shape} {residual.dtype}")
     if weight.shape != (h,) or weight.dtype != jnp.bfloat16:
         raise ValueError(f"residual_rmsnorm: weight must be [H] = [{h}] bfloat16, got {weight.shape} {weight.dtype}")
     if h % BOX or h > MAX_HIDDEN:
@@ -82,17 +83,15 @@ def residual_rmsnorm(parts, residual, weight, *, eps: float, interpret: bool = F
     """The new residual stream and its RMSNorm, from a projection's split-K partials (module docstring).
 
     Args:
-      parts: [S, R, H] float32 split-K partials (or bfloat16 with S = 1) of the projection whose output is added
-        to the residual (`decode_matmul_partials`; R may include its padding rows: only the first
-        residual.shape[0] rows are read).
+      parts: [S, R', H] float32 split-K partials (or bfloat16 with S = 1) of the projection whose output is added
+        to the residual (`decode_matmul_partials`), R' >= R: the GEMM's padding rows are passed as they are (no
+        slice, so no copy) and not read.
       residual: [R, H] bfloat16, the residual stream before the add.
       weight: [H] bfloat16, the norm's weight.
       eps: the norm's epsilon.
       interpret: run in the Mosaic GPU interpreter on CPU (tests).
     Returns (x [R, H] = residual + sum(parts), h [R, H] = RMSNorm(x) * weight), both bfloat16.
     """
-    if parts.ndim == 3 and residual.ndim == 2 and parts.shape[1] > residual.shape[0]:
-        parts = parts[:, :residual.shape[0]]
     check_inputs(parts, residual, weight)
     if interpret:
         with mosaic_gpu_interpret():
@@ -103,15 +102,15 @@ def residual_rmsnorm(parts, residual, weight, *, eps: float, interpret: bool = F
 @functools.partial(jax.jit, static_argnames=("eps", "interpreted"))
 def _residual_rmsnorm(parts, residual, weight, *, eps, interpreted=False):
     del interpreted       # keys jit's cache only: interpreted and compiled traces never share an entry
-    s, r, h = parts.shape
-    c = h // BOX
+    s, r_parts, h = parts.shape
+    r, c = residual.shape[0], h // BOX
     kernel = _build_kernel(splits=s, rows=r, hidden=h, eps=eps, parts_dtype=parts.dtype)
-    x, normed = kernel(parts.reshape(s, r, c, BOX), residual.reshape(r, c, BOX), weight.reshape(1, c, BOX))
+    x, normed = kernel(parts.reshape(s, r_parts, c, BOX), residual.reshape(r, c, BOX), weight.reshape(1, c, BOX))
     return x.reshape(r, h), normed.reshape(r, h)
 
 
 def _build_kernel(*, splits, rows, hidden, eps, parts_dtype):
-    """f(parts [S, R, C, 256], residual [R, C, 256], weight [1, C, 256]) -> (x, h) [R, C, 256] bf16."""
+    """f(parts [S, R' >= R, C, 256], residual [R, C, 256], weight [1, C, 256]) -> (x, h) [R, C, 256] bf16."""
     c = hidden // BOX
     dtype = jnp.bfloat16
 
