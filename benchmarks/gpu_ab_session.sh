@@ -12,6 +12,9 @@
 # 512 --new-tokens 256 --attention kernel, plus E2E_ARGS); both use this tree's e2e_decode.py, so the two differ only
 # in stratum_jax/ and pallas_kernels/. JSON: $OUT/e2e_ab_<model>_<base|this>_<round>_<TAG>.json; prints one line a run
 # (step ms, tok/s, SM clock, power) and, per model, the mean step of each side.
+# PROFILE=1 then traces each model once on each side (benchmarks/profile_decode.py, same shapes):
+# $OUT/profile_decode_<model>_<TAG>_<base|this>.json, and prints each side's wall, busy and parts (~40-60 s a run);
+# PROFILE_ARGS adds flags to it alone (a CPU dry run: MODELS=tiny PROFILE_ARGS="--device /host:CPU").
 source benchmarks/gpu_env.sh
 BASE=${BASE:-ab_base}
 TAG=${TAG:-ab}
@@ -49,3 +52,17 @@ for model in sorted({m for m, _ in steps}):
         b, t = statistics.fmean(base), statistics.fmean(this)
         print(f"{model}: base {b:.3f} ms ({len(base)} runs), this {t:.3f} ms ({len(this)} runs): {t / b - 1:+.1%}")
 PY
+if [ "${PROFILE:-0}" = 1 ]; then
+  for m in ${MODELS:-llama-1b}; do
+    for side in base this; do
+      tree=$ROOT; [ $side = base ] && tree=$ROOT/$BASE
+      json=$OUT/profile_decode_${m}_${TAG}_${side}.json
+      (cd "$tree" && PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} timeout ${PROFILE_TIMEOUT:-200} python3 \
+        benchmarks/profile_decode.py --model "$m" --batch 64 --prompt-len 512 --new-tokens 256 --attention kernel \
+        ${E2E_ARGS:-} ${PROFILE_ARGS:-} --trace-dir /tmp/prof_ab_${m}_$side --out "$json" > /tmp/profile_ab.log 2>&1) \
+        || { echo "profile $m $side: FAILED"; tail -3 /tmp/profile_ab.log; continue; }
+      echo "== profile $m $side"
+      grep -E "wall time|GPU busy|^  [a-zA-Z/ ]+ +[0-9.]+$" /tmp/profile_ab.log | grep -v "^  .*->" | head -20
+    done
+  done
+fi
