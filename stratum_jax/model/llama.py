@@ -27,6 +27,10 @@ two or three, with each tensor-parallel shard's block contiguous (S = shards, 1 
 
 Numerics follow HF: RMSNorm in float32 cast back before the weight multiply, RoPE angles in float32,
 attention scores and softmax in float32.
+
+Layer boundaries: a layer hands the next one its residual stream and its MLP output still to be added
+(`DecoderLayer`), and each boundary (`ResidualRMSNorm`) adds and normalises in one place, so where the projections
+run on the decode kernels the add, its split-K sum and the norm are one kernel (projection.py, `Matmul.unsummed`).
 """
 
 from __future__ import annotations
