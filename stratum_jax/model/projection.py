@@ -152,14 +152,14 @@ def rope_kv_write_takes(rows: int, n: int, k: int, dtype, pool_dtype, head_dim: 
             and head_dim in ROPE_KV_WRITE_HEAD_DIMS and n % head_dim == 0)
 
 
-def unsummed_kernel_takes(rows: int, n: int, k: int, dtype) -> bool:
-    """Whether `DecodeKernelMatmul.unsummed` leaves [rows, k] x [n, k] as partials: where the product runs on the
-    kernel and the residual add + norm kernel takes its partials."""
+def unsummed_kernel_config(rows: int, n: int, k: int, dtype) -> TuningConfig | None:
+    """The kernel's config where `DecodeKernelMatmul.unsummed` leaves [rows, k] x [n, k] as partials (the product
+    runs on the kernel and the residual add + norm kernel takes its partials), else None."""
     if not kernel_takes(rows, n, k, dtype):
-        return False
+        return None
     config = kernel_config(rows, n, k)
     splits = config.k_splits or default_k_splits(n, k, config.tile_n)
-    return residual_rmsnorm_supports(splits, rows, n, jnp.float32 if splits > 1 else dtype)
+    return config if residual_rmsnorm_supports(splits, rows, n, jnp.float32 if splits > 1 else dtype) else None
 
 
 def gated_kernel_takes(rows: int, i: int, k: int, dtype) -> bool:
@@ -217,9 +217,10 @@ class DecodeKernelMatmul:
 
     def unsummed(self, x: jax.Array, w: jax.Array) -> Unsummed | None:
         n, k = w.shape
-        if x.ndim != 2 or not unsummed_kernel_takes(x.shape[0], n, k, x.dtype) or w.dtype != x.dtype:
+        config = unsummed_kernel_config(x.shape[0], n, k, x.dtype) if x.ndim == 2 and w.dtype == x.dtype else None
+        if config is None:
             return None
-        return Unsummed(decode_matmul_partials(x, w, config=kernel_config(x.shape[0], n, k), interpret=self.interpret))
+        return Unsummed(decode_matmul_partials(x, w, config=config, interpret=self.interpret))
 
     def residual_rmsnorm(self, residual: jax.Array, pending: Unsummed, weight: jax.Array,
                          eps: float) -> tuple[jax.Array, jax.Array] | None:
