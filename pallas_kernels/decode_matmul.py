@@ -58,7 +58,8 @@ class TuningConfig:
     """Static knobs (each distinct config compiles its own kernel).
 
     Attributes:
-      tile_n: output columns per CTA (64, 128 or 256; WGMMA's N).
+      tile_n: output columns per CTA, a multiple of 8 up to 256 (WGMMA's N): 64 and 128 in most of the engine's
+        configs; a width in between (96, 112) where it makes the column tiles one CTA an SM.
       num_stages: weight tiles in flight per CTA (SMEM ring depth), >= 2. SMEM per CTA is about
         num_stages * (tile_n + M) * 128 bytes plus the output tile.
       k_splits: CTAs sharing one column tile's K range (split-K); None picks one from the grid size.
@@ -69,8 +70,8 @@ class TuningConfig:
     k_splits: int | None = None
 
     def __post_init__(self):
-        if self.tile_n not in (64, 128, 256):
-            raise ValueError(f"tile_n must be 64, 128 or 256, got {self.tile_n}")
+        if not isinstance(self.tile_n, int) or self.tile_n % 8 or not 8 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 8 in [8, 256], got {self.tile_n!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 2:
             raise ValueError(f"num_stages must be an int >= 2, got {self.num_stages!r}")
         if self.k_splits is not None and (not isinstance(self.k_splits, int) or not 1 <= self.k_splits <= 64):

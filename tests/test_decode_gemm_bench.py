@@ -17,7 +17,7 @@ def test_dry_run_checks_the_kernel(bench):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--dry-run", "--configs", "tile_n=96"], "tile_n must be"),
+    (["--dry-run", "--configs", "tile_n=100"], "tile_n must be"),
     (["--dry-run", "--configs", "stages=3"], "not field=value"),
     (["--dry-run", "--rows", "0"], r"\[1, 256\]"),
     (["--dry-run", "--rows", "x"], "comma-separated list of ints"),

@@ -13,8 +13,9 @@ from stratum_jax.config import RuntimeConfig
 from stratum_jax.model import llama
 from stratum_jax.model.config import PRESETS
 from stratum_jax.model.fused import fuse_layer
-from stratum_jax.model.projection import (KERNEL_CONFIG, LONG_K_CONFIG, DecodeKernelMatmul, gated_kernel_takes,
-                                          kernel_config, kernel_takes, resolve_projections, xla_gated)
+from stratum_jax.model.projection import (KERNEL_CONFIG, LONG_K_CONFIG, ONE_WAVE_CONFIG, DecodeKernelMatmul,
+                                          gated_kernel_takes, kernel_config, kernel_takes, resolve_projections,
+                                          xla_gated)
 
 
 def _operands(m, n, k, seed=0):
@@ -28,6 +29,7 @@ def _operands(m, n, k, seed=0):
     (64, 256, 512, TuningConfig(tile_n=128, num_stages=3, k_splits=1)),     # one split, a full row tile
     (5, 128, 1024, TuningConfig(tile_n=64, num_stages=2, k_splits=4)),      # few rows (padded), split-K
     (100, 128, 256, TuningConfig(tile_n=64, num_stages=4, k_splits=None)),  # two row tiles, default split
+    (64, 192, 512, TuningConfig(tile_n=96, num_stages=3, k_splits=2)),      # a tile width that is not a power of 2
 ])
 def test_the_kernel_computes_x_times_w_transposed(m, n, k, config):
     x, w = _operands(m, n, k)
@@ -54,6 +56,7 @@ def test_split_k_sums_in_fp32_before_rounding():
     (5, 128, 256, TuningConfig(tile_n=64, num_stages=2)),       # few rows (padded), two column tiles
     (64, 256, 512, TuningConfig(tile_n=128, num_stages=3)),     # a full row tile, 128-column tiles
     (100, 64, 256, TuningConfig(tile_n=64, num_stages=4)),      # two row tiles
+    (16, 224, 256, TuningConfig(tile_n=112, num_stages=3)),     # llama-8b's tile width, two column tiles
 ])
 def test_the_gated_kernel_computes_silu_of_gate_times_up(m, i, k, config):
     """decode_gated_matmul against silu(x @ gate.T) * (x @ up.T) with each product rounded to bf16 first (the
@@ -90,6 +93,15 @@ def test_the_gated_projection_falls_back_to_xla_where_the_kernel_does_not_take_i
     assert not gated_kernel_takes(3, 128, 128, jnp.float32)
     np.testing.assert_array_equal(np.asarray(DecodeKernelMatmul(interpret=True).gated(x32, w32)),
                                   np.asarray(xla_gated(x32, w32)))
+
+
+@pytest.mark.parametrize("n,k", [(3072, 2048), (6144, 4096)])
+def test_the_96_column_tiles_lower_to_mosaic_gpu_at_llama_qkv_shapes(n, k):
+    """llama-1b's and 8b's q/k/v on ONE_WAVE_CONFIG at batch 64, lowered for CUDA on this CPU."""
+    fn = jax.jit(lambda x, w: decode_matmul(x, w, config=kernel_config(64, n, k)))
+    text = fn.trace(jax.ShapeDtypeStruct((64, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.bfloat16)
+                    ).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"decode_matmul_{n}x{k}_mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("i,k", [(8192, 2048), (14336, 4096)])
@@ -132,8 +144,9 @@ def test_configs_that_would_not_fit_a_cta_on_the_gpu_are_refused_before_compilin
 
 
 def test_bad_configs_are_refused():
-    with pytest.raises(ValueError, match="tile_n"):
-        TuningConfig(tile_n=96)
+    for tile_n in (100, 0, 264):       # WGMMA's N: a multiple of 8 up to 256
+        with pytest.raises(ValueError, match="tile_n"):
+            TuningConfig(tile_n=tile_n)
     with pytest.raises(ValueError, match="num_stages"):
         TuningConfig(num_stages=1)
     with pytest.raises(ValueError, match="k_splits"):
@@ -162,15 +175,21 @@ def test_which_projections_take_the_kernel():
     # llama-8b's down (K >= 3 N, N >= 4096) on 128-column tiles split 4 ways where they fit a CTA: at 64 rows, not at
     # 128 (their SMEM); every other llama projection on 64-column tiles.
     assert kernel_config(64, 4096, 14336) == LONG_K_CONFIG and kernel_config(128, 4096, 14336) == KERNEL_CONFIG
-    for n, k in ((3072, 2048), (2048, 2048), (2048, 8192), (6144, 4096), (4096, 4096)):
+    for n, k in ((2048, 2048), (2048, 8192), (4096, 4096)):
         assert kernel_config(64, n, k) == KERNEL_CONFIG
+    # q/k/v (1b: 3072 x 2048, 8b: 6144 x 4096): 64-column tiles would give 192 CTAs, 96-column ones 128.
+    for n, k in ((3072, 2048), (6144, 4096)):
+        assert kernel_config(64, n, k) == ONE_WAVE_CONFIG
+        assert n // 96 * default_k_splits(n, k, 96) == 128 and n // 64 * default_k_splits(n, k, 64) == 192
     # The gated kernel takes llama-1b's and 8b's gate/up (the activation moves into its epilogue).
     assert gated_kernel_takes(64, 8192, 2048, jnp.bfloat16) and gated_kernel_takes(64, 14336, 4096, jnp.bfloat16)
     assert not gated_kernel_takes(512, 8192, 2048, jnp.bfloat16)
-    # One wave of one CTA an SM: llama-1b's 8192 columns as 128 tiles of 64, llama-8b's 14336 as 112 of 128.
+    # One wave of one CTA an SM: llama-1b's 8192 columns as 128 tiles of 64, llama-8b's 14336 as 128 of 112; a width
+    # that 112 does not divide (11008 = 86 x 128) keeps 128-column tiles.
     from stratum_jax.model.projection import gated_kernel_config
     assert gated_kernel_config(8192, 64, 2048) == TuningConfig(tile_n=64, num_stages=6)
-    assert gated_kernel_config(14336, 64, 4096) == TuningConfig(tile_n=128, num_stages=4)
+    assert gated_kernel_config(14336, 64, 4096) == TuningConfig(tile_n=112, num_stages=5)
+    assert gated_kernel_config(11008, 64, 4096) == TuningConfig(tile_n=128, num_stages=4)
     # 128 rows: the wide tile's two accumulators would need 256 registers a thread, so the narrow tile, which fits.
     assert gated_kernel_config(14336, 128, 4096) == TuningConfig(tile_n=64, num_stages=6)
     assert gated_kernel_takes(128, 14336, 4096, jnp.bfloat16)

@@ -93,16 +93,30 @@ KERNEL_MAX_COLUMNS = 8192
 # 64-column tiles: the fastest or within 5% of it for every llama-1b/8b q/k/v, o and down projection at 64
 # rows on the H200 (decode_gemm.py sweep, BENCHMARKS.md).
 KERNEL_CONFIG = TuningConfig(tile_n=64)
+# ... but where 64-column tiles give more CTAs than SMs and 96-column ones one CTA an SM (llama's q/k/v: 1b 192 ->
+# 128 CTAs, 8b 192 -> 128), the 96-column tiles: 5.60 -> 5.32 us (1b) and 15.5 -> 15.3 us (8b) at 64 rows on the
+# H200 (decode_gemm.py, BENCHMARKS.md #18 session 28).
+ONE_WAVE_CONFIG = TuningConfig(tile_n=96)
 # ... except a long-K projection wide enough for one CTA an SM on 128-column tiles split 4 ways (K >= 3 N, N >= 4096:
 # llama-8b's down projection, 33.4 against 34.9 us at 64 rows on the H200, sessions 13 and 26; the same tiles were
 # slower on llama-1b's down, 8b's q/k/v, and no faster on 8b's o).
 LONG_K_CONFIG = TuningConfig(tile_n=128, k_splits=4)
+_NUM_SMS = 132      # H100 / H200
+
+
+def _ctas(n: int, k: int, config: TuningConfig) -> int:
+    """The kernel's grid size for an [n, k] weight under config: column tiles times the split."""
+    return n // config.tile_n * (config.k_splits or default_k_splits(n, k, config.tile_n))
 
 
 def kernel_config(rows: int, n: int, k: int) -> TuningConfig | None:
     """The plain kernel's config for an [rows, k] x [n, k] product (LONG_K_CONFIG where it applies and fits a CTA,
-    else KERNEL_CONFIG); None where neither fits (`decode_matmul.supports`)."""
+    ONE_WAVE_CONFIG where it makes one CTA an SM of what KERNEL_CONFIG makes more than an SM's worth of, else
+    KERNEL_CONFIG); None where none fits (`decode_matmul.supports`)."""
     order = (LONG_K_CONFIG, KERNEL_CONFIG) if n >= 4096 and k >= 3 * n else (KERNEL_CONFIG,)
+    if (n % ONE_WAVE_CONFIG.tile_n == 0 and n % KERNEL_CONFIG.tile_n == 0
+            and _ctas(n, k, KERNEL_CONFIG) > _NUM_SMS >= _ctas(n, k, ONE_WAVE_CONFIG)):
+        order = (ONE_WAVE_CONFIG,) + order
     return next((c for c in order if supports(rows, n, k, c)), None)
 
 
@@ -123,19 +137,19 @@ def xla_gated(x: jax.Array, w: jax.Array) -> jax.Array:
 
 # The gated kernel's configs: the column tiles as one wave of one CTA an SM, with as deep a ring as SMEM holds.
 # 64-column tiles (128 weight rows: gate and up) with 6 stages where I / 64 tiles fit the SMs (llama-1b: 128),
-# else 128-column tiles with 4 stages (llama-8b: 112 CTAs). The fastest of five configs for each on the H200 at 64
-# rows (benchmarks/decode_gemm.py --parts gate_up_act, BENCHMARKS.md session 25). At 65-128 rows the wide tile's two
-# accumulators would take 256 registers a thread: the narrow one then (not timed).
+# else wider tiles: 112 columns with 5 stages where they divide I (llama-8b: 128 CTAs, 58.3 against 59.2 us for
+# 128-column tiles with 4 stages, 112 CTAs; decode_gemm.py --parts gate_up_act, BENCHMARKS.md #18 session 28), then
+# 128 with 4 stages (the fastest of five configs at 8b in session 25). At 65-128 rows a wide tile's two
+# accumulators would take more than 128 registers a thread: the narrow one then (not timed).
 GATED_NARROW_CONFIG = TuningConfig(tile_n=64, num_stages=6)
-GATED_WIDE_CONFIG = TuningConfig(tile_n=128, num_stages=4)
-_NUM_SMS = 132      # H100 / H200
+GATED_WIDE_CONFIGS = (TuningConfig(tile_n=112, num_stages=5), TuningConfig(tile_n=128, num_stages=4))
 
 
 def gated_kernel_config(i: int, rows: int, k: int) -> TuningConfig | None:
     """The gated kernel's TuningConfig for I output columns at `rows` token rows and K (see GATED_NARROW_CONFIG);
-    None when neither fits a CTA (`decode_matmul.supports`)."""
-    order = ((GATED_NARROW_CONFIG, GATED_WIDE_CONFIG) if i // GATED_NARROW_CONFIG.tile_n <= _NUM_SMS
-             else (GATED_WIDE_CONFIG, GATED_NARROW_CONFIG))
+    None when none fits a CTA (`decode_matmul.supports`)."""
+    order = ((GATED_NARROW_CONFIG, *GATED_WIDE_CONFIGS) if i // GATED_NARROW_CONFIG.tile_n <= _NUM_SMS
+             else (*GATED_WIDE_CONFIGS, GATED_NARROW_CONFIG))
     return next((c for c in order if supports(rows, i, k, c, gated=True)), None)
 
 

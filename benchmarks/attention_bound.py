@@ -1,0 +1,138 @@
+"""What bounds the swapped decode-attention kernel at a decode step's short context: HBM, or each CTA's chain?
+
+For each head dim, context and SwappedConfig, the Pallas kernel's device time per call (a jax.profiler trace of
+a chain of calls in one executable, `kernel_timing.kernel_profile`) over three layouts of the same batch:
+  - hbm:      every row its own pages, as the engine lays them out: the K/V bytes come from HBM;
+  - l2:       every row's page table pointing at row 0's pages: the same tiles, copies, MMAs and softmax,
+              but the bytes (one sequence's: a few MB) come from L2 after the first touch;
+  - one-tile: every row one tile long (block_kv keys): a call's fixed cost (launch, page table, q, the first
+              copies' latency, the epilogue) with almost no streaming.
+hbm close to l2 means the chain (copy issue, waits, MMAs, softmax, barriers) bounds the kernel, not the bytes;
+l2 well under hbm means the bytes do. The one-tile time is what no streaming work hides.
+
+    python benchmarks/attention_bound.py                          # H200: llama-1b/8b shapes at e2e's context
+    python benchmarks/attention_bound.py --dry-run                # CPU: tiny shapes in the interpreter
+
+Prints a table; JSON to --out (default benchmarks/results/attention_bound_h200.json).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax                                     # noqa: E402
+import jax.numpy as jnp                        # noqa: E402
+
+from config_flags import parse_overrides       # noqa: E402  (beside this script)
+from kernel_timing import kernel_profile, read_ceiling   # noqa: E402
+from pallas_kernels.swapped_decode_attention import (  # noqa: E402
+    default_swapped_config, swapped_paged_attention, swapped_paged_attention_reference)
+from pallas_kernels.paged_attention import PAGE_SIZES   # noqa: E402
+from pallas_kernels.testing import random_paged_case   # noqa: E402
+
+LAYOUTS = ("hbm", "l2", "one-tile")
+
+
+def make_case(layout: str, *, batch, context, page, head_dim, block_kv, q_heads, kv_heads):
+    """The kernel's arguments for one layout (module docstring). Every row has the same length, as a batch
+    admitted together has in benchmarks/e2e_decode.py."""
+    length = block_kv if layout == "one-tile" else context
+    case = random_paged_case(0, lengths=[length] * batch, page_sizes=[page] * batch, num_q_heads=q_heads,
+                             num_kv_heads=kv_heads, head_dim=head_dim, nan_outside=False)
+    if layout == "l2":
+        case["page_starts"] = jnp.broadcast_to(case["page_starts"][:1], case["page_starts"].shape)
+    return case
+
+
+def kv_bytes(case) -> int:
+    """K and V bytes the call reads: every row's keys, each kv head, both pools."""
+    kv_heads, _, head_dim = case["k_pool"].shape
+    return int(case["lengths"].sum()) * kv_heads * head_dim * 2 * case["k_pool"].dtype.itemsize
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--contexts", default="640,2048", help="keys per row (e2e_decode's batch 64 x prompt 512 "
+                                                           "+ 256 new tokens averages 640)")
+    ap.add_argument("--pages", default="32", help="comma-separated page sizes (the engine's adaptive rule gives 32 "
+                                                  "at 768 expected tokens)")
+    ap.add_argument("--configs", default="default",
+                    help="SwappedConfigs, ';'-separated, each 'default' (default_swapped_config(head_dim, context)) "
+                         "or field=value overrides of it, e.g. 'default;num_stages=4'")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--calls", type=int, default=20, help="chained calls in the traced executable")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes in the Mosaic GPU interpreter (CPU)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/attention_bound_h200.json"))
+    a = ap.parse_args(argv)
+    layouts = [x.strip() for x in a.layouts.split(",") if x.strip()]
+    if not layouts or any(x not in LAYOUTS for x in layouts):
+        ap.error(f"--layouts: give some of {','.join(LAYOUTS)}, got {a.layouts!r}")
+    if a.dry_run:     # one small call a layout, checked against the reference
+        a.batch, a.q_heads, a.kv_heads, a.head_dims, a.contexts, a.calls = 2, 8, 2, "64", "96", 1
+    head_dims = [int(x) for x in a.head_dims.split(",")]
+    contexts = [int(x) for x in a.contexts.split(",")]
+    pages = [int(x) for x in a.pages.split(",")]
+    if any(p not in PAGE_SIZES for p in pages):
+        ap.error(f"--pages: each must be one of {PAGE_SIZES}, got {a.pages!r}")
+    dev = jax.devices()[0]
+    meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, jax=jax.__version__,
+                batch=a.batch, q_heads=a.q_heads, kv_heads=a.kv_heads, pages=pages, calls=a.calls,
+                dry_run=a.dry_run)
+    if not a.dry_run:
+        meta["read_ceiling"] = read_ceiling(1 << 31, reps=10)
+    read_tbps = meta.get("read_ceiling", {}).get("tbps")
+    print(json.dumps(meta), flush=True)
+    rows = []
+    print(f"{'D':>4} {'ctx':>5} {'page':>4} {'config':<36} " + " ".join(f"{x:>15}" for x in layouts))
+    for head_dim, context, page in itertools.product(head_dims, contexts, pages):
+        for config in parse_overrides(a.configs, default_swapped_config(head_dim, context)):
+            row = dict(head_dim=head_dim, context=context, page=page, config=repr(config), layouts={})
+            for layout in layouts:
+                case = make_case(layout, batch=a.batch, context=context, page=page, head_dim=head_dim,
+                                 block_kv=config.block_kv, q_heads=a.q_heads, kv_heads=a.kv_heads)
+
+                def fn(q, k_pool, v_pool, lengths, page_starts, page_sizes, config=config):
+                    return swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
+                                                   config=config, max_context=context, interpret=a.dry_run)
+                args = [case[k] for k in ("q", "k_pool", "v_pool", "lengths", "page_starts", "page_sizes")]
+                if a.dry_run:
+                    err = float(jnp.max(jnp.abs(fn(*args).astype(jnp.float32) - swapped_paged_attention_reference(
+                        *args).astype(jnp.float32))))
+                    if not err < 2e-2:
+                        raise SystemExit(f"{layout}: the kernel's output differs from the reference by {err}")
+                prof = kernel_profile(fn, args, calls=a.calls)
+                us = prof["pallas_us"] if prof["pallas_us"] else prof["busy_us"]
+                nbytes = kv_bytes(case)
+                row["layouts"][layout] = dict(us=us, kv_bytes=nbytes, busy_us=prof["busy_us"],
+                                              tbps=nbytes / us / 1e6 if us else None)
+            rows.append(row)
+            cells = []
+            for layout in layouts:
+                r = row["layouts"][layout]
+                pct = f" {100 * r['tbps'] / read_tbps:3.0f}%" if read_tbps and r["tbps"] else ""
+                cells.append(f"{r['us']:9.1f}us{pct}" if layout == "hbm" else f"{r['us']:14.1f}us")
+            short = ",".join(f"{k}={getattr(config, k)}" for k in ("block_kv", "num_stages", "num_splits")
+                             if getattr(config, k) is not None)
+            print(f"{head_dim:>4} {context:>5} {page:>4} {short:<36} " + " ".join(f"{c:>15}" for c in cells),
+                  flush=True)
+    out = pathlib.Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = dict(meta=meta, rows=rows)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
