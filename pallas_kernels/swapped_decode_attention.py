@@ -89,6 +89,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.delta_attention import F16_SAFE_MAX, convert_to_f16, delta_ring_type
+from pallas_kernels.fp8_q_split import HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_BLOCK as FP8_Q_SPLIT_ROWS, fp8_q_split
 from pallas_kernels.paged_attention import (
     BF16_PAGES, F16_PAGES, MMA_TRANSFORMS, Bf16Pages, TileContext, check_pools_and_tables, check_tile_pipeline,
     _combine_splits, _flat_table, _score_variance_from_partials, _split_key_counts, _table_window,
@@ -170,6 +171,14 @@ def split_rows_fp8(x, terms: int):
     return jnp.stack(parts), unscale
 
 
+def fp8_q_split_takes(q2, rows_per_b: int, num_q_heads: int) -> bool:
+    """Whether `fp8_q_split` takes q's row blocks q2 [rows, D] (`q_row_blocks`) with the per-head scale as its
+    row scale: unpadded rows (row = b * Hq + head, so row r's head is r % Hq) with Hq a multiple of 8, and a head dim
+    the kernel takes."""
+    return (rows_per_b == num_q_heads and num_q_heads % FP8_Q_SPLIT_ROWS == 0 and q2.shape[0] % FP8_Q_SPLIT_ROWS == 0
+            and q2.shape[1] in FP8_Q_SPLIT_HEAD_DIMS)
+
+
 def stacks_q_parts(config: "SwappedConfig", n_cols: int) -> bool:
     """Whether the kernel takes q's fp8 parts stacked (`SwappedConfig.fp8_q_stacked`, N = 8 only)."""
     return config.fp8_q_stacked and n_cols == 8
@@ -212,6 +221,10 @@ class SwappedConfig:
         and its wait) instead of after it. With V converted into the staging tile, neither ring slot is read
         after the softmax's warpgroup sync, so the copies (one per page piece: 16 a tile for 8-token pages) can
         start a P V MMA earlier and their issue overlaps the MMA. Ignored for other pools (P V reads the V slot).
+      fp8_q_kernel: float8 pools: q's scale (`q_scale`), its fp8 split and the parts' layout in one Pallas kernel
+        before the attention kernel (pallas_kernels/fp8_q_split.py, bit for bit the same parts and unscales)
+        instead of XLA's ops (three kernels on the H200); used where q's 8-row blocks hold whole heads (num_q_heads
+        a multiple of 8, the group dividing 8 or a multiple of it). Off in the defaults: not yet timed on a GPU.
     """
 
     block_kv: int = 128
@@ -223,6 +236,7 @@ class SwappedConfig:
     shared_smem: bool = False
     fp8_q_stacked: bool = True
     refill_under_pv: bool = False
+    fp8_q_kernel: bool = False
 
     def __post_init__(self):
         check_tile_pipeline(self.block_kv, self.num_stages, self.num_splits)
@@ -345,7 +359,8 @@ def swapped_paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, p
 def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sm_scale: float | None = None,
                             soft_cap: float | None = None, config: SwappedConfig | None = None,
                             max_context: int | None = None, interpret: bool = False,
-                            return_score_stats: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                            return_score_stats: bool = False, q_scale: jax.Array | None = None,
+                            out_dtype=None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention over a paged KV pool with per-sequence page sizes, keys on WGMMA's M (module docstring).
 
     Args:
@@ -367,8 +382,11 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
         --max-context); it only picks the default config.
       interpret: run the kernel in the Mosaic GPU interpreter on CPU (tests).
       return_score_stats: static; also return each query head's score variance (as `paged_attention`).
+      q_scale: float8 pools only: [num_q_heads] float32 factors, q head j multiplied by q_scale[j] in fp32
+        before its fp8 split (the fixed-scale fold's s_k; with `SwappedConfig.fp8_q_kernel` inside that kernel).
+      out_dtype: the output's dtype (default q.dtype).
 
-    Returns [batch, num_q_heads, head_dim] in q.dtype; q head j uses kv head j // (num_q_heads // num_kv_heads).
+    Returns [batch, num_q_heads, head_dim] in out_dtype; q head j uses kv head j // (num_q_heads // num_kv_heads).
     With return_score_stats: `(out, score_var)`, score_var float32 [batch, num_q_heads], the population
     variance of s_t = sm_scale * q.k_t (soft-capped if set) over the row's keys t < length, 0 for length 0;
     computed from fp32 scores of the bf16-rounded q (the MMA's input; `paged_attention` does the same).
@@ -390,6 +408,10 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
         raise ValueError(f"swapped_paged_attention: sm_scale must be > 0, got {sm_scale}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"swapped_paged_attention: soft_cap must be > 0, got {soft_cap}")
+    if q_scale is not None and (k_pool.dtype != _FP8 or q_scale.shape != (num_q_heads,)
+                                or q_scale.dtype != jnp.float32):
+        raise ValueError(f"swapped_paged_attention: q_scale is for float8 pools, as [num_q_heads] = [{num_q_heads}] "
+                         f"float32; got {q_scale.shape} {q_scale.dtype} with {k_pool.dtype} pools")
     config = config or default_swapped_config(head_dim, max_context, k_pool.dtype)
     if not isinstance(config, SwappedConfig):
         raise TypeError(f"swapped_paged_attention: config must be a SwappedConfig, got {type(config).__name__}")
@@ -401,11 +423,15 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
     scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
     args = (q, k_pool, v_pool, lengths, page_starts, page_sizes)
     kw = dict(scale=scale, config=config)
-    # Only a set option reaches the jit: with both off its static arguments (and so its trace) are as before.
+    # Only a set option reaches the jit: with all off its static arguments (and so its trace) are as before.
     if soft_cap is not None:
         kw["soft_cap"] = float(soft_cap)
     if return_score_stats:
         kw["score_stats"] = True
+    if q_scale is not None:
+        kw["q_scale"] = q_scale
+    if out_dtype is not None and jnp.dtype(out_dtype) != q.dtype:
+        kw["out_dtype"] = jnp.dtype(out_dtype)
     if interpret:
         with mosaic_gpu_interpret():
             return _swapped_paged_attention(*args, **kw, interpreted=True)
@@ -413,12 +439,15 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
     return _swapped_paged_attention(*args, **kw, interpreted=interpret_mode_active())
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpreted", "soft_cap", "score_stats"))
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpreted", "soft_cap", "score_stats",
+                                             "out_dtype"))
 def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, scale, config, interpreted,
-                             soft_cap=None, score_stats=False):
-    """The wrapper traced inside a jit: q row blocks, flat page table, the kernel, split-K merge (of the output
-    and, with score_stats, of the score sums). Returns out [B, Hq, D] (and score_var [B, Hq] f32)."""
+                             soft_cap=None, score_stats=False, q_scale=None, out_dtype=None):
+    """The wrapper traced inside a jit: q row blocks (float8 pools: q's fp8 parts), flat page table, the kernel,
+    split-K merge (of the output and, with score_stats, of the score sums). Returns out [B, Hq, D] in out_dtype
+    (default q.dtype) (and score_var [B, Hq] f32)."""
     del interpreted
+    out_dtype = q.dtype if out_dtype is None else out_dtype
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
     group = num_q_heads // num_kv_heads
@@ -427,10 +456,17 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     mma_dtype = jnp.dtype(kv_format.mma_dtype)
     extra = ()
     if isinstance(kv_format, F8Pages):     # q as fp8 parts and a per-row unscale (F8Pages)
-        q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q.astype(jnp.float32), num_kv_heads)
-        q2, q_unscale = split_rows_fp8(q2, config.fp8_q_terms)
-        if stacks_q_parts(config, copy_rows):
-            q2 = stack_q_parts(q2)
+        q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q, num_kv_heads)
+        if config.fp8_q_kernel and fp8_q_split_takes(q2, rows_per_b, num_q_heads):
+            head_scale = jnp.ones((num_q_heads,), jnp.float32) if q_scale is None else q_scale
+            q2, q_unscale = fp8_q_split(q2, head_scale, terms=config.fp8_q_terms,
+                                        stacked=stacks_q_parts(config, copy_rows))
+        else:
+            q32 = q.astype(jnp.float32) if q_scale is None else q.astype(jnp.float32) * q_scale[None, :, None]
+            q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q32, num_kv_heads)
+            q2, q_unscale = split_rows_fp8(q2, config.fp8_q_terms)
+            if stacks_q_parts(config, copy_rows):
+                q2 = stack_q_parts(q2)
         extra = (q_unscale,)
     else:
         q_mma = jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX) if mma_dtype == jnp.float16 else q
@@ -440,7 +476,7 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     kernel = _build_swapped_kernel(
         batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
         table_len=table.shape[0], rows_per_b=rows_per_b, rows_per_h=rows_per_h, n_cols=copy_rows,
-        out_dtype=jnp.dtype(q.dtype if splits == 1 else jnp.float32), scale=scale, soft_cap=soft_cap,
+        out_dtype=jnp.dtype(out_dtype if splits == 1 else jnp.float32), scale=scale, soft_cap=soft_cap,
         score_stats=score_stats, config=config, kv_format=kv_format)
     res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool, *extra)
 
@@ -463,7 +499,7 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     else:
         o_part, lse = res
         o_part = o_part.reshape(batch, splits, num_kv_heads, rows_per_h, head_dim)[:, :, :, :group]
-        out = _combine_splits(o_part, group_cols(lse)).reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+        out = _combine_splits(o_part, group_cols(lse)).reshape(batch, num_q_heads, head_dim).astype(out_dtype)
     return (out, score_var) if score_stats else out
 
 

@@ -315,14 +315,15 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
     lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
     if (backend == "kernel" and kernel_variant == "swapped" and isinstance(k_pool, DeltaKV)
             and _head_scale_fold(k_pool)):
-        # The deltas as the pools of the swapped branch below; fp32 q gives an fp32 output, so the anchor is
-        # added before the one rounding to q's dtype. Fixed fp8 scales: s_k into q, s_v onto the output.
-        q32 = q.astype(jnp.float32)
-        if k_pool.fixed_scales:
-            q32 = q32 * _per_q_head(k_pool.k_floor, q.shape[1])[:, None]
-        res = decode_attention(q32, positions, tables, k_pool.k_delta, k_pool.v_delta,
-                               backend=backend, interpret=interpret, max_context=max_context,
-                               return_score_stats=return_score_stats, kernel_variant=kernel_variant)
+        # The deltas as the pools of the swapped kernel, with an fp32 output, so the anchor is added before the one
+        # rounding to q's dtype. Fixed fp8 scales: s_k into q (the kernel's q_scale, applied before q's fp8
+        # split), s_v onto the output.
+        from pallas_kernels.swapped_decode_attention import swapped_paged_attention
+        fp8_scales = k_pool.fixed_scales and k_pool.k_delta.dtype == jnp.float8_e4m3fn
+        res = swapped_paged_attention(
+            q if fp8_scales else q.astype(jnp.float32), k_pool.k_delta, k_pool.v_delta, lengths, tables.page_starts,
+            tables.page_sizes, max_context=max_context, interpret=interpret, return_score_stats=return_score_stats,
+            q_scale=_per_q_head(k_pool.k_floor, q.shape[1]) if fp8_scales else None, out_dtype=jnp.float32)
         out, stats = (res[0], res[1:]) if return_score_stats else (res, ())
         if k_pool.fixed_scales:
             out = out * _per_q_head(k_pool.v_floor, q.shape[1])[:, None]
