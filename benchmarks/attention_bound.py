@@ -2,13 +2,23 @@
 
 For each head dim, context and SwappedConfig, the Pallas kernel's device time per call (a jax.profiler trace of
 a chain of calls in one executable, `kernel_timing.kernel_profile`) over three layouts of the same batch:
-  - hbm:      every row its own pages, as the engine lays them out: the K/V bytes come from HBM;
+  - hbm:      every row its own pages, placed at random in the pool: the K/V bytes come from HBM;
+  - contiguous: the same bytes with every row's pages one after another and the rows one after another (a pool
+              filled in order, as a prefill of whole prompts fills a fresh one): concurrent CTAs stream from
+              addresses a fixed stride apart, which may load some HBM channels more than others;
   - l2:       every row's page table pointing at row 0's pages: the same tiles, copies, MMAs and softmax,
               but the bytes (one sequence's: a few MB) come from L2 after the first touch;
   - one-tile: every row one tile long (block_kv keys): a call's fixed cost (launch, page table, q, the first
               copies' latency, the epilogue) with almost no streaming.
 hbm close to l2 means the chain (copy issue, waits, MMAs, softmax, barriers) bounds the kernel, not the bytes;
 l2 well under hbm means the bytes do. The one-tile time is what no streaming work hides.
+
+--between MB (GPU only) adds a fourth figure, *between*: the hbm layout's kernel timed interleaved with a
+weight-streaming GEMM of about MB megabytes (`decode_matmul` of the batch's rows, the engine's config), the two
+alternating as a decode step runs a GEMM between two attention calls (`kernel_timing.paired_profile`, medians). A
+kernel alone in a chain runs after itself; in the step it runs after kernels that stream other bytes through L2 and
+leave written lines there, and its time in the step was 11-13% above its time alone (BENCHMARKS.md #18 session 28):
+between against hbm says how much of that a GEMM in between explains.
 
     python benchmarks/attention_bound.py                          # H200: llama-1b/8b shapes at e2e's context
     python benchmarks/attention_bound.py --dry-run                # CPU: tiny shapes in the interpreter
@@ -29,15 +39,18 @@ sys.path.insert(0, str(ROOT))
 
 import jax                                     # noqa: E402
 import jax.numpy as jnp                        # noqa: E402
+import numpy as np                             # noqa: E402
 
 from config_flags import parse_overrides       # noqa: E402  (beside this script)
-from kernel_timing import kernel_profile, read_ceiling   # noqa: E402
+from kernel_timing import kernel_profile, paired_profile, read_ceiling   # noqa: E402
+from pallas_kernels.decode_matmul import decode_matmul   # noqa: E402
 from pallas_kernels.swapped_decode_attention import (  # noqa: E402
     default_swapped_config, swapped_paged_attention, swapped_paged_attention_reference)
 from pallas_kernels.paged_attention import PAGE_SIZES   # noqa: E402
 from pallas_kernels.testing import random_paged_case   # noqa: E402
+from stratum_jax.model.projection import kernel_config   # noqa: E402
 
-LAYOUTS = ("hbm", "l2", "one-tile")
+LAYOUTS = ("hbm", "contiguous", "l2", "one-tile")
 
 
 def make_case(layout: str, *, batch, context, page, head_dim, block_kv, q_heads, kv_heads):
@@ -48,6 +61,10 @@ def make_case(layout: str, *, batch, context, page, head_dim, block_kv, q_heads,
                              num_kv_heads=kv_heads, head_dim=head_dim, nan_outside=False)
     if layout == "l2":
         case["page_starts"] = jnp.broadcast_to(case["page_starts"][:1], case["page_starts"].shape)
+    if layout == "contiguous":     # row b's page i at slot (b * pages + i) * page: rows at a fixed stride
+        width = case["page_starts"].shape[1]
+        case["page_starts"] = jnp.asarray(
+            (np.arange(batch)[:, None] * (width - 1) + np.arange(width)[None, :]) * page, jnp.int32)
     return case
 
 
@@ -55,6 +72,20 @@ def kv_bytes(case) -> int:
     """K and V bytes the call reads: every row's keys, each kv head, both pools."""
     kv_heads, _, head_dim = case["k_pool"].shape
     return int(case["lengths"].sum()) * kv_heads * head_dim * 2 * case["k_pool"].dtype.itemsize
+
+
+def between_weight(megabytes: float, batch: int, k: int):
+    """The GEMM of --between: a [N, k] bf16 weight of about `megabytes` MB (N a multiple of 64), and
+    f(y [batch, Hq, D], w) -> y plus 0 times the product's first column (so the next attention call depends on it)."""
+    n = max(64, int(megabytes * 2 ** 20 / (2 * k)) // 64 * 64)
+    w = jax.random.normal(jax.random.key(7), (n, k), jnp.bfloat16) * 0.02
+    config = kernel_config(batch, n, k)
+
+    def gemm(y, w):
+        x = y.reshape(batch, -1)[:, :k].astype(jnp.bfloat16)
+        col = decode_matmul(x, w, config=config)[:, :1].astype(y.dtype)
+        return y + 0 * col[:, :, None]
+    return w, gemm
 
 
 def main(argv=None):
@@ -72,12 +103,16 @@ def main(argv=None):
                          "or field=value overrides of it, e.g. 'default;num_stages=4'")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--calls", type=int, default=20, help="chained calls in the traced executable")
+    ap.add_argument("--between", type=float, default=0.0, metavar="MB",
+                    help="GPU: also time the hbm layout interleaved with a GEMM streaming this many MB (docstring)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in the Mosaic GPU interpreter (CPU)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/attention_bound_h200.json"))
     a = ap.parse_args(argv)
     layouts = [x.strip() for x in a.layouts.split(",") if x.strip()]
     if not layouts or any(x not in LAYOUTS for x in layouts):
         ap.error(f"--layouts: give some of {','.join(LAYOUTS)}, got {a.layouts!r}")
+    if a.between and (a.dry_run or "hbm" not in layouts):
+        ap.error("--between times the hbm layout on a GPU: not with --dry-run, and --layouts must include hbm")
     if a.dry_run:     # one small call a layout, checked against the reference
         a.batch, a.q_heads, a.kv_heads, a.head_dims, a.contexts, a.calls = 2, 8, 2, "64", "96", 1
     head_dims = [int(x) for x in a.head_dims.split(",")]
@@ -94,7 +129,8 @@ def main(argv=None):
     read_tbps = meta.get("read_ceiling", {}).get("tbps")
     print(json.dumps(meta), flush=True)
     rows = []
-    print(f"{'D':>4} {'ctx':>5} {'page':>4} {'config':<36} " + " ".join(f"{x:>15}" for x in layouts))
+    print(f"{'D':>4} {'ctx':>5} {'page':>4} {'config':<36} "
+          + " ".join(f"{x:>15}" for x in layouts + (["between"] if a.between else [])))
     for head_dim, context, page in itertools.product(head_dims, contexts, pages):
         for config in parse_overrides(a.configs, default_swapped_config(head_dim, context)):
             row = dict(head_dim=head_dim, context=context, page=page, config=repr(config), layouts={})
@@ -116,9 +152,15 @@ def main(argv=None):
                 nbytes = kv_bytes(case)
                 row["layouts"][layout] = dict(us=us, kv_bytes=nbytes, busy_us=prof["busy_us"],
                                               tbps=nbytes / us / 1e6 if us else None)
+                if layout == "hbm" and a.between:
+                    w, gemm = between_weight(a.between, a.batch, a.q_heads * head_dim)
+                    pair = paired_profile(fn, args, gemm, [args[0], w], calls=a.calls)
+                    row["layouts"]["between"] = dict(us=pair["base_pallas_us"], gemm_us=pair["pallas_us"],
+                                                     gemm_bytes=w.size * 2, kv_bytes=nbytes,
+                                                     tbps=nbytes / pair["base_pallas_us"] / 1e6)
             rows.append(row)
             cells = []
-            for layout in layouts:
+            for layout in layouts + (["between"] if a.between else []):
                 r = row["layouts"][layout]
                 pct = f" {100 * r['tbps'] / read_tbps:3.0f}%" if read_tbps and r["tbps"] else ""
                 cells.append(f"{r['us']:9.1f}us{pct}" if layout == "hbm" else f"{r['us']:14.1f}us")
