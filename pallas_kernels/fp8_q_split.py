@@ -17,10 +17,10 @@ scale (P = Hq, rows = b * Hq + head), so no [rows] broadcast runs in XLA before 
 
 Numerics: bit for bit `split_rows_fp8(x.astype(float32) * row_scale[rows % P, None], terms)` (and
 `stack_q_parts` of it): the same fp32 product, the same power-of-two unscale (a max of exact values), the same
-exact division by it, and `lax.reduce_precision(., 4, 3)` as XLA computes it (round the mantissa to 3 bits to
-nearest even on the integer bits, then values of exponent <= 2^-7's flushed to a signed zero and above 2^7's to
-infinity, which the row scale keeps out of reach) on the bits, so XLA's excess-precision rewrites cannot fold it
-away (the reason split_rows_fp8 uses reduce_precision, not a cast round trip).
+exact division by it, and `lax.reduce_precision(., 4, 3)` as XLA computes it, done on the int32 bits (the mantissa
+rounded to 3 bits, to nearest even; then values under 2^-6 flushed to a signed zero and values past 240 to
+infinity, which the row scale keeps out of reach), so no excess-precision rewrite can fold it away (the reason
+split_rows_fp8 uses reduce_precision, not a cast round trip).
 """
 from __future__ import annotations
 

@@ -456,16 +456,15 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     mma_dtype = jnp.dtype(kv_format.mma_dtype)
     extra = ()
     if isinstance(kv_format, F8Pages):     # q as fp8 parts and a per-row unscale (F8Pages)
-        q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q, num_kv_heads)
-        if config.fp8_q_kernel and fp8_q_split_takes(q2, rows_per_b, num_q_heads):
+        q_rows, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q, num_kv_heads)
+        stacked = stacks_q_parts(config, copy_rows)
+        if config.fp8_q_kernel and fp8_q_split_takes(q_rows, rows_per_b, num_q_heads):
             head_scale = jnp.ones((num_q_heads,), jnp.float32) if q_scale is None else q_scale
-            q2, q_unscale = fp8_q_split(q2, head_scale, terms=config.fp8_q_terms,
-                                        stacked=stacks_q_parts(config, copy_rows))
-        else:
+            q2, q_unscale = fp8_q_split(q_rows, head_scale, terms=config.fp8_q_terms, stacked=stacked)
+        else:     # XLA's ops: q in fp32 times its head's scale, laid out in the same row blocks, then split
             q32 = q.astype(jnp.float32) if q_scale is None else q.astype(jnp.float32) * q_scale[None, :, None]
-            q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q32, num_kv_heads)
-            q2, q_unscale = split_rows_fp8(q2, config.fp8_q_terms)
-            if stacks_q_parts(config, copy_rows):
+            q2, q_unscale = split_rows_fp8(q_row_blocks(q32, num_kv_heads)[0], config.fp8_q_terms)
+            if stacked:
                 q2 = stack_q_parts(q2)
         extra = (q_unscale,)
     else:

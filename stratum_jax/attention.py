@@ -319,13 +319,13 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
         # rounding to q's dtype. Fixed fp8 scales: s_k into q (the kernel's q_scale, applied before q's fp8
         # split), s_v onto the output.
         from pallas_kernels.swapped_decode_attention import swapped_paged_attention
-        fp8_scales = k_pool.fixed_scales and k_pool.k_delta.dtype == jnp.float8_e4m3fn
+        fixed = k_pool.fixed_scales       # fp8 deltas only (DeltaKV)
         res = swapped_paged_attention(
-            q if fp8_scales else q.astype(jnp.float32), k_pool.k_delta, k_pool.v_delta, lengths, tables.page_starts,
+            q if fixed else q.astype(jnp.float32), k_pool.k_delta, k_pool.v_delta, lengths, tables.page_starts,
             tables.page_sizes, max_context=max_context, interpret=interpret, return_score_stats=return_score_stats,
-            q_scale=_per_q_head(k_pool.k_floor, q.shape[1]) if fp8_scales else None, out_dtype=jnp.float32)
+            q_scale=_per_q_head(k_pool.k_floor, q.shape[1]) if fixed else None, out_dtype=jnp.float32)
         out, stats = (res[0], res[1:]) if return_score_stats else (res, ())
-        if k_pool.fixed_scales:
+        if fixed:
             out = out * _per_q_head(k_pool.v_floor, q.shape[1])[:, None]
         out = _add_mean_anchor_v(out, k_pool, lengths > 0).astype(q.dtype)
         return (out, *stats) if return_score_stats else out
