@@ -6,7 +6,8 @@ entry; part "gate_up_act" is gate/up with the MLP's activation, silu(gate) * up:
 activation (`projection.xla_gated`) against `decode_gated_matmul` (the activation in the GEMM's epilogue). All
 as *device* time: every call's GPU kernels (the split-K partial sum and any padding included) summed
 from a jax.profiler trace, divided by the calls. The calls cycle over enough distinct weight copies (>= 3x
-the 50 MB L2) that each reads its weights from HBM, as a model's layers do. Bandwidth = weight bytes / time,
+the 50 MB L2) that each reads its weights from HBM, as a model's layers do (--weights-in-l2: one copy, so weights
+that fit stay in L2). Bandwidth = weight bytes / time,
 against the read ceiling `stratum_jax.bandwidth` measures (a large bf16 sum) in the same run.
 
     python benchmarks/decode_gemm.py --models llama-1b,llama-8b --rows 64 --out results/decode_gemm_h200.json
@@ -94,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--configs", default="default", help="';'-separated TuningConfig overrides, e.g. "
                     "'default;tile_n=64;num_stages=4'")
     ap.add_argument("--calls", type=int, default=48, help="traced calls per method and shape")
+    ap.add_argument("--weights-in-l2", action="store_true", help="one weight copy, reused by every call: the "
+                    "weights stay in L2 where they fit (an upper bound for prefetching them ahead of the kernel)")
     ap.add_argument("--out", default=None, help="JSON path")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes, checks only")
     return ap
@@ -135,7 +138,7 @@ def main(argv=None) -> dict:
                 raise SystemExit(f"--parts: unknown projection {part!r}; choose from {sorted(shapes)}")
             n, k = shapes[part]
             wbytes = n * k * 2
-            copies = max(2, -(-3 * L2_BYTES // wbytes))
+            copies = 1 if a.weights_in_l2 else max(2, -(-3 * L2_BYTES // wbytes))
             key = jax.random.key(0)
             ws = [jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.bfloat16) * 0.02 for i in range(copies)]
             for rows in rows_list:
@@ -171,7 +174,7 @@ def main(argv=None) -> dict:
             del ws
     out = dict(benchmark="decode_gemm", device=jax.devices()[0].device_kind, jax=jax.__version__,
                date=datetime.date.today().isoformat(), command=" ".join(sys.argv), read_tbps=read_tbps,
-               calls=a.calls, results=results)
+               calls=a.calls, weights_in_l2=a.weights_in_l2, results=results)
     if a.out:
         pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(a.out).write_text(json.dumps(out, indent=1))

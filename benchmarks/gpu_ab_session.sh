@@ -15,19 +15,27 @@
 # PROFILE=1 then traces each model once on each side (benchmarks/profile_decode.py, same shapes):
 # $OUT/profile_decode_<model>_<TAG>_<base|this>.json, and prints each side's wall, busy and parts (~40-60 s a run);
 # PROFILE_ARGS adds flags to it alone (a CPU dry run: MODELS=tiny PROFILE_ARGS="--device /host:CPU").
+# A flag against its default, on this tree alone: BASE=self, with BASE_ARGS / THIS_ARGS each side's own flags, e.g.
+#   BASE=self THIS_ARGS="--l2-prefetch-mb 16" MODELS="llama-1b llama-8b" TAG=s29pf bash benchmarks/gpu_ab_session.sh
 source benchmarks/gpu_env.sh
 BASE=${BASE:-ab_base}
 TAG=${TAG:-ab}
-[ -d "$BASE/stratum_jax" ] || { echo "no base tree at $BASE (see the header of this script)"; exit 2; }
-cp benchmarks/*.py "$BASE/benchmarks/"        # the same benchmark script on both sides
 ROOT=$PWD
+if [ "$BASE" = self ]; then
+  BASE=.
+else
+  [ -d "$BASE/stratum_jax" ] || { echo "no base tree at $BASE (see the header of this script)"; exit 2; }
+  cp benchmarks/*.py "$BASE/benchmarks/"        # the same benchmark script on both sides
+fi
+side_args() { if [ "$1" = base ]; then echo "${BASE_ARGS:-}"; else echo "${THIS_ARGS:-}"; fi; }
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for m in ${MODELS:-llama-1b}; do
     for side in base this; do
       tree=$ROOT; [ $side = base ] && tree=$ROOT/$BASE
       json=$OUT/e2e_ab_${m}_${side}_${round}_${TAG}.json
       (cd "$tree" && PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} timeout ${E2E_TIMEOUT:-150} python3 benchmarks/e2e_decode.py \
-        --model "$m" --batch 64 --prompt-len 512 --new-tokens 256 --attention kernel ${E2E_ARGS:-} --out "$json" \
+        --model "$m" --batch 64 --prompt-len 512 --new-tokens 256 --attention kernel ${E2E_ARGS:-} $(side_args $side) \
+        --out "$json" \
         > /tmp/e2e_ab.log 2>&1) || { echo "$m $side round $round: FAILED"; tail -3 /tmp/e2e_ab.log; continue; }
       python3 - "$json" "$m" "$side" "$round" <<'PY'
 import json, sys
@@ -59,7 +67,7 @@ if [ "${PROFILE:-0}" = 1 ]; then
       json=$OUT/profile_decode_${m}_${TAG}_${side}.json
       (cd "$tree" && PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} timeout ${PROFILE_TIMEOUT:-200} python3 \
         benchmarks/profile_decode.py --model "$m" --batch 64 --prompt-len 512 --new-tokens 256 --attention kernel \
-        ${E2E_ARGS:-} ${PROFILE_ARGS:-} --trace-dir /tmp/prof_ab_${m}_$side --out "$json" > /tmp/profile_ab.log 2>&1) \
+        ${E2E_ARGS:-} $(side_args $side) ${PROFILE_ARGS:-} --trace-dir /tmp/prof_ab_${m}_$side --out "$json" > /tmp/profile_ab.log 2>&1) \
         || { echo "profile $m $side: FAILED"; tail -3 /tmp/profile_ab.log; continue; }
       echo "== profile $m $side"
       grep -E "wall time|GPU busy|^  [a-zA-Z/ ]+ +[0-9.]+$" /tmp/profile_ab.log | grep -v "^  .*->" | head -20

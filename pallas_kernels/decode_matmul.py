@@ -29,6 +29,10 @@ from the engine's fused gate_up weight [2I, K] (gate rows, then up rows). Each C
 up rows of its output columns (two weight tiles a step, two accumulators) and applies the activation in its
 epilogue, so the step has no separate activation kernel and never writes the [M, 2I] product. No split-K (the
 activation is not linear); llama's gate/up has enough output tiles to fill the GPU without it.
+
+*L2 prefetch (gated, optional).* Given the down projection's weight and an `L2Prefetch` plan, each CTA, once its own
+weight tiles are all in, issues TMA prefetches of its share of the tiles the down GEMM reads first
+(pallas_kernels/l2_prefetch.py): HBM, idle in the grid's drain, starts on the next kernel's bytes. No value changes.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
+from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
 
 _ROWS = 64             # WGMMA M
 _TILE_K = 64           # bf16 elements in one 128-byte swizzled row: one WGMMA K group per tile
@@ -219,18 +224,19 @@ def _checked_config(x, w, config: TuningConfig | None, out_dtype) -> TuningConfi
     return config
 
 
-def _run(x, w, *, out_dtype, config, gated, interpret, partials=False):
+def _run(x, w, *, out_dtype, config, gated, interpret, partials=False, prefetch_weight=None, prefetch=None):
     """`_decode_matmul` compiled, or in the Mosaic GPU interpreter (interpret, or inside an active one); the
     static `interpreted` keeps the two traces apart in jit's cache."""
     if interpret:
         with mosaic_gpu_interpret():
-            return _decode_matmul(x, w, out_dtype=out_dtype, config=config, gated=gated, interpreted=True,
-                                  partials=partials)
-    return _decode_matmul(x, w, out_dtype=out_dtype, config=config, gated=gated,
-                          interpreted=interpret_mode_active(), partials=partials)
+            return _decode_matmul(x, w, prefetch_weight, out_dtype=out_dtype, config=config, gated=gated,
+                                  interpreted=True, partials=partials, prefetch=prefetch)
+    return _decode_matmul(x, w, prefetch_weight, out_dtype=out_dtype, config=config, gated=gated,
+                          interpreted=interpret_mode_active(), partials=partials, prefetch=prefetch)
 
 
-def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, interpret: bool = False):
+def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, prefetch_weight=None,
+                        prefetch: L2Prefetch | None = None, interpret: bool = False):
     """silu(x @ w_gate.T) * (x @ w_up.T) for a decode step's few rows, streaming w once (module docstring).
 
     Args:
@@ -238,6 +244,9 @@ def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, interpret: 
       w: [2I, K] bf16: the gate projection's I rows, then the up projection's (the engine's fused gate_up_proj
         on one device); K a multiple of 64, I a multiple of config.tile_n.
       config: TuningConfig; its k_splits must be None or 1 (the activation needs whole sums).
+      prefetch_weight: the next GEMM's bf16 weight [N', K'] (the down projection's), with `prefetch` the part of it
+        to bring into L2 as the CTAs finish streaming w; both or neither.
+      prefetch: an `L2Prefetch` plan for prefetch_weight's shape.
       interpret: run in the Mosaic GPU interpreter on CPU (tests).
     Returns [M, I] in x.dtype; both products are rounded to x.dtype before the activation, as the unfused path
     (XLA's dot, then silu(gate) * up) rounds them.
@@ -251,13 +260,16 @@ def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, interpret: 
                          f"got {config.k_splits}")
     config = dataclasses.replace(config, k_splits=1)
     check_resources(x.shape[0], x.shape[1], config, gated=True, out_itemsize=jnp.dtype(x.dtype).itemsize)
-    return _run(x, w, out_dtype=jnp.dtype(x.dtype), config=config, gated=True, interpret=interpret)
+    check_prefetch_args("decode_gated_matmul", prefetch_weight, prefetch)
+    return _run(x, w, out_dtype=jnp.dtype(x.dtype), config=config, gated=True, interpret=interpret,
+                prefetch_weight=prefetch_weight, prefetch=prefetch)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "gated", "interpreted", "partials"))
-def _decode_matmul(x, w, *, out_dtype, config, gated=False, interpreted=False, partials=False):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "gated", "interpreted", "partials", "prefetch"))
+def _decode_matmul(x, w, prefetch_weight=None, *, out_dtype, config, gated=False, interpreted=False, partials=False,
+                   prefetch=None):
     # `interpreted` only keys the jit cache: interpreted and compiled traces never share an entry. partials: the
-    # kernel's [S, R, N] output as it is (`decode_matmul_partials`).
+    # kernel's [S, R, N] output as it is (`decode_matmul_partials`). prefetch: an L2Prefetch of prefetch_weight.
     del interpreted
     m, k = x.shape
     n = w.shape[0] // 2 if gated else w.shape[0]       # output columns
@@ -266,23 +278,26 @@ def _decode_matmul(x, w, *, out_dtype, config, gated=False, interpreted=False, p
         x = jnp.pad(x, ((0, rows - m), (0, 0)))
     splits = config.k_splits
     partial_dtype = out_dtype if splits == 1 else jnp.dtype(jnp.float32)
-    kernel = _build_kernel(rows=rows, n=n, k=k, out_dtype=partial_dtype, config=config, gated=gated)
-    y = kernel(x, w)
+    kernel = _build_kernel(rows=rows, n=n, k=k, out_dtype=partial_dtype, config=config, gated=gated,
+                           prefetch=prefetch)
+    y = kernel(x, w, *(() if prefetch is None else (prefetch_weight,)))
     if partials:
         return y
     y = y[0] if splits == 1 else jnp.sum(y, axis=0)
     return y[:m].astype(out_dtype)
 
 
-def _build_kernel(*, rows, n, k, out_dtype, config, gated=False):
+def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None):
     """Returns f(x [rows, K], w [N, K]) -> [S, rows, N] partials (S = config.k_splits) in out_dtype; gated:
-    f(x, w [2N, K]) -> [1, rows, N], silu(x @ w[:N].T) * (x @ w[N:].T) (`decode_gated_matmul`)."""
+    f(x, w [2N, K]) -> [1, rows, N], silu(x @ w[:N].T) * (x @ w[N:].T) (`decode_gated_matmul`). prefetch: f takes
+    the next weight as a third argument and each CTA prefetches its share of the plan once its tiles are in."""
     tile_n, splits = config.tile_n, config.k_splits
     k_len = k // splits
     k_steps = k_len // _TILE_K
     stages = min(config.num_stages, k_steps)
 
-    def body(x_gmem, w_gmem, out_gmem, out_smem):
+    def body(x_gmem, w_gmem, *rest):
+        *next_weight, out_gmem, out_smem = rest
         col = lax.axis_index("n")
         split = lax.axis_index("k")
         n0 = pl.multiple_of(col * tile_n, tile_n)
@@ -310,6 +325,8 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False):
             return tuple(acc_ref[...] for acc_ref in acc_refs)
 
         accs = pl.run_scoped(accumulate, *[plgpu.ACC((rows, tile_n), jnp.float32)] * len(w_rows))
+        if prefetch is not None:       # this CTA's weight tiles are all in: HBM can start on the next kernel's
+            issue_prefetch(next_weight[0], prefetch, cta=split * (n // tile_n) + col, num_ctas=n // tile_n * splits)
         if gated:
             # Each product rounded to the output dtype first, as the unfused path's dot outputs are.
             gate, up = (a.astype(out_dtype).astype(jnp.float32) for a in accs)

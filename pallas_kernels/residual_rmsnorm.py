@@ -21,6 +21,10 @@ stores.
 `llama.rms_norm`: x * rsqrt(mean(x^2) + eps) in fp32, rounded to bf16, times the weight (a bf16 product). The mean's
 sum runs in another order than XLA's reduction, so the norm can differ from the unfused one by an fp32 rounding of
 the row's scale (a bf16 output then rarely differs by one step).
+
+*L2 prefetch (optional).* The kernel moves under a megabyte and leaves HBM idle; given the next GEMM's weight and an
+`L2Prefetch` plan, its CTAs also issue TMA prefetches of the part of that weight the GEMM reads first
+(pallas_kernels/l2_prefetch.py). No value changes.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.decode_matmul import sum_partials
+from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
 
 BOX = 256              # elements a TMA box dimension holds at most: a row is copied as [H / 256, 256]
 MAX_HIDDEN = 8192      # a CTA's row: S x H fp32 partials in SMEM (S <= 4 at 8192: 128 KB)
@@ -79,7 +84,8 @@ def supports(splits: int, rows: int, hidden: int, parts_dtype=jnp.float32) -> bo
             and smem_bytes(splits, hidden, parts_dtype) <= _SMEM_LIMIT)
 
 
-def residual_rmsnorm(parts, residual, weight, *, eps: float, interpret: bool = False):
+def residual_rmsnorm(parts, residual, weight, *, eps: float, prefetch_weight=None,
+                     prefetch: L2Prefetch | None = None, interpret: bool = False):
     """The new residual stream and its RMSNorm, from a projection's split-K partials (module docstring).
 
     Args:
@@ -89,38 +95,50 @@ def residual_rmsnorm(parts, residual, weight, *, eps: float, interpret: bool = F
       residual: [R, H] bfloat16, the residual stream before the add.
       weight: [H] bfloat16, the norm's weight.
       eps: the norm's epsilon.
+      prefetch_weight: the next GEMM's bf16 weight [N, K] (the one h feeds), with `prefetch` the part of it to bring
+        into L2 while this kernel runs; both or neither.
+      prefetch: an `L2Prefetch` plan for prefetch_weight's shape.
       interpret: run in the Mosaic GPU interpreter on CPU (tests).
     Returns (x [R, H] = residual + sum(parts), h [R, H] = RMSNorm(x) * weight), both bfloat16.
     """
     check_inputs(parts, residual, weight)
+    check_prefetch_args("residual_rmsnorm", prefetch_weight, prefetch)
     if interpret:
         with mosaic_gpu_interpret():
-            return _residual_rmsnorm(parts, residual, weight, eps=float(eps), interpreted=True)
-    return _residual_rmsnorm(parts, residual, weight, eps=float(eps), interpreted=interpret_mode_active())
+            return _residual_rmsnorm(parts, residual, weight, prefetch_weight, eps=float(eps), prefetch=prefetch,
+                                     interpreted=True)
+    return _residual_rmsnorm(parts, residual, weight, prefetch_weight, eps=float(eps), prefetch=prefetch,
+                             interpreted=interpret_mode_active())
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpreted"))
-def _residual_rmsnorm(parts, residual, weight, *, eps, interpreted=False):
+@functools.partial(jax.jit, static_argnames=("eps", "prefetch", "interpreted"))
+def _residual_rmsnorm(parts, residual, weight, prefetch_weight, *, eps, prefetch, interpreted=False):
     del interpreted       # keys jit's cache only: interpreted and compiled traces never share an entry
     s, r_parts, h = parts.shape
     r, c = residual.shape[0], h // BOX
-    kernel = _build_kernel(splits=s, rows=r, hidden=h, eps=eps, parts_dtype=parts.dtype)
-    x, normed = kernel(parts.reshape(s, r_parts, c, BOX), residual.reshape(r, c, BOX), weight.reshape(1, c, BOX))
+    kernel = _build_kernel(splits=s, rows=r, hidden=h, eps=eps, parts_dtype=parts.dtype, prefetch=prefetch)
+    args = (parts.reshape(s, r_parts, c, BOX), residual.reshape(r, c, BOX), weight.reshape(1, c, BOX))
+    x, normed = kernel(*args, *(() if prefetch is None else (prefetch_weight,)))
     return x.reshape(r, h), normed.reshape(r, h)
 
 
-def _build_kernel(*, splits, rows, hidden, eps, parts_dtype):
-    """f(parts [S, R' >= R, C, 256], residual [R, C, 256], weight [1, C, 256]) -> (x, h) [R, C, 256] bf16."""
+def _build_kernel(*, splits, rows, hidden, eps, parts_dtype, prefetch=None):
+    """f(parts [S, R' >= R, C, 256], residual [R, C, 256], weight [1, C, 256][, next weight [N, K]]) -> (x, h)
+    [R, C, 256] bf16."""
     c = hidden // BOX
     dtype = jnp.bfloat16
 
-    def body(parts_gmem, res_gmem, w_gmem, x_gmem, h_gmem):
-        row = pl.ds(lax.axis_index("rows"), 1)
+    def body(parts_gmem, res_gmem, w_gmem, *rest):
+        *next_weight, x_gmem, h_gmem = rest
+        row_index = lax.axis_index("rows")
+        row = pl.ds(row_index, 1)
 
         def scoped(parts_smem, res_smem, w_smem, x_smem, h_smem, loaded):
             plgpu.copy_gmem_to_smem(parts_gmem.at[:, row], parts_smem, loaded)
             plgpu.copy_gmem_to_smem(res_gmem.at[row], res_smem, loaded)
             plgpu.copy_gmem_to_smem(w_gmem, w_smem, loaded)
+            if prefetch is not None:        # after this row's own copies, which the CTA waits on
+                issue_prefetch(next_weight[0], prefetch, cta=row_index, num_ctas=rows)
             plgpu.barrier_wait(loaded)
             y = parts_smem.at[0][...].astype(jnp.float32)            # [1, C, 256]
             for s in range(1, splits):

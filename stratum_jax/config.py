@@ -9,6 +9,7 @@ PAGE_SIZE_CLASSES = (8, 16, 32, 64, 128, 256)   # tokens per page: 8 * 2^k
 ATTENTION_BACKENDS = ("auto", "reference", "kernel")
 PROJECTION_BACKENDS = ("auto", "kernel", "xla")
 DECODE_KERNELS = ("swapped", "paged")          # --decode-kernel: stratum_jax/attention.py decode_attention
+L2_PREFETCH_MAX_MB = 50.0                       # --l2-prefetch-mb: the H200's L2; more could only evict itself
 DMLP_DEVICES = ("default", "cpu")
 TP_EMBEDDINGS = ("auto", "vocab-parallel", "replicated")   # --tp-embedding (stratum_jax/tensor_parallel.py)
 CACHE_POLICIES = ("lru", "dmlp")
@@ -116,6 +117,10 @@ class RuntimeConfig:
     projections: str = "auto"        # a decode step's q/k/v, o and down projections: "kernel" (the Pallas
                                      # weight-streaming GEMM), "xla", or "auto": the kernel on a Hopper GPU for
                                      # a bf16 model on one device (stratum_jax/model/projection.py)
+    l2_prefetch_mb: float = 0.0      # with the Pallas projections: each layer boundary's residual add + norm kernel
+                                     # also prefetches into L2 up to this many MB of the next projection's weight
+                                     # (q/k/v, gate/up), the tiles its GEMM reads first; 0 = off (untimed: off until
+                                     # benchmarks/l2_prefetch.py and an e2e A/B on the H200 say so)
     decode_kernel: str = "swapped"   # the bf16 decode kernel with --attention kernel: "swapped" (keys on WGMMA's M,
                                      # the GQA group on N: fewer registers, 2-4 CTAs an SM) or "paged" (64-row q
                                      # blocks); benchmarks/KERNEL_NOTES.md has their timings
@@ -186,6 +191,9 @@ class RuntimeConfig:
              f"--attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         need(self.projections in PROJECTION_BACKENDS,
              f"--projections must be one of {PROJECTION_BACKENDS}, got {self.projections!r}")
+        need(isinstance(self.l2_prefetch_mb, (int, float)) and 0 <= self.l2_prefetch_mb <= L2_PREFETCH_MAX_MB,
+             f"--l2-prefetch-mb must be a number of MB in [0, {L2_PREFETCH_MAX_MB}] (the H200's L2 holds 50 MB), "
+             f"got {self.l2_prefetch_mb!r}")
         need(self.decode_kernel in DECODE_KERNELS,
              f"--decode-kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
         need(_parses(parse_prefill_splits, self.prefill_splits),
@@ -364,6 +372,9 @@ class RuntimeConfig:
         g.add_argument("--projections", default=d.projections, choices=PROJECTION_BACKENDS,
                        help="a decode step's q/k/v, o and down projections: the Pallas weight-streaming GEMM, XLA's "
                             "dot, or auto (the kernel on a Hopper GPU for a bf16 model on one device)")
+        g.add_argument("--l2-prefetch-mb", type=float, default=d.l2_prefetch_mb, metavar="MB",
+                       help="with the Pallas projections, each layer boundary's norm kernel also prefetches into L2 "
+                            "up to this many MB of the next projection's weight (0: off)")
         g.add_argument("--decode-kernel", default=d.decode_kernel, choices=DECODE_KERNELS,
                        help="the bf16 decode attention kernel with --attention kernel: swapped (keys on the MMA's "
                             "rows, the GQA group on its columns) or paged (64-row query blocks)")

@@ -60,6 +60,7 @@ class StepGeometry:
     backend: str = "reference"  # decode attention: "kernel" (Pallas) or "reference"
     projections: str = "xla"    # the layers' projections: "kernel" (Pallas, for few rows) or "xla" (projection.py)
     interpret: bool = False     # run the Pallas kernels in the interpreter (CPU tests)
+    l2_prefetch_mb: float = 0.0  # the norm kernels' L2 prefetch of the next projection's weight (config.py)
     # Prefill attention kernel: "ws" (warp-specialised, three warpgroups per CTA) or "single" (the decode
     # kernel's pipeline). The interpreter runs a multi-warpgroup CTA as threads that each execute an XLA
     # CPU computation; with the engine's overlapped steps they can starve XLA's CPU execution threads
@@ -167,7 +168,8 @@ def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
     with jax.named_scope("forward"):
         hidden, kv_cache = llama.forward(params, cfg, batch.token_ids, jnp.maximum(batch.positions, 0), kv_cache,
                                          batch.write_slots, attend,
-                                         step_matmul(geo.projections, interpret=geo.interpret))
+                                         step_matmul(geo.projections, interpret=geo.interpret,
+                                                     l2_prefetch_mb=geo.l2_prefetch_mb))
     if layer_var:
         attn_var = sum(layer_var[1:], layer_var[0]) / len(layer_var) * batch.stats_weight[:rows]
     else:

@@ -130,6 +130,7 @@ class ModelRunner:
                                 prefill_tile=prefill_tile(config), decode_steps=config.decode_steps,
                                 backend=backend, projections=projections,
                                 interpret=config.interpret_kernels and "kernel" in (backend, projections),
+                                l2_prefetch_mb=config.l2_prefetch_mb,
                                 prefill_kernel="single" if config.interpret_kernels else "ws",
                                 decode_kernel=config.decode_kernel, prefill_splits=config.prefill_split_setting,
                                 attn_stats=attn_stats, tp=None if model is None else model.tp)

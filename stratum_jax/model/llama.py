@@ -50,7 +50,7 @@ import numpy as np
 from stratum_jax.kv.delta_cache import DeltaKV
 from stratum_jax.kv.slot_write import write_slot_rows
 from stratum_jax.model.config import ModelConfig
-from stratum_jax.model.projection import Matmul, RopeKVWrite, Unsummed, xla_matmul
+from stratum_jax.model.projection import Matmul, NextWeight, RopeKVWrite, Unsummed, xla_matmul
 
 log = logging.getLogger(__name__)
 
@@ -192,10 +192,11 @@ class ShardedFusedLinear(nn.Module):
     gated: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, rope_kv_write: RopeKVWrite | None = None
+    def __call__(self, x: jax.Array, rope_kv_write: RopeKVWrite | None = None, next_weight: NextWeight | None = None
                  ) -> tuple[jax.Array, ...] | jax.Array | None:
         """rope_kv_write (q/k/v, one shard, no bias): `Matmul.rope_kv_write`'s (q rotated, k_pool, v_pool), or None
-        where the Matmul does not fuse them (call again without it)."""
+        where the Matmul does not fuse them (call again without it). next_weight (gated): the projection after,
+        for `Matmul.gated`'s L2 prefetch."""
         s = self.shards
         w = self.param("weight", _normal_init, (s, sum(self.features) // s, x.shape[-1]), self.dtype)
         if rope_kv_write is not None:
@@ -210,7 +211,7 @@ class ShardedFusedLinear(nn.Module):
             raise ValueError(f"ShardedFusedLinear: gated needs two equal features and no bias, got "
                              f"{self.features}, use_bias={self.use_bias}")
         if self.gated and s == 1 and self.matmul is not None:
-            return self.matmul.gated(x, w[0])
+            return self.matmul.gated(x, w[0], next_weight)
         if s == 1 and self.matmul is not None:
             y = self.matmul(x, w[0])[..., None, :]                     # [..., 1, sum(features)]
         else:
@@ -248,10 +249,13 @@ class ResidualRMSNorm(nn.Module):
     matmul: Matmul | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, pending: Pending) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, pending: Pending,
+                 next_weight: NextWeight | None = None) -> tuple[jax.Array, jax.Array]:
+        """next_weight: the projection the norm feeds, for the fused kernel's L2 prefetch (`Matmul.residual_rmsnorm`)."""
         w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if isinstance(pending, Unsummed):
-            fused = self.matmul.residual_rmsnorm(x, pending, w, self.eps) if self.matmul is not None else None
+            fused = (self.matmul.residual_rmsnorm(x, pending, w, self.eps, next_weight) if self.matmul is not None
+                     else None)
             if fused is not None:
                 return fused
             pending = pending.summed(x.shape[0], x.dtype)
@@ -329,7 +333,8 @@ class MLP(nn.Module):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         if self.fused_shards:
             act = ShardedFusedLinear((cfg.intermediate_size,) * 2, self.fused_shards, False, dtype,
-                                     self.matmul, gated=True, name="gate_up_proj")(x)
+                                     self.matmul, gated=True, name="gate_up_proj")(
+                x, next_weight=_next_weight(self, ("down_proj",)))
         else:
             gate = Linear(cfg.intermediate_size, False, dtype, matmul=self.matmul, name="gate_proj")(x)
             up = Linear(cfg.intermediate_size, False, dtype, matmul=self.matmul, name="up_proj")(x)
@@ -349,11 +354,28 @@ class DecoderLayer(nn.Module):
         (the stream after this layer's attention, this layer's MLP output to add to it, the cache): the add happens
         in the next boundary's `ResidualRMSNorm`, which can take the output as unsummed partials."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        x, h = ResidualRMSNorm(cfg.rms_norm_eps, dtype, self.matmul, name="input_layernorm")(x, pending)
+        x, h = ResidualRMSNorm(cfg.rms_norm_eps, dtype, self.matmul, name="input_layernorm")(
+            x, pending, _next_weight(self, ("self_attn", "qkv_proj")))
         o, cache = Attention(cfg, self.layer, self.fused_shards, self.matmul, name="self_attn")(
             h, positions, cache, write_slots, attend)
-        x, h = ResidualRMSNorm(cfg.rms_norm_eps, dtype, self.matmul, name="post_attention_layernorm")(x, o)
+        x, h = ResidualRMSNorm(cfg.rms_norm_eps, dtype, self.matmul, name="post_attention_layernorm")(
+            x, o, _next_weight(self, ("mlp", "gate_up_proj"), gated=True))
         return x, MLP(cfg, self.fused_shards, self.matmul, name="mlp")(h), cache
+
+
+def _next_weight(module: nn.Module, path: tuple[str, ...], gated: bool = False) -> NextWeight | None:
+    """The [N, K] weight at `path` under module's parameters, a projection that runs after the caller's current op
+    (for the Matmul's L2 prefetch of it): a fused one-shard [1, N, K] weight as [N, K], a Linear's [N, K] as it is.
+    None without a Matmul, in a sharded layout, or at init (the later projection's parameters do not exist yet)."""
+    if module.matmul is None or module.fused_shards != 1 or module.is_initializing():
+        return None
+    node = module.variables.get("params", {})
+    for key in path:
+        node = node.get(key, {})
+    weight = node.get("weight")
+    if weight is None:
+        return None
+    return NextWeight(weight[0] if weight.ndim == 3 else weight, gated)
 
 
 class Embedding(nn.Module):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.decode_matmul import (TuningConfig, decode_gated_matmul, decode_matmul, decode_matmul_partials,
                                           default_k_splits, sum_partials, supports)
+from pallas_kernels.l2_prefetch import L2Prefetch, prefetch_plan
 from pallas_kernels.residual_rmsnorm import residual_rmsnorm, supports as residual_rmsnorm_supports
 from pallas_kernels.rope_kv_write import HEAD_DIMS as ROPE_KV_WRITE_HEAD_DIMS, rope_kv_write
 from stratum_jax.kv.slot_write import padding_slots
@@ -55,15 +56,24 @@ class Unsummed(NamedTuple):
         return sum_partials(self.parts[:, :rows], dtype)
 
 
+class NextWeight(NamedTuple):
+    """The weight of the projection a layer boundary's norm feeds (`Matmul.residual_rmsnorm`): weight [N, K] as that
+    projection multiplies it, gated when it is the gated MLP's fused gate_up [2I, K] (`Matmul.gated`), else a plain
+    product's (`Matmul.__call__` / `rope_kv_write`)."""
+    weight: jax.Array
+    gated: bool = False
+
+
 class Matmul(Protocol):
     """How a model's projections multiply."""
 
     def __call__(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """x [..., K] @ w [N, K].T -> [..., N] in x.dtype."""
 
-    def gated(self, x: jax.Array, w: jax.Array) -> jax.Array:
+    def gated(self, x: jax.Array, w: jax.Array, next_weight: NextWeight | None = None) -> jax.Array:
         """The gated MLP's activation input: x [..., K], w [2I, K] (gate rows, then up rows) ->
-        silu(x @ w[:I].T) * (x @ w[I:].T) [..., I] in x.dtype, each product rounded to x.dtype first."""
+        silu(x @ w[:I].T) * (x @ w[I:].T) [..., I] in x.dtype, each product rounded to x.dtype first. next_weight:
+        the down projection, which the kernel may start bringing into L2 (no value changes)."""
 
     def rope_kv_write(self, x: jax.Array, w: jax.Array, write: RopeKVWrite,
                       num_q_heads: int) -> tuple[jax.Array, jax.Array, jax.Array] | None:
@@ -76,11 +86,12 @@ class Matmul(Protocol):
         """x [T, K] @ w [N, K].T left as split-K partials for `residual_rmsnorm`; None where this Matmul does not run
         that product on a split-K kernel whose partials `residual_rmsnorm` takes (the caller then multiplies)."""
 
-    def residual_rmsnorm(self, residual: jax.Array, pending: Unsummed, weight: jax.Array,
-                         eps: float) -> tuple[jax.Array, jax.Array] | None:
+    def residual_rmsnorm(self, residual: jax.Array, pending: Unsummed, weight: jax.Array, eps: float,
+                         next_weight: NextWeight | None = None) -> tuple[jax.Array, jax.Array] | None:
         """residual [T, H] plus `pending` summed, and llama's RMSNorm of that sum: (x [T, H], x's norm times weight
         [H]), each rounded as the unfused path rounds it; None where this Matmul does not fuse them (the caller
-        then sums, adds and normalises)."""
+        then sums, adds and normalises). next_weight: the projection the norm feeds, which the kernel may start
+        bringing into L2 (no value changes)."""
 
 
 # The kernel is used up to this many token rows: a decode step's batch. Beyond it x's tiles, which every CTA
@@ -188,9 +199,12 @@ def gated_kernel_takes(rows: int, i: int, k: int, dtype) -> bool:
 class DecodeKernelMatmul:
     """A `Matmul`: the Pallas kernels where `kernel_takes` / `gated_kernel_takes` say so, XLA's dot otherwise.
     Frozen (hashable): it is part of the model modules' static configuration. interpret: run the kernel in the Mosaic GPU
-    interpreter (CPU tests)."""
+    interpreter (CPU tests). l2_prefetch_mb: the residual add + norm kernel (ahead of q/k/v and gate/up) and the gated
+    GEMM (ahead of down) also prefetch into L2 up to this many MB of the next projection's weight, the tiles its GEMM
+    reads first (pallas_kernels/l2_prefetch.py); 0: off."""
 
     interpret: bool = False
+    l2_prefetch_mb: float = 0.0
 
     def __call__(self, x: jax.Array, w: jax.Array) -> jax.Array:
         rows = math.prod(x.shape[:-1])
@@ -200,12 +214,14 @@ class DecodeKernelMatmul:
         y = decode_matmul(x.reshape(rows, k), w, config=kernel_config(rows, n, k), interpret=self.interpret)
         return y.reshape(*x.shape[:-1], n)
 
-    def gated(self, x: jax.Array, w: jax.Array) -> jax.Array:
+    def gated(self, x: jax.Array, w: jax.Array, next_weight: NextWeight | None = None) -> jax.Array:
         rows = math.prod(x.shape[:-1])
         i, k = w.shape[0] // 2, w.shape[1]
         if not gated_kernel_takes(rows, i, k, x.dtype) or w.dtype != x.dtype or w.shape[0] % 2:
             return xla_gated(x, w)
+        plan = None if next_weight is None else self.prefetch_plan(rows, next_weight)
         y = decode_gated_matmul(x.reshape(rows, k), w, config=gated_kernel_config(i, rows, k),
+                                prefetch_weight=None if plan is None else next_weight.weight, prefetch=plan,
                                 interpret=self.interpret)
         return y.reshape(*x.shape[:-1], i)
 
@@ -236,13 +252,34 @@ class DecodeKernelMatmul:
             return None
         return Unsummed(decode_matmul_partials(x, w, config=config, interpret=self.interpret))
 
-    def residual_rmsnorm(self, residual: jax.Array, pending: Unsummed, weight: jax.Array,
-                         eps: float) -> tuple[jax.Array, jax.Array] | None:
+    def residual_rmsnorm(self, residual: jax.Array, pending: Unsummed, weight: jax.Array, eps: float,
+                         next_weight: NextWeight | None = None) -> tuple[jax.Array, jax.Array] | None:
         splits, _, hidden = pending.parts.shape
         if (residual.ndim != 2 or residual.dtype != jnp.bfloat16 or weight.dtype != jnp.bfloat16
                 or not residual_rmsnorm_supports(splits, residual.shape[0], hidden, pending.parts.dtype)):
             return None
-        return residual_rmsnorm(pending.parts, residual, weight, eps=eps, interpret=self.interpret)
+        plan = None if next_weight is None else self.prefetch_plan(residual.shape[0], next_weight)
+        return residual_rmsnorm(pending.parts, residual, weight, eps=eps, interpret=self.interpret,
+                                prefetch_weight=None if plan is None else next_weight.weight, prefetch=plan)
+
+    def prefetch_plan(self, rows: int, next_weight: NextWeight) -> L2Prefetch | None:
+        """What of next_weight to prefetch ahead of its GEMM at `rows` token rows: the first l2_prefetch_mb MB of
+        it (all of it when smaller), spread over the starts of the GEMM's K splits, which its CTAs read first;
+        None when prefetching is off or the projection does not run on this Matmul's kernel."""
+        w = next_weight.weight
+        if self.l2_prefetch_mb <= 0 or w.ndim != 2 or w.dtype != jnp.bfloat16:
+            return None
+        n, k = w.shape
+        if next_weight.gated:
+            if not gated_kernel_takes(rows, n // 2, k, w.dtype):
+                return None
+            splits = 1
+        else:
+            if not kernel_takes(rows, n, k, w.dtype):
+                return None
+            config = kernel_config(rows, n, k)
+            splits = config.k_splits or default_k_splits(n, k, config.tile_n)
+        return prefetch_plan((n, k), splits=splits, fraction=min(1.0, self.l2_prefetch_mb * 2**20 / (n * k * 2)))
 
 
 def resolve_projections(config, model_config, *, on_hopper: bool, tensor_parallel: int) -> str:
@@ -265,6 +302,7 @@ def resolve_projections(config, model_config, *, on_hopper: bool, tensor_paralle
     return choice
 
 
-def step_matmul(projections: str, *, interpret: bool) -> Matmul | None:
+def step_matmul(projections: str, *, interpret: bool, l2_prefetch_mb: float = 0.0) -> Matmul | None:
     """The Matmul a step runs for a resolved --projections value (None: the model's default, XLA's dot)."""
-    return DecodeKernelMatmul(interpret=interpret) if projections == "kernel" else None
+    return (DecodeKernelMatmul(interpret=interpret, l2_prefetch_mb=l2_prefetch_mb) if projections == "kernel"
+            else None)

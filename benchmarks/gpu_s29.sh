@@ -1,0 +1,26 @@
+# Device calls (from the repo root) for session 29's L2 prefetch (#18), each under the 10-minute call limit:
+#   STEP=prefetch   the GPU test (the kernels with prefetches compile, run and keep their bits), then
+#                   benchmarks/l2_prefetch.py on llama-1b and 8b (a decode layer's kernels without attention, 8 layers,
+#                   prefetch budgets and per-GEMM variants alternating, 2 rounds)                             ~4-6 min
+#   STEP=ab         the e2e step with --l2-prefetch-mb $MB against without, alternating on one loan, 1b and 8b, then
+#                   a profile of each (gpu_ab_session.sh with BASE=self; MB from the prefetch step's best, default 16)
+#                                                                                                             ~6-8 min
+#   STEP=gemm_l2    the decode GEMMs with weights from HBM and from L2 (decode_gemm.py --weights-in-l2): how much any
+#                   prefetch could save a GEMM at most                                                        ~2 min
+# JSON under $OUT; BENCHMARKS.md #18 says what was measured.
+source benchmarks/gpu_env.sh
+case "${STEP:-prefetch}" in
+  prefetch)
+    python3 -m pytest -q -p no:randomly -m gpu tests/test_l2_prefetch.py 2>&1 | tail -3
+    python3 benchmarks/l2_prefetch.py --models llama-1b,llama-8b --layers 8 --rounds 2 \
+      --budgets "0,4,8,16,32,8:qkv,8:gate_up,8:down" --out $OUT/l2_prefetch_s29.json 2>&1 | grep -v Warn | tail -20 ;;
+  ab)
+    BASE=self THIS_ARGS="--l2-prefetch-mb ${MB:-16}" MODELS="${MODELS:-llama-1b llama-8b}" ROUNDS=${ROUNDS:-2} \
+      PROFILE=${PROFILE:-1} TAG=s29pf${MB:-16} bash benchmarks/gpu_ab_session.sh ;;
+  gemm_l2)
+    for where in hbm l2; do
+      python3 benchmarks/decode_gemm.py --models llama-1b,llama-8b --parts qkv,o,down,gate_up_act --calls 48 \
+        $([ $where = l2 ] && echo --weights-in-l2) --out $OUT/decode_gemm_s29_$where.json 2>&1 | grep -v Warn | tail -9
+    done ;;
+  *) echo "STEP must be prefetch, ab or gemm_l2"; exit 2 ;;
+esac

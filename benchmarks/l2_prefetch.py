@@ -1,0 +1,265 @@
+"""Does prefetching the next projection's weight into L2 from the layer-boundary norm kernel shorten a decode layer? (#18)
+
+The decode step runs ~8 kernels a layer back to back, and each weight-streaming GEMM waits on HBM for its first tiles
+while the small kernel before it (the residual add and norm, under a megabyte) leaves HBM idle. With
+`--l2-prefetch-mb MB` the norm kernel also issues TMA prefetches of the first MB of the weight its output feeds, and
+the gate/up GEMM, as its CTAs finish, of the down projection's (pallas_kernels/l2_prefetch.py). This script times a decode layer without its attention, on the engine's own code
+paths (`DecodeKernelMatmul`, 64 token rows by default):
+
+    input norm (residual_rmsnorm of the last down projection's partials) -> q/k/v GEMM (partials)
+    -> stand-in for RoPE + attention (XLA: q's partials summed, [R, Hq * D] bf16) -> o GEMM (partials)
+    -> post-attention norm -> gate/up GEMM with the activation -> down GEMM (partials) -> the next layer
+
+over --layers layers, each with its own weights (far more than the 50 MB L2, as in the model), once per --budgets
+variant (MB of prefetch ahead of each GEMM, 0 = none; "8:qkv" prefetches ahead of q/k/v only, to say which prefetch
+gains what), the variants alternating over --rounds so they share the GPU's clock. Each
+figure is device time from a jax.profiler trace of one call of the jitted layers, per layer: every kernel by part
+(norms, each GEMM, the stand-in), their sum ("busy") and first start to last end ("span").
+
+    python benchmarks/l2_prefetch.py --models llama-1b,llama-8b --budgets 0,4,8,16,32,8:qkv,8:gate_up,8:down
+    python benchmarks/l2_prefetch.py --dry-run        # CPU: tiny shapes in the interpreter, the bits checked
+
+Prints a table; JSON to --out (default benchmarks/results/l2_prefetch_h200.json).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax                                     # noqa: E402
+import jax.numpy as jnp                        # noqa: E402
+import numpy as np                             # noqa: E402
+
+from device_trace import kernels as trace_kernels, load_events, newest_trace   # noqa: E402  (beside this script)
+from pallas_kernels.decode_matmul import decode_matmul_partials, default_k_splits, sum_partials   # noqa: E402
+from stratum_jax.model.config import PRESETS   # noqa: E402
+from stratum_jax.model.projection import (DecodeKernelMatmul, NextWeight, Unsummed, kernel_config,  # noqa: E402
+                                         unsummed_kernel_config)
+
+EPS = 1e-5
+# A tiny layer the kernels all take (hidden a multiple of 256, head dim 64) for the dry run.
+DRY_SHAPE = dict(hidden=256, q_out=256, kv_out=128, intermediate=512)
+
+
+def layer_shapes(model: str) -> dict:
+    cfg = PRESETS[model]
+    return dict(hidden=cfg.hidden_size, q_out=cfg.num_heads * cfg.head_dim, kv_out=cfg.num_kv_heads * cfg.head_dim,
+                intermediate=cfg.intermediate_size)
+
+
+def make_weights(shape: dict, layers: int, seed: int = 0) -> list[dict]:
+    """Each layer's bf16 weights in the engine's fused layout: qkv [q_out + 2 kv_out, H], o [H, q_out],
+    gate_up [2 I, H], down [H, I], and both norms' [H]."""
+    h, i = shape["hidden"], shape["intermediate"]
+    qkv_rows = shape["q_out"] + 2 * shape["kv_out"]
+    out = []
+    for layer in range(layers):
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), layer), 6)
+        dense = {name: (jax.random.normal(k, dims, jnp.float32) * dims[1] ** -0.5).astype(jnp.bfloat16)
+                 for name, k, dims in (("qkv", keys[0], (qkv_rows, h)), ("o", keys[1], (h, shape["q_out"])),
+                                       ("gate_up", keys[2], (2 * i, h)), ("down", keys[3], (h, i)))}
+        norms = {name: (1.0 + 0.1 * jax.random.normal(k, (h,), jnp.float32)).astype(jnp.bfloat16)
+                 for name, k in (("input_norm", keys[4]), ("post_norm", keys[5]))}
+        out.append({**dense, **norms})
+    return out
+
+
+TARGETS = ("qkv", "gate_up", "down")     # the GEMMs a prefetch can run ahead of (by the norms; down: by gate/up)
+
+
+def parse_variants(text: str) -> list[tuple[float, tuple[str, ...]]]:
+    """'0,8,8:qkv,16:gate_up+down' -> [(MB, targets)]: a budget, and the GEMMs it prefetches for (default all)."""
+    out = []
+    for item in (t for t in text.split(",") if t):
+        mb, _, targets = item.partition(":")
+        try:
+            budget = float(mb)
+        except ValueError:
+            raise SystemExit(f"--budgets: {item!r} is not MB[:target+target...]") from None
+        names = tuple(targets.split("+")) if targets else TARGETS
+        if not 0 <= budget <= 50:
+            raise SystemExit(f"--budgets: every budget must be in [0, 50] MB (the L2 holds 50), got {item!r}")
+        if any(n not in TARGETS for n in names):
+            raise SystemExit(f"--budgets: {item!r}: targets must be among {TARGETS}")
+        out.append((budget, names))
+    if not out:
+        raise SystemExit("--budgets: give at least one budget")
+    return out
+
+
+def variant_label(budget: float, targets: tuple[str, ...]) -> str:
+    return f"{budget:g}" + ("" if targets == TARGETS or not budget else ":" + "+".join(targets))
+
+
+def layers_fn(matmul: DecodeKernelMatmul, q_out: int, targets: tuple[str, ...] = TARGETS):
+    """f(x [R, H], pending parts [S, R, H], weights) -> (x, pending) after every layer (module docstring's
+    sequence), prefetching (matmul.l2_prefetch_mb) ahead of the GEMMs in `targets` only. The stand-in for attention
+    keeps q's dependency on the q/k/v GEMM without its own streaming."""
+    def ahead(name, weight, gated=False):
+        return NextWeight(weight, gated) if name in targets else None
+
+    def fused(result, what):
+        if result is None:
+            raise SystemExit(f"{what} does not run on the Pallas kernels at these shapes: pick other --rows or models")
+        return result
+
+    def run(x, pending, weights):
+        for w in weights:
+            x, h = fused(matmul.residual_rmsnorm(x, Unsummed(pending), w["input_norm"], EPS, ahead("qkv", w["qkv"])),
+                         "the input norm")
+            n, k = w["qkv"].shape
+            qkv = decode_matmul_partials(h, w["qkv"], config=kernel_config(h.shape[0], n, k),
+                                         interpret=matmul.interpret)
+            with jax.named_scope("attention_stand_in"):
+                attn = sum_partials(qkv[:, :, :q_out], jnp.bfloat16)
+            o = fused(matmul.unsummed(attn, w["o"]), "the o projection")
+            x, h = fused(matmul.residual_rmsnorm(x, o, w["post_norm"], EPS, ahead("gate_up", w["gate_up"], True)),
+                         "the post-attention norm")
+            act = matmul.gated(h, w["gate_up"], ahead("down", w["down"]))
+            pending = fused(matmul.unsummed(act, w["down"]), "the down projection").parts
+        return x, pending
+    return jax.jit(run)
+
+
+def part_of(name: str, shape: dict) -> str:
+    """A kernel's part in the layer, from its name (the Pallas GEMMs are named decode_matmul_{N}x{K})."""
+    h, i = shape["hidden"], shape["intermediate"]
+    qkv_rows = shape["q_out"] + 2 * shape["kv_out"]
+    gemms = {f"decode_matmul_{qkv_rows}x{h}": "qkv", f"decode_matmul_{h}x{shape['q_out']}": "o",
+             f"decode_gated_matmul_{i}x{h}": "gate_up", f"decode_matmul_{h}x{i}": "down"}
+    for prefix, part in gemms.items():
+        if name.startswith(prefix):
+            return part
+    return "norms" if "rmsnorm" in name else "other"
+
+
+def profile_layers(fn, args, shape: dict, layers: int) -> dict:
+    """Device µs per layer of one call of fn(*args) under jax.profiler: by part, busy (the kernels' sum), span."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready(fn(*args))
+        ks = trace_kernels(load_events(newest_trace(d)), device="GPU")
+    parts: dict[str, float] = {}
+    for k in ks:
+        parts[part_of(k.name, shape)] = parts.get(part_of(k.name, shape), 0.0) + k.us / layers
+    return dict(parts=dict(sorted(parts.items())), busy_us=sum(parts.values()),
+                span_us=(max(k.end_us for k in ks) - min(k.start_us for k in ks)) / layers)
+
+
+def inputs(shape: dict, rows: int, splits: int, seed: int = 1):
+    keys = jax.random.split(jax.random.key(seed), 2)
+    x = jax.random.normal(keys[0], (rows, shape["hidden"]), jnp.float32).astype(jnp.bfloat16)
+    pending = jax.random.normal(keys[1], (splits, rows, shape["hidden"]), jnp.float32)
+    return x, pending
+
+
+def down_splits(shape: dict, rows: int) -> int:
+    """The down projection's split (its partials' leading dim), as the engine's kernel config picks it."""
+    n, k = shape["hidden"], shape["intermediate"]
+    config = unsummed_kernel_config(rows, n, k, jnp.bfloat16)
+    if config is None:
+        raise SystemExit(f"the down projection ({n} x {k}) does not run on the kernel at {rows} rows")
+    return config.k_splits or default_k_splits(n, k, config.tile_n)
+
+
+def prefetched_mb(budget: float, shape: dict, rows: int, targets: tuple[str, ...] = TARGETS) -> dict[str, float]:
+    """MB prefetched ahead of each GEMM under a budget: the plans DecodeKernelMatmul makes for q/k/v and gate/up (by the
+    norms) and down (by the gate/up GEMM)."""
+    h, i = shape["hidden"], shape["intermediate"]
+    matmul = DecodeKernelMatmul(l2_prefetch_mb=budget)
+    out = {}
+    for part, dims, gated in (("qkv", (shape["q_out"] + 2 * shape["kv_out"], h), False),
+                              ("gate_up", (2 * i, h), True), ("down", (h, i), False)):
+        plan = matmul.prefetch_plan(rows, NextWeight(jax.ShapeDtypeStruct(dims, jnp.bfloat16), gated))
+        out[part] = 0.0 if plan is None or part not in targets else plan.nbytes / 2**20
+    return out
+
+
+def dry_run(variants) -> dict:
+    """Interpreter, DRY_SHAPE, 2 layers, 64 rows: each variant's outputs equal no prefetch's, bit for bit."""
+    shape, rows = DRY_SHAPE, 64
+    weights = make_weights(shape, 2)
+    x, pending = inputs(shape, rows, down_splits(shape, rows))
+    results, base = [], None
+    for budget, targets in [(0.0, TARGETS)] + [v for v in variants if v[0]]:
+        matmul = DecodeKernelMatmul(interpret=True, l2_prefetch_mb=budget)
+        out = [np.asarray(a, np.float32) for a in layers_fn(matmul, shape["q_out"], targets)(x, pending, weights)]
+        base = out if base is None else base
+        same = all(np.array_equal(a, b) for a, b in zip(out, base, strict=True))
+        fetched = prefetched_mb(budget, shape, rows, targets)
+        results.append(dict(variant=variant_label(budget, targets), budget_mb=budget, targets=list(targets),
+                            prefetched_mb=fetched, same_bits_as_no_prefetch=same))
+        print(f"dry run {variant_label(budget, targets):>14s} MB (q/k/v {fetched['qkv']:.2f}, gate/up "
+              f"{fetched['gate_up']:.2f}, down {fetched['down']:.2f} MB prefetched): outputs "
+              f"{'equal' if same else 'DIFFER from'} no prefetch's")
+    return dict(benchmark="l2_prefetch", dry_run=True, results=results)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama-1b,llama-8b", help="comma-separated presets")
+    ap.add_argument("--rows", type=int, default=64, help="token rows (a decode step's batch), 1-128")
+    ap.add_argument("--layers", type=int, default=8, help="layers in the timed call, each with its own weights")
+    ap.add_argument("--budgets", default="0,4,8,16,32,8:qkv,8:gate_up,8:down",
+                    help="comma-separated variants MB[:target+target...]: MB of prefetch ahead of each GEMM among "
+                         f"the targets {TARGETS} (default all; 0: none)")
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the budgets (alternating, same clock)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/l2_prefetch_h200.json"))
+    ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes, bit checks only")
+    return ap
+
+
+def main(argv=None) -> dict:
+    a = build_parser().parse_args(argv)
+    variants = parse_variants(a.budgets)
+    if not 1 <= a.rows <= 128:
+        raise SystemExit(f"--rows must be in [1, 128] (the Pallas projections' rows), got {a.rows}")
+    if a.layers < 1 or a.rounds < 1:
+        raise SystemExit(f"--layers and --rounds must be >= 1, got {a.layers} and {a.rounds}")
+    models = [m for m in a.models.split(",") if m]
+    unknown = [m for m in models if m not in PRESETS]
+    if unknown:
+        raise SystemExit(f"--models: unknown presets {unknown}; choose from {sorted(PRESETS)}")
+    if a.dry_run:
+        out = dry_run(variants)
+    else:
+        if jax.default_backend() != "gpu":
+            raise SystemExit("the timed run needs an NVIDIA Hopper GPU; on CPU use --dry-run")
+        rows_out = []
+        for model in models:
+            shape = layer_shapes(model)
+            weights = make_weights(shape, a.layers)
+            x, pending = inputs(shape, a.rows, down_splits(shape, a.rows))
+            fns = {v: layers_fn(DecodeKernelMatmul(l2_prefetch_mb=v[0]), shape["q_out"], v[1]) for v in variants}
+            runs = {v: [] for v in variants}
+            for _ in range(a.rounds):
+                for v in variants:
+                    runs[v].append(profile_layers(fns[v], (x, pending, weights), shape, a.layers))
+            for v in variants:
+                best = min(runs[v], key=lambda r: r["busy_us"])
+                rows_out.append(dict(model=model, variant=variant_label(*v), budget_mb=v[0], targets=list(v[1]),
+                                     prefetched_mb=prefetched_mb(v[0], shape, a.rows, v[1]), rows=a.rows,
+                                     layers=a.layers, rounds=runs[v], busy_us=best["busy_us"],
+                                     span_us=best["span_us"], parts=best["parts"]))
+                cells = "  ".join(f"{p} {us:6.2f}" for p, us in best["parts"].items())
+                print(f"{model:9s} prefetch {variant_label(*v):>14s}  busy {best['busy_us']:7.2f} us/layer  span "
+                      f"{best['span_us']:7.2f}  | {cells}", flush=True)
+            del weights
+        out = dict(benchmark="l2_prefetch", device=jax.devices()[0].device_kind, jax=jax.__version__,
+                   date=datetime.date.today().isoformat(), command=" ".join(sys.argv), rows=rows_out)
+    if a.out:
+        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(a.out).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
