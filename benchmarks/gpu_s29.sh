@@ -1,6 +1,6 @@
 # Device calls (from the repo root) for session 29's L2 prefetch (#18), each under the 10-minute call limit:
 #   STEP=prefetch   the GPU test (the kernels with prefetches compile, run and keep their bits), then
-#                   benchmarks/l2_prefetch.py on llama-1b and 8b (a decode layer's kernels without attention, 8 layers,
+#                   benchmarks/l2_prefetch.py on llama-1b and 8b (a decode layer's kernels but rope_kv_write, 8 layers,
 #                   prefetch budgets and per-GEMM variants alternating, 2 rounds)                             ~4-6 min
 #   STEP=ab         the e2e step with --l2-prefetch-mb $MB against without, alternating on one loan, 1b and 8b, then
 #                   a profile of each (gpu_ab_session.sh with BASE=self; MB from the prefetch step's best, default 16)
@@ -13,7 +13,7 @@ case "${STEP:-prefetch}" in
   prefetch)
     python3 -m pytest -q -p no:randomly -m gpu tests/test_l2_prefetch.py 2>&1 | tail -3
     python3 benchmarks/l2_prefetch.py --models llama-1b,llama-8b --layers 8 --rounds 2 \
-      --budgets "0,4,8,16,32,8:qkv,8:gate_up,8:down" --out $OUT/l2_prefetch_s29.json 2>&1 | grep -v Warn | tail -20 ;;
+      --budgets "0,8,16,32,8:qkv,8:o,8:gate_up,8:down" --out $OUT/l2_prefetch_s29.json 2>&1 | grep -v Warn | tail -20 ;;
   ab)
     BASE=self THIS_ARGS="--l2-prefetch-mb ${MB:-16}" MODELS="${MODELS:-llama-1b llama-8b}" ROUNDS=${ROUNDS:-2} \
       PROFILE=${PROFILE:-1} TAG=s29pf${MB:-16} bash benchmarks/gpu_ab_session.sh ;;

@@ -1,22 +1,25 @@
-"""Does prefetching the next projection's weight into L2 from the layer-boundary norm kernel shorten a decode layer? (#18)
+"""Does prefetching each projection's weight into L2 from the kernel before it shorten a decode layer? (#18)
 
 The decode step runs ~8 kernels a layer back to back, and each weight-streaming GEMM waits on HBM for its first tiles
-while the small kernel before it (the residual add and norm, under a megabyte) leaves HBM idle. With
-`--l2-prefetch-mb MB` the norm kernel also issues TMA prefetches of the first MB of the weight its output feeds, and
-the gate/up GEMM, as its CTAs finish, of the down projection's (pallas_kernels/l2_prefetch.py). This script times a decode layer without its attention, on the engine's own code
-paths (`DecodeKernelMatmul`, 64 token rows by default):
+while the kernel before it leaves HBM idle: a small one (the residual add and norm, under a megabyte) all along, a
+streaming one (attention, the gate/up GEMM) in its grid's drain. With `--l2-prefetch-mb MB` those kernels also issue
+TMA prefetches of the first MB of the next GEMM's weight (pallas_kernels/l2_prefetch.py): the norms ahead of q/k/v
+and gate/up, the attention kernel ahead of o, the gate/up GEMM ahead of down. This script times a decode layer on
+the engine's own code paths (`DecodeKernelMatmul`, `attention.decode_attention`; 64 token rows of --context keys in
+--page-token pages by default):
 
     input norm (residual_rmsnorm of the last down projection's partials) -> q/k/v GEMM (partials)
-    -> stand-in for RoPE + attention (XLA: q's partials summed, [R, Hq * D] bf16) -> o GEMM (partials)
-    -> post-attention norm -> gate/up GEMM with the activation -> down GEMM (partials) -> the next layer
+    -> q: its partials summed (XLA; the step's rope_kv_write, which also rotates q and writes k/v, is left out)
+    -> decode attention (the swapped kernel) -> o GEMM (partials) -> post-attention norm
+    -> gate/up GEMM with the activation -> down GEMM (partials) -> the next layer
 
-over --layers layers, each with its own weights (far more than the 50 MB L2, as in the model), once per --budgets
-variant (MB of prefetch ahead of each GEMM, 0 = none; "8:qkv" prefetches ahead of q/k/v only, to say which prefetch
-gains what), the variants alternating over --rounds so they share the GPU's clock. Each
-figure is device time from a jax.profiler trace of one call of the jitted layers, per layer: every kernel by part
-(norms, each GEMM, the stand-in), their sum ("busy") and first start to last end ("span").
+over --layers layers, each with its own weights and pools (far more than the 50 MB L2, as in the model), once per
+--budgets variant (MB of prefetch ahead of each GEMM, 0 = none; "8:qkv" prefetches ahead of q/k/v only, to say which
+prefetch gains what), the variants alternating over --rounds so they share the GPU's clock. Each figure is device time
+from a jax.profiler trace of one call of the jitted layers, per layer: every kernel by part (norms, attention, each
+GEMM, other), their sum ("busy") and first start to last end ("span").
 
-    python benchmarks/l2_prefetch.py --models llama-1b,llama-8b --budgets 0,4,8,16,32,8:qkv,8:gate_up,8:down
+    python benchmarks/l2_prefetch.py --models llama-1b,llama-8b --budgets 0,8,16,32,8:qkv,8:o,8:gate_up,8:down
     python benchmarks/l2_prefetch.py --dry-run        # CPU: tiny shapes in the interpreter, the bits checked
 
 Prints a table; JSON to --out (default benchmarks/results/l2_prefetch_h200.json).
@@ -37,21 +40,27 @@ import jax                                     # noqa: E402
 import jax.numpy as jnp                        # noqa: E402
 import numpy as np                             # noqa: E402
 
-from device_trace import kernels as trace_kernels, load_events, newest_trace   # noqa: E402  (beside this script)
+from device_trace import (PALLAS_KIND, kernel_kind, kernels as trace_kernels, load_events,  # noqa: E402
+                          newest_trace)
 from pallas_kernels.decode_matmul import decode_matmul_partials, default_k_splits, sum_partials   # noqa: E402
+from pallas_kernels.l2_prefetch import WeightPrefetch   # noqa: E402
+from pallas_kernels.paged_attention import PAGE_SIZES   # noqa: E402
+from pallas_kernels.testing import random_paged_case   # noqa: E402
+from stratum_jax.attention import RowTables, decode_attention   # noqa: E402
 from stratum_jax.model.config import PRESETS   # noqa: E402
 from stratum_jax.model.projection import (DecodeKernelMatmul, NextWeight, Unsummed, kernel_config,  # noqa: E402
                                          unsummed_kernel_config)
 
 EPS = 1e-5
 # A tiny layer the kernels all take (hidden a multiple of 256, head dim 64) for the dry run.
-DRY_SHAPE = dict(hidden=256, q_out=256, kv_out=128, intermediate=512)
+DRY_SHAPE = dict(hidden=256, q_out=256, kv_out=128, intermediate=512, heads=4, kv_heads=2, head_dim=64)
 
 
 def layer_shapes(model: str) -> dict:
     cfg = PRESETS[model]
     return dict(hidden=cfg.hidden_size, q_out=cfg.num_heads * cfg.head_dim, kv_out=cfg.num_kv_heads * cfg.head_dim,
-                intermediate=cfg.intermediate_size)
+                intermediate=cfg.intermediate_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim)
 
 
 def make_weights(shape: dict, layers: int, seed: int = 0) -> list[dict]:
@@ -71,7 +80,8 @@ def make_weights(shape: dict, layers: int, seed: int = 0) -> list[dict]:
     return out
 
 
-TARGETS = ("qkv", "gate_up", "down")     # the GEMMs a prefetch can run ahead of (by the norms; down: by gate/up)
+# The GEMMs a prefetch can run ahead of: q/k/v and gate/up (by the norms), down (by gate/up), o (by attention).
+TARGETS = ("qkv", "o", "gate_up", "down")
 
 
 def parse_variants(text: str) -> list[tuple[float, tuple[str, ...]]]:
@@ -98,10 +108,12 @@ def variant_label(budget: float, targets: tuple[str, ...]) -> str:
     return f"{budget:g}" + ("" if targets == TARGETS or not budget else ":" + "+".join(targets))
 
 
-def layers_fn(matmul: DecodeKernelMatmul, q_out: int, targets: tuple[str, ...] = TARGETS):
-    """f(x [R, H], pending parts [S, R, H], weights) -> (x, pending) after every layer (module docstring's
-    sequence), prefetching (matmul.l2_prefetch_mb) ahead of the GEMMs in `targets` only. The stand-in for attention
-    keeps q's dependency on the q/k/v GEMM without its own streaming."""
+def layers_fn(matmul: DecodeKernelMatmul, shape: dict, targets: tuple[str, ...] = TARGETS, *, max_context: int):
+    """f(x [R, H], pending parts [S, R, H], weights, pools, tables) -> (x, pending) after every layer (module
+    docstring's sequence), prefetching (matmul.l2_prefetch_mb) ahead of the GEMMs in `targets` only. q is q/k/v's
+    partials summed (XLA; the step's rope_kv_write also rotates q and writes k/v, which this leaves out)."""
+    heads, head_dim = shape["heads"], shape["head_dim"]
+
     def ahead(name, weight, gated=False):
         return NextWeight(weight, gated) if name in targets else None
 
@@ -110,22 +122,42 @@ def layers_fn(matmul: DecodeKernelMatmul, q_out: int, targets: tuple[str, ...] =
             raise SystemExit(f"{what} does not run on the Pallas kernels at these shapes: pick other --rows or models")
         return result
 
-    def run(x, pending, weights):
-        for w in weights:
+    def run(x, pending, weights, pools, tables):
+        rows = x.shape[0]
+        for w, (k_pool, v_pool) in zip(weights, pools, strict=True):
             x, h = fused(matmul.residual_rmsnorm(x, Unsummed(pending), w["input_norm"], EPS, ahead("qkv", w["qkv"])),
                          "the input norm")
             n, k = w["qkv"].shape
-            qkv = decode_matmul_partials(h, w["qkv"], config=kernel_config(h.shape[0], n, k),
-                                         interpret=matmul.interpret)
-            with jax.named_scope("attention_stand_in"):
-                attn = sum_partials(qkv[:, :, :q_out], jnp.bfloat16)
-            o = fused(matmul.unsummed(attn, w["o"]), "the o projection")
+            qkv = decode_matmul_partials(h, w["qkv"], config=kernel_config(rows, n, k), interpret=matmul.interpret)
+            with jax.named_scope("q_sum"):
+                q = sum_partials(qkv[:, :rows, :heads * head_dim], jnp.bfloat16).reshape(rows, heads, head_dim)
+            o_plan = ahead("o", w["o"])
+            plan = None if o_plan is None else matmul.prefetch_plan(rows, o_plan)
+            attn = decode_attention(q, tables.context_lens - 1, tables, k_pool, v_pool, backend="kernel",
+                                    interpret=matmul.interpret, max_context=max_context,
+                                    prefetch=None if plan is None else WeightPrefetch(w["o"], plan))
+            o = fused(matmul.unsummed(attn.reshape(rows, heads * head_dim), w["o"]), "the o projection")
             x, h = fused(matmul.residual_rmsnorm(x, o, w["post_norm"], EPS, ahead("gate_up", w["gate_up"], True)),
                          "the post-attention norm")
             act = matmul.gated(h, w["gate_up"], ahead("down", w["down"]))
             pending = fused(matmul.unsummed(act, w["down"]), "the down projection").parts
         return x, pending
     return jax.jit(run)
+
+
+def make_pools(shape: dict, layers: int, *, rows: int, context: int, page: int, seed: int = 2):
+    """One page table for every layer (as the engine's step has) and each layer's own K/V pools: RowTables of `rows`
+    rows of `context` keys in `page`-token pages at random buddy-allocated places, and [(k_pool, v_pool)] bf16
+    [Hkv, slots, D]."""
+    case = random_paged_case(seed, lengths=[context] * rows, page_sizes=[page] * rows, num_q_heads=shape["heads"],
+                             num_kv_heads=shape["kv_heads"], head_dim=shape["head_dim"], nan_outside=False)
+    tables = RowTables(case["lengths"], case["page_starts"], case["page_sizes"])
+    pool_shape = case["k_pool"].shape
+    pools = []
+    for layer in range(layers):
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), layer))
+        pools.append(tuple(jax.random.normal(k, pool_shape, jnp.float32).astype(jnp.bfloat16) for k in keys))
+    return tables, pools
 
 
 def part_of(name: str, shape: dict) -> str:
@@ -137,7 +169,9 @@ def part_of(name: str, shape: dict) -> str:
     for prefix, part in gemms.items():
         if name.startswith(prefix):
             return part
-    return "norms" if "rmsnorm" in name else "other"
+    if "rmsnorm" in name:
+        return "norms"
+    return "attention" if kernel_kind(name) == PALLAS_KIND else "other"
 
 
 def profile_layers(fn, args, shape: dict, layers: int) -> dict:
@@ -172,33 +206,37 @@ def down_splits(shape: dict, rows: int) -> int:
 
 def prefetched_mb(budget: float, shape: dict, rows: int, targets: tuple[str, ...] = TARGETS) -> dict[str, float]:
     """MB prefetched ahead of each GEMM under a budget: the plans DecodeKernelMatmul makes for q/k/v and gate/up (by the
-    norms) and down (by the gate/up GEMM)."""
+    norms), o (by attention) and down (by the gate/up GEMM)."""
     h, i = shape["hidden"], shape["intermediate"]
     matmul = DecodeKernelMatmul(l2_prefetch_mb=budget)
     out = {}
     for part, dims, gated in (("qkv", (shape["q_out"] + 2 * shape["kv_out"], h), False),
-                              ("gate_up", (2 * i, h), True), ("down", (h, i), False)):
+                              ("o", (h, shape["q_out"]), False), ("gate_up", (2 * i, h), True),
+                              ("down", (h, i), False)):
         plan = matmul.prefetch_plan(rows, NextWeight(jax.ShapeDtypeStruct(dims, jnp.bfloat16), gated))
         out[part] = 0.0 if plan is None or part not in targets else plan.nbytes / 2**20
     return out
 
 
 def dry_run(variants) -> dict:
-    """Interpreter, DRY_SHAPE, 2 layers, 64 rows: each variant's outputs equal no prefetch's, bit for bit."""
-    shape, rows = DRY_SHAPE, 64
-    weights = make_weights(shape, 2)
+    """Interpreter, DRY_SHAPE, one layer (all four prefetches), 8 rows of 100 keys in 32-token pages: each variant's
+    outputs equal no prefetch's, bit for bit."""
+    shape, rows, context = DRY_SHAPE, 8, 100
+    weights = make_weights(shape, 1)
+    tables, pools = make_pools(shape, 1, rows=rows, context=context, page=32)
     x, pending = inputs(shape, rows, down_splits(shape, rows))
     results, base = [], None
     for budget, targets in [(0.0, TARGETS)] + [v for v in variants if v[0]]:
         matmul = DecodeKernelMatmul(interpret=True, l2_prefetch_mb=budget)
-        out = [np.asarray(a, np.float32) for a in layers_fn(matmul, shape["q_out"], targets)(x, pending, weights)]
+        run = layers_fn(matmul, shape, targets, max_context=context)
+        out = [np.asarray(a, np.float32) for a in run(x, pending, weights, pools, tables)]
         base = out if base is None else base
         same = all(np.array_equal(a, b) for a, b in zip(out, base, strict=True))
         fetched = prefetched_mb(budget, shape, rows, targets)
         results.append(dict(variant=variant_label(budget, targets), budget_mb=budget, targets=list(targets),
                             prefetched_mb=fetched, same_bits_as_no_prefetch=same))
-        print(f"dry run {variant_label(budget, targets):>14s} MB (q/k/v {fetched['qkv']:.2f}, gate/up "
-              f"{fetched['gate_up']:.2f}, down {fetched['down']:.2f} MB prefetched): outputs "
+        cells = ", ".join(f"{part} {mb:.2f}" for part, mb in fetched.items())
+        print(f"dry run {variant_label(budget, targets):>14s} MB ({cells} MB prefetched): outputs "
               f"{'equal' if same else 'DIFFER from'} no prefetch's")
     return dict(benchmark="l2_prefetch", dry_run=True, results=results)
 
@@ -208,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", default="llama-1b,llama-8b", help="comma-separated presets")
     ap.add_argument("--rows", type=int, default=64, help="token rows (a decode step's batch), 1-128")
     ap.add_argument("--layers", type=int, default=8, help="layers in the timed call, each with its own weights")
-    ap.add_argument("--budgets", default="0,4,8,16,32,8:qkv,8:gate_up,8:down",
+    ap.add_argument("--context", type=int, default=640, help="keys a row attends to (e2e_decode's mean: 512 + 128)")
+    ap.add_argument("--page", type=int, default=32, help="tokens a page (the adaptive rule's size at 768 tokens)")
+    ap.add_argument("--budgets", default="0,8,16,32,8:qkv,8:o,8:gate_up,8:down",
                     help="comma-separated variants MB[:target+target...]: MB of prefetch ahead of each GEMM among "
                          f"the targets {TARGETS} (default all; 0: none)")
     ap.add_argument("--rounds", type=int, default=2, help="passes over the budgets (alternating, same clock)")
@@ -222,8 +262,10 @@ def main(argv=None) -> dict:
     variants = parse_variants(a.budgets)
     if not 1 <= a.rows <= 128:
         raise SystemExit(f"--rows must be in [1, 128] (the Pallas projections' rows), got {a.rows}")
-    if a.layers < 1 or a.rounds < 1:
-        raise SystemExit(f"--layers and --rounds must be >= 1, got {a.layers} and {a.rounds}")
+    if a.layers < 1 or a.rounds < 1 or a.context < 1:
+        raise SystemExit(f"--layers, --rounds and --context must be >= 1, got {a.layers}, {a.rounds}, {a.context}")
+    if a.page not in PAGE_SIZES:
+        raise SystemExit(f"--page must be one of {PAGE_SIZES}, got {a.page}")
     models = [m for m in a.models.split(",") if m]
     unknown = [m for m in models if m not in PRESETS]
     if unknown:
@@ -237,22 +279,25 @@ def main(argv=None) -> dict:
         for model in models:
             shape = layer_shapes(model)
             weights = make_weights(shape, a.layers)
+            tables, pools = make_pools(shape, a.layers, rows=a.rows, context=a.context, page=a.page)
             x, pending = inputs(shape, a.rows, down_splits(shape, a.rows))
-            fns = {v: layers_fn(DecodeKernelMatmul(l2_prefetch_mb=v[0]), shape["q_out"], v[1]) for v in variants}
+            fns = {v: layers_fn(DecodeKernelMatmul(l2_prefetch_mb=v[0]), shape, v[1], max_context=a.context)
+                   for v in variants}
             runs = {v: [] for v in variants}
             for _ in range(a.rounds):
                 for v in variants:
-                    runs[v].append(profile_layers(fns[v], (x, pending, weights), shape, a.layers))
+                    runs[v].append(profile_layers(fns[v], (x, pending, weights, pools, tables), shape, a.layers))
             for v in variants:
                 best = min(runs[v], key=lambda r: r["busy_us"])
                 rows_out.append(dict(model=model, variant=variant_label(*v), budget_mb=v[0], targets=list(v[1]),
                                      prefetched_mb=prefetched_mb(v[0], shape, a.rows, v[1]), rows=a.rows,
-                                     layers=a.layers, rounds=runs[v], busy_us=best["busy_us"],
+                                     context=a.context, page=a.page, layers=a.layers, rounds=runs[v],
+                                     busy_us=best["busy_us"],
                                      span_us=best["span_us"], parts=best["parts"]))
                 cells = "  ".join(f"{p} {us:6.2f}" for p, us in best["parts"].items())
                 print(f"{model:9s} prefetch {variant_label(*v):>14s}  busy {best['busy_us']:7.2f} us/layer  span "
                       f"{best['span_us']:7.2f}  | {cells}", flush=True)
-            del weights
+            del weights, pools
         out = dict(benchmark="l2_prefetch", device=jax.devices()[0].device_kind, jax=jax.__version__,
                    date=datetime.date.today().isoformat(), command=" ".join(sys.argv), rows=rows_out)
     if a.out:

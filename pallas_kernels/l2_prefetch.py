@@ -7,7 +7,8 @@ step's kernels each pay a ramp and a drain; programmatic dependent launch, which
 XLA's command buffers). Here the kernel before a GEMM issues `cp.async.bulk.prefetch` (TMA prefetch to L2: no SMEM, no
 barrier, nothing to wait for) for the part of the GEMM's weight that it reads first, so the GEMM's first stages come
 from L2: the norm kernel (`residual_rmsnorm`) at its start, ahead of q/k/v and gate/up; the gated gate/up GEMM in each
-CTA's epilogue, once its own tiles are in (its grid's drain), ahead of down.
+CTA's epilogue, once its own tiles are in (its grid's drain), ahead of down; the swapped decode-attention kernel the
+same way, ahead of o.
 
 What the GEMM reads first: its CTA (column tile n, K split s) streams w[n * tile_n : +tile_n, s * K/S : +K/S] in K
 order, and every CTA starts at once (one wave), so the first `prefix` columns of each of the S K ranges, over all N
@@ -19,6 +20,7 @@ The prefetch changes no value (the interpreter runs it as a no-op), so a kernel'
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -27,6 +29,13 @@ import numpy as np
 
 BOX = 256      # elements a TMA box dimension holds at most
 _COL_ALIGN = 64    # a prefix is whole 64-column (128-byte) weight tiles, what decode_matmul's ring copies
+
+
+class WeightPrefetch(NamedTuple):
+    """A weight [rows, cols] bf16 and the `L2Prefetch` plan of it: what a kernel's prefetch_weight / prefetch
+    arguments take, handed as one value through layers that only pass it on (decode attention)."""
+    weight: object
+    plan: "L2Prefetch"
 
 
 def _box(extent: int, align: int) -> int:

@@ -68,6 +68,10 @@ al.'s update (`_score_variance_from_partials`). The flags are static: with both 
 from before they existed (the jaxpr's hash compared at both default configs, with and without split-K, and two
 others, 2026-12-02). Not yet measured on a GPU.
 
+*L2 prefetch (optional).* Given the next GEMM's weight (the o projection's) and an `L2Prefetch` plan, each CTA, after
+its last tile, prefetches its share of the tiles that GEMM reads first (pallas_kernels/l2_prefetch.py): the grid's
+drain, where HBM idles, starts on the next kernel's bytes. No value changes; off, the traced kernel is unchanged.
+
 What is shared with `paged_attention` (imported, not copied): the page-size classes and their stage barriers,
 the tile copy issue (`issue_tile_copies` with `Bf16Pages.fetch_page`), the V-tail zeroing (`zero_rows_past`),
 the page-table window, the per-sequence scalars, the q row blocks, split-K's tile partition and merge, the score
@@ -90,6 +94,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.delta_attention import F16_SAFE_MAX, convert_to_f16, delta_ring_type
 from pallas_kernels.fp8_q_split import HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_BLOCK as FP8_Q_SPLIT_ROWS, fp8_q_split
+from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
 from pallas_kernels.paged_attention import (
     BF16_PAGES, F16_PAGES, MMA_TRANSFORMS, Bf16Pages, TileContext, check_pools_and_tables, check_tile_pipeline,
     _combine_splits, _flat_table, _score_variance_from_partials, _split_key_counts, _table_window,
@@ -360,7 +365,8 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
                             soft_cap: float | None = None, config: SwappedConfig | None = None,
                             max_context: int | None = None, interpret: bool = False,
                             return_score_stats: bool = False, q_scale: jax.Array | None = None,
-                            out_dtype=None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                            out_dtype=None, prefetch_weight: jax.Array | None = None,
+                            prefetch: L2Prefetch | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention over a paged KV pool with per-sequence page sizes, keys on WGMMA's M (module docstring).
 
     Args:
@@ -385,6 +391,9 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
       q_scale: float8 pools only: [num_q_heads] float32 factors, q head j multiplied by q_scale[j] in fp32
         before its fp8 split (the fixed-scale fold's s_k; with `SwappedConfig.fp8_q_kernel` inside that kernel).
       out_dtype: the output's dtype (default q.dtype).
+      prefetch_weight, prefetch: the next GEMM's bf16 weight (the o projection's) and an `L2Prefetch` plan of it:
+        each CTA, once its keys are streamed, prefetches its share into L2 (pallas_kernels/l2_prefetch.py; no value
+        changes); both or neither.
 
     Returns [batch, num_q_heads, head_dim] in out_dtype; q head j uses kv head j // (num_q_heads // num_kv_heads).
     With return_score_stats: `(out, score_var)`, score_var float32 [batch, num_q_heads], the population
@@ -432,6 +441,9 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
         kw["q_scale"] = q_scale
     if out_dtype is not None and jnp.dtype(out_dtype) != q.dtype:
         kw["out_dtype"] = jnp.dtype(out_dtype)
+    check_prefetch_args("swapped_paged_attention", prefetch_weight, prefetch)
+    if prefetch is not None:
+        kw.update(prefetch_weight=prefetch_weight, prefetch=prefetch)
     if interpret:
         with mosaic_gpu_interpret():
             return _swapped_paged_attention(*args, **kw, interpreted=True)
@@ -440,9 +452,10 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpreted", "soft_cap", "score_stats",
-                                             "out_dtype"))
+                                             "out_dtype", "prefetch"))
 def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, scale, config, interpreted,
-                             soft_cap=None, score_stats=False, q_scale=None, out_dtype=None):
+                             soft_cap=None, score_stats=False, q_scale=None, out_dtype=None, prefetch_weight=None,
+                             prefetch=None):
     """The wrapper traced inside a jit: q row blocks (float8 pools: q's fp8 parts), flat page table, the kernel,
     split-K merge (of the output and, with score_stats, of the score sums). Returns out [B, Hq, D] in out_dtype
     (default q.dtype) (and score_var [B, Hq] f32)."""
@@ -476,8 +489,9 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
         batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
         table_len=table.shape[0], rows_per_b=rows_per_b, rows_per_h=rows_per_h, n_cols=copy_rows,
         out_dtype=jnp.dtype(out_dtype if splits == 1 else jnp.float32), scale=scale, soft_cap=soft_cap,
-        score_stats=score_stats, config=config, kv_format=kv_format)
-    res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool, *extra)
+        score_stats=score_stats, config=config, kv_format=kv_format, prefetch=prefetch)
+    res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool, *extra,
+                 *(() if prefetch is None else (prefetch_weight,)))
 
     def group_cols(x):
         """[B * S, Hkv, N] column vectors (lse, score sums) -> the group's [B, S, Hkv, G]: its columns start at
@@ -508,9 +522,10 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
 
 def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len, rows_per_b, rows_per_h,
                           n_cols, out_dtype, scale, config: SwappedConfig, soft_cap=None, score_stats=False,
-                          kv_format=BF16_PAGES):
+                          kv_format=BF16_PAGES, prefetch: L2Prefetch | None = None):
     """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or, split, (o_part, lse), followed by
-    (shift, sum, sum of squares) [B * S, Hkv, n_cols] f32 score-stat columns when score_stats.
+    (shift, sum, sum of squares) [B * S, Hkv, n_cols] f32 score-stat columns when score_stats. prefetch: f takes the
+    next GEMM's weight as its last input, and each CTA prefetches its share of the plan after its last tile.
 
     kv_format: BF16_PAGES, F16_PAGES for float16 pools, or F8_PAGES for float8_e4m3fn pools (then q2 is
     [fp8_q_terms, rows, D] e4m3 parts, or with `stacks_q_parts` [rows * fp8_q_terms, D] (`stack_q_parts`), and a
@@ -543,9 +558,11 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         epilogue_types += [plgpu.SMEM((N,), jnp.float32) for _ in range(3)]
 
     def body(lengths_ref, psizes_ref, table_ref, q_ref, k_ref, v_ref, *rest):
-        q_unscale_ref = None
+        q_unscale_ref = next_weight_ref = None
         if fp8_scores:
             q_unscale_ref, rest = rest[0], rest[1:]
+        if prefetch is not None:
+            next_weight_ref, rest = rest[0], rest[1:]
         if splits == 1:
             (o_ref,), rest = rest[:1], rest[1:]
             lse_ref = None
@@ -738,6 +755,9 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             acc, m_i, l_tile, *stats = pipeline(kv_smem, p_smem)
 
         # --- epilogue: normalise, write the group's rows -----------------------------------------
+        if prefetch is not None:      # this CTA's tiles are all in: HBM can start on the next GEMM's weight
+            issue_prefetch(next_weight_ref, prefetch, cta=(b * num_kv_heads + h) * splits + k_split,
+                           num_ctas=batch * num_kv_heads * splits)
         l_i = l_tile.sum(axis=0)
         o = acc / cols(jnp.where(l_i == 0.0, 1.0, l_i), acc.shape)    # an empty row (or split) gives zeros
 

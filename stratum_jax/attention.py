@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.l2_prefetch import WeightPrefetch
 from stratum_jax.config import DECODE_KERNELS
 from stratum_jax.kv.delta_cache import DeltaKV
 
@@ -297,7 +298,7 @@ def _add_mean_anchor_v(out, delta: DeltaKV, has_keys):
 
 def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend: str, interpret: bool = False,
                      max_context: int | None = None, return_score_stats: bool = False,
-                     kernel_variant: str = "swapped"):
+                     kernel_variant: str = "swapped", prefetch: WeightPrefetch | None = None):
     """One query token per row: q [rows, num_heads, head_dim], positions [rows] int32 (-1: the row has no
     decode token this step). The row's keys are positions 0..position (its context after the write).
     backend "kernel": a Pallas Mosaic GPU kernel: for bf16 pools kernel_variant "swapped"
@@ -306,6 +307,8 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
     fixed per-head scales, with a mean anchor under "swapped": the swapped kernel on the deltas plus the anchor
     (`_head_scale_fold`). "reference":
     the tiled jnp path with one-token tiles.
+    prefetch: the next GEMM's weight and plan (the o projection's), which the bf16 swapped kernel prefetches into L2
+    as its CTAs finish (pallas_kernels/l2_prefetch.py); the other paths ignore it.
     Returns out [rows, num_heads, head_dim] (and score_var [rows, num_heads] with return_score_stats).
     """
     if kernel_variant not in DECODE_KERNELS:
@@ -339,7 +342,9 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
         from pallas_kernels.swapped_decode_attention import swapped_paged_attention
         return swapped_paged_attention(q, k_pool, v_pool, lengths, tables.page_starts, tables.page_sizes,
                                        max_context=max_context, interpret=interpret,
-                                       return_score_stats=return_score_stats)
+                                       return_score_stats=return_score_stats,
+                                       prefetch_weight=None if prefetch is None else prefetch.weight,
+                                       prefetch=None if prefetch is None else prefetch.plan)
     if backend == "kernel":
         from pallas_kernels.paged_attention import paged_attention
         return paged_attention(q, k_pool, v_pool, lengths, tables.page_starts, tables.page_sizes,

@@ -148,10 +148,12 @@ def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
     tiles = prefill // tile
     layer_var = []
 
-    def attend(layer, q, k_pool, v_pool):
+    def attend(layer, q, k_pool, v_pool, prefetch=None):
+        # prefetch: the o projection's weight and plan for the decode kernel's L2 prefetch (llama.Attend).
         res = sharded_decode_attention(geo.tp, q[:rows], batch.positions[:rows], batch.tables, k_pool, v_pool,
                                        backend=geo.backend, interpret=geo.interpret, max_context=geo.max_context,
-                                       return_score_stats=geo.attn_stats, kernel_variant=geo.decode_kernel)
+                                       return_score_stats=geo.attn_stats, kernel_variant=geo.decode_kernel,
+                                       prefetch=prefetch)
         out, var = res if geo.attn_stats else (res, None)
         if geo.attn_stats:
             layer_var.append(jnp.mean(var, axis=-1))                                 # [rows]

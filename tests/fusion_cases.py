@@ -14,16 +14,19 @@ POSITIONS = jnp.asarray([0, 1, 2, 3, 40, 41, 42, 43], jnp.int32)
 SLOTS = jnp.asarray([3, 9, 10, 11, 33, 20, 64, 65], jnp.int32)          # the last two: padding (64 slots)
 
 
-def forward_with(cfg, params, matmul) -> tuple[str, list[np.ndarray]]:
+def forward_with(cfg, params, matmul, prefetches: list | None = None) -> tuple[str, list[np.ndarray]]:
     """One jitted forward over TOKENS on random bf16 pools of 64 slots with `matmul`'s projections: (its jaxpr, as
-    text: which path it took; [hidden, every pool] as float32 arrays)."""
+    text: which path it took; [hidden, every pool] as float32 arrays). prefetches: where given, collects the
+    `prefetch` each attend call got (llama.Attend: the o projection's WeightPrefetch, or None)."""
     rng = np.random.default_rng(0)
     cache = [tuple(jnp.asarray(rng.standard_normal((cfg.num_kv_heads, 64, cfg.head_dim)), jnp.bfloat16)
                    for _ in range(2)) for _ in range(cfg.num_layers)]
     # One jitted program, awaited (the interpreter's callbacks and an eager forward once deadlocked on 2 cores).
-    forward = jax.jit(lambda p, c: llama.forward(
-        p, cfg, TOKENS, POSITIONS, c, SLOTS, lambda layer, q, k, v: llama.attend_dense_causal(q, k, v, POSITIONS),
-        matmul))
+    def attend(layer, q, k, v, prefetch=None):
+        if prefetches is not None:
+            prefetches.append(prefetch)
+        return llama.attend_dense_causal(q, k, v, POSITIONS)
+    forward = jax.jit(lambda p, c: llama.forward(p, cfg, TOKENS, POSITIONS, c, SLOTS, attend, matmul))
     program = str(jax.make_jaxpr(forward)(params, cache))
     hidden, cache = forward(params, cache)
     return program, [np.asarray(a, np.float32) for a in (hidden, *jax.tree.leaves(cache))]

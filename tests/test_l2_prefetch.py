@@ -146,6 +146,42 @@ def test_the_gated_gemm_lowers_for_cuda_with_the_prefetch(i, k, down_splits, mb)
     assert fetched.count("prefetch") > plain.count("prefetch")
 
 
+def test_the_attention_kernel_with_a_prefetch_gives_the_same_bits():
+    """Interpreter: the swapped decode kernel over a ragged mixed-page batch (4 rows x 2 kv heads, no split and split
+    2), prefetching a [256, 512] weight's 2 boxes (fewer than the CTAs: a predicated round), gives its bits
+    without."""
+    from pallas_kernels.swapped_decode_attention import SwappedConfig, swapped_paged_attention
+    from pallas_kernels.testing import random_paged_case
+    case = random_paged_case(4, lengths=[1, 65, 0, 200], page_sizes=[8, 64, 16, 32], num_q_heads=8, num_kv_heads=2,
+                             head_dim=64)
+    o_weight = jax.random.normal(jax.random.key(9), (256, 512), jnp.float32).astype(jnp.bfloat16)
+    plan = prefetch_plan(o_weight.shape, splits=1, fraction=1.0)
+    assert plan.num_boxes == 2
+    for splits in (1, 2):
+        config = SwappedConfig(block_kv=64, num_stages=2, num_splits=splits)
+        plain = swapped_paged_attention(**case, config=config, interpret=True)
+        fetched = swapped_paged_attention(**case, config=config, prefetch_weight=o_weight, prefetch=plan,
+                                          interpret=True)
+        np.testing.assert_array_equal(np.asarray(plain, np.float32), np.asarray(fetched, np.float32))
+
+
+@pytest.mark.parametrize("head_dim, hidden", [(64, 2048), (128, 4096)])
+def test_the_attention_kernel_lowers_for_cuda_with_the_prefetch(head_dim, hidden):
+    """llama-1b / 8b's decode shapes (B=64, Hq=32, Hkv=8, the default config) prefetching the o projection."""
+    from pallas_kernels.swapped_decode_attention import swapped_paged_attention
+    sd = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+    args = (sd(64, 32, head_dim), sd(8, 1 << 16, head_dim), sd(8, 1 << 16, head_dim), sd(64, dt=jnp.int32),
+            sd(64, 4096 // 8, dt=jnp.int32), sd(64, dt=jnp.int32))
+    q_out = 32 * head_dim
+    plan = DecodeKernelMatmul(l2_prefetch_mb=16).prefetch_plan(64, NextWeight(sd(hidden, q_out)))
+    plain = jax.jit(lambda *a: swapped_paged_attention(*a)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    fetched = jax.jit(lambda *a: swapped_paged_attention(*a[:-1], prefetch_weight=a[-1], prefetch=plan)).trace(
+        *args, sd(hidden, q_out)).lower(lowering_platforms=("cuda",)).as_text()
+    assert fetched.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert fetched.count("prefetch") > plain.count("prefetch")
+
+
 def test_bad_prefetch_arguments_are_refused():
     parts, residual, weight, next_weight = _case(0, splits=2, rows=8, hidden=256, n=768, k=512)
     plan = prefetch_plan((768, 512), splits=2, fraction=1.0)
@@ -180,8 +216,8 @@ _CFG = dataclasses.replace(PRESETS["tiny"], hidden_size=256, intermediate_size=1
 def test_the_models_boundaries_prefetch_the_projection_they_feed(monkeypatch):
     """A forward with the projections on the kernel (interpreter) and a 1 MB budget: every fused boundary but the
     final norm gets a plan for the weight it feeds (post-attention: gate/up; each later layer's input: q/k/v), the
-    gate/up GEMM one for the down projection, and the hidden states and caches equal those without the prefetch, bit
-    for bit."""
+    gate/up GEMM one for the down projection, each attention call the o projection's, and the hidden states and caches
+    equal those without the prefetch, bit for bit."""
     import pallas_kernels.residual_rmsnorm as norm_module
     import pallas_kernels.decode_matmul as matmul_module
     plans = []
@@ -197,7 +233,8 @@ def test_the_models_boundaries_prefetch_the_projection_they_feed(monkeypatch):
                         recording(matmul_module.decode_gated_matmul, "gated"))
     params = llama.init_params(_CFG, seed=5)
     params = {k: fuse_layer(v, 1) if k.startswith("layers_") else v for k, v in params.items()}   # the engine's layout
-    _, fetched = forward_with(_CFG, params, DecodeKernelMatmul(interpret=True, l2_prefetch_mb=1))
+    attends = []
+    _, fetched = forward_with(_CFG, params, DecodeKernelMatmul(interpret=True, l2_prefetch_mb=1), attends)
     qkv_rows = (_CFG.num_heads + 2 * _CFG.num_kv_heads) * _CFG.head_dim
     i = _CFG.intermediate_size
     post = ("norm", (2 * i, 256, (2 * i, 256)))
@@ -205,9 +242,15 @@ def test_the_models_boundaries_prefetch_the_projection_they_feed(monkeypatch):
     later_input = ("norm", (qkv_rows, 256, (qkv_rows, 256)))
     want = [post, gated] + [later_input, post, gated] * (_CFG.num_layers - 1) + [("norm", None)]
     assert plans == want
+    # Each layer's attention got the o projection's weight and its plan (whole under the budget, one split).
+    o_shape = params["layers_0"]["self_attn"]["o_proj"]["weight"].shape
+    assert len(attends) == _CFG.num_layers
+    for got in attends:
+        assert got.weight.shape == o_shape and (got.plan.rows, got.plan.cols, got.plan.prefix) == (*o_shape, o_shape[1])
     plans.clear()
-    _, plain = forward_with(_CFG, params, DecodeKernelMatmul(interpret=True))
-    assert plans == [(kernel, None) for kernel, _ in want]
+    attends.clear()
+    _, plain = forward_with(_CFG, params, DecodeKernelMatmul(interpret=True), attends)
+    assert plans == [(kernel, None) for kernel, _ in want] and attends == [None] * len(attends)
     for a, b in zip(fetched, plain, strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -222,8 +265,9 @@ def test_the_flag_is_checked(value):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("model", ["llama-1b", "llama-8b"])
 def test_gpu_the_compiled_kernels_with_prefetches_give_the_same_bits(model):
-    """On the GPU at llama shapes, 64 rows: the norm kernel prefetching q/k/v (16 MB budget) and gate/up, and the
-    gated GEMM prefetching down, compile, run, and give the bits they give without (the prefetch only warms L2)."""
+    """On the GPU at llama shapes, 64 rows: the norm kernel prefetching q/k/v (16 MB budget) and gate/up, the gated
+    GEMM prefetching down and the decode attention kernel (~1K context) prefetching o compile, run, and give the bits
+    they give without (the prefetch only warms L2)."""
     from pallas_kernels.decode_matmul import decode_gated_matmul
     from stratum_jax.model.projection import gated_kernel_config
     cfg = PRESETS[model]
@@ -246,4 +290,13 @@ def test_gpu_the_compiled_kernels_with_prefetches_give_the_same_bits(model):
     config = gated_kernel_config(i, 64, h)
     plain = decode_gated_matmul(x, gate_up, config=config)
     fetched = decode_gated_matmul(x, gate_up, config=config, prefetch_weight=down, prefetch=plan)
+    np.testing.assert_array_equal(np.asarray(plain, np.float32), np.asarray(fetched, np.float32))
+    from pallas_kernels.swapped_decode_attention import swapped_paged_attention
+    from pallas_kernels.testing import ragged_decode_case
+    case = ragged_decode_case(64, cfg.head_dim, 1024)
+    o_weight = (jax.random.normal(keys[3], (h, cfg.num_heads * cfg.head_dim), jnp.float32) * h ** -0.5
+                ).astype(jnp.bfloat16)
+    plan = matmul.prefetch_plan(64, NextWeight(o_weight))
+    plain = swapped_paged_attention(**case)
+    fetched = swapped_paged_attention(**case, prefetch_weight=o_weight, prefetch=plan)
     np.testing.assert_array_equal(np.asarray(plain, np.float32), np.asarray(fetched, np.float32))

@@ -50,6 +50,7 @@ import numpy as np
 from stratum_jax.kv.delta_cache import DeltaKV
 from stratum_jax.kv.slot_write import write_slot_rows
 from stratum_jax.model.config import ModelConfig
+from pallas_kernels.l2_prefetch import WeightPrefetch
 from stratum_jax.model.projection import Matmul, NextWeight, RopeKVWrite, Unsummed, xla_matmul
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,10 @@ Params = dict[str, Any]
 # one DeltaKV per layer (stratum_jax/kv/delta_cache.py).
 KVCache = list[tuple[jax.Array, jax.Array]] | list[DeltaKV]
 # attend(layer, q [T, num_heads, head_dim], k_pool, v_pool) -> [T, num_heads, head_dim]; with DKVC,
-# attend(layer, q, delta_kv, None)
-Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+# attend(layer, q, delta_kv, None). A keyword `prefetch` (a WeightPrefetch of the o projection, for the decode
+# kernel's L2 prefetch) is passed only where the Matmul plans one (`Matmul.prefetch_plan`: --l2-prefetch-mb on the
+# Pallas projections, whose step's attend takes it), so an attend for other paths may leave it out.
+Attend = Callable[..., jax.Array]
 
 _INIT_STD = 0.02  # HF's default initializer_range
 
@@ -251,7 +254,8 @@ class ResidualRMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, pending: Pending,
                  next_weight: NextWeight | None = None) -> tuple[jax.Array, jax.Array]:
-        """next_weight: the projection the norm feeds, for the fused kernel's L2 prefetch (`Matmul.residual_rmsnorm`)."""
+        """next_weight: the projection the norm feeds, for the fused kernel's L2 prefetch
+        (`Matmul.residual_rmsnorm`)."""
         w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if isinstance(pending, Unsummed):
             fused = (self.matmul.residual_rmsnorm(x, pending, w, self.eps, next_weight) if self.matmul is not None
@@ -293,7 +297,7 @@ class Attention(nn.Module):
                 if fused is not None:
                     q, k_pool, v_pool = fused
                     with jax.named_scope("attention"):
-                        o = attend(self.layer, q, k_pool, v_pool).astype(dtype)
+                        o = attend(self.layer, q, k_pool, v_pool, **self._o_prefetch(t)).astype(dtype)
                     return o_proj(o), (k_pool, v_pool)
             q, k, v = qkv_proj(x)
         else:
@@ -318,9 +322,16 @@ class Attention(nn.Module):
                 k_pool = write_slot_rows(k_pool, write_slots, k.transpose(1, 0, 2))
                 v_pool = write_slot_rows(v_pool, write_slots, v.transpose(1, 0, 2))
             with jax.named_scope("attention"):
-                o = attend(self.layer, q, k_pool, v_pool).astype(dtype)
+                o = attend(self.layer, q, k_pool, v_pool, **self._o_prefetch(t)).astype(dtype)
             cache = (k_pool, v_pool)
         return o_proj(o), cache
+
+    def _o_prefetch(self, rows: int) -> dict:
+        """{"prefetch": the o projection's WeightPrefetch} where the Matmul plans an L2 prefetch of it at `rows`
+        token rows (attend's keyword, llama.Attend), else {}."""
+        next_weight = _next_weight(self, ("o_proj",))
+        plan = None if next_weight is None else self.matmul.prefetch_plan(rows, next_weight)
+        return {} if plan is None else {"prefetch": WeightPrefetch(next_weight.weight, plan)}
 
 
 class MLP(nn.Module):

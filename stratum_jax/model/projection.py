@@ -93,6 +93,10 @@ class Matmul(Protocol):
         then sums, adds and normalises). next_weight: the projection the norm feeds, which the kernel may start
         bringing into L2 (no value changes)."""
 
+    def prefetch_plan(self, rows: int, next_weight: NextWeight) -> L2Prefetch | None:
+        """What part of next_weight the kernel before its GEMM should prefetch into L2 at `rows` token rows (the
+        decode attention kernel ahead of o, pallas_kernels/l2_prefetch.py); None for no prefetch."""
+
 
 # The kernel is used up to this many token rows: a decode step's batch. Beyond it x's tiles, which every CTA
 # re-reads, grow past the weight tiles and the GEMM stops being weight-bound.
@@ -199,9 +203,10 @@ def gated_kernel_takes(rows: int, i: int, k: int, dtype) -> bool:
 class DecodeKernelMatmul:
     """A `Matmul`: the Pallas kernels where `kernel_takes` / `gated_kernel_takes` say so, XLA's dot otherwise.
     Frozen (hashable): it is part of the model modules' static configuration. interpret: run the kernel in the Mosaic GPU
-    interpreter (CPU tests). l2_prefetch_mb: the residual add + norm kernel (ahead of q/k/v and gate/up) and the gated
-    GEMM (ahead of down) also prefetch into L2 up to this many MB of the next projection's weight, the tiles its GEMM
-    reads first (pallas_kernels/l2_prefetch.py); 0: off."""
+    interpreter (CPU tests). l2_prefetch_mb: the residual add + norm kernel (ahead of q/k/v and gate/up), the gated
+    GEMM (ahead of down) and, through `prefetch_plan`, the decode attention kernel (ahead of o) also prefetch into L2
+    up to this many MB of the next projection's weight, the tiles its GEMM reads first (pallas_kernels/l2_prefetch.py);
+    0: off."""
 
     interpret: bool = False
     l2_prefetch_mb: float = 0.0
