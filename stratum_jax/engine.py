@@ -11,6 +11,7 @@ request ever has `finished=True`.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import jax
@@ -28,7 +29,7 @@ from stratum_jax.kv.transfer import KvTransfers, committed
 from stratum_jax.kv.precision import kv_bytes_per_slot, start_kv_cache
 from stratum_jax.model.fused import fuse_projections
 from stratum_jax.model.loader import LoadedModel, load_model, params_nbytes
-from stratum_jax.model.projection import resolve_projections
+from stratum_jax.model.projection import l2_prefetch_note, resolve_projections
 from stratum_jax.model_runner import InFlightStep, ModelRunner, RunResult, kv_layout_of
 from stratum_jax.outputs import OutputProcessor
 from stratum_jax.phase_times import PhaseTimes
@@ -42,6 +43,8 @@ from stratum_jax.scheduler import build_scheduler
 from stratum_jax.scheduler.base import ScheduledBatch, StepCosts
 from stratum_jax.step_work import ModelWork
 from stratum_jax.tensor_parallel import make_tensor_parallel
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -69,6 +72,8 @@ class Engine:
         # The decode step's projections: the Pallas weight-streaming GEMM or XLA's dot (model/projection.py).
         self.projections = resolve_projections(config, self.model_config, on_hopper=on_hopper_gpu(),
                                                tensor_parallel=config.tensor_parallel)
+        if note := l2_prefetch_note(config.l2_prefetch_mb, self.projections, self.attention_backend):
+            log.info(note)
         self.num_slots = config.kv_pool_slots
         # bf16 pools, or DKVC's anchor + delta pools (--kv-precision; the precision run may be a fallback).
         self.kv_precision, self.kv_cache, self.kv_anchor = start_kv_cache(

@@ -32,9 +32,10 @@ def forward_with(cfg, params, matmul, prefetches: list | None = None) -> tuple[s
     return program, [np.asarray(a, np.float32) for a in (hidden, *jax.tree.leaves(cache))]
 
 
-def greedy_tokens(cfg, projections: str) -> list[list[int]]:
+def greedy_tokens(cfg, projections: str, **config) -> list[list[int]]:
     """The engine's real step (packed prefill, then decode calls of 2 steps) on a random-init model of `cfg`, with
-    --projections `projections` and the kernels in the interpreter: two prompts' 4 greedy tokens each."""
+    --projections `projections` (and any other RuntimeConfig fields in `config`) and the kernels in the interpreter:
+    two prompts' 4 greedy tokens each."""
     from stratum_jax.config import RuntimeConfig
     from stratum_jax.engine import Engine
     from stratum_jax.model.loader import LoadedModel
@@ -45,6 +46,6 @@ def greedy_tokens(cfg, projections: str) -> list[list[int]]:
                         name="tiny-variant")
     engine = Engine(RuntimeConfig(model="tiny", max_context=256, kv_pool_tokens=4096, max_batch_size=2,
                                   prefill_chunk=64, page_size=8, decode_steps=2, projections=projections,
-                                  interpret_kernels=True), model=model)
+                                  interpret_kernels=True, **config), model=model)
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     return [r.token_ids for r in engine.generate([[5, 6, 7], list(range(20, 45))], sp)]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fusion_cases import forward_with
+from fusion_cases import forward_with, greedy_tokens
 from pallas_kernels.decode_matmul import default_k_splits
 from pallas_kernels.l2_prefetch import L2Prefetch, prefetch_counts, prefetch_plan
 from pallas_kernels.residual_rmsnorm import residual_rmsnorm
@@ -300,3 +300,30 @@ def test_gpu_the_compiled_kernels_with_prefetches_give_the_same_bits(model):
     plain = swapped_paged_attention(**case)
     fetched = swapped_paged_attention(**case, prefetch_weight=o_weight, prefetch=plan)
     np.testing.assert_array_equal(np.asarray(plain, np.float32), np.asarray(fetched, np.float32))
+
+
+def test_the_start_up_note_says_what_the_budget_does():
+    from stratum_jax.model.projection import l2_prefetch_note
+    assert l2_prefetch_note(0.0, "kernel", "kernel") is None
+    assert "has no effect" in l2_prefetch_note(8, "xla", "kernel") and "'xla'" in l2_prefetch_note(8, "xla", "kernel")
+    on = l2_prefetch_note(8, "kernel", "kernel")
+    assert on.startswith("L2 prefetch: up to 8 MB") and "o (by the decode attention kernel" in on
+    assert "not o" in l2_prefetch_note(8, "kernel", "reference")
+
+
+@pytest.mark.slow
+def test_the_engine_with_every_prefetch_generates_what_xla_does(monkeypatch):
+    """The engine's real step with --l2-prefetch-mb 1, the Pallas projections and the Pallas attention (interpreter):
+    each decode attention call gets the o projection's prefetch, and the greedy tokens equal XLA's projections with
+    the reference attention."""
+    import stratum_jax.decode as decode_module
+    seen = []
+    real = decode_module.sharded_decode_attention
+
+    def recording(*args, prefetch=None, **kwargs):
+        seen.append(prefetch)
+        return real(*args, prefetch=prefetch, **kwargs)
+    monkeypatch.setattr(decode_module, "sharded_decode_attention", recording)
+    fetched = greedy_tokens(_CFG, "kernel", attention="kernel", l2_prefetch_mb=1.0)
+    assert seen and all(p is not None for p in seen[-_CFG.num_layers:])     # the decode step's calls
+    assert fetched == greedy_tokens(_CFG, "xla")

@@ -307,6 +307,19 @@ def resolve_projections(config, model_config, *, on_hopper: bool, tensor_paralle
     return choice
 
 
+def l2_prefetch_note(l2_prefetch_mb: float, projections: str, attention_backend: str) -> str | None:
+    """What --l2-prefetch-mb does in an engine with these resolved backends, for the start-up log (None when off)."""
+    if l2_prefetch_mb <= 0:
+        return None
+    if projections != "kernel":
+        return (f"--l2-prefetch-mb {l2_prefetch_mb:g} has no effect: it needs the Pallas projections (--projections "
+                f"resolved to {projections!r})")
+    ahead_of_o = ("o (by the decode attention kernel, bf16 pools, --decode-kernel swapped)"
+                  if attention_backend == "kernel" else "not o (the attention is not the Pallas kernel)")
+    return (f"L2 prefetch: up to {l2_prefetch_mb:g} MB of each decode GEMM's weight ahead of it: q/k/v and gate/up "
+            f"(by the norm kernels), down (by the gate/up GEMM), {ahead_of_o}")
+
+
 def step_matmul(projections: str, *, interpret: bool, l2_prefetch_mb: float = 0.0) -> Matmul | None:
     """The Matmul a step runs for a resolved --projections value (None: the model's default, XLA's dot)."""
     return (DecodeKernelMatmul(interpret=interpret, l2_prefetch_mb=l2_prefetch_mb) if projections == "kernel"
