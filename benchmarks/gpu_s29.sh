@@ -11,9 +11,12 @@
 source benchmarks/gpu_env.sh
 case "${STEP:-prefetch}" in
   prefetch)
-    python3 -m pytest -q -p no:randomly -m gpu tests/test_l2_prefetch.py 2>&1 | tail -3
-    python3 benchmarks/l2_prefetch.py --models llama-1b,llama-8b --layers 8 --rounds 2 \
-      --budgets "0,8,16,32,8:qkv,8:o,8:gate_up,8:down" --out $OUT/l2_prefetch_s29.json 2>&1 | grep -v Warn | tail -20 ;;
+    timeout 120 python3 -m pytest -q -p no:randomly -m gpu tests/test_l2_prefetch.py 2>&1 | tail -3
+    for m in ${MODELS:-llama-1b llama-8b}; do     # one model at a time, each bounded, so the first lands whole
+      timeout ${MODEL_TIMEOUT:-240} python3 benchmarks/l2_prefetch.py --models $m --layers 8 --rounds 2 \
+        --budgets "${BUDGETS:-0,8,16,32,8:qkv,8:o,8:gate_up,8:down}" --out $OUT/l2_prefetch_${m}_s29.json 2>&1 \
+        | grep -v Warn | tail -9
+    done ;;
   ab)
     BASE=self THIS_ARGS="--l2-prefetch-mb ${MB:-16}" MODELS="${MODELS:-llama-1b llama-8b}" ROUNDS=${ROUNDS:-2} \
       PROFILE=${PROFILE:-1} TAG=s29pf${MB:-16} bash benchmarks/gpu_ab_session.sh ;;
