@@ -1,6 +1,6 @@
 # Device calls (from the repo root) for session 29's L2 prefetch (#18), each under the 10-minute call limit:
 #   STEP=prefetch   the GPU test (the kernels with prefetches compile, run and keep their bits), then
-#                   benchmarks/l2_prefetch.py on llama-1b and 8b (a decode layer's kernels but rope_kv_write, 8 layers,
+#                   benchmarks/l2_prefetch.py on llama-1b and 8b (a decode layer's 8 kernels, 8 layers,
 #                   prefetch budgets and per-GEMM variants alternating, 2 rounds)                             ~4-6 min
 #   STEP=ab         the e2e step with --l2-prefetch-mb $MB against without, alternating on one loan, 1b and 8b, then
 #                   a profile of each (gpu_ab_session.sh with BASE=self; MB from the prefetch step's best, default 16)
@@ -14,7 +14,7 @@ case "${STEP:-prefetch}" in
     timeout 120 python3 -m pytest -q -p no:randomly -m gpu tests/test_l2_prefetch.py 2>&1 | tail -3
     for m in ${MODELS:-llama-1b llama-8b}; do     # one model at a time, each bounded, so the first lands whole
       timeout ${MODEL_TIMEOUT:-240} python3 benchmarks/l2_prefetch.py --models $m --layers 8 --rounds 2 \
-        --budgets "${BUDGETS:-0,8,16,32,8:qkv,8:o,8:gate_up,8:down}" --out $OUT/l2_prefetch_${m}_s29.json 2>&1 \
+        --budgets "${BUDGETS:-0,8,16,8:qkv,8:o,8:gate_up,8:down,8:attention}" --out $OUT/l2_prefetch_${m}_s29.json 2>&1 \
         | grep -v Warn | tail -9
     done ;;
   ab)

@@ -8,7 +8,8 @@ XLA's command buffers). Here the kernel before a GEMM issues `cp.async.bulk.pref
 barrier, nothing to wait for) for the part of the GEMM's weight that it reads first, so the GEMM's first stages come
 from L2: the norm kernel (`residual_rmsnorm`) at its start, ahead of q/k/v and gate/up; the gated gate/up GEMM in each
 CTA's epilogue, once its own tiles are in (its grid's drain), ahead of down; the swapped decode-attention kernel the
-same way, ahead of o.
+same way, ahead of o. (The fused q/k/v write prefetches attention's first K/V tiles itself: pallas_kernels/
+rope_kv_write.py.)
 
 What the GEMM reads first: its CTA (column tile n, K split s) streams w[n * tile_n : +tile_n, s * K/S : +K/S] in K
 order, and every CTA starts at once (one wave), so the first `prefix` columns of each of the S K ranges, over all N

@@ -43,7 +43,7 @@ from stratum_jax.attention import RowTables
 from stratum_jax.kv.delta_cache import num_slots_of
 from stratum_jax.kv.slot_write import padding_slots
 from stratum_jax.model import llama
-from stratum_jax.model.projection import step_matmul
+from stratum_jax.model.projection import FirstTiles, step_matmul
 from stratum_jax.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
 from stratum_jax.tensor_parallel import TensorParallel, replicate, shard_vocab
 from stratum_jax.tp_attention import sharded_decode_attention, sharded_prefill_attention
@@ -168,10 +168,13 @@ def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
         return jnp.concatenate([out, pre.reshape(prefill, *q.shape[1:])])
 
     with jax.named_scope("forward"):
+        # The decode rows' tables for the fused q/k/v write's prefetch of attention's first tiles (one device only).
+        first_tiles = (FirstTiles(batch.tables.page_starts, batch.tables.page_sizes, batch.tables.context_lens)
+                       if geo.l2_prefetch_mb > 0 and geo.tp is None else None)
         hidden, kv_cache = llama.forward(params, cfg, batch.token_ids, jnp.maximum(batch.positions, 0), kv_cache,
                                          batch.write_slots, attend,
                                          step_matmul(geo.projections, interpret=geo.interpret,
-                                                     l2_prefetch_mb=geo.l2_prefetch_mb))
+                                                     l2_prefetch_mb=geo.l2_prefetch_mb), first_tiles)
     if layer_var:
         attn_var = sum(layer_var[1:], layer_var[0]) / len(layer_var) * batch.stats_weight[:rows]
     else:

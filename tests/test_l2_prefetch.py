@@ -182,6 +182,67 @@ def test_the_attention_kernel_lowers_for_cuda_with_the_prefetch(head_dim, hidden
     assert fetched.count("prefetch") > plain.count("prefetch")
 
 
+def _rope_case(rows=16, table_rows=8):
+    from pallas_kernels.testing import random_paged_case
+    hq, hkv, d = 4, 2, 64
+    case = random_paged_case(0, lengths=[1, 65, 0, 200, 8, 64, 130, 3][:table_rows],
+                             page_sizes=[8, 64, 16, 32, 256, 8, 128, 16][:table_rows], num_q_heads=hq,
+                             num_kv_heads=hkv, head_dim=d)
+    keys = jax.random.split(jax.random.key(0), 3)
+    parts = jax.random.normal(keys[0], (2, rows, (hq + 2 * hkv) * d), jnp.float32)
+    cos, sin = (jax.random.uniform(k, (rows, d // 2)) for k in keys[1:])
+    slots = (jnp.arange(rows, dtype=jnp.int32) * 8 + 4096) % case["k_pool"].shape[1]
+    return case, (parts, cos, sin, slots, case["k_pool"], case["v_pool"]), dict(num_q_heads=hq, num_kv_heads=hkv)
+
+
+def test_the_kv_write_with_attentions_first_tiles_prefetched_gives_the_same_bits():
+    """Interpreter: rope_kv_write over 16 token rows, 8 of them decode rows with tables (every page size, lengths
+    0 to 200, NaN outside the sequences, garbage past each row's pages), prefetching their first 64 keys and values:
+    q and both pools equal those without, bit for bit (the table reads stay inside each row's pages)."""
+    from pallas_kernels.rope_kv_write import FirstTiles, rope_kv_write
+    case, args, heads = _rope_case()
+    first = FirstTiles(case["page_starts"], case["page_sizes"], case["lengths"])
+    plain = rope_kv_write(*args, **heads, interpret=True)
+    fetched = rope_kv_write(*args, **heads, first_tiles=first, interpret=True)
+    for a, b in zip(plain, fetched, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_kv_write_lowers_for_cuda_with_the_first_tiles_prefetch(head_dim):
+    """llama-1b / 8b's decode shapes: 64 rows, a table 80 entries wide (max context 640)."""
+    from pallas_kernels.rope_kv_write import FirstTiles, rope_kv_write
+    sd = jax.ShapeDtypeStruct
+    args = [sd((4, 64, 48 * head_dim), jnp.float32), sd((64, head_dim // 2), jnp.float32),
+            sd((64, head_dim // 2), jnp.float32), sd((64,), jnp.int32), sd((8, 1 << 16, head_dim), jnp.bfloat16),
+            sd((8, 1 << 16, head_dim), jnp.bfloat16)]
+    tables = FirstTiles(sd((64, 80), jnp.int32), sd((64,), jnp.int32), sd((64,), jnp.int32))
+    plain = jax.jit(lambda *a: rope_kv_write(*a, num_q_heads=32, num_kv_heads=8)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    fetched = jax.jit(lambda t, *a: rope_kv_write(*a, num_q_heads=32, num_kv_heads=8, first_tiles=t)).trace(
+        tables, *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert fetched.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert fetched.count("prefetch") > plain.count("prefetch")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(prefetch_tokens=32), "prefetch_tokens must be one of"),
+    (dict(starts=np.zeros((8, 0), np.int32)), r"W >= 1"),
+    (dict(starts=np.zeros((24, 16), np.int32)), r"1 <= T <= R = 16"),
+    (dict(sizes=np.zeros((8,), np.float32)), r"page_sizes must be \[T\] = \[8\] int32"),
+])
+def test_bad_first_tiles_are_refused(change, match):
+    from pallas_kernels.rope_kv_write import FirstTiles, rope_kv_write
+    case, args, heads = _rope_case()
+    starts = jnp.asarray(change.get("starts", case["page_starts"]))
+    sizes = jnp.asarray(change.get("sizes", case["page_sizes"]))
+    lengths = case["lengths"] if starts.shape[0] == 8 else jnp.zeros((starts.shape[0],), jnp.int32)
+    sizes = sizes if starts.shape[0] == 8 or "sizes" in change else jnp.full((starts.shape[0],), 8, jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        rope_kv_write(*args, **heads, first_tiles=FirstTiles(starts, sizes, lengths),
+                      prefetch_tokens=change.get("prefetch_tokens", 64), interpret=True)
+
+
 def test_bad_prefetch_arguments_are_refused():
     parts, residual, weight, next_weight = _case(0, splits=2, rows=8, hidden=256, n=768, k=512)
     plan = prefetch_plan((768, 512), splits=2, fraction=1.0)
@@ -266,8 +327,9 @@ def test_the_flag_is_checked(value):
 @pytest.mark.parametrize("model", ["llama-1b", "llama-8b"])
 def test_gpu_the_compiled_kernels_with_prefetches_give_the_same_bits(model):
     """On the GPU at llama shapes, 64 rows: the norm kernel prefetching q/k/v (16 MB budget) and gate/up, the gated
-    GEMM prefetching down and the decode attention kernel (~1K context) prefetching o compile, run, and give the bits
-    they give without (the prefetch only warms L2)."""
+    GEMM prefetching down, the decode attention kernel (~1K context) prefetching o and the fused q/k/v write
+    prefetching attention's first tiles compile, run, and give the bits they give without (the prefetch only warms
+    L2)."""
     from pallas_kernels.decode_matmul import decode_gated_matmul
     from stratum_jax.model.projection import gated_kernel_config
     cfg = PRESETS[model]
@@ -300,6 +362,18 @@ def test_gpu_the_compiled_kernels_with_prefetches_give_the_same_bits(model):
     plain = swapped_paged_attention(**case)
     fetched = swapped_paged_attention(**case, prefetch_weight=o_weight, prefetch=plan)
     np.testing.assert_array_equal(np.asarray(plain, np.float32), np.asarray(fetched, np.float32))
+    # The fused q/k/v write prefetching the same rows' first tiles (the ragged case's tables: every page size).
+    from pallas_kernels.rope_kv_write import FirstTiles, rope_kv_write
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    parts = jax.random.normal(keys[0], (2, 64, (hq + 2 * hkv) * d), jnp.float32)
+    cos, sin = (jax.random.uniform(k, (64, d // 2)) for k in keys[1:3])
+    slots = jnp.arange(64, dtype=jnp.int32) * 8 + 8      # some slots inside rows' pages: written either way
+    args = (parts, cos, sin, slots, case["k_pool"], case["v_pool"])
+    plain = rope_kv_write(*args, num_q_heads=hq, num_kv_heads=hkv)
+    fetched = rope_kv_write(*args, num_q_heads=hq, num_kv_heads=hkv,
+                            first_tiles=FirstTiles(case["page_starts"], case["page_sizes"], case["lengths"]))
+    for a, b in zip(plain, fetched, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_the_start_up_note_says_what_the_budget_does():
@@ -314,16 +388,23 @@ def test_the_start_up_note_says_what_the_budget_does():
 @pytest.mark.slow
 def test_the_engine_with_every_prefetch_generates_what_xla_does(monkeypatch):
     """The engine's real step with --l2-prefetch-mb 1, the Pallas projections and the Pallas attention (interpreter):
-    each decode attention call gets the o projection's prefetch, and the greedy tokens equal XLA's projections with
-    the reference attention."""
+    each decode attention call gets the o projection's prefetch, each fused q/k/v write the decode rows' tables (for
+    attention's first tiles), and the greedy tokens equal XLA's projections with the reference attention."""
     import stratum_jax.decode as decode_module
-    seen = []
-    real = decode_module.sharded_decode_attention
+    import stratum_jax.model.projection as projection_module
+    seen, tiles = [], []
+    real_attention, real_write = decode_module.sharded_decode_attention, projection_module.rope_kv_write
 
-    def recording(*args, prefetch=None, **kwargs):
+    def attention(*args, prefetch=None, **kwargs):
         seen.append(prefetch)
-        return real(*args, prefetch=prefetch, **kwargs)
-    monkeypatch.setattr(decode_module, "sharded_decode_attention", recording)
+        return real_attention(*args, prefetch=prefetch, **kwargs)
+
+    def write(*args, first_tiles=None, **kwargs):
+        tiles.append(first_tiles)
+        return real_write(*args, first_tiles=first_tiles, **kwargs)
+    monkeypatch.setattr(decode_module, "sharded_decode_attention", attention)
+    monkeypatch.setattr(projection_module, "rope_kv_write", write)
     fetched = greedy_tokens(_CFG, "kernel", attention="kernel", l2_prefetch_mb=1.0)
     assert seen and all(p is not None for p in seen[-_CFG.num_layers:])     # the decode step's calls
+    assert tiles and all(t is not None for t in tiles[-_CFG.num_layers:])
     assert fetched == greedy_tokens(_CFG, "xla")

@@ -19,7 +19,7 @@ def test_dry_run_keeps_the_bits(bench, tmp_path):
     assert off == dict.fromkeys(bench.TARGETS, 0.0) and all(0 < mb <= 1.0 for mb in on.values())
     # A variant's targets: only those prefetch.
     assert bench.parse_variants("1:down+o") == [(1.0, ("down", "o"))]
-    assert bench.prefetched_mb(1, bench.DRY_SHAPE, 8, ("down",)) == {**off, "down": on["down"]}
+    assert bench.prefetched_mb(1, bench.DRY_SHAPE, 8, ("down",), 100) == {**off, "down": on["down"]}
     assert (tmp_path / "a.json").exists()
 
 
@@ -28,8 +28,11 @@ def test_the_budgets_at_llama_shapes(bench):
     much as the budget; under a budget each split's prefix is rounded down to whole 64-column tiles (q/k/v's 4 splits
     of 512 columns: 4 MB -> 2 tiles a split, 3 MB)."""
     shape = bench.layer_shapes("llama-1b")
-    assert bench.prefetched_mb(16, shape, 64) == {"qkv": 12.0, "o": 8.0, "gate_up": 16.0, "down": 16.0}
-    assert bench.prefetched_mb(4, shape, 64) == {"qkv": 3.0, "o": 4.0, "gate_up": 4.0, "down": 4.0}
+    first = 64 * 64 * 8 * 64 * 2 * 2 / 2**20       # rows x first keys x kv heads x D x (K, V) x bf16: 8 MB
+    assert bench.prefetched_mb(16, shape, 64) == {"qkv": 12.0, "o": 8.0, "gate_up": 16.0, "down": 16.0,
+                                                  "attention": first}
+    assert bench.prefetched_mb(4, shape, 64) == {"qkv": 3.0, "o": 4.0, "gate_up": 4.0, "down": 4.0,
+                                                 "attention": first}
     assert bench.down_splits(shape, 64) >= 1
 
 
@@ -46,13 +49,15 @@ def test_the_timed_program_lowers_for_cuda(bench):
     slots = 1 << 16
     pools = [(sd((shape["kv_heads"], slots, shape["head_dim"]), jnp.bfloat16),) * 2] * layers
     tables = RowTables(sd((rows,), jnp.int32), sd((rows, context // 8), jnp.int32), sd((rows,), jnp.int32))
+    half = sd((rows, shape["head_dim"] // 2), jnp.float32)
+    step = bench.LayerStep(tables, half, half, sd((rows,), jnp.int32))
     x, pending = sd((rows, shape["hidden"]), jnp.bfloat16), sd((bench.down_splits(shape, rows), rows, shape["hidden"]),
                                                                 jnp.float32)
     text = bench.layers_fn(DecodeKernelMatmul(l2_prefetch_mb=8), shape, max_context=context).trace(
-        x, pending, weights, pools, tables).lower(lowering_platforms=("cuda",)).as_text()
+        x, pending, weights, pools, step).lower(lowering_platforms=("cuda",)).as_text()
     # One Mosaic GPU call per distinct kernel (the layers call the same outlined functions): the two norms (each with
-    # its own prefetch plan), q/k/v, attention, o, gate/up, down.
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 7
+    # its own prefetch plan), q/k/v, the fused write, attention, o, gate/up, down.
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 8
 
 
 @pytest.mark.parametrize("argv, match", [

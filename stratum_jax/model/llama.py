@@ -51,7 +51,7 @@ from stratum_jax.kv.delta_cache import DeltaKV
 from stratum_jax.kv.slot_write import write_slot_rows
 from stratum_jax.model.config import ModelConfig
 from pallas_kernels.l2_prefetch import WeightPrefetch
-from stratum_jax.model.projection import Matmul, NextWeight, RopeKVWrite, Unsummed, xla_matmul
+from stratum_jax.model.projection import FirstTiles, Matmul, NextWeight, RopeKVWrite, Unsummed, xla_matmul
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ class Attention(nn.Module):
     matmul: Matmul | None = None
 
     @nn.compact
-    def __call__(self, x, positions, cache, write_slots, attend: Attend):
+    def __call__(self, x, positions, cache, write_slots, attend: Attend, first_tiles: FirstTiles | None = None):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         t = x.shape[0]
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -293,7 +293,8 @@ class Attention(nn.Module):
             if self.fused_shards == 1 and not cfg.attention_bias and not isinstance(cache, DeltaKV):
                 # A decode step on the Pallas projections: q/k/v, RoPE and the KV write in two kernels
                 # (pallas_kernels/rope_kv_write.py) instead of four; None where the Matmul does not fuse them.
-                fused = qkv_proj(x, RopeKVWrite(*rope_cos_sin(positions, inv_freq), write_slots, *cache))
+                fused = qkv_proj(x, RopeKVWrite(*rope_cos_sin(positions, inv_freq), write_slots, *cache,
+                                                first_tiles=first_tiles))
                 if fused is not None:
                     q, k_pool, v_pool = fused
                     with jax.named_scope("attention"):
@@ -360,7 +361,8 @@ class DecoderLayer(nn.Module):
     matmul: Matmul | None = None
 
     @nn.compact
-    def __call__(self, x, pending: Pending, positions, cache, write_slots, attend: Attend):
+    def __call__(self, x, pending: Pending, positions, cache, write_slots, attend: Attend,
+                 first_tiles: FirstTiles | None = None):
         """x [T, hidden]: the residual stream before the previous layer's MLP output `pending` is added. Returns
         (the stream after this layer's attention, this layer's MLP output to add to it, the cache): the add happens
         in the next boundary's `ResidualRMSNorm`, which can take the output as unsummed partials."""
@@ -368,7 +370,7 @@ class DecoderLayer(nn.Module):
         x, h = ResidualRMSNorm(cfg.rms_norm_eps, dtype, self.matmul, name="input_layernorm")(
             x, pending, _next_weight(self, ("self_attn", "qkv_proj")))
         o, cache = Attention(cfg, self.layer, self.fused_shards, self.matmul, name="self_attn")(
-            h, positions, cache, write_slots, attend)
+            h, positions, cache, write_slots, attend, first_tiles)
         x, h = ResidualRMSNorm(cfg.rms_norm_eps, dtype, self.matmul, name="post_attention_layernorm")(
             x, o, _next_weight(self, ("mlp", "gate_up_proj"), gated=True))
         return x, MLP(cfg, self.fused_shards, self.matmul, name="mlp")(h), cache
@@ -420,11 +422,12 @@ class Decoder(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.vocab_size, False, dtype, out_dtype=jnp.float32)
 
-    def __call__(self, token_ids, positions, kv_cache: KVCache, write_slots, attend: Attend):
+    def __call__(self, token_ids, positions, kv_cache: KVCache, write_slots, attend: Attend,
+                 first_tiles: FirstTiles | None = None):
         x = self.embed_tokens(token_ids)
         pending, new_cache = None, []
         for layer, cache in zip(self.layers, kv_cache, strict=True):  # unrolled: the cache stays per layer
-            x, pending, cache = layer(x, pending, positions, cache, write_slots, attend)
+            x, pending, cache = layer(x, pending, positions, cache, write_slots, attend, first_tiles)
             new_cache.append(cache)
         return self.norm(x, pending)[1], new_cache
 
@@ -556,7 +559,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings: Params | None = None
 
 
 def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
-            write_slots: jax.Array, attend: Attend, matmul: Matmul | None = None) -> tuple[jax.Array, KVCache]:
+            write_slots: jax.Array, attend: Attend, matmul: Matmul | None = None,
+            first_tiles: FirstTiles | None = None) -> tuple[jax.Array, KVCache]:
     """Runs the decoder over a flat (ragged) batch of T tokens.
 
     token_ids, positions, write_slots: [T] int32. positions are absolute (they drive RoPE); write_slots
@@ -568,9 +572,11 @@ def forward(params: Params, cfg: ModelConfig, token_ids: jax.Array, positions: j
     Returns (hidden [T, hidden_size] after the final RMSNorm, in cfg.dtype; the updated cache).
     params: HF's layout or the fused one (module docstring); which one is read from the tree.
     matmul: how the layers' projections multiply (stratum_jax/model/projection.py); None: XLA's dot.
+    first_tiles: the decode rows' page tables as attend reads them, for a Matmul that prefetches attention's first
+    K/V tiles into L2 from the fused q/k/v write (`RopeKVWrite.first_tiles`); None: no such prefetch.
     """
     return Decoder(cfg, fused_shards_of(params), matmul).apply({"params": params}, token_ids, positions, kv_cache,
-                                                       write_slots, attend)
+                                                       write_slots, attend, first_tiles)
 
 
 def fused_shards_of(params: Params) -> int:

@@ -31,19 +31,22 @@ from pallas_kernels.decode_matmul import (TuningConfig, decode_gated_matmul, dec
                                           default_k_splits, sum_partials, supports)
 from pallas_kernels.l2_prefetch import L2Prefetch, prefetch_plan
 from pallas_kernels.residual_rmsnorm import residual_rmsnorm, supports as residual_rmsnorm_supports
-from pallas_kernels.rope_kv_write import HEAD_DIMS as ROPE_KV_WRITE_HEAD_DIMS, rope_kv_write
+from pallas_kernels.rope_kv_write import HEAD_DIMS as ROPE_KV_WRITE_HEAD_DIMS, FirstTiles, rope_kv_write
 from stratum_jax.kv.slot_write import padding_slots
 
 
 class RopeKVWrite(NamedTuple):
     """What the q/k/v projection fused with RoPE and the KV write needs beside x and the weight
     (`Matmul.rope_kv_write`): cos, sin [T, D/2] float32 of each token row's RoPE angles, the rows' write slots
-    [T] int32 (>= num_slots: padding, not written), and the layer's pools k_pool, v_pool [Hkv, num_slots, D]."""
+    [T] int32 (>= num_slots: padding, not written), and the layer's pools k_pool, v_pool [Hkv, num_slots, D].
+    first_tiles: the decode rows' page tables (pallas_kernels/rope_kv_write.py `FirstTiles`), where the write may
+    prefetch attention's first K/V tiles into L2 (`DecodeKernelMatmul.l2_prefetch_mb`); None: no such prefetch."""
     cos: jax.Array
     sin: jax.Array
     slots: jax.Array
     k_pool: jax.Array
     v_pool: jax.Array
+    first_tiles: FirstTiles | None = None
 
 
 class Unsummed(NamedTuple):
@@ -206,7 +209,8 @@ class DecodeKernelMatmul:
     interpreter (CPU tests). l2_prefetch_mb: the residual add + norm kernel (ahead of q/k/v and gate/up), the gated
     GEMM (ahead of down) and, through `prefetch_plan`, the decode attention kernel (ahead of o) also prefetch into L2
     up to this many MB of the next projection's weight, the tiles its GEMM reads first (pallas_kernels/l2_prefetch.py);
-    0: off."""
+    and, any budget > 0, the fused q/k/v write prefetches each decode row's first K/V tile for attention (given
+    `RopeKVWrite.first_tiles`). 0: off."""
 
     interpret: bool = False
     l2_prefetch_mb: float = 0.0
@@ -244,10 +248,12 @@ class DecodeKernelMatmul:
         cos, sin = (jnp.pad(a, ((0, pad), (0, 0))) for a in (write.cos, write.sin))
         slots = jnp.concatenate([write.slots.astype(jnp.int32),
                                  padding_slots(num_slots, jnp.arange(rows, rows + pad, dtype=jnp.int32))])
+        # With a prefetch budget, the write also brings each decode row's first K/V tile into L2 for attention.
+        first_tiles = write.first_tiles if self.l2_prefetch_mb > 0 else None
         with jax.named_scope("kv_write"):       # the profile's part for the fused kernel (the GEMM stays q/k/v's)
             q, k_pool, v_pool = rope_kv_write(parts, cos, sin, slots, write.k_pool, write.v_pool,
                                               num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                              interpret=self.interpret)
+                                              first_tiles=first_tiles, interpret=self.interpret)
         return q[:rows], k_pool, v_pool
 
     def unsummed(self, x: jax.Array, w: jax.Array) -> Unsummed | None:
@@ -317,7 +323,8 @@ def l2_prefetch_note(l2_prefetch_mb: float, projections: str, attention_backend:
     ahead_of_o = ("o (by the decode attention kernel, bf16 pools, --decode-kernel swapped)"
                   if attention_backend == "kernel" else "not o (the attention is not the Pallas kernel)")
     return (f"L2 prefetch: up to {l2_prefetch_mb:g} MB of each decode GEMM's weight ahead of it: q/k/v and gate/up "
-            f"(by the norm kernels), down (by the gate/up GEMM), {ahead_of_o}")
+            f"(by the norm kernels), down (by the gate/up GEMM), {ahead_of_o}; each decode row's first 64 keys and "
+            f"values ahead of attention (by the fused q/k/v write)")
 
 
 def step_matmul(projections: str, *, interpret: bool, l2_prefetch_mb: float = 0.0) -> Matmul | None:
