@@ -19,7 +19,8 @@ over --layers layers, each with its own weights and pools (far more than the 50 
 which prefetch gains what; target "attention" is the first-tile prefetch), the variants alternating over --rounds so
 they share the GPU's clock. Each figure is device time from a jax.profiler trace of one call of the jitted layers,
 per layer: every kernel by part (norms, kv_write, attention, each GEMM, other), their sum ("busy") and first start to
-last end ("span").
+last end ("span"), and the span's change against no prefetch ("vs none": the median over rounds of the difference
+to the budget-0 variant of the same round, which ran at the same clock).
 
     python benchmarks/l2_prefetch.py --models llama-1b,llama-8b --budgets 0,8,16,8:qkv,8:o,8:attention
     python benchmarks/l2_prefetch.py --dry-run        # CPU: tiny shapes in the interpreter, the bits checked
@@ -161,6 +162,15 @@ class LayerStep(NamedTuple):
     cos: jax.Array
     sin: jax.Array
     slots: jax.Array
+
+
+def span_delta_vs_none(runs: dict, variant) -> float | None:
+    """The median over rounds of variant's span a layer minus the no-prefetch variant's in the same round (the
+    rounds alternate the variants, so each pair ran at the same clock); None without a budget-0 variant."""
+    base = next((runs[v] for v in runs if v[0] == 0), None)
+    if base is None:
+        return None
+    return float(np.median([r["span_us"] - b["span_us"] for r, b in zip(runs[variant], base, strict=True)]))
 
 
 def make_pools(shape: dict, layers: int, *, rows: int, context: int, page: int, seed: int = 2):
@@ -323,14 +333,16 @@ def main(argv=None) -> dict:
                     runs[v].append(run)
             for v in variants:
                 best = min(runs[v], key=lambda r: r["busy_us"])
+                delta = span_delta_vs_none(runs, v)
                 rows_out.append(dict(model=model, variant=variant_label(*v), budget_mb=v[0], targets=list(v[1]),
                                      prefetched_mb=prefetched_mb(v[0], shape, a.rows, v[1], a.context), rows=a.rows,
                                      context=a.context, page=a.page, layers=a.layers, rounds=runs[v],
-                                     busy_us=best["busy_us"],
-                                     span_us=best["span_us"], parts=best["parts"]))
+                                     busy_us=best["busy_us"], span_us=best["span_us"], parts=best["parts"],
+                                     span_delta_vs_none_us=delta))
                 cells = "  ".join(f"{p} {us:6.2f}" for p, us in best["parts"].items())
+                gain = "" if delta is None else f" ({delta:+.2f} vs none)"
                 print(f"{model:9s} prefetch {variant_label(*v):>14s}  busy {best['busy_us']:7.2f} us/layer  span "
-                      f"{best['span_us']:7.2f}  | {cells}", flush=True)
+                      f"{best['span_us']:7.2f}{gain}  | {cells}", flush=True)
             del weights, pools
         out = dict(benchmark="l2_prefetch", device=jax.devices()[0].device_kind, jax=jax.__version__,
                    date=datetime.date.today().isoformat(), command=" ".join(sys.argv), rows=rows_out)

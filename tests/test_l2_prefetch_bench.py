@@ -60,6 +60,14 @@ def test_the_timed_program_lowers_for_cuda(bench):
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 8
 
 
+def test_the_gain_is_paired_by_round(bench):
+    """Each variant's span against the no-prefetch variant's of the same round, the median over rounds."""
+    runs = {(0.0, bench.TARGETS): [dict(span_us=10.0), dict(span_us=12.0), dict(span_us=11.0)],
+            (8.0, ("qkv",)): [dict(span_us=9.0), dict(span_us=11.5), dict(span_us=10.0)]}
+    assert bench.span_delta_vs_none(runs, (8.0, ("qkv",))) == -1.0
+    assert bench.span_delta_vs_none({(8.0, ("qkv",)): runs[(8.0, ("qkv",))]}, (8.0, ("qkv",))) is None
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--dry-run", "--budgets", "x"], r"not MB\[:target"),
     (["--dry-run", "--budgets", "8:lm_head"], "targets must be among"),
