@@ -117,9 +117,10 @@ class RuntimeConfig:
     projections: str = "auto"        # a decode step's q/k/v, o and down projections: "kernel" (the Pallas
                                      # weight-streaming GEMM), "xla", or "auto": the kernel on a Hopper GPU for
                                      # a bf16 model on one device (stratum_jax/model/projection.py)
-    l2_prefetch_mb: float = 0.0      # with the Pallas projections: each layer boundary's residual add + norm kernel
-                                     # also prefetches into L2 up to this many MB of the next projection's weight
-                                     # (q/k/v, gate/up), the tiles its GEMM reads first; 0 = off (untimed: off until
+    l2_prefetch_mb: float = 0.0      # with the Pallas projections: the kernel before each decode GEMM (the norms,
+                                     # attention, gate/up) also prefetches into L2 up to this many MB of that GEMM's
+                                     # weight, the tiles it reads first, and the fused q/k/v write each decode row's
+                                     # first K/V tile (projection.DecodeKernelMatmul); 0 = off (untimed: off until
                                      # benchmarks/l2_prefetch.py and an e2e A/B on the H200 say so)
     decode_kernel: str = "swapped"   # the bf16 decode kernel with --attention kernel: "swapped" (keys on WGMMA's M,
                                      # the GQA group on N: fewer registers, 2-4 CTAs an SM) or "paged" (64-row q
@@ -373,8 +374,9 @@ class RuntimeConfig:
                        help="a decode step's q/k/v, o and down projections: the Pallas weight-streaming GEMM, XLA's "
                             "dot, or auto (the kernel on a Hopper GPU for a bf16 model on one device)")
         g.add_argument("--l2-prefetch-mb", type=float, default=d.l2_prefetch_mb, metavar="MB",
-                       help="with the Pallas projections, each layer boundary's norm kernel also prefetches into L2 "
-                            "up to this many MB of the next projection's weight (0: off)")
+                       help="with the Pallas projections, the kernel before each decode GEMM also prefetches into "
+                            "L2 up to this many MB of that GEMM's weight, and the fused q/k/v write each decode row's "
+                            "first K/V tile (0: off)")
         g.add_argument("--decode-kernel", default=d.decode_kernel, choices=DECODE_KERNELS,
                        help="the bf16 decode attention kernel with --attention kernel: swapped (keys on the MMA's "
                             "rows, the GQA group on its columns) or paged (64-row query blocks)")

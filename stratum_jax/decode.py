@@ -60,7 +60,7 @@ class StepGeometry:
     backend: str = "reference"  # decode attention: "kernel" (Pallas) or "reference"
     projections: str = "xla"    # the layers' projections: "kernel" (Pallas, for few rows) or "xla" (projection.py)
     interpret: bool = False     # run the Pallas kernels in the interpreter (CPU tests)
-    l2_prefetch_mb: float = 0.0  # the norm kernels' L2 prefetch of the next projection's weight (config.py)
+    l2_prefetch_mb: float = 0.0  # the kernels' L2 prefetch ahead of the next one (config.py l2_prefetch_mb)
     # Prefill attention kernel: "ws" (warp-specialised, three warpgroups per CTA) or "single" (the decode
     # kernel's pipeline). The interpreter runs a multi-warpgroup CTA as threads that each execute an XLA
     # CPU computation; with the engine's overlapped steps they can starve XLA's CPU execution threads

@@ -47,10 +47,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.l2_prefetch import WeightPrefetch
 from stratum_jax.kv.delta_cache import DeltaKV
 from stratum_jax.kv.slot_write import write_slot_rows
 from stratum_jax.model.config import ModelConfig
-from pallas_kernels.l2_prefetch import WeightPrefetch
 from stratum_jax.model.projection import FirstTiles, Matmul, NextWeight, RopeKVWrite, Unsummed, xla_matmul
 
 log = logging.getLogger(__name__)

@@ -228,10 +228,8 @@ class DecodeKernelMatmul:
         i, k = w.shape[0] // 2, w.shape[1]
         if not gated_kernel_takes(rows, i, k, x.dtype) or w.dtype != x.dtype or w.shape[0] % 2:
             return xla_gated(x, w)
-        plan = None if next_weight is None else self.prefetch_plan(rows, next_weight)
         y = decode_gated_matmul(x.reshape(rows, k), w, config=gated_kernel_config(i, rows, k),
-                                prefetch_weight=None if plan is None else next_weight.weight, prefetch=plan,
-                                interpret=self.interpret)
+                                interpret=self.interpret, **self._prefetch_kwargs(rows, next_weight))
         return y.reshape(*x.shape[:-1], i)
 
     def rope_kv_write(self, x: jax.Array, w: jax.Array, write: RopeKVWrite,
@@ -269,9 +267,14 @@ class DecodeKernelMatmul:
         if (residual.ndim != 2 or residual.dtype != jnp.bfloat16 or weight.dtype != jnp.bfloat16
                 or not residual_rmsnorm_supports(splits, residual.shape[0], hidden, pending.parts.dtype)):
             return None
-        plan = None if next_weight is None else self.prefetch_plan(residual.shape[0], next_weight)
         return residual_rmsnorm(pending.parts, residual, weight, eps=eps, interpret=self.interpret,
-                                prefetch_weight=None if plan is None else next_weight.weight, prefetch=plan)
+                                **self._prefetch_kwargs(residual.shape[0], next_weight))
+
+    def _prefetch_kwargs(self, rows: int, next_weight: NextWeight | None) -> dict:
+        """A kernel's prefetch_weight / prefetch keywords for next_weight at `rows` token rows (`prefetch_plan`),
+        or {} for no prefetch."""
+        plan = None if next_weight is None else self.prefetch_plan(rows, next_weight)
+        return {} if plan is None else dict(prefetch_weight=next_weight.weight, prefetch=plan)
 
     def prefetch_plan(self, rows: int, next_weight: NextWeight) -> L2Prefetch | None:
         """What of next_weight to prefetch ahead of its GEMM at `rows` token rows: the first l2_prefetch_mb MB of
