@@ -165,24 +165,37 @@ def device_param_bytes(params) -> int:
     return sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
 
 
-def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16",
-            decode_kernel: str = RuntimeConfig.decode_kernel) -> dict:
+def engine_config(args, attention: str, kv_precision: str = "bf16",
+                  decode_kernel: str = RuntimeConfig.decode_kernel) -> RuntimeConfig:
+    """The engine's config for one run of this script's flags (benchmarks/gpu_preflight.py lowers the same)."""
     ctx = args.prompt_len + args.new_tokens
     # Prefill steps of up to --prefill-tokens prompt tokens; decode timing counts only the calls with no
     # prefill at the full batch size, as a static-batch generate runs (a serving load mixes them instead).
     prefill_chunk = 1 << max(3, (args.prompt_len - 1).bit_length())
-    config = RuntimeConfig(model=args.model, max_batch_size=args.batch, max_context=max(ctx, 256),
-                           kv_pool_tokens=args.batch * (ctx + 256), prefill_chunk=prefill_chunk,
-                           max_num_batched_tokens=args.batch + args.prefill_tokens,
-                           max_tokens_cap=args.new_tokens, attention=attention, page_size=args.page_size,
-                           decode_kernel=decode_kernel,
-                           decode_steps=args.decode_steps, tensor_parallel=args.tensor_parallel,
-                           tp_embedding=args.tp_embedding, scheduler=args.scheduler,
-                           coordinator=args.coordinator, num_processes=args.num_processes,
-                           process_id=args.process_id, kv_precision=kv_precision,
-                           fp8_scale=args.fp8_scale if kv_precision == "fp8-delta" else "granule",
-                           interpret_kernels=args.interpret_kernels, async_scheduling=args.async_scheduling,
-                           projections=args.projections, l2_prefetch_mb=args.l2_prefetch_mb)
+    return RuntimeConfig(model=args.model, max_batch_size=args.batch, max_context=max(ctx, 256),
+                         kv_pool_tokens=args.batch * (ctx + 256), prefill_chunk=prefill_chunk,
+                         max_num_batched_tokens=args.batch + args.prefill_tokens,
+                         max_tokens_cap=args.new_tokens, attention=attention, page_size=args.page_size,
+                         decode_kernel=decode_kernel,
+                         decode_steps=args.decode_steps, tensor_parallel=args.tensor_parallel,
+                         tp_embedding=args.tp_embedding, scheduler=args.scheduler,
+                         coordinator=args.coordinator, num_processes=args.num_processes,
+                         process_id=args.process_id, kv_precision=kv_precision,
+                         fp8_scale=args.fp8_scale if kv_precision == "fp8-delta" else "granule",
+                         interpret_kernels=args.interpret_kernels, async_scheduling=args.async_scheduling,
+                         projections=args.projections, l2_prefetch_mb=args.l2_prefetch_mb)
+
+
+def run_combinations(args) -> list[tuple[str, str, str]]:
+    """(attention, kv precision, decode kernel) of each run the flags ask for: every --attention x --kv-precision,
+    and every --decode-kernel where it applies (the kernel attention on bf16 pools)."""
+    return [(attention, prec, kernel) for attention in args.attention for prec in args.kv_precision
+            for kernel in (args.decode_kernel if attention == "kernel" and prec == "bf16" else args.decode_kernel[:1])]
+
+
+def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16",
+            decode_kernel: str = RuntimeConfig.decode_kernel) -> dict:
+    config = engine_config(args, attention, kv_precision, decode_kernel)
     engine = Engine(config, model=model)
     if engine.kv_precision != kv_precision:
         print(f"--kv-precision {kv_precision} fell back to {engine.kv_precision} (see the log)", flush=True)
@@ -356,8 +369,7 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out or f"benchmarks/results/e2e_decode_{args.model}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     runs, failed = [], []
-    combos = [(attention, prec, kernel) for attention in args.attention for prec in args.kv_precision
-              for kernel in (args.decode_kernel if attention == "kernel" and prec == "bf16" else args.decode_kernel[:1])]
+    combos = run_combinations(args)
     for attention, prec, kernel in combos:
         try:
             runs.append(run_one(model, args, attention, bw, prec, kernel))

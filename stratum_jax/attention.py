@@ -368,11 +368,12 @@ def on_hopper_gpu() -> bool:
     return jax.default_backend() == "gpu" and (cc is None or str(cc).startswith("9"))
 
 
-def resolve_backend(config, model_config) -> str:
+def resolve_backend(config, model_config, on_hopper: bool | None = None) -> str:
     """The decode attention backend: --attention, with "auto" = the Pallas kernel where it runs (a Hopper
     GPU, bf16 KV, head_dim 64/128), else the jnp reference. An explicit "kernel" that cannot run is an
-    error that says what to change."""
-    on_hopper = on_hopper_gpu()
+    error that says what to change. on_hopper: whether the step runs on a Hopper GPU (default: whether this
+    process's device is one; benchmarks/gpu_preflight.py lowers for one from a CPU host)."""
+    on_hopper = on_hopper_gpu() if on_hopper is None else on_hopper
     fits = model_config.dtype == "bfloat16" and model_config.head_dim in KERNEL_HEAD_DIMS
     if config.attention == "auto":
         return "kernel" if on_hopper and fits else "reference"

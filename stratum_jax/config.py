@@ -315,6 +315,13 @@ class RuntimeConfig:
         return -(-self.kv_pool_tokens // top) * top
 
     @property
+    def measures_attention_stats(self) -> bool:
+        """Whether the steps measure attention-score variance (attn_var5): only when something reads it, the
+        DMLP's features or the block event log (its cost is in BENCHMARKS.md); the page-size rule uses it
+        when it is there."""
+        return self.cache_policy == "dmlp" or self.trace_out is not None
+
+    @property
     def page_sizes(self) -> tuple[int, ...]:
         """The page sizes requests can get: the forced --page-size, else every class the adaptive rule and
         the DMLP choose from."""

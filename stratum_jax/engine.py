@@ -99,10 +99,7 @@ class Engine:
         self.transfers = KvTransfers(phases=self.phases, compile_count=lambda: self.compiles.total)
         self.recorder = StepRecorder()        # step count, recent step costs and queue waits (engine_stats.py)
         self.pool.recall_choice = self.transfers.recall_choice = RecallChoice(self.recorder.prefill_tokens_per_s)
-        # Attention-score variance (attn_var5) is measured only when something reads it: the DMLP's
-        # features or the block event log (its cost is in BENCHMARKS.md); the page-size rule uses it
-        # when it is there.
-        self._measure_attention_stats = config.cache_policy == "dmlp" or config.trace_out is not None
+        self._measure_attention_stats = config.measures_attention_stats
         # Device idle time between steps: the DMLP's gpu_idle_frac, the stratum_gpu_idle_* metrics, HAB.
         self.gpu_idle = GpuIdleMeter()
         self.timeline = DeviceTimeline(self.gpu_idle)   # busy intervals of steps dispatched without waiting

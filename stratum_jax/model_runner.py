@@ -106,6 +106,20 @@ class InFlightStep:
         return self.next_tokens.is_ready()
 
 
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+    """One step shape's program: `jitted.lower(*args, **static)` (static: its static keyword arguments), with
+    `donate_argnums` donated. name: a file-name-safe label; key: what tells it apart from every other program
+    (the executable cache's key)."""
+
+    name: str
+    key: tuple
+    jitted: object
+    args: tuple
+    static: dict
+    donate_argnums: tuple[int, ...] = ()
+
+
 def kv_layout_of(kv_cache) -> tuple:
     """(the pytree structure, then (shape, dtype) of every leaf) of one layer's cache: () for the bf16 pools,
     whose shapes the rest of the key already fixes (so their key is as before). The structure's text holds
@@ -140,27 +154,33 @@ class ModelRunner:
         self._zero_tokens = None
 
     # -- compilation --------------------------------------------------------------------------------
-    def _lower(self, shape: StepShape, kv_cache):
-        """The lowering of `shape`'s program, through the export cache (executable_cache.py)."""
+    def program(self, shape: StepShape, kv_cache) -> StepProgram:
+        """`shape`'s step program: what `_lower` lowers (and `benchmarks/gpu_preflight.py` exports for CUDA on a
+        host without a GPU). kv_cache may be abstract (jax.ShapeDtypeStruct leaves), and so may the params."""
         cfg, geo, params = self.model.config, self.geo, self.model.params
         feed = TokenFeed(self._no_tokens(), np.full(geo.rows, -1, np.int32))
         name, key = shape.file_label(), self._key(shape)
         if shape.kind == "decode":
             args = self._decode_inputs(None)
-            return self.exports.lower(name, key, decode_steps, (params, kv_cache, *args, feed),
-                                      dict(cfg=cfg, geo=geo, variant=shape.variant), donate_argnums=(1,))
+            return StepProgram(name, key, decode_steps, (params, kv_cache, *args, feed),
+                               dict(cfg=cfg, geo=geo, variant=shape.variant), donate_argnums=(1,))
         if shape.kind == "packed":
             batch, _ = self._packed_inputs(None, shape.prefill_tokens)
-            return self.exports.lower(name, key, packed_step, (params, kv_cache, batch, feed),
-                                      dict(cfg=cfg, geo=geo), donate_argnums=(1,))
+            return StepProgram(name, key, packed_step, (params, kv_cache, batch, feed), dict(cfg=cfg, geo=geo),
+                               donate_argnums=(1,))
         if shape.kind == "sample":
             logits = jax.ShapeDtypeStruct((geo.rows, cfg.vocab_size), np.float32,
                                           sharding=geo.tp.replicated if geo.tp else None)   # as packed_step's
-            return self.exports.lower(name, key, sample_step, (logits, self._tables_and_sampling([])[2]),
-                                      dict(variant=shape.variant))
+            return StepProgram(name, key, sample_step, (logits, self._tables_and_sampling([])[2]),
+                               dict(variant=shape.variant))
         hidden = jax.ShapeDtypeStruct((PROMPT_LOGPROB_PIECE, cfg.hidden_size), np.dtype(cfg.dtype))
-        return self.exports.lower(name, key, prompt_logprobs_piece,
-                                  (params, hidden, np.zeros(PROMPT_LOGPROB_PIECE, np.int32)), dict(cfg=cfg))
+        return StepProgram(name, key, prompt_logprobs_piece,
+                           (params, hidden, np.zeros(PROMPT_LOGPROB_PIECE, np.int32)), dict(cfg=cfg))
+
+    def _lower(self, shape: StepShape, kv_cache):
+        """The lowering of `shape`'s program, through the export cache (executable_cache.py)."""
+        prog = self.program(shape, kv_cache)
+        return self.exports.lower(prog.name, prog.key, prog.jitted, prog.args, prog.static, prog.donate_argnums)
 
     @staticmethod
     def _compiler_options(shape: StepShape) -> dict:

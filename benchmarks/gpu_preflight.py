@@ -1,0 +1,154 @@
+"""The engine's step programs lowered for CUDA on a host without a GPU, at a model's real shapes: a pre-flight
+for device calls.
+
+    JAX_PLATFORMS=cpu python benchmarks/gpu_preflight.py --model llama-1b --batch 64 --prompt-len 512 \\
+        --new-tokens 256 --attention kernel --l2-prefetch-mb 16
+    JAX_PLATFORMS=cpu python benchmarks/gpu_preflight.py --model llama-8b --batch 64 --attention kernel \\
+        --shapes decode --layers 4                          # the first 4 layers only: the same kernels, faster
+
+It takes benchmarks/e2e_decode.py's flags (so an e2e command line can be checked as it stands) and builds the
+engine config that e2e would (`e2e_decode.engine_config`). On an H200 the engine traces every step shape
+(decode, the packed prefill buckets, sampling) with its Pallas kernels and compiles them at start-up; a mistake
+that shows only at a real model's shapes (a kernel's shape check, an SMEM budget, a tile count that does not
+divide, an L2 prefetch plan) would first show there, costing lent GPU time. Here each program is built as
+`ModelRunner.program` builds it, with the choices the engine makes on a Hopper GPU ("auto" projections and
+attention resolved as there; the warp-specialised prefill; no interpreter), from abstract weights and KV pools
+(nothing is allocated: llama-8b and 70b shapes work on a laptop), and exported with `jax.export` for the `cuda`
+platform. Mosaic GPU lowers each kernel to its module then, so the kernels' own checks run.
+
+What it cannot see: the PTX compile (ptxas, registers), XLA's GPU compile, and anything at run time. Only the bf16
+KV cache (DKVC's anchor comes from a warm-up run of real weights) on one device.
+
+Prints a line a program (seconds to lower, its Mosaic GPU kernel calls, the L2 prefetch sites in their code; a
+model's layers share one body, so a call stands for every layer); writes JSON with --out (also each program's
+kernel names). Exits 1 if any program failed to lower.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import re
+import sys
+import time
+import traceback
+
+import jax
+
+from stratum_jax.attention import resolve_backend
+from stratum_jax.config import RuntimeConfig
+from stratum_jax.model.config import PRESETS
+from stratum_jax.model.fused import fuse_layer
+from stratum_jax.model.llama import init_kv_cache, param_shapes
+from stratum_jax.model.loader import LoadedModel
+from stratum_jax.model.projection import resolve_projections
+from stratum_jax.model.tokenizer import ByteTokenizer
+from stratum_jax.model_runner import ModelRunner
+from e2e_decode import build_parser as e2e_parser, engine_config, run_combinations  # noqa: E402  (benchmarks/)
+
+SHAPE_KINDS = ("decode", "packed", "sample", "prompt_logprobs")
+MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"
+# A Mosaic GPU kernel's module names it "<function>_mosaic_gpu" (Pallas' name for the kernel body, shapes and all).
+KERNEL_NAME = re.compile(r"\\00(\w+?)_mosaic_gpu")
+# The PTX of a TMA prefetch to L2 (plgpu.async_prefetch; pallas_kernels/l2_prefetch.py): one a prefetch site in a
+# kernel's code, not a count of executions.
+L2_PREFETCH = "cp.async.bulk.prefetch.tensor"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = e2e_parser(__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPE_KINDS), choices=SHAPE_KINDS,
+                    help="which kinds of step program to lower (default: all the engine compiles)")
+    ap.add_argument("--layers", type=int, default=None, metavar="N",
+                    help="lower the model with its first N layers only (the same kernels, N/L of the time)")
+    return ap
+
+
+def abstract_model(name: str, dtype: str | None, layers: int | None) -> LoadedModel:
+    """A preset's model as shapes only: its params in the engine's fused layout (model/fused.py) as
+    jax.ShapeDtypeStruct leaves, nothing allocated."""
+    if name not in PRESETS:
+        raise SystemExit(f"--model {name!r}: the pre-flight takes a preset ({', '.join(PRESETS)}); a checkpoint's "
+                         "shapes are a preset's with its config.json")
+    cfg = PRESETS[name]
+    changes = {}
+    if dtype is not None:
+        changes["dtype"] = dtype
+    if layers is not None:
+        if not 1 <= layers <= cfg.num_layers:
+            raise SystemExit(f"--layers must be in [1, {cfg.num_layers}] for {name}, got {layers}")
+        changes["num_layers"] = layers
+    cfg = dataclasses.replace(cfg, **changes)
+    params = jax.eval_shape(lambda p: {k: fuse_layer(v, 1) if k.startswith("layers_") else v for k, v in p.items()},
+                            param_shapes(cfg))
+    return LoadedModel(cfg, params, ByteTokenizer(cfg.vocab_size), name)
+
+
+def runner_for(config: RuntimeConfig, model: LoadedModel) -> ModelRunner:
+    """The model runner the engine would build for config on a Hopper GPU."""
+    config = config.for_model(model.config.max_position_embeddings)
+    backend = resolve_backend(config, model.config, on_hopper=True)
+    projections = resolve_projections(config, model.config, on_hopper=True, tensor_parallel=1)
+    return ModelRunner(config, model, num_slots=config.kv_pool_slots, backend=backend, projections=projections,
+                       attn_stats=config.measures_attention_stats)
+
+
+def lower_all(runner: ModelRunner, kinds, *, progress=print) -> list[dict]:
+    """Each of runner's step programs of the given kinds exported for CUDA: one dict a program."""
+    kv_cache = jax.eval_shape(lambda: init_kv_cache(runner.model.config, runner.num_slots))
+    rows = []
+    for shape in runner.shapes:
+        if shape.kind not in kinds:
+            continue
+        row = dict(shape=str(shape), kind=shape.kind)
+        t0 = time.perf_counter()
+        try:
+            prog = runner.program(shape, kv_cache)
+            text = jax.export.export(prog.jitted, platforms=("cuda",))(*prog.args, **prog.static).mlir_module()
+            names = sorted(set(KERNEL_NAME.findall(text)) - {"stable"})
+            row.update(ok=True, mosaic_gpu_calls=text.count(MOSAIC_CALL), l2_prefetch_sites=text.count(L2_PREFETCH),
+                       kernels=names, module_chars=len(text))
+        except Exception as e:  # noqa: BLE001 - a failing program is this tool's finding: record it, lower the rest
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:4000], traceback=traceback.format_exc()[-4000:])
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        progress(f"  {row['shape'][:60]:60} {'ok' if row['ok'] else 'FAILED':6} {row['seconds']:6.1f} s "
+                 + (f"{row['mosaic_gpu_calls']:4d} kernel calls, {row['l2_prefetch_sites']:3d} L2 prefetch sites" if row["ok"]
+                    else row["error"][:300]))
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.interpret_kernels:
+        raise SystemExit("--interpret-kernels: the pre-flight lowers the kernels for the GPU, not the interpreter")
+    if args.tensor_parallel != 1 or args.kv_precision != ["bf16"]:
+        raise SystemExit("the pre-flight lowers the bf16 KV cache on one device: drop --tensor-parallel and "
+                         "--kv-precision (DKVC's anchor comes from a warm-up run of real weights)")
+    model = abstract_model(args.model, args.dtype, args.layers)
+    runs = []
+    for attention, precision, kernel in run_combinations(args):
+        config = engine_config(args, attention, precision, kernel)
+        runner = runner_for(config, model)
+        print(f"{args.model} ({model.config.num_layers} layers) batch {args.batch}: attention {runner.geo.backend}, "
+              f"decode kernel {kernel}, projections {runner.geo.projections}, L2 prefetch {config.l2_prefetch_mb:g} MB, "
+              f"{runner.geo.decode_steps} decode steps a call", flush=True)
+        rows = lower_all(runner, args.shapes, progress=lambda line: print(line, flush=True))
+        runs.append(dict(attention=runner.geo.backend, decode_kernel=kernel, projections=runner.geo.projections,
+                         l2_prefetch_mb=config.l2_prefetch_mb, programs=rows))
+    failed = sum(not r["ok"] for run in runs for r in run["programs"])
+    total = sum(len(run["programs"]) for run in runs)
+    print(f"{total - failed} of {total} step programs lowered for CUDA" + (f"; {failed} FAILED" if failed else ""))
+    if args.out:
+        out = dict(benchmark="gpu_preflight", model=args.model, layers=model.config.num_layers, batch=args.batch,
+                   jax=jax.__version__, date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
+                   runs=runs)
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""benchmarks/gpu_preflight.py: the engine's step programs at llama-1b's real shapes, exported for CUDA on this CPU
+with the kernels the engine runs on a Hopper GPU (Pallas attention and projections, no interpreter); an L2 prefetch
+budget puts prefetches into the kernels' code; a program that fails to lower is reported and makes the exit code 1;
+flags it cannot honour are refused."""
+import json
+import pathlib
+import sys
+
+import pytest
+
+from benchmark_module import load_benchmark
+
+E2E_FLAGS = ["--model", "llama-1b", "--batch", "64", "--prompt-len", "512", "--new-tokens", "256",
+             "--attention", "kernel", "--layers", "1"]
+# One llama-1b decode layer's kernels as Pallas names them: the two norms (one function), the q/k/v, o, gated
+# gate/up and down GEMMs (named by their shapes), the fused RoPE + KV write, and the swapped attention kernel
+# (`body`, the name benchmarks/device_trace.py files under attention).
+LAYER_KERNELS = {"residual_rmsnorm", "decode_matmul_3072x2048", "rope_kv_write", "body", "decode_matmul_2048x2048",
+                 "decode_gated_matmul_8192x2048", "decode_matmul_2048x8192"}
+
+
+@pytest.fixture(scope="module")
+def preflight():
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))   # e2e_decode's imports
+    try:
+        return load_benchmark("gpu_preflight.py", "gpu_preflight")
+    finally:
+        sys.path.pop(0)
+
+
+@pytest.fixture
+def first_of_each_kind(preflight, monkeypatch):
+    """The runner's first program of each kind only (the sampler variants share the decode step's kernels): the
+    same checks in a quarter of the time."""
+    real = preflight.runner_for
+
+    def runner_for(config, model):
+        runner = real(config, model)
+        kinds = {}
+        for shape in runner.shapes:
+            kinds.setdefault(shape.kind, shape)
+        runner.shapes = list(kinds.values())
+        return runner
+
+    monkeypatch.setattr(preflight, "runner_for", runner_for)
+
+
+def _programs(out_path):
+    (run,) = json.loads(out_path.read_text())["runs"]
+    return run, run["programs"]
+
+
+def test_llama_1b_decode_lowers_for_cuda_with_and_without_l2_prefetch(preflight, first_of_each_kind, tmp_path):
+    plain_out, fetched_out = tmp_path / "plain.json", tmp_path / "fetched.json"
+    assert preflight.main([*E2E_FLAGS, "--shapes", "decode", "--out", str(plain_out)]) == 0
+    assert preflight.main([*E2E_FLAGS, "--shapes", "decode", "--l2-prefetch-mb", "16", "--out", str(fetched_out)]) == 0
+    run, plain = _programs(plain_out)
+    assert (run["attention"], run["projections"], run["decode_kernel"]) == ("kernel", "kernel", "swapped")
+    _, fetched = _programs(fetched_out)
+    assert [p["shape"] for p in plain] == [p["shape"] for p in fetched] == ["decode(sampled=False, logprobs=False)"]
+    (p,), (f,) = plain, fetched
+    assert p["ok"] and f["ok"]
+    assert set(p["kernels"]) == set(f["kernels"]) == LAYER_KERNELS
+    assert p["mosaic_gpu_calls"] == f["mosaic_gpu_calls"] == 8        # the layer's 8 kernels, the norm twice
+    # One layer's issuers: the post-attention norm (gate/up), the gated GEMM (down), the attention kernel (o) and
+    # the fused q/k/v write (attention's first K/V tiles); the q/k/v prefetch sits in the norm ahead of a next layer.
+    assert p["l2_prefetch_sites"] == 0 and f["l2_prefetch_sites"] == 4
+
+
+def test_the_packed_step_lowers_with_the_warp_specialised_prefill(preflight, first_of_each_kind, tmp_path):
+    out = tmp_path / "packed.json"
+    assert preflight.main([*E2E_FLAGS, "--shapes", "packed", "--prefill-tokens", "512", "--out", str(out)]) == 0
+    _, programs = _programs(out)
+    # Its attention: the prefill kernel over the chunks' tokens and the decode kernel over the decode rows (both
+    # Pallas functions named `body`); the projections are XLA's dots in a packed step.
+    assert programs and all(p["ok"] and p["mosaic_gpu_calls"] == 2 and p["kernels"] == ["body"] for p in programs)
+
+
+def test_a_program_that_fails_to_lower_is_reported_and_fails_the_run(preflight, tmp_path, monkeypatch, capsys):
+    real = preflight.ModelRunner.program
+
+    def program(self, shape, kv_cache):
+        if shape.kind == "sample" and shape.variant.logprobs:
+            raise ValueError("an SMEM budget exceeded (test)")
+        return real(self, shape, kv_cache)
+
+    monkeypatch.setattr(preflight.ModelRunner, "program", program)
+    out = tmp_path / "failed.json"
+    assert preflight.main([*E2E_FLAGS, "--shapes", "sample", "--out", str(out)]) == 1
+    _, programs = _programs(out)
+    assert [p["ok"] for p in programs] == [False, True, False]      # the other programs still lowered
+    assert "ValueError: an SMEM budget exceeded (test)" in programs[0]["error"]
+    assert "1 of 3 step programs lowered for CUDA; 2 FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--interpret-kernels"], "for the GPU, not the interpreter"),
+    (["--kv-precision", "fp8-delta"], "bf16 KV cache on one device"),
+    (["--layers", "17"], r"--layers must be in \[1, 16\]"),
+])
+def test_flags_it_cannot_honour_are_refused(preflight, flags, match):
+    with pytest.raises(SystemExit, match=match):
+        preflight.main([*E2E_FLAGS[:-2], *flags])
+
+
+def test_a_checkpoint_directory_is_refused_with_what_to_give(preflight, tmp_path):
+    with pytest.raises(SystemExit, match="takes a preset"):
+        preflight.main(["--model", str(tmp_path), "--attention", "kernel"])
