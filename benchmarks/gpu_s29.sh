@@ -7,7 +7,9 @@
 #                                                                                                             ~6-8 min
 #   STEP=gemm_l2    the decode GEMMs with weights from HBM and from L2 (decode_gemm.py --weights-in-l2): how much any
 #                   prefetch could save a GEMM at most                                                        ~2 min
-# JSON under $OUT; BENCHMARKS.md #18 says what was measured.
+# JSON under $OUT; BENCHMARKS.md #18 says what was measured. Before a call, on this side (no GPU, ~45 s a model):
+#   JAX_PLATFORMS=cpu python benchmarks/gpu_preflight.py --model llama-8b --batch 64 --prompt-len 512 --new-tokens 256 \
+#     --attention kernel --l2-prefetch-mb $MB     (every step program lowers for CUDA at the real shapes)
 source benchmarks/gpu_env.sh
 case "${STEP:-prefetch}" in
   prefetch)

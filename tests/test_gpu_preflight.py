@@ -61,7 +61,8 @@ def test_llama_1b_decode_lowers_for_cuda_with_and_without_l2_prefetch(preflight,
     (p,), (f,) = plain, fetched
     assert p["ok"] and f["ok"]
     assert set(p["kernels"]) == set(f["kernels"]) == LAYER_KERNELS
-    assert p["mosaic_gpu_calls"] == f["mosaic_gpu_calls"] == 8        # the layer's 8 kernels, the norm twice
+    assert p["distinct_kernels"] == f["distinct_kernels"] == 8        # the layer's 8 kernels, the norm twice
+    assert p["kernel_calls"] == f["kernel_calls"] == 8
     # One layer's issuers: the post-attention norm (gate/up), the gated GEMM (down), the attention kernel (o) and
     # the fused q/k/v write (attention's first K/V tiles); the q/k/v prefetch sits in the norm ahead of a next layer.
     assert p["l2_prefetch_sites"] == 0 and f["l2_prefetch_sites"] == 4
@@ -73,7 +74,28 @@ def test_the_packed_step_lowers_with_the_warp_specialised_prefill(preflight, fir
     _, programs = _programs(out)
     # Its attention: the prefill kernel over the chunks' tokens and the decode kernel over the decode rows (both
     # Pallas functions named `body`); the projections are XLA's dots in a packed step.
-    assert programs and all(p["ok"] and p["mosaic_gpu_calls"] == 2 and p["kernels"] == ["body"] for p in programs)
+    assert programs and all(p["ok"] and p["distinct_kernels"] == 2 and p["kernels"] == ["body"] for p in programs)
+
+
+def test_kernel_calls_count_each_wrappers_call_sites(preflight):
+    text = """module {
+  func.func public @main() {
+    call @_gemm(%a) : () -> ()
+    call @_gemm(%b) : () -> ()
+    stablehlo.custom_call @mosaic_gpu_v2(%c)
+    call @_norm(%d) : () -> ()
+  }
+  func.func private @_gemm(%x) {
+    stablehlo.custom_call @mosaic_gpu_v2(%x)
+  }
+  func.func private @_norm(%x) {
+    stablehlo.custom_call @mosaic_gpu_v2(%x)
+  }
+  func.func private @_unused_by_name(%x) {
+    stablehlo.add %x, %x
+  }
+}"""
+    assert preflight.kernel_calls(text) == 2 + 1 + 1
 
 
 def test_a_program_that_fails_to_lower_is_reported_and_fails_the_run(preflight, tmp_path, monkeypatch, capsys):
