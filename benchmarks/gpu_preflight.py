@@ -16,8 +16,11 @@ attention resolved as there; the warp-specialised prefill; no interpreter), from
 (nothing is allocated: llama-8b and 70b shapes work on a laptop), and exported with `jax.export` for the `cuda`
 platform. Mosaic GPU lowers each kernel to its module then, so the kernels' own checks run.
 
-What it cannot see: the PTX compile (ptxas, registers), XLA's GPU compile, and anything at run time. Only the bf16
-KV cache (DKVC's anchor comes from a warm-up run of real weights) on one device.
+With a delta --kv-precision (DKVC) the cache is the engine's delta pools around an anchor of --anchor-lens
+positions (the engine picks 1, the mean anchor, or 256, position-aligned blocks, from a warm-up run of the real
+weights; both by default), with --fp8-scale's storage rule.
+
+What it cannot see: the PTX compile (ptxas, registers), XLA's GPU compile, and anything at run time. One device.
 
 Prints a line a program: seconds to lower, its distinct Mosaic GPU kernels (a kernel called the same way from every
 layer is lowered once, into a function each layer calls), their calls in one pass of the step and the L2 prefetch
@@ -36,16 +39,19 @@ import time
 import traceback
 
 import jax
+import numpy as np
 
 from stratum_jax.attention import resolve_backend
 from stratum_jax.config import RuntimeConfig
 from stratum_jax.model.config import PRESETS
 from stratum_jax.model.fused import fuse_layer
+from stratum_jax.kv.anchor import ALIGNED_LEN
+from stratum_jax.kv.delta_cache import init_delta_cache
 from stratum_jax.model.llama import init_kv_cache, param_shapes
 from stratum_jax.model.loader import LoadedModel
 from stratum_jax.model.projection import resolve_projections
 from stratum_jax.model.tokenizer import ByteTokenizer
-from stratum_jax.model_runner import ModelRunner
+from stratum_jax.model_runner import ModelRunner, kv_layout_of
 from e2e_decode import build_parser as e2e_parser, engine_config, run_combinations  # noqa: E402  (benchmarks/)
 
 SHAPE_KINDS = ("decode", "packed", "sample", "prompt_logprobs")
@@ -75,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = e2e_parser(__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPE_KINDS), choices=SHAPE_KINDS,
                     help="which kinds of step program to lower (default: all the engine compiles)")
+    ap.add_argument("--anchor-lens", nargs="+", type=int, default=[1, ALIGNED_LEN], metavar="N",
+                    help="with a delta --kv-precision: the anchor lengths to lower (the engine's two candidates)")
     ap.add_argument("--layers", type=int, default=None, metavar="N",
                     help="lower the model with its first N layers only (the same kernels, N/L of the time)")
     return ap
@@ -100,18 +108,31 @@ def abstract_model(name: str, dtype: str | None, layers: int | None) -> LoadedMo
     return LoadedModel(cfg, params, ByteTokenizer(cfg.vocab_size), name)
 
 
-def runner_for(config: RuntimeConfig, model: LoadedModel) -> ModelRunner:
-    """The model runner the engine would build for config on a Hopper GPU."""
+def abstract_kv_cache(config: RuntimeConfig, model: LoadedModel, anchor_len: int):
+    """The engine's KV cache for config.kv_precision as shapes only: bf16 pools, or DKVC's delta pools, scales and
+    floors around a (zero) anchor of anchor_len positions (kv/precision.py `start_kv_cache` without its warm-up)."""
+    cfg, slots = model.config, config.kv_pool_slots
+    if config.kv_precision == "bf16":
+        return jax.eval_shape(lambda: init_kv_cache(cfg, slots))
+    anchor = np.zeros((cfg.num_kv_heads, anchor_len, cfg.head_dim), cfg.dtype)
+    floors = np.ones(cfg.num_kv_heads, np.float32)
+    fixed = config.kv_precision == "fp8-delta" and config.fp8_scale == "head"
+    layers = cfg.num_layers
+    return jax.eval_shape(lambda: init_delta_cache([(anchor, anchor)] * layers, [(floors, floors)] * layers, slots,
+                                                   config.kv_precision, fixed_scales=fixed))
+
+
+def runner_for(config: RuntimeConfig, model: LoadedModel, kv_cache) -> ModelRunner:
+    """The model runner the engine would build for config and its KV cache on a Hopper GPU."""
     config = config.for_model(model.config.max_position_embeddings)
     backend = resolve_backend(config, model.config, on_hopper=True)
     projections = resolve_projections(config, model.config, on_hopper=True, tensor_parallel=1)
     return ModelRunner(config, model, num_slots=config.kv_pool_slots, backend=backend, projections=projections,
-                       attn_stats=config.measures_attention_stats)
+                       attn_stats=config.measures_attention_stats, kv_layout=kv_layout_of(kv_cache))
 
 
-def lower_all(runner: ModelRunner, kinds, *, progress=print) -> list[dict]:
+def lower_all(runner: ModelRunner, kv_cache, kinds, *, progress=print) -> list[dict]:
     """Each of runner's step programs of the given kinds exported for CUDA: one dict a program."""
-    kv_cache = jax.eval_shape(lambda: init_kv_cache(runner.model.config, runner.num_slots))
     rows = []
     for shape in runner.shapes:
         if shape.kind not in kinds:
@@ -128,9 +149,9 @@ def lower_all(runner: ModelRunner, kinds, *, progress=print) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - a failing program is this tool's finding: record it, lower the rest
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:4000], traceback=traceback.format_exc()[-4000:])
         row["seconds"] = round(time.perf_counter() - t0, 2)
-        progress(f"  {row['shape'][:60]:60} {'ok' if row['ok'] else 'FAILED':6} {row['seconds']:6.1f} s "
-                 + (f"{row['distinct_kernels']:3d} distinct kernels, {row['kernel_calls']:4d} calls, {row['l2_prefetch_sites']:3d} L2 prefetch sites" if row["ok"]
-                    else row["error"][:300]))
+        found = (f"{row['distinct_kernels']:3d} distinct kernels, {row['kernel_calls']:4d} calls, "
+                 f"{row['l2_prefetch_sites']:3d} L2 prefetch sites") if row["ok"] else row["error"][:300]
+        progress(f"  {row['shape'][:60]:60} {'ok' if row['ok'] else 'FAILED':6} {row['seconds']:6.1f} s {found}")
         rows.append(row)
     return rows
 
@@ -139,20 +160,25 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.interpret_kernels:
         raise SystemExit("--interpret-kernels: the pre-flight lowers the kernels for the GPU, not the interpreter")
-    if args.tensor_parallel != 1 or args.kv_precision != ["bf16"]:
-        raise SystemExit("the pre-flight lowers the bf16 KV cache on one device: drop --tensor-parallel and "
-                         "--kv-precision (DKVC's anchor comes from a warm-up run of real weights)")
+    if args.tensor_parallel != 1:
+        raise SystemExit("the pre-flight lowers for one device: drop --tensor-parallel")
+    if any(n < 1 for n in args.anchor_lens):
+        raise SystemExit(f"--anchor-lens must be positive, got {args.anchor_lens}")
     model = abstract_model(args.model, args.dtype, args.layers)
     runs = []
     for attention, precision, kernel in run_combinations(args):
-        config = engine_config(args, attention, precision, kernel)
-        runner = runner_for(config, model)
-        print(f"{args.model} ({model.config.num_layers} layers) batch {args.batch}: attention {runner.geo.backend}, "
-              f"decode kernel {kernel}, projections {runner.geo.projections}, L2 prefetch {config.l2_prefetch_mb:g} MB, "
-              f"{runner.geo.decode_steps} decode steps a call", flush=True)
-        rows = lower_all(runner, args.shapes, progress=lambda line: print(line, flush=True))
-        runs.append(dict(attention=runner.geo.backend, decode_kernel=kernel, projections=runner.geo.projections,
-                         l2_prefetch_mb=config.l2_prefetch_mb, programs=rows))
+        for anchor_len in (args.anchor_lens if precision != "bf16" else [None]):
+            config = engine_config(args, attention, precision, kernel)
+            kv_cache = abstract_kv_cache(config, model, anchor_len)
+            runner = runner_for(config, model, kv_cache)
+            kv = precision + (f" (anchor {anchor_len}, {config.fp8_scale} scales)" if anchor_len else "")
+            print(f"{args.model} ({model.config.num_layers} layers) batch {args.batch}: attention "
+                  f"{runner.geo.backend}, decode kernel {kernel}, KV {kv}, projections {runner.geo.projections}, L2 prefetch "
+                  f"{config.l2_prefetch_mb:g} MB, {runner.geo.decode_steps} decode steps a call", flush=True)
+            rows = lower_all(runner, kv_cache, args.shapes, progress=lambda line: print(line, flush=True))
+            runs.append(dict(attention=runner.geo.backend, decode_kernel=kernel, kv_precision=precision,
+                             anchor_len=anchor_len, fp8_scale=config.fp8_scale, projections=runner.geo.projections,
+                             l2_prefetch_mb=config.l2_prefetch_mb, programs=rows))
     failed = sum(not r["ok"] for run in runs for r in run["programs"])
     total = sum(len(run["programs"]) for run in runs)
     print(f"{total - failed} of {total} step programs lowered for CUDA" + (f"; {failed} FAILED" if failed else ""))

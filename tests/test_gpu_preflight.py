@@ -34,8 +34,8 @@ def first_of_each_kind(preflight, monkeypatch):
     same checks in a quarter of the time."""
     real = preflight.runner_for
 
-    def runner_for(config, model):
-        runner = real(config, model)
+    def runner_for(config, model, kv_cache):
+        runner = real(config, model, kv_cache)
         kinds = {}
         for shape in runner.shapes:
             kinds.setdefault(shape.kind, shape)
@@ -75,6 +75,18 @@ def test_the_packed_step_lowers_with_the_warp_specialised_prefill(preflight, fir
     # Its attention: the prefill kernel over the chunks' tokens and the decode kernel over the decode rows (both
     # Pallas functions named `body`); the projections are XLA's dots in a packed step.
     assert programs and all(p["ok"] and p["distinct_kernels"] == 2 and p["kernels"] == ["body"] for p in programs)
+
+
+def test_a_dkvc_cache_lowers_around_each_anchor_length(preflight, first_of_each_kind, tmp_path):
+    """fp8-delta pools around the engine's two anchor candidates (1: the mean anchor; 256: position-aligned)."""
+    out = tmp_path / "fp8.json"
+    assert preflight.main([*E2E_FLAGS, "--shapes", "decode", "--kv-precision", "fp8-delta", "--anchor-lens", "1",
+                           "256", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["kv_precision"], r["anchor_len"]) for r in runs] == [("fp8-delta", 1), ("fp8-delta", 256)]
+    for run in runs:
+        (program,) = run["programs"]
+        assert program["ok"] and program["distinct_kernels"] >= 1, program
 
 
 def test_kernel_calls_count_each_wrappers_call_sites(preflight):
@@ -117,7 +129,8 @@ def test_a_program_that_fails_to_lower_is_reported_and_fails_the_run(preflight, 
 
 @pytest.mark.parametrize("flags, match", [
     (["--interpret-kernels"], "for the GPU, not the interpreter"),
-    (["--kv-precision", "fp8-delta"], "bf16 KV cache on one device"),
+    (["--tensor-parallel", "2"], "for one device"),
+    (["--kv-precision", "fp8-delta", "--anchor-lens", "0"], "--anchor-lens must be positive"),
     (["--layers", "17"], r"--layers must be in \[1, 16\]"),
 ])
 def test_flags_it_cannot_honour_are_refused(preflight, flags, match):
