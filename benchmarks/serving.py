@@ -58,6 +58,10 @@ Writes benchmarks/results/<out-prefix>.json (per-request rows, columnar), <out-p
 P95 TTFT against rate, one line per config; skipped with a message when matplotlib is missing), and
 prints a table. Bounds: --request-timeout per request, --run-timeout for the whole invocation (rates not
 reached are recorded as skipped), --max-concurrency streams at once. Loopback only.
+
+This file holds the server process, the replay and the command line; beside it: serving_trace.py (the trace,
+arrivals and prompts), serving_stats.py (per-request results and their statistics), serving_prometheus.py (the
+metrics endpoint and its poller) and serving_report.py (the table, the comparison, the PNG).
 """
 from __future__ import annotations
 
@@ -73,7 +77,6 @@ import json
 import math
 import os
 import pathlib
-import random
 import re
 import shlex
 import signal
@@ -81,7 +84,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 # This file is named serving.py, like the `serving` package it imports: drop its own directory from the
 # import path (python puts it first when the file is run as a script) so `serving` means the package.
@@ -93,6 +95,13 @@ if str(REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+# The replay's pure parts, one concern a file (this one keeps the server process, the replay and the command line).
+from benchmarks.serving_prometheus import Poller, counter_total, histogram, scrape  # noqa: E402
+from benchmarks.serving_report import git_commit, compare_at_fcfs_capacity, plot, print_table  # noqa: E402
+from benchmarks.serving_stats import RequestResult, histogram_diff, summarize  # noqa: E402
+from benchmarks.serving_trace import (Shape, TraceRequest, arrival_offsets, block_text, load_trace,  # noqa: E402
+                                      prompt_for, trace_slot_ms)
+
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 RESULTS = REPO / "benchmarks" / "results"
 TRACE_BLOCK_TOKENS = 512          # one hash id per 512-token block in the Mooncake release
@@ -102,370 +111,6 @@ _HTTP_LISTENING = re.compile(r"HTTP API on (\S+)/v1")
 _OWN_FLAGS = ("--host", "--port", "--metrics-port", "--metrics-host", "--model", "--keys-file", "--tls-cert",
               "--tls-key", "--http-port", "--http-host")
 _HTTP_STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}   # as gRPC names them (no stop sequences sent)
-
-
-# ---------------------------------------------------------------- the trace and the prompts (pure)
-
-@dataclasses.dataclass(frozen=True)
-class TraceRequest:
-    index: int                  # line number in the trace (0-based)
-    timestamp_ms: int
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def load_trace(path: pathlib.Path, start: int, count: int) -> list[TraceRequest]:
-    """Lines [start, start + count) of a Mooncake-format trace; raises ValueError naming a bad line."""
-    if start < 0 or count <= 0:
-        raise ValueError(f"--window-start must be >= 0 and --num-requests > 0, got {start} and {count}")
-    out = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if i < start:
-                continue
-            if i >= start + count:
-                break
-            try:
-                d = json.loads(line)
-                r = TraceRequest(i, int(d["timestamp"]), int(d["input_length"]), int(d["output_length"]),
-                                 tuple(int(h) for h in d["hash_ids"]))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{i + 1}: not a Mooncake trace line ({e}): {line[:120]!r}") from e
-            if r.input_length <= 0 or r.output_length <= 0 or not r.hash_ids:
-                raise ValueError(f"{path}:{i + 1}: input/output lengths must be > 0 and hash_ids non-empty")
-            out.append(r)
-    if len(out) < count:
-        raise ValueError(f"{path} has {start + len(out)} lines: the window [{start}, {start + count}) runs past "
-                         f"its end; lower --window-start or --num-requests")
-    return out
-
-
-def arrival_offsets(timestamps_ms, rate: float, *, slot_ms: float = 0.0, keys=None, salt: str = "") -> list[float]:
-    """Seconds after the window's first timestamp, time compressed by `rate` (2 = twice as fast).
-
-    slot_ms > 0 spreads each request over the recorded slot its timestamp names: it arrives at a uniform
-    offset in [timestamp, timestamp + slot_ms), drawn from (salt, its key). Given how many requests a slot
-    holds, that is how a Poisson process places them, so clumps stay possible; the same (salt, key) always
-    gives the same offset, so configs replaying one rate see the same arrivals."""
-    if rate <= 0:
-        raise ValueError(f"a rate must be > 0, got {rate}")
-    if slot_ms < 0:
-        raise ValueError(f"a slot must be >= 0 ms, got {slot_ms}")
-    keys = range(len(timestamps_ms)) if keys is None else keys
-    t0 = min(timestamps_ms)
-    return [(t - t0 + (random.Random(f"{salt}/arrival/{k}").random() * slot_ms if slot_ms else 0.0)) / 1000.0 / rate
-            for t, k in zip(timestamps_ms, keys, strict=True)]
-
-
-def trace_slot_ms(timestamps_ms) -> float | None:
-    """The trace's timestamp resolution: the median gap between consecutive distinct timestamps (None with
-    fewer than two). The Mooncake conversation trace stamps its requests in 3 s slots: 1,180 distinct
-    timestamps for 12,031 requests, every two consecutive ones 2,997-3,003 ms apart."""
-    distinct = sorted(set(timestamps_ms))
-    if len(distinct) < 2:
-        return None
-    return float(np.median(np.diff(distinct)))
-
-
-@functools.lru_cache(maxsize=1 << 16)     # popular ids (id 0 starts most prompts) are built once
-def block_text(salt: str, hash_id, n_bytes: int) -> str:
-    """The text of one block: n_bytes of ASCII pseudo-words, a function of (salt, hash_id) only."""
-    rng = random.Random(f"{salt}/{hash_id}")      # str seeds are hashed with sha512: stable across runs
-    parts, size = [], 0
-    while size < n_bytes:
-        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))) + " "
-        parts.append(word)
-        size += len(word)
-    return "".join(parts)[:n_bytes]
-
-
-def build_prompt(hash_ids, n_bytes: int, block_bytes: int, salt: str, request_key) -> str:
-    """The hash ids' blocks in order, cut to n_bytes; if they are too short, blocks unique to this request
-    (keyed by request_key) fill the rest."""
-    if n_bytes < 0 or block_bytes <= 0:
-        raise ValueError(f"need n_bytes >= 0 and block_bytes > 0, got {n_bytes} and {block_bytes}")
-    blocks = [block_text(salt, h, block_bytes) for h in hash_ids[: -(-n_bytes // block_bytes)]]
-    j = 0
-    while len(blocks) * block_bytes < n_bytes:
-        blocks.append(block_text(salt, f"fill-{request_key}-{j}", block_bytes))
-        j += 1
-    return "".join(blocks)[:n_bytes]
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """How the trace's lengths become one server's requests."""
-    length_scale: float
-    block_tokens: int           # tokens per hash-id block after scaling
-    bytes_per_token: float      # text bytes per prompt token (measured via CountTokens)
-    template_tokens: int        # tokens the chat template adds around an empty user message
-    max_context: int            # prompt + max_tokens limit (already less the margin)
-    max_tokens_cap: int
-
-
-def scaled_lengths(r: TraceRequest, shape: Shape) -> tuple[int, int, bool]:
-    """(prompt tokens, max_tokens, clipped) for one trace request under `shape`."""
-    floor_in = shape.template_tokens + 1
-    out = max(1, round(r.output_length * shape.length_scale))
-    want_in = max(floor_in, round(r.input_length * shape.length_scale))
-    out_c = min(out, shape.max_tokens_cap, shape.max_context - floor_in)
-    in_c = min(want_in, shape.max_context - out_c)
-    return in_c, out_c, (in_c, out_c) != (want_in, out)
-
-
-def prompt_for(r: TraceRequest, shape: Shape, salt: str) -> tuple[str, int, int, bool]:
-    """(user message text, target prompt tokens, max_tokens, clipped)."""
-    n_in, n_out, clipped = scaled_lengths(r, shape)
-    block_bytes = max(1, round(shape.block_tokens * shape.bytes_per_token))
-    n_bytes = max(1, round((n_in - shape.template_tokens) * shape.bytes_per_token))
-    return build_prompt(r.hash_ids, n_bytes, block_bytes, salt, r.index), n_in, n_out, clipped
-
-
-# ---------------------------------------------------------------- statistics (pure)
-
-@dataclasses.dataclass
-class RequestResult:
-    """One request of one rate. Times are seconds; token_times are after the scheduled arrival."""
-    index: int                          # trace line
-    arrival_s: float                    # scheduled, after the rate's start
-    target_in: int
-    target_out: int
-    status: str = "NOT_SENT"            # "OK", a gRPC status name, NO_STOP_EVENT, CANCELLED_AT_END, NOT_SENT
-    send_lag_s: float | None = None     # actual send - scheduled arrival (concurrency cap + client lag)
-    prompt_tokens: int | None = None    # as the server counted them (MessageStart)
-    cached_tokens: int | None = None
-    output_tokens: int = 0
-    stop_reason: str | None = None
-    token_times: list = dataclasses.field(default_factory=list)   # one per delta with tokens
-    server_queue_ms: float | None = None
-    server_ttft_ms: float | None = None
-    stack: str | None = None            # the stack that served it (MessageStop.stack; None: an older server)
-    metered_usd: float | None = None    # its metered usage (MessageStop.metered.cost_usd)
-    metered: dict | None = None         # the metered breakdown's rates and terms (`breakdown_rates`)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "OK"
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.token_times[0] if self.token_times else None
-
-    @property
-    def e2e_s(self) -> float | None:
-        return self.token_times[-1] if self.token_times else None
-
-    @property
-    def tpot_s(self) -> float | None:
-        """(last token - first token) / (output tokens - 1); None for replies of one token."""
-        if self.output_tokens < 2 or len(self.token_times) < 2:
-            return None
-        return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
-
-    def itls_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-
-QUANTILES = (50, 95, 99)
-
-
-def percentiles_ms(values_s) -> dict | None:
-    """{"p50", "p95", "p99", "mean"} in ms (linear interpolation), or None for no values."""
-    v = np.asarray([x for x in values_s if x is not None], dtype=np.float64)
-    if v.size == 0:
-        return None
-    out = {f"p{q}": round(float(np.percentile(v, q)) * 1e3, 3) for q in QUANTILES}
-    out["mean"] = round(float(v.mean()) * 1e3, 3)
-    return out
-
-
-def meets_slo(r: RequestResult, slo_ttft_s: float, slo_tpot_s: float) -> bool:
-    """Finished, first token within slo_ttft_s and TPOT within slo_tpot_s (one-token replies have no TPOT)."""
-    if not r.ok or r.ttft_s is None or r.ttft_s > slo_ttft_s:
-        return False
-    tpot = r.tpot_s
-    return tpot is None or tpot <= slo_tpot_s
-
-
-def summarize(results: list[RequestResult], duration_s: float, slo_ttft_s: float, slo_tpot_s: float) -> dict:
-    """The figures of one rate. duration_s: first scheduled arrival to the last reply's end."""
-    if duration_s <= 0:
-        raise ValueError(f"duration_s must be > 0, got {duration_s}")
-    ok = [r for r in results if r.ok]
-    good = [r for r in ok if meets_slo(r, slo_ttft_s, slo_tpot_s)]
-    lags = [r.send_lag_s for r in results if r.send_lag_s is not None]
-    return {
-        "requests": len(results),
-        "finished": len(ok),
-        "failed": len(results) - len(ok),
-        "failed_by_status": dict(collections.Counter(r.status for r in results if not r.ok)),
-        "stop_reasons": dict(collections.Counter(r.stop_reason for r in ok)),
-        "duration_s": round(duration_s, 3),
-        "ttft_ms": percentiles_ms(r.ttft_s for r in ok),
-        "tpot_ms": percentiles_ms(r.tpot_s for r in ok),
-        "itl_ms": percentiles_ms(g for r in ok for g in r.itls_s()),
-        "e2e_ms": percentiles_ms(r.e2e_s for r in ok),
-        "input_tokens": sum(r.prompt_tokens or 0 for r in ok),
-        "cached_input_tokens": sum(r.cached_tokens or 0 for r in ok),
-        "output_tokens": sum(r.output_tokens for r in ok),
-        "input_tokens_per_s": round(sum(r.prompt_tokens or 0 for r in ok) / duration_s, 2),
-        "output_tokens_per_s": round(sum(r.output_tokens for r in ok) / duration_s, 2),
-        "goodput_rps": round(len(good) / duration_s, 4),
-        "good_requests": len(good),
-        "send_lag_ms": percentiles_ms(lags),
-        **metered_summary(ok),
-        "by_stack": by_stack(results, duration_s, slo_ttft_s, slo_tpot_s),
-    }
-
-
-def metered_summary(ok: list[RequestResult]) -> dict:
-    """The metered usage of finished requests: total USD and USD per 1,000 output tokens (None without any)."""
-    billed = [r for r in ok if r.metered_usd is not None]
-    usd, out = sum(r.metered_usd for r in billed), sum(r.output_tokens for r in billed)
-    return {"metered_usd": round(usd, 9) if billed else None,
-            "metered_usd_per_1k_output_tokens": round(1e3 * usd / out, 9) if out else None}
-
-
-def by_stack(results: list[RequestResult], duration_s: float, slo_ttft_s: float, slo_tpot_s: float) -> dict | None:
-    """The same figures per serving stack (x-stratum-weight splits), over the rate's whole duration; None
-    when no reply named its stack."""
-    names = sorted({r.stack for r in results if r.stack})
-    if not names:
-        return None
-    out = {}
-    for name in names:
-        mine = [r for r in results if r.stack == name]
-        ok = [r for r in mine if r.ok]
-        good = [r for r in ok if meets_slo(r, slo_ttft_s, slo_tpot_s)]
-        out[name] = {"finished": len(ok), "ttft_ms": percentiles_ms(r.ttft_s for r in ok),
-                     "tpot_ms": percentiles_ms(r.tpot_s for r in ok), "goodput_rps": round(len(good) / duration_s, 4),
-                     "output_tokens": sum(r.output_tokens for r in ok), **metered_summary(ok)}
-    return out
-
-
-def histogram_diff(before: dict | None, after: dict | None) -> dict | None:
-    """after - before of a histogram {"buckets": {le: cumulative count}, "sum", "count"}; None if absent."""
-    if before is None or after is None:
-        return None
-    return {"buckets": {le: after["buckets"][le] - before["buckets"].get(le, 0) for le in after["buckets"]},
-            "sum": after["sum"] - before["sum"], "count": after["count"] - before["count"]}
-
-
-def series_summary(values) -> dict | None:
-    v = [x for x in values if x is not None]
-    if not v:
-        return None
-    return {"n": len(v), "mean": round(float(np.mean(v)), 4), "max": round(float(np.max(v)), 4),
-            "p50": round(float(np.percentile(v, 50)), 4), "p95": round(float(np.percentile(v, 95)), 4)}
-
-
-# ---------------------------------------------------------------- Prometheus
-
-def parse_metrics(text: str) -> dict[str, list[tuple[dict, float]]]:
-    """sample name -> [(labels, value)] of a Prometheus text exposition."""
-    from prometheus_client.parser import text_string_to_metric_families
-    out: dict[str, list] = collections.defaultdict(list)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[s.name].append((dict(s.labels), float(s.value)))
-    return dict(out)
-
-
-def counter_total(samples: dict, name: str) -> float | None:
-    """The sum over labels of a sample, or None when the server does not export it."""
-    return sum(v for _, v in samples[name]) if name in samples else None
-
-
-def gauge(samples: dict, name: str) -> float | None:
-    return samples[name][0][1] if name in samples else None
-
-
-def histogram(samples: dict, name: str) -> dict | None:
-    """A histogram summed over its label sets (the stacks)."""
-    if f"{name}_bucket" not in samples:
-        return None
-    buckets: dict[str, float] = collections.defaultdict(float)
-    for labels, v in samples[f"{name}_bucket"]:
-        buckets[labels["le"]] += v
-    return {"buckets": dict(buckets),
-            "sum": counter_total(samples, f"{name}_sum"), "count": counter_total(samples, f"{name}_count")}
-
-
-async def scrape(url: str | None) -> dict:
-    if url is None:
-        return {}
-
-    def get() -> str:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.read().decode()
-    return parse_metrics(await asyncio.to_thread(get))
-
-
-class Poller:
-    """Samples gauges from /metrics every period_s while the replay runs."""
-
-    NAMES = ("stratum_gpu_idle_fraction", "stratum_queue_length", "stratum_running_requests",
-             "stratum_prefill_tokens_total", "stratum_hbm_bandwidth_utilization", "stratum_gpu_compute_utilization")
-    GAUGES = {"stratum_gpu_idle_fraction", "stratum_hbm_bandwidth_utilization", "stratum_gpu_compute_utilization"}
-
-    def __init__(self, url: str | None, period_s: float) -> None:
-        self.url, self.period_s = url, period_s
-        self.samples: list[list] = []        # [t_s, *NAMES values]
-        self.errors = 0
-        self._task = None
-
-    async def _run(self, t0: float) -> None:
-        while True:
-            try:
-                s = await scrape(self.url)
-                # The idle fraction and the utilizations are the first stack's (the Stratum stack's: its engine
-                # measures its own steps); the queue, running and prefill figures are summed over the stacks.
-                self.samples.append([round(time.perf_counter() - t0, 3)] + [
-                    gauge(s, n) if n in self.GAUGES else counter_total(s, n) for n in self.NAMES])
-            except (OSError, ValueError):      # a missed sample is counted, not fatal
-                self.errors += 1
-            await asyncio.sleep(self.period_s)
-
-    def start(self, t0: float) -> None:
-        if self.url is not None:
-            self._task = asyncio.create_task(self._run(t0))
-
-    async def stop(self) -> dict:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        cols = list(zip(*self.samples)) if self.samples else [[] for _ in range(len(self.NAMES) + 1)]
-        return {"fields": ["t_s", *self.NAMES], "rows": self.samples, "scrape_errors": self.errors,
-                **{n.removeprefix("stratum_"): series_summary(cols[i + 1]) for i, n in enumerate(self.NAMES)},
-                **while_queued(self.samples), **utilization_while_running(self.samples)}
-
-
-def utilization_while_running(rows: list[list]) -> dict:
-    """The step utilization gauges (issue #18) over the Poller rows taken while requests ran (column 3 > 0):
-    the gauges are medians of the engine's latest steps, so an idle server keeps showing its last ones."""
-    busy = [r for r in rows if r[3]]
-    return {f"{name}_while_running": series_summary([r[col] for r in busy])
-            for name, col in (("hbm_bandwidth_utilization", 5), ("gpu_compute_utilization", 6))}
-
-
-def while_queued(rows: list[list]) -> dict:
-    """The saturation figures of issue #10 from Poller rows [t_s, idle fraction, queue length, running,
-    prefill tokens total]: over the sample intervals that start and end with requests queued, the mean
-    device idle fraction and the prefill throughput (prefilled tokens / seconds). None without such
-    intervals (or without the counter: an older server)."""
-    idle, seconds, tokens = [], 0.0, 0.0
-    for a, b in zip(rows, rows[1:]):
-        if not (a[2] and b[2]):                           # queue empty (or not read) at either end
-            continue
-        if b[1] is not None:
-            idle.append(b[1])
-        if a[4] is not None and b[4] is not None:
-            seconds += b[0] - a[0]
-            tokens += b[4] - a[4]
-    return {"queued_seconds": round(seconds, 3),
-            "gpu_idle_fraction_while_queued": round(float(np.mean(idle)), 4) if idle else None,
-            "prefill_tokens_per_s_while_queued": round(tokens / seconds, 1) if seconds > 0 else None}
 
 
 # ---------------------------------------------------------------- the server
@@ -896,127 +541,6 @@ def per_request_table(results: list[RequestResult]) -> dict:
     return {"fields": list(REQUEST_FIELDS), "rows": rows}
 
 
-# ---------------------------------------------------------------- report
-
-def print_table(report: dict) -> None:
-    head = (f"{'config':<10} {'rate':>5} {'req/s':>7} {'ok/fail':>9} {'TTFT p50':>9} {'p95':>9} {'TPOT p50':>9} "
-            f"{'p95':>8} {'ITL p95':>8} {'out tok/s':>10} {'goodput':>8} {'compiles':>8} {'queued: prefill tok/s':>21} "
-            f"{'idle':>5} {'HBM/MMA util':>12}")
-    print(head)
-    print("-" * len(head))
-
-    def f(d, k, w):
-        v = (d or {}).get(k)
-        return f"{v:>{w}.1f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
-    for c in report["configs"]:
-        if "error" in c and not c.get("rates"):
-            print(f"{c['name']:<10} error: {c['error'].splitlines()[0]}")
-            continue
-        for rate, s in c["rates"].items():
-            if "skipped" in s:
-                print(f"{c['name']:<10} {rate:>5} skipped: {s['skipped']}")
-                continue
-            comp = "null" if s["jit_compilations"] is None else f"{s['jit_compilations']:.0f}"
-            q = s.get("metric_samples") or {}
-            idle = q.get("gpu_idle_fraction_while_queued")
-            idle = "-" if idle is None else f"{idle:.0%}"
-            hbm, mma = (q.get(f"{k}_while_running") for k in ("hbm_bandwidth_utilization", "gpu_compute_utilization"))
-            util = f"{hbm['p50']:.0%}/{mma['p50']:.0%}" if hbm and mma else "-"
-            print(f"{c['name']:<10} {rate + 'x':>5} {s['offered_rps']:>7.2f} {s['finished']:>4}/{s['failed']:<4} "
-                  f"{f(s['ttft_ms'], 'p50', 9)} {f(s['ttft_ms'], 'p95', 9)} {f(s['tpot_ms'], 'p50', 9)} "
-                  f"{f(s['tpot_ms'], 'p95', 8)} {f(s['itl_ms'], 'p95', 8)} {s['output_tokens_per_s']:>10.1f} "
-                  f"{s['goodput_rps']:>8.3f} {comp:>8} {f(q, 'prefill_tokens_per_s_while_queued', 21)} "
-                  f"{idle:>5} {util:>12}")
-    print("(times in ms; req/s offered; goodput: requests/s meeting "
-          f"TTFT <= {report['args']['slo_ttft_ms']} ms and TPOT <= {report['args']['slo_tpot_ms']} ms; "
-          "queued: over the /metrics sample intervals with requests queued at both ends; util: median "
-          "stratum_hbm_bandwidth_utilization / stratum_gpu_compute_utilization over the samples with requests running)")
-    cmp = report.get("comparison")
-    if cmp:
-        ratios = ", ".join(f"{n} {r:.3f}x" if r is not None else f"{n} -" for n, r in cmp["goodput_ratio"].items())
-        print(f"goodput over {cmp['baseline']} at {cmp['rate']:g}x, the highest rate tried where {cmp['baseline']} "
-              f"met the SLO for >= half of its requests ({cmp['baseline_good_fraction']:.0%}): {ratios}")
-
-
-def compare_at_fcfs_capacity(report: dict, baseline: str = "fcfs") -> dict | None:
-    """Issue #10's HAB target, read off a report: the highest rate at which the `baseline` config still
-    met the SLO for at least half of its requests, and every other config's goodput there over the
-    baseline's. None when the report has no such config or rate.
-
-    -> {"baseline", "rate", "baseline_good_fraction", "baseline_goodput_rps",
-        "goodput_ratio": {config: ratio or None}, "rates_tried": [...]}
-    """
-    by_name = {c["name"]: c for c in report["configs"]}
-    base = by_name.get(baseline)
-    if base is None:
-        return None
-    done = {float(k): s for k, s in base.get("rates", {}).items() if "skipped" not in s and s.get("requests")}
-    holding = [r for r, s in done.items() if s["good_requests"] >= s["requests"] / 2]
-    if not holding:
-        return None
-    rate = max(holding)
-    s = done[rate]
-    ratios, p95 = {}, {baseline: (s.get("ttft_ms") or {}).get("p95")}
-    for name, c in by_name.items():
-        if name == baseline:
-            continue
-        other = next((o for k, o in c.get("rates", {}).items() if float(k) == rate and "skipped" not in o), None)
-        ratios[name] = (round(other["goodput_rps"] / s["goodput_rps"], 3)
-                        if other is not None and s["goodput_rps"] > 0 else None)
-        p95[name] = None if other is None else (other.get("ttft_ms") or {}).get("p95")
-    return {"baseline": baseline, "rate": rate, "baseline_good_fraction": round(s["good_requests"] / s["requests"], 3),
-            "baseline_goodput_rps": s["goodput_rps"], "goodput_ratio": ratios, "ttft_p95_ms": p95,
-            "rates_tried": sorted(done)}
-
-
-def plot(report: dict, path: pathlib.Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no matplotlib here: no PNG (the JSON has every figure; plot later with --replot)", file=sys.stderr)
-        return False
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for c in report["configs"]:
-        done = [(float(k), s) for k, s in c.get("rates", {}).items() if "skipped" not in s]
-        if not done:
-            continue
-        xs = [k for k, _ in done]
-        ax[0].plot(xs, [s["goodput_rps"] for _, s in done], "o-", label=c["name"])
-        ax[1].plot(xs, [(s["ttft_ms"] or {}).get("p95", float("nan")) for _, s in done], "o-", label=c["name"])
-    rates = sorted({float(k) for c in report["configs"] for k in c.get("rates", {})})
-    for a, ylabel in zip(ax, ("goodput (req/s)", "P95 TTFT (ms)")):
-        a.set_xscale("log", base=2)
-        a.set_xticks(rates, [f"{r:g}x" for r in rates])
-        a.set_xlabel("rate (x the trace's)")
-        a.set_ylabel(ylabel)
-        a.grid(alpha=0.3)
-        a.legend()
-    if any(v > 0 for line in ax[1].get_lines() for v in line.get_ydata()):   # NaN-only: no log axis
-        ax[1].set_yscale("log")
-    a = report["args"]
-    dev = next((c["health"]["device"] for c in report["configs"] if "health" in c), "?")
-    fig.suptitle(f"{a['model']} on {dev}: Mooncake conversation [{a['window_start']}, "
-                 f"{a['window_start'] + a['num_requests']}), lengths x{a['length_scale']}; SLO TTFT "
-                 f"{a['slo_ttft_ms']} ms, TPOT {a['slo_tpot_ms']} ms", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def _git_commit() -> str | None:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (sha + ("-dirty" if dirty else "")) or None
-
-
 # ---------------------------------------------------------------- command line
 
 def parse_configs(text: str) -> list[tuple[str, list[str]]]:
@@ -1164,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
                      + ("HTTP (OpenAI API, issue #17)" if args.http else "gRPC"),
         "date": started.isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["serving.py", *argv]),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "device": health.get("device"), "platform": health.get("platform"),
         "jax_version": health.get("jax_version"), "cuda_version": health.get("cuda_version"),
         "trace": str(args.trace), "window": [args.window_start, args.window_start + args.num_requests],
