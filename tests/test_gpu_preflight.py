@@ -68,6 +68,21 @@ def test_llama_1b_decode_lowers_for_cuda_with_and_without_l2_prefetch(preflight,
     assert p["l2_prefetch_sites"] == 0 and f["l2_prefetch_sites"] == 4
 
 
+def test_llama_8b_steps_lower_for_cuda_with_a_partial_l2_prefetch(preflight, first_of_each_kind, tmp_path):
+    """head_dim 128, the 8b projections' tiles and an 8 MB budget (part of each weight: the plans' predicated rounds),
+    one layer: the decode, packed and sampling programs all lower."""
+    out = tmp_path / "8b.json"
+    flags = ["--model", "llama-8b", *E2E_FLAGS[2:], "--l2-prefetch-mb", "8", "--prefill-tokens", "512"]
+    assert preflight.main([*flags, "--shapes", "decode", "packed", "sample", "--out", str(out)]) == 0
+    _, programs = _programs(out)
+    assert [p["kind"] for p in programs] == ["decode", "packed", "sample"] and all(p["ok"] for p in programs)
+    decode = programs[0]
+    assert set(decode["kernels"]) == {"residual_rmsnorm", "decode_matmul_6144x4096", "rope_kv_write", "body",
+                                      "decode_matmul_4096x4096", "decode_gated_matmul_14336x4096",
+                                      "decode_matmul_4096x14336"}, decode["kernels"]
+    assert decode["kernel_calls"] == 8 and decode["l2_prefetch_sites"] == 4
+
+
 def test_the_packed_step_lowers_with_the_warp_specialised_prefill(preflight, first_of_each_kind, tmp_path):
     out = tmp_path / "packed.json"
     assert preflight.main([*E2E_FLAGS, "--shapes", "packed", "--prefill-tokens", "512", "--out", str(out)]) == 0
