@@ -61,7 +61,31 @@ def parse_body(body: bytes) -> dict:
         raise InvalidRequestError(f"the request body is not valid JSON ({e}): send a JSON object") from e
     if not isinstance(data, dict):
         raise InvalidRequestError(f"the request body must be a JSON object, got {type(data).__name__}")
+    if (where := _lone_surrogate(data, "")) is not None:
+        path, char = where
+        raise InvalidRequestError(f"{path} holds a lone UTF-16 surrogate (\\u{ord(char):04x}), which is not text: "
+                                  "send a high and low surrogate together (\\ud83d\\ude00), or the character itself")
     return data
+
+
+def _lone_surrogate(value, path: str) -> tuple[str, str] | None:
+    """(where, the character) of the first unpaired surrogate in the strings (keys too) of a parsed JSON value, or None.
+    JSON's \\uXXXX escapes can name half of a pair, and such a string cannot be encoded for the tokenizer."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path, value[e.start]
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if found := (_lone_surrogate(key, f"a key of {path or 'the body'}")
+                         or _lone_surrogate(item, f"{path}.{key}" if path else key)):
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if found := _lone_surrogate(item, f"{path}[{i}]"):
+                return found
+    return None
 
 
 def _get(body: dict, name: str, kind: str, default=None):

@@ -283,6 +283,9 @@ def test_bad_requests_get_openai_errors_with_their_status(http):
             ("not json", "/v1/chat/completions", b"{nope", 400, "not valid JSON"),
             ("prompt type", "/v1/completions", json.dumps({"prompt": {"a": 1}}).encode(), 400, "prompt must be"),
             ("two prompts", "/v1/completions", json.dumps({"prompt": ["a", "b"]}).encode(), 400, "one prompt"),
+            # JSON's escapes can name half a surrogate pair: not text, so not the tokenizer's (it was a 500).
+            ("lone surrogate", "/v1/completions", b'{"prompt": "a\\ud83db", "max_tokens": 2}', 400,
+             "prompt holds a lone UTF-16 surrogate (\\ud83d)"),
             ("unknown path", "/v1/embeddings", b"{}", 404, "no endpoint /v1/embeddings")]:
         got, raw_body = raw(http.url + path, body, headers)
         message = json.loads(raw_body)["error"]["message"]
@@ -290,9 +293,9 @@ def test_bad_requests_get_openai_errors_with_their_status(http):
             failures.append(f"{name}: got {got} {message!r}, want {status} with {needle!r}")
     assert not failures, "\n".join(failures)
     after = {s: http.status_count(s) for s in ("invalid_argument", "resource_exhausted")}
-    # Counted as gRPC's are: 17 SDK cases + 3 raw ones are invalid_argument (the unknown model too; the
+    # Counted as gRPC's are: 17 SDK cases + 4 raw ones are invalid_argument (the unknown model too; the
     # unknown path is no completion call), the oversized one resource_exhausted.
-    assert after["invalid_argument"] - before["invalid_argument"] == 20
+    assert after["invalid_argument"] - before["invalid_argument"] == 21
     assert after["resource_exhausted"] - before["resource_exhausted"] == 1
 
 

@@ -69,6 +69,22 @@ def test_bad_completion_bodies_name_the_field(body, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("raw, where, char", [
+    (rb'{"messages": [{"role": "user", "content": "hi \ud83d"}]}', "messages[0].content", r"\ud83d"),
+    (rb'{"prompt": "x", "stop": ["ok", "\udc00 trailing"]}', "stop[1]", r"\udc00"),
+    (rb'{"metadata": {"\ud800": 1}}', "a key of metadata", r"\ud800"),
+    (rb'{"prompt": "\ude00\ud83d"}', "prompt", r"\ude00"),            # a pair in the wrong order is two halves
+])
+def test_a_lone_surrogate_is_refused_with_where_it_is(raw, where, char):
+    with pytest.raises(InvalidRequestError) as e:
+        openai_api.parse_body(raw)
+    assert str(e.value).startswith(f"{where} holds a lone UTF-16 surrogate ({char})")
+
+
+def test_a_surrogate_pair_is_one_character():
+    assert openai_api.parse_body(rb'{"prompt": "\ud83d\ude00!"}') == {"prompt": "\U0001F600!"}
+
+
 def test_chat_errors_count_messages_as_the_client_sent_them():
     body = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                          {"role": "tool", "content": "t"}], "max_tokens": 4}
