@@ -104,6 +104,19 @@ def test_a_dkvc_cache_lowers_around_each_anchor_length(preflight, first_of_each_
         assert program["ok"] and program["distinct_kernels"] >= 1, program
 
 
+def test_llama_8b_fp8_fold_lowers_at_4k(preflight, first_of_each_kind, tmp_path):
+    """#12's fold path as the engine runs it on llama-8b (head_dim 128, fp8 deltas with fixed per-head scales, 4K
+    context): the decode program lowers, with the fp8 pools' attention kernel in it."""
+    out = tmp_path / "fold.json"
+    flags = ["--model", "llama-8b", "--batch", "64", "--prompt-len", "3840", "--new-tokens", "256", "--attention",
+             "kernel", "--layers", "1", "--kv-precision", "fp8-delta", "--fp8-scale", "head", "--anchor-lens", "1"]
+    assert preflight.main([*flags, "--shapes", "decode", "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    (program,) = run["programs"]
+    assert (run["kv_precision"], run["fp8_scale"]) == ("fp8-delta", "head")
+    assert program["ok"] and "body" in program["kernels"], program
+
+
 def test_kernel_calls_count_each_wrappers_call_sites(preflight):
     text = """module {
   func.func public @main() {
