@@ -1,7 +1,7 @@
 """What bounds the swapped decode-attention kernel at a decode step's short context: HBM, or each CTA's chain?
 
 For each head dim, context and SwappedConfig, the Pallas kernel's device time per call (a jax.profiler trace of
-a chain of calls in one executable, `kernel_timing.kernel_profile`) over three layouts of the same batch:
+a chain of calls in one executable, `kernel_timing.kernel_profile`) over these layouts of the same batch:
   - hbm:      every row its own pages, placed at random in the pool: the K/V bytes come from HBM;
   - contiguous: the same bytes with every row's pages one after another and the rows one after another (a pool
               filled in order, as a prefill of whole prompts fills a fresh one): concurrent CTAs stream from
@@ -9,7 +9,10 @@ a chain of calls in one executable, `kernel_timing.kernel_profile`) over three l
   - l2:       every row's page table pointing at row 0's pages: the same tiles, copies, MMAs and softmax,
               but the bytes (one sequence's: a few MB) come from L2 after the first touch;
   - one-tile: every row one tile long (block_kv keys): a call's fixed cost (launch, page table, q, the first
-              copies' latency, the epilogue) with almost no streaming.
+              copies' latency, the epilogue) with almost no streaming;
+  - engine:   the page tables the engine's allocator really gave e2e_decode.py's batch (--engine-tables, from
+              benchmarks/engine_page_tables.py: prompts mostly in runs of pages, decode pages wherever the pool
+              had room), each row cut to the context; its page size must be among --pages.
 hbm close to l2 means the chain (copy issue, waits, MMAs, softmax, barriers) bounds the kernel, not the bytes;
 l2 well under hbm means the bytes do. The one-tile time is what no streaming work hides.
 
@@ -50,12 +53,50 @@ from pallas_kernels.paged_attention import PAGE_SIZES   # noqa: E402
 from pallas_kernels.testing import random_paged_case   # noqa: E402
 from stratum_jax.model.projection import kernel_config   # noqa: E402
 
-LAYOUTS = ("hbm", "contiguous", "l2", "one-tile")
+LAYOUTS = ("hbm", "contiguous", "l2", "one-tile", "engine")
+ENGINE_TABLES = ROOT / "benchmarks/results/engine_page_tables_b64_p512_c640.json"
 
 
-def make_case(layout: str, *, batch, context, page, head_dim, block_kv, q_heads, kv_heads):
+def load_engine_tables(path) -> dict:
+    """benchmarks/engine_page_tables.py's dump, checked: {num_slots, rows: [{length, page_size, page_starts}]}."""
+    try:
+        dump = json.loads(pathlib.Path(path).read_text())
+        rows, num_slots = dump["rows"], int(dump["num_slots"])
+        for r in rows:
+            pages, size = r["page_starts"], r["page_size"]
+            if len(pages) * size < r["length"] or min(pages) < 0 or max(pages) + size > num_slots:
+                raise ValueError(f"a row's pages do not hold its {r['length']} keys inside {num_slots} slots")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--engine-tables {path}: not a benchmarks/engine_page_tables.py dump ({e}); make one with "
+                         "JAX_PLATFORMS=cpu python benchmarks/engine_page_tables.py") from e
+    if len({r["page_size"] for r in rows}) != 1:
+        raise SystemExit(f"--engine-tables {path}: the rows have several page sizes; the layout needs one")
+    return dump
+
+
+def engine_case(tables: dict, *, batch, context, head_dim, q_heads, kv_heads) -> dict:
+    """The engine layout: the dump's first `batch` rows' tables, each row cut to `context` keys, over a pool of
+    the dump's slot count."""
+    rows = tables["rows"][:batch]
+    if len(rows) < batch or any(r["length"] < context for r in rows):
+        raise SystemExit(f"the engine tables hold {len(tables['rows'])} rows of at least "
+                         f"{min(r['length'] for r in tables['rows'])} keys: --batch {batch} and --contexts {context} "
+                         "must fit (dump them again with benchmarks/engine_page_tables.py)")
+    page = rows[0]["page_size"]
+    width = -(-context // page)
+    case = random_paged_case(0, lengths=[context] * batch, page_sizes=[page] * batch, num_q_heads=q_heads,
+                             num_kv_heads=kv_heads, head_dim=head_dim, num_slots=tables["num_slots"],
+                             nan_outside=False)
+    case["page_starts"] = jnp.asarray([r["page_starts"][:width] for r in rows], jnp.int32)
+    return case
+
+
+def make_case(layout: str, *, batch, context, page, head_dim, block_kv, q_heads, kv_heads, tables=None):
     """The kernel's arguments for one layout (module docstring). Every row has the same length, as a batch
-    admitted together has in benchmarks/e2e_decode.py."""
+    admitted together has in benchmarks/e2e_decode.py. tables: `load_engine_tables`' dump (the engine layout)."""
+    if layout == "engine":
+        return engine_case(tables, batch=batch, context=context, head_dim=head_dim, q_heads=q_heads,
+                           kv_heads=kv_heads)
     length = block_kv if layout == "one-tile" else context
     case = random_paged_case(0, lengths=[length] * batch, page_sizes=[page] * batch, num_q_heads=q_heads,
                              num_kv_heads=kv_heads, head_dim=head_dim, nan_outside=False)
@@ -105,6 +146,8 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=20, help="chained calls in the traced executable")
     ap.add_argument("--between", type=float, default=0.0, metavar="MB",
                     help="GPU: also time the hbm layout interleaved with a GEMM streaming this many MB (docstring)")
+    ap.add_argument("--engine-tables", default=str(ENGINE_TABLES),
+                    help="the engine layout's page tables (benchmarks/engine_page_tables.py's JSON)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes in the Mosaic GPU interpreter (CPU)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/attention_bound_h200.json"))
     a = ap.parse_args(argv)
@@ -120,10 +163,14 @@ def main(argv=None):
     pages = [int(x) for x in a.pages.split(",")]
     if any(p not in PAGE_SIZES for p in pages):
         ap.error(f"--pages: each must be one of {PAGE_SIZES}, got {a.pages!r}")
+    tables = load_engine_tables(a.engine_tables) if "engine" in layouts else None
+    engine_page = tables["rows"][0]["page_size"] if tables else None
+    if tables and engine_page not in pages:
+        ap.error(f"--layouts engine: its tables are in {engine_page}-token pages; add {engine_page} to --pages")
     dev = jax.devices()[0]
     meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, jax=jax.__version__,
                 batch=a.batch, q_heads=a.q_heads, kv_heads=a.kv_heads, pages=pages, calls=a.calls,
-                dry_run=a.dry_run)
+                dry_run=a.dry_run, engine_tables=a.engine_tables if tables else None)
     if not a.dry_run:
         meta["read_ceiling"] = read_ceiling(1 << 31, reps=10)
     read_tbps = meta.get("read_ceiling", {}).get("tbps")
@@ -135,8 +182,11 @@ def main(argv=None):
         for config in parse_overrides(a.configs, default_swapped_config(head_dim, context)):
             row = dict(head_dim=head_dim, context=context, page=page, config=repr(config), layouts={})
             for layout in layouts:
+                if layout == "engine" and page != engine_page:
+                    row["layouts"][layout] = None      # the engine's tables are in one page size
+                    continue
                 case = make_case(layout, batch=a.batch, context=context, page=page, head_dim=head_dim,
-                                 block_kv=config.block_kv, q_heads=a.q_heads, kv_heads=a.kv_heads)
+                                 block_kv=config.block_kv, q_heads=a.q_heads, kv_heads=a.kv_heads, tables=tables)
 
                 def fn(q, k_pool, v_pool, lengths, page_starts, page_sizes, config=config):
                     return swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
@@ -162,6 +212,9 @@ def main(argv=None):
             cells = []
             for layout in layouts + (["between"] if a.between else []):
                 r = row["layouts"][layout]
+                if r is None:
+                    cells.append("-")
+                    continue
                 pct = f" {100 * r['tbps'] / read_tbps:3.0f}%" if read_tbps and r["tbps"] else ""
                 cells.append(f"{r['us']:9.1f}us{pct}" if layout == "hbm" else f"{r['us']:14.1f}us")
             short = ",".join(f"{k}={getattr(config, k)}" for k in ("block_kv", "num_stages", "num_splits")

@@ -1,9 +1,16 @@
-"""benchmarks/attention_bound.py: the three layouts of one batch (the timed run needs a GPU; the dry run runs the
-kernel in the interpreter on each and checks it against the reference)."""
+"""benchmarks/attention_bound.py: the layouts of one batch (the timed run needs a GPU; the dry run runs the kernel in
+the interpreter on each and checks it against the reference); benchmarks/engine_page_tables.py: the engine's own
+page tables for the engine layout."""
+import json
+import pathlib
+import sys
+
 import numpy as np
 import pytest
 
 from benchmark_module import load_benchmark
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +20,7 @@ def bench():
 
 def test_the_layouts_read_the_same_tiles_from_different_places(bench):
     shape = dict(batch=4, context=200, page=32, head_dim=64, block_kv=64, q_heads=8, kv_heads=2)
-    hbm, contiguous, l2, one = (bench.make_case(layout, **shape) for layout in bench.LAYOUTS)
+    hbm, contiguous, l2, one = (bench.make_case(layout, **shape) for layout in ("hbm", "contiguous", "l2", "one-tile"))
     # l2: every row's table is row 0's, with the same lengths; hbm: rows own their pages; contiguous: row b's 7 pages
     # (200 keys of 32) at slots (7 b + i) * 32, one after another.
     assert np.all(np.asarray(l2["page_starts"]) == np.asarray(l2["page_starts"])[:1])
@@ -29,6 +36,7 @@ def test_dry_run_runs_every_layout_checked(bench, tmp_path):
     out = bench.main(["--dry-run", "--out", str(tmp_path / "a.json")])
     (row,) = out["rows"]
     assert set(row["layouts"]) == set(bench.LAYOUTS) and all(v["us"] > 0 for v in row["layouts"].values())
+    assert out["meta"]["engine_tables"] == str(bench.ENGINE_TABLES)
     assert (tmp_path / "a.json").exists()
 
 
@@ -44,3 +52,50 @@ def test_bad_flags_say_what_to_fix(bench, argv, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--dry-run", *argv])
     assert argv[0] in capsys.readouterr().err
+
+
+def test_the_engine_layout_is_the_dumps_tables_cut_to_the_context(bench, tmp_path):
+    tables = bench.load_engine_tables(bench.ENGINE_TABLES)      # the committed dump: e2e's batch at 640 keys
+    assert len(tables["rows"]) == 64 and {r["page_size"] for r in tables["rows"]} == {32}
+    case = bench.make_case("engine", batch=3, context=100, page=32, head_dim=64, block_kv=64, q_heads=8, kv_heads=2,
+                           tables=tables)
+    np.testing.assert_array_equal(np.asarray(case["page_starts"]),
+                                  [r["page_starts"][:4] for r in tables["rows"][:3]])     # 100 keys: 4 pages
+    assert np.all(np.asarray(case["lengths"]) == 100) and case["k_pool"].shape == (2, tables["num_slots"], 64)
+    with pytest.raises(SystemExit, match="must fit"):
+        bench.engine_case(tables, batch=65, context=100, head_dim=64, q_heads=8, kv_heads=2)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{nope", "not a benchmarks/engine_page_tables.py dump"),
+    (json.dumps({"num_slots": 64, "rows": [{"length": 40, "page_size": 32, "page_starts": [0]}]}), "do not hold"),
+    (json.dumps({"num_slots": 64, "rows": [{"length": 8, "page_size": 32, "page_starts": [48]}]}), "do not hold"),
+    (json.dumps({"num_slots": 64, "rows": [{"length": 8, "page_size": 32, "page_starts": [0]},
+                                           {"length": 8, "page_size": 16, "page_starts": [32]}]}), "several page"),
+])
+def test_bad_engine_tables_say_what_to_fix(bench, tmp_path, text, match):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    with pytest.raises(SystemExit, match=match):
+        bench.load_engine_tables(path)
+
+
+def test_the_engine_gives_each_row_its_own_pages(tmp_path):
+    """engine_page_tables.py on a small batch (the engine's real allocator and scheduler, e2e's request pattern):
+    every row's pages hold its keys, lie in the pool and are no other row's."""
+    sys.path.insert(0, str(BENCHMARKS))            # its e2e_decode import
+    try:
+        dumper = load_benchmark("engine_page_tables.py", "engine_page_tables")
+    finally:
+        sys.path.pop(0)
+    out = dumper.main(["--batch", "4", "--prompt-len", "64", "--new-tokens", "48", "--context", "90",
+                       "--out", str(tmp_path / "t.json")])
+    assert json.loads((tmp_path / "t.json").read_text()) == out
+    rows = out["rows"]
+    assert len(rows) == 4 and all(r["length"] >= 90 for r in rows)
+    slots = [set(range(p, p + r["page_size"])) for r in rows for p in r["page_starts"]]
+    assert all(len(r["page_starts"]) * r["page_size"] >= r["length"] for r in rows)
+    assert all(max(s) < out["num_slots"] for s in slots)
+    assert sum(map(len, slots)) == len(set().union(*slots))                  # no slot in two pages
+    with pytest.raises(SystemExit, match="--context must be past the prompt"):
+        dumper.main(["--batch", "4", "--prompt-len", "64", "--new-tokens", "48", "--context", "200"])
