@@ -1,8 +1,8 @@
 # One device call (from the repo root) for what session 28 built but could not run (no machine was lent after it):
 #   STEP=fp8        (#12) tests/test_fp8_q_split.py's GPU test, then the fp8 kernel alone with and without
 #                   SwappedConfig.fp8_q_kernel, twice each, at 4K and 16K (fp8_fold_sweep.py)            ~4-5 min
-#   STEP=attention  (#18) attention_bound.py at e2e's context: pages 32 and 64, every layout (since session 30 also
-#                   `engine`: the page tables the engine gave e2e's batch, benchmarks/results/engine_page_tables_*.json),
+#   STEP=attention  (#18) attention_bound.py at e2e's context: pages 32 and 64, every layout (session 30 adds
+#                   `engine`: the engine's own page tables for e2e's batch, results/engine_page_tables_*.json),
 #                   and --between (the kernel interleaved with a GEMM of the o projection's size: 8 MB at llama-1b's
 #                   D=64, 32 MB at 8b's)                                                                        ~3 min
 # JSON under $OUT. The fold path itself (the #12 bar) is measured with the flag on in the default, on an A/B tree:
