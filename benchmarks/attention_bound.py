@@ -16,7 +16,12 @@ a chain of calls in one executable, `kernel_timing.kernel_profile`) over these l
 hbm close to l2 means the chain (copy issue, waits, MMAs, softmax, barriers) bounds the kernel, not the bytes;
 l2 well under hbm means the bytes do. The one-tile time is what no streaming work hides.
 
---between MB (GPU only) adds a fourth figure, *between*: the hbm layout's kernel timed interleaved with a
+--own-pools N (GPU only) adds *own-pools*: the hbm layout's kernel in a chain that cycles through N copies of the
+pools, as a step's N layers each read their own (a chain of one batch re-reads pools that may be partly in L2
+from the call before: 84 MB a call at llama-1b's shape against a 50 MB L2). own-pools against hbm says how much the
+alone figure owes to L2.
+
+--between MB (GPU only) adds a figure, *between*: the hbm layout's kernel timed interleaved with a
 weight-streaming GEMM of about MB megabytes (`decode_matmul` of the batch's rows, the engine's config), the two
 alternating as a decode step runs a GEMM between two attention calls (`kernel_timing.paired_profile`, medians). A
 kernel alone in a chain runs after itself; in the step it runs after kernels that stream other bytes through L2 and
@@ -129,6 +134,22 @@ def between_weight(megabytes: float, batch: int, k: int):
     return w, gemm
 
 
+def own_pools_time(fn, args, copies: int, *, calls: int) -> dict:
+    """fn's Pallas kernel a call when each of `copies` consecutive calls reads its own copy of the K/V pools (args[1],
+    args[2]), as a step's layers do: {us, copies, tbps}. The copies are device-side sums (distinct buffers, the same
+    tables)."""
+    q, k_pool, v_pool, *tables = args
+    ks = tuple(k_pool + jnp.asarray(i, k_pool.dtype) for i in range(copies))
+    vs = tuple(v_pool + jnp.asarray(i, v_pool.dtype) for i in range(copies))
+
+    def layers(x, ks, vs, *tables):
+        for k, v in zip(ks, vs):
+            x = fn(x, k, v, *tables).astype(x.dtype)
+        return x
+    prof = kernel_profile(layers, [q, ks, vs, *tables], calls=max(1, calls // copies))
+    return dict(us=prof["pallas_us"] / copies, copies=copies, busy_us=prof["busy_us"] / copies)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -144,6 +165,8 @@ def main(argv=None):
                          "or field=value overrides of it, e.g. 'default;num_stages=4'")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--calls", type=int, default=20, help="chained calls in the traced executable")
+    ap.add_argument("--own-pools", type=int, default=0, metavar="N",
+                    help="GPU: also time the hbm layout cycling through N copies of its pools (docstring)")
     ap.add_argument("--between", type=float, default=0.0, metavar="MB",
                     help="GPU: also time the hbm layout interleaved with a GEMM streaming this many MB (docstring)")
     ap.add_argument("--engine-tables", default=str(ENGINE_TABLES),
@@ -156,6 +179,10 @@ def main(argv=None):
         ap.error(f"--layouts: give some of {','.join(LAYOUTS)}, got {a.layouts!r}")
     if a.between and (a.dry_run or "hbm" not in layouts):
         ap.error("--between times the hbm layout on a GPU: not with --dry-run, and --layouts must include hbm")
+    if a.own_pools and (a.dry_run or "hbm" not in layouts or a.own_pools < 2):
+        ap.error("--own-pools N times the hbm layout on a GPU over N >= 2 pools: not with --dry-run, and --layouts "
+                 "must include hbm")
+    extra = (["own-pools"] if a.own_pools else []) + (["between"] if a.between else [])
     if a.dry_run:     # one small call a layout, checked against the reference
         a.batch, a.q_heads, a.kv_heads, a.head_dims, a.contexts, a.calls = 2, 8, 2, "64", "96", 1
     head_dims = [int(x) for x in a.head_dims.split(",")]
@@ -177,7 +204,7 @@ def main(argv=None):
     print(json.dumps(meta), flush=True)
     rows = []
     print(f"{'D':>4} {'ctx':>5} {'page':>4} {'config':<36} "
-          + " ".join(f"{x:>15}" for x in layouts + (["between"] if a.between else [])))
+          + " ".join(f"{x:>15}" for x in layouts + extra))
     for head_dim, context, page in itertools.product(head_dims, contexts, pages):
         for config in parse_overrides(a.configs, default_swapped_config(head_dim, context)):
             row = dict(head_dim=head_dim, context=context, page=page, config=repr(config), layouts={})
@@ -202,6 +229,9 @@ def main(argv=None):
                 nbytes = kv_bytes(case)
                 row["layouts"][layout] = dict(us=us, kv_bytes=nbytes, busy_us=prof["busy_us"],
                                               tbps=nbytes / us / 1e6 if us else None)
+                if layout == "hbm" and a.own_pools:
+                    own = own_pools_time(fn, args, a.own_pools, calls=a.calls)
+                    row["layouts"]["own-pools"] = dict(own, kv_bytes=nbytes, tbps=nbytes / own["us"] / 1e6)
                 if layout == "hbm" and a.between:
                     w, gemm = between_weight(a.between, a.batch, a.q_heads * head_dim)
                     pair = paired_profile(fn, args, gemm, [args[0], w], calls=a.calls)
@@ -210,7 +240,7 @@ def main(argv=None):
                                                      tbps=nbytes / pair["base_pallas_us"] / 1e6)
             rows.append(row)
             cells = []
-            for layout in layouts + (["between"] if a.between else []):
+            for layout in layouts + extra:
                 r = row["layouts"][layout]
                 if r is None:
                     cells.append("-")

@@ -47,7 +47,25 @@ def test_the_gemm_in_between_streams_about_the_bytes_asked(bench):
     assert w.shape == (64, 4096)
 
 
-@pytest.mark.parametrize("argv", [["--layouts", "dram"], ["--pages", "48"], ["--between", "8"]])
+def test_own_pools_give_each_call_in_a_row_its_own_copy(bench, monkeypatch):
+    """own-pools: one traced call runs the kernel once per copy, each on a distinct copy of K and V (the same
+    tables), and the time is per kernel."""
+    seen = {}
+
+    def fake_profile(fn, args, *, calls):
+        seen["calls"], seen["out"] = calls, fn(*args)
+        return {"pallas_us": 12.0, "busy_us": 15.0}
+    monkeypatch.setattr(bench, "kernel_profile", fake_profile)
+    q, k, v = np.zeros(3, np.float32), np.ones(4, np.float32), np.full(4, 2.0, np.float32)
+    fn = lambda x, k_pool, v_pool, lengths: x + k_pool.sum() * 10 + v_pool.sum() + lengths  # noqa: E731
+    out = bench.own_pools_time(fn, [q, k, v, np.float32(0.5)], 3, calls=20)
+    assert out == {"us": 4.0, "copies": 3, "busy_us": 5.0} and seen["calls"] == 6       # 20 calls: 6 of 3 layers
+    # copies i = 0, 1, 2 hold k + i and v + i: sum_i (4 (1 + i) 10 + 4 (2 + i)) + 3 x 0.5
+    np.testing.assert_allclose(np.asarray(seen["out"]), [sum(40 * (1 + i) + 4 * (2 + i) for i in range(3)) + 1.5] * 3)
+
+
+@pytest.mark.parametrize("argv", [["--layouts", "dram"], ["--pages", "48"], ["--between", "8"],
+                                  ["--own-pools", "4"]])
 def test_bad_flags_say_what_to_fix(bench, argv, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--dry-run", *argv])
