@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -114,7 +115,7 @@ class StepProgram:
 
     name: str
     key: tuple
-    jitted: object
+    jitted: Callable
     args: tuple
     static: dict
     donate_argnums: tuple[int, ...] = ()
