@@ -7,7 +7,8 @@ for device calls.
         --shapes decode --layers 4                          # the first 4 layers only: the same kernels, faster
 
 It takes benchmarks/e2e_decode.py's flags (so an e2e command line can be checked as it stands) and builds the
-engine config that e2e would (`e2e_decode.engine_config`). On an H200 the engine traces every step shape
+engine config that e2e would (`e2e_decode.engine_config`); --model may also be an HF checkpoint directory, of which
+only config.json is read (will this model's shapes run on the kernels?). On an H200 the engine traces every step shape
 (decode, the packed prefill buckets, sampling) with its Pallas kernels and compiles them at start-up; a mistake
 that shows only at a real model's shapes (a kernel's shape check, an SMEM budget, a tile count that does not
 divide, an L2 prefetch plan) would first show there, costing lent GPU time. Here each program is built as
@@ -43,12 +44,12 @@ import numpy as np
 
 from stratum_jax.attention import resolve_backend
 from stratum_jax.config import RuntimeConfig
-from stratum_jax.model.config import PRESETS
-from stratum_jax.model.fused import fuse_layer
 from stratum_jax.kv.anchor import ALIGNED_LEN
 from stratum_jax.kv.delta_cache import init_delta_cache
+from stratum_jax.model.config import PRESETS
+from stratum_jax.model.fused import fuse_layer
 from stratum_jax.model.llama import init_kv_cache, param_shapes
-from stratum_jax.model.loader import LoadedModel
+from stratum_jax.model.loader import EMBEDDED, CheckpointError, LoadedModel, checkpoint_config
 from stratum_jax.model.projection import resolve_projections
 from stratum_jax.model.tokenizer import ByteTokenizer
 from stratum_jax.model_runner import ModelRunner, kv_layout_of
@@ -89,20 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def abstract_model(name: str, dtype: str | None, layers: int | None) -> LoadedModel:
-    """A preset's model as shapes only: its params in the engine's fused layout (model/fused.py) as
-    jax.ShapeDtypeStruct leaves, nothing allocated."""
-    if name not in PRESETS:
-        raise SystemExit(f"--model {name!r}: the pre-flight takes a preset ({', '.join(PRESETS)}); a checkpoint's "
-                         "shapes are a preset's with its config.json")
-    cfg = PRESETS[name]
-    changes = {}
-    if dtype is not None:
-        changes["dtype"] = dtype
+    """A preset's or a checkpoint directory's model (its config.json only: no weights are read) as shapes only: its
+    params in the engine's fused layout (model/fused.py) as jax.ShapeDtypeStruct leaves, nothing allocated."""
+    if name in PRESETS:
+        cfg = PRESETS[name] if dtype is None else dataclasses.replace(PRESETS[name], dtype=dtype)
+    else:
+        path = EMBEDDED.get(name, pathlib.Path(name))
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"--model {name!r}: give a preset ({', '.join([*PRESETS, *EMBEDDED])}) or a checkpoint "
+                             "directory with a config.json (its weights are not read)")
+        try:
+            cfg = checkpoint_config(path, dtype)
+        except CheckpointError as e:
+            raise SystemExit(f"--model {name!r}: {e}") from e
     if layers is not None:
         if not 1 <= layers <= cfg.num_layers:
             raise SystemExit(f"--layers must be in [1, {cfg.num_layers}] for {name}, got {layers}")
-        changes["num_layers"] = layers
-    cfg = dataclasses.replace(cfg, **changes)
+        cfg = dataclasses.replace(cfg, num_layers=layers)
     params = jax.eval_shape(lambda p: {k: fuse_layer(v, 1) if k.startswith("layers_") else v for k, v in p.items()},
                             param_shapes(cfg))
     return LoadedModel(cfg, params, ByteTokenizer(cfg.vocab_size), name)

@@ -166,6 +166,27 @@ def test_flags_it_cannot_honour_are_refused(preflight, flags, match):
         preflight.main([*E2E_FLAGS[:-2], *flags])
 
 
-def test_a_checkpoint_directory_is_refused_with_what_to_give(preflight, tmp_path):
-    with pytest.raises(SystemExit, match="takes a preset"):
+def test_a_checkpoint_directorys_shapes_lower_from_its_config_alone(preflight, first_of_each_kind, tmp_path):
+    """A Qwen2-shaped checkpoint (q/k/v biases, head_dim 128) given as a directory holding only config.json: its
+    decode program lowers with the Pallas kernels, no weights read."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 1024, "hidden_size": 1024, "intermediate_size": 2816,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "torch_dtype": "bfloat16", "tie_word_embeddings": False}))
+    out = tmp_path / "qwen.json"
+    assert preflight.main(["--model", str(tmp_path), "--batch", "16", "--attention", "kernel", "--shapes", "decode",
+                           "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    (program,) = run["programs"]
+    assert run["attention"] == "kernel" and program["ok"] and "body" in program["kernels"], program
+
+
+@pytest.mark.parametrize("files, match", [
+    ({}, "give a preset .* or a checkpoint directory with a config.json"),
+    ({"config.json": '{"architectures": ["GPT2LMHeadModel"]}'}, "config.json field 'architectures'"),
+])
+def test_a_model_it_cannot_read_is_refused_with_what_to_give(preflight, tmp_path, files, match):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit, match=match):
         preflight.main(["--model", str(tmp_path), "--attention", "kernel"])

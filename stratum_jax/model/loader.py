@@ -81,13 +81,7 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0,
         raise CheckpointError(f"{name_or_dir}: {what}; give a checkpoint directory (config.json + "
                               f"*.safetensors) or a preset: {', '.join([*PRESETS, *EMBEDDED])}")
     cfg_file = path / "config.json"
-    try:
-        cfg = ModelConfig.from_hf_config(_read_json(cfg_file), dtype=dtype)
-    except CheckpointError:
-        raise
-    except ValueError as e:
-        raise CheckpointError(f"{cfg_file}: {e}") from e
-    cfg = _generation_eos(path, cfg)
+    cfg = checkpoint_config(path, dtype)
     tp = tp if tp is None else tp.for_model(cfg)          # --tp-embedding auto decided for this model
     start = time.perf_counter()
     tokenizer = _load_tokenizer(path, cfg)
@@ -103,6 +97,19 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0,
              _where(tp), time.perf_counter() - loaded)
     name = name_or_dir if name_or_dir in EMBEDDED else path.resolve().name
     return LoadedModel(cfg if tp is None else tp.tp_model_config(cfg), params, tokenizer, name, tp)
+
+
+def checkpoint_config(path: Path, dtype: str | None = None) -> ModelConfig:
+    """An HF checkpoint directory's model config (config.json, and generation_config.json's end tokens), without
+    reading its weights. dtype overrides the checkpoint's."""
+    cfg_file = path / "config.json"
+    try:
+        cfg = ModelConfig.from_hf_config(_read_json(cfg_file), dtype=dtype)
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_file}: {e}") from e
+    return _generation_eos(path, cfg)
 
 
 def _where(tp: TensorParallel | None) -> str:
