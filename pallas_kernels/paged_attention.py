@@ -53,7 +53,7 @@ jaxpr again after the TileColumns/finish/mma_dtype hooks, 2026-12-01).
 
 *Split-K (flash-decoding).* With few (sequence, kv head) pairs, the tiles of each sequence are split
 over `num_splits` CTAs; each writes a normalised partial output and its log2-sum-exp, and a small
-jnp combine (`_combine_splits`) merges them.
+jnp combine (`combine_splits`) merges them.
 
 *Score statistics (opt-in, `return_score_stats=True`).* For the page-size rule and the DMLP's
 `attn_var5` feature the kernel can also return, per query row, the population variance of the
@@ -95,22 +95,14 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
+from pallas_kernels.paged_tiles import (PAGE_SIZES, check_tile_pipeline, flat_table, issue_tile_copies, page_classes,
+                                        sequence_scalars, split_tile_range, table_window, table_window_start,
+                                        wait_page_class)
+from pallas_kernels.split_k import combine_splits, score_variance_from_partials, split_key_counts
 
-PAGE_SIZES = (8, 16, 32, 64, 128, 256)
 _LOG2E = math.log2(math.e)
 _Q_ROWS = 64          # WGMMA M: the q tile has 64 rows, the first q_per_kv of which are real.
 _NUM_SMS_H100 = 132   # for the split heuristic only; H100 SXM and H200 both have 132 SMs.
-
-
-def check_tile_pipeline(block_kv: int, num_stages: int, num_splits: int | None) -> None:
-    """The checks a decode kernel's tile pipeline config shares (TuningConfig, the swapped kernel's
-    SwappedConfig): tile size, ring depth and split count."""
-    if block_kv not in (64, 128, 256):
-        raise ValueError(f"block_kv must be 64, 128 or 256, got {block_kv}")
-    if not isinstance(num_stages, int) or num_stages < 2:
-        raise ValueError(f"num_stages must be an int >= 2, got {num_stages!r}")
-    if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= 64):
-        raise ValueError(f"num_splits must be None or an int in [1, 64], got {num_splits!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +137,7 @@ class TuningConfig:
         """Approximate SMEM footprint of one CTA, for picking configs that fit (227 KB max)."""
         ring = 2 * self.num_stages * self.block_kv * head_dim * 2
         q_o = _Q_ROWS * head_dim * (2 + out_itemsize) + _Q_ROWS * 4
-        table = 4 * _table_window(max_pages, self.num_splits or 1, self.block_kv)
+        table = 4 * table_window(max_pages, self.num_splits or 1, self.block_kv)
         return ring + q_o + table + 1024
 
 
@@ -171,87 +163,6 @@ def default_num_splits(batch: int, num_kv_heads: int) -> int:
     if ctas >= _NUM_SMS_H100:
         return 1
     return int(min(16, -(-2 * _NUM_SMS_H100 // ctas)))
-
-
-def _flat_table(page_starts, splits: int, block_kv: int):
-    """page_starts [batch, max_pages] -> the flat int32 table the kernel bulk-copies a CTA's window of
-    (16-byte aligned), padded so the last window is in bounds."""
-    window = _table_window(page_starts.shape[1], splits, block_kv)
-    table = page_starts.reshape(-1)
-    if table.shape[0] % 4 or table.shape[0] < window:
-        table = jnp.pad(table, (0, (-table.shape[0]) % 4 + max(0, window - table.shape[0])))
-    return table
-
-
-def page_classes(block_kv: int) -> list[tuple[int, int]]:
-    """The page-size classes of a K/V tile of `block_kv` keys that take several copies: (log2 P, T // P) for
-    every page size P < T. Pages of >= T keys are one more class (one copy of a T-key piece)."""
-    return [(p.bit_length() - 1, block_kv // p) for p in PAGE_SIZES if p < block_kv]
-
-
-def wait_page_class(bars, slot, log2_p, small_classes, block_kv: int) -> None:
-    """In a kernel: awaits ring slot `slot` of the stage-barrier array of this sequence's page-size class
-    (bars: one barrier array per class of `page_classes`, then the >= T class)."""
-    for gi, (lp, _) in enumerate(small_classes):
-        pl.when(log2_p == lp)(lambda gi=gi: plgpu.barrier_wait(bars[gi].at[slot]))
-    pl.when(log2_p >= block_kv.bit_length() - 1)(lambda: plgpu.barrier_wait(bars[-1].at[slot]))
-
-
-def issue_tile_copies(t0, *, log2_p, page, n_pages, page_entry, small_classes, block_kv: int, piece,
-                      after=None) -> None:
-    """In a kernel: the TMA copies of the K/V tile of keys [t0, t0 + T), for the sequence's page class.
-    piece(class_index, src_slot, tile_offset, size) issues one copy of `size` keys from pool slot
-    `src_slot` to the tile's rows [tile_offset, +size); after(class_index), if given, runs once per class
-    after its pieces (class_index -1: pages of >= T keys). Pages < T: T / P whole pages (copies past the
-    last page re-read it, clamped, so the arrival count stays static and table entries past the sequence
-    are never read); pages >= T: the T-key piece of one page. Page starts are multiples of P >= 8, which
-    the tiled TMA needs."""
-    for gi, (lp, n) in enumerate(small_classes):
-        @pl.when(log2_p == lp)
-        def _():
-            p = 1 << lp
-            first_page = lax.shift_right_logical(t0, lp)
-            for i in range(n):
-                piece(gi, pl.multiple_of(page_entry(jnp.minimum(first_page + i, n_pages - 1)), 8), i * p, p)
-            if after is not None:
-                after(gi)
-
-    @pl.when(log2_p >= block_kv.bit_length() - 1)
-    def _():
-        src = page_entry(lax.shift_right_logical(t0, log2_p)) + (t0 & (page - 1))
-        piece(-1, pl.multiple_of(src, 8), 0, block_kv)
-        if after is not None:
-            after(-1)
-
-
-def split_tile_range(n_tiles, k_split, splits: int):
-    """In a kernel: (tile_lo, tile_hi), the tiles [lo, hi) of a sequence of n_tiles that split k_split of
-    `splits` covers (ceil(n_tiles / splits) each, the last ones short or empty); all of them unsplit."""
-    if splits == 1:
-        return jnp.int32(0), n_tiles
-    per_split = lax.div(n_tiles + (splits - 1), jnp.int32(splits))
-    tile_lo = jnp.minimum(k_split * per_split, n_tiles)
-    return tile_lo, jnp.minimum(tile_lo + per_split, n_tiles)
-
-
-def table_window_start(b, tile_lo, log2_p, *, max_pages: int, block_kv: int, table_len: int, window: int):
-    """In a kernel: the flat-table index (a multiple of 4, for the 16-byte bulk copy) where the `window`
-    entries a CTA copies to SMEM start: at or before sequence b's page holding tile tile_lo, clamped so the
-    window ends inside the table (`_flat_table` pads it for that)."""
-    page_lo = jnp.minimum(lax.shift_right_logical(tile_lo * block_kv, log2_p), max_pages - 1)
-    first = b * max_pages + page_lo
-    return pl.multiple_of(jnp.minimum(first - lax.rem(first, 4), table_len - window), 4)
-
-
-def _table_window(max_pages: int, num_splits: int, block_kv: int) -> int:
-    """Page-table entries one CTA copies to SMEM (static bound, multiple of 32 = 128 bytes).
-
-    A split covers ceil(n_tiles / S) tiles, i.e. at most max_pages / S + 2 * T / 8 + 2 page entries
-    (rounding at both ends), plus 3 for aligning the bulk copy's start to 16 bytes.
-    """
-    need = -(-max_pages // num_splits) + block_kv // 4 + 5
-    need = min(need, max_pages + 3)
-    return -(-need // 32) * 32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,7 +390,7 @@ def decode_attention_pipeline(q, kv_inputs, lengths, page_starts, page_sizes, *,
     q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q.astype(kv_format.mma_dtype), num_kv_heads)
 
     max_pages = page_starts.shape[1]
-    table = _flat_table(page_starts, splits, config.block_kv)
+    table = flat_table(page_starts, splits, config.block_kv)
 
     kernel = _build_kernel(
         batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
@@ -499,8 +410,8 @@ def decode_attention_pipeline(q, kv_inputs, lengths, page_starts, page_sizes, *,
 
     if score_stats:
         res, stats = res[:-3], res[-3:]
-        n = _split_key_counts(lengths, page_sizes, max_pages=max_pages, block_kv=config.block_kv, splits=splits)
-        score_var = _score_variance_from_partials(*(group_rows(x) for x in stats),
+        n = split_key_counts(lengths, page_sizes, max_pages=max_pages, block_kv=config.block_kv, splits=splits)
+        score_var = score_variance_from_partials(*(group_rows(x) for x in stats),
                                                   n[:, :, None, None]).reshape(batch, num_q_heads)
 
     if splits == 1:
@@ -509,7 +420,7 @@ def decode_attention_pipeline(q, kv_inputs, lengths, page_starts, page_sizes, *,
     else:
         o_part, lse = res
         o_part = o_part.reshape(batch, splits, num_kv_heads, rows_per_h, head_dim)[:, :, :, :group]
-        out = _combine_splits(o_part, group_rows(lse)).reshape(batch, num_q_heads, head_dim).astype(out_dtype)
+        out = combine_splits(o_part, group_rows(lse)).reshape(batch, num_q_heads, head_dim).astype(out_dtype)
     if score_stats:
         return out, score_var
     return out
@@ -619,21 +530,6 @@ def prefill_static_args(name, head_dim: int, sm_scale, config: TuningConfig | No
     return dataclasses.replace(config, num_splits=1), scale
 
 
-def sequence_scalars(page_size, length, *, max_pages: int, block_kv: int):
-    """In-kernel scalars of one sequence: (log2_p, page, length, n_pages, n_tiles) for its page size
-    (log2 of P in 8..256; anything else rounds up, so a bad size never hangs the pipeline), its length
-    clamped to what the page table addresses (bad input cannot read past it), its pages and its tiles
-    of block_kv tokens."""
-    log2_p = jnp.int32(3)
-    for c in range(5):
-        log2_p = log2_p + jnp.where(page_size > (8 << c), 1, 0).astype(jnp.int32)
-    page = lax.shift_left(jnp.int32(1), log2_p)
-    length = jnp.clip(length, 0, max_pages * page)
-    n_pages = lax.shift_right_logical(length + page - 1, log2_p)
-    n_tiles = lax.shift_right_logical(length + (block_kv - 1), jnp.int32(block_kv.bit_length() - 1))
-    return log2_p, page, length, n_pages, n_tiles
-
-
 def paged_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, page_sizes, *,
                             sm_scale: float | None = None, config: TuningConfig | None = None,
                             interpret: bool = False, return_score_stats: bool = False):
@@ -692,7 +588,7 @@ def prefill_attention_pipeline(q, kv_inputs, q_starts, lengths, page_starts, pag
     q2 = q.astype(kv_format.mma_dtype).reshape(blocks, tokens, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
     q2 = jnp.pad(q2.reshape(blocks, num_kv_heads, rows, head_dim), ((0, 0), (0, 0), (0, _Q_ROWS - rows), (0, 0)))
     max_pages = page_starts.shape[1]
-    table = _flat_table(page_starts, 1, config.block_kv)
+    table = flat_table(page_starts, 1, config.block_kv)
     kernel = _build_kernel(
         batch=blocks, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
         table_len=table.shape[0], rows_per_b=num_kv_heads * _Q_ROWS, rows_per_h=_Q_ROWS, copy_rows=_Q_ROWS,
@@ -713,76 +609,7 @@ def prefill_attention_pipeline(q, kv_inputs, q_starts, lengths, page_starts, pag
     shift, s1, s2 = (to_tokens(x.reshape(blocks, num_kv_heads, _Q_ROWS)) for x in res[-3:])
     # Keys each row saw: its causal end, clamped to the block's length (0 for padding blocks).
     n = prefill_token_keys(q_starts, lengths, tokens).astype(jnp.float32)[:, :, None]
-    return out, _score_variance_from_partials(shift[:, None], s1[:, None], s2[:, None], n[:, None])
-
-
-def _split_key_counts(lengths, page_sizes, *, max_pages, block_kv, splits):
-    """Valid keys each split of each sequence covers: [batch, splits] float32. The same length clamp
-    and tile partition as the kernel's prologue."""
-    log2_p = 3 + sum((page_sizes > (8 << c)).astype(jnp.int32) for c in range(5))
-    length = jnp.clip(lengths, 0, max_pages * jnp.left_shift(1, log2_p))
-    n_tiles = (length + block_kv - 1) // block_kv
-    per_split = (n_tiles + splits - 1) // splits
-    k = jnp.arange(splits, dtype=jnp.int32)[None, :]
-    tile_lo = jnp.minimum(k * per_split[:, None], n_tiles[:, None])
-    tile_hi = jnp.minimum(tile_lo + per_split[:, None], n_tiles[:, None])
-    n = jnp.minimum(length[:, None], tile_hi * block_kv) - tile_lo * block_kv
-    return jnp.maximum(n, 0).astype(jnp.float32)
-
-
-def _score_variance_from_partials(shift, s1, s2, n):
-    """Merge the kernel's per-split score sums into the population variance of each row's scores.
-
-    shift, s1, s2: [B, S, ...] fp32 in the kernel's base-2 units (scores times log2(e)): the split's
-    shift c, sum(s - c) and sum((s - c)^2) over the split's valid keys; n: the count of those keys,
-    float32, broadcastable to them. Returns [B, ...] fp32, in natural units, >= 0, and 0 where the row
-    has no valid key.
-    """
-    splits = shift.shape[1]
-    has = n > 0
-    n_safe = jnp.maximum(n, 1.0)
-    # Per split: mean and M2 (sum of squared deviations from the split's own mean).
-    mean = jnp.where(has, shift + s1 / n_safe, 0.0)
-    m2 = jnp.where(has, jnp.maximum(s2 - s1 * (s1 / n_safe), 0.0), 0.0)
-    if splits > 1:   # Chan et al.: M2 = sum M2_i + sum n_i (mean_i - mean)^2
-        n_tot = jnp.sum(n, axis=1)
-        mean_tot = jnp.sum(n * mean, axis=1) / jnp.maximum(n_tot, 1.0)
-        dev = jnp.where(has, mean - mean_tot[:, None], 0.0)
-        m2 = jnp.sum(m2 + n * dev * dev, axis=1)
-        n = n_tot
-    else:
-        m2, n = m2[:, 0], n[:, 0]
-    var = m2 / jnp.maximum(n, 1.0) * (1.0 / (_LOG2E * _LOG2E))
-    return jnp.where(n > 0, jnp.maximum(var, 0.0), 0.0)
-
-
-def _combine_splits(o_part, lse):
-    """Merge split-K partials. o_part [B, S, Hkv, G, D] fp32 (normalised per split), lse [B, S, Hkv, G]
-    base-2 log-sum-exp (-inf for an empty split). Returns [B, Hkv, G, D] fp32 (zeros if all empty).
-    Up to `UNROLLED_COMBINE_SPLITS` splits the merge is written split by split, elementwise only: XLA then
-    fuses it into one kernel (with its consumer's elementwise work) where reductions over S would take three
-    (max, sum, weighted sum; about 5 us a layer on the H200, launch-bound)."""
-    splits = o_part.shape[1]
-    if splits > UNROLLED_COMBINE_SPLITS:
-        m = jnp.max(lse, axis=1, keepdims=True)
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        w = jnp.exp2(lse - m)                                            # [B, S, Hkv, G], 0 for empty
-        denom = jnp.sum(w, axis=1)
-        o = jnp.sum(w[..., None] * jnp.where(w[..., None] > 0, o_part, 0.0), axis=1)
-        return o / jnp.where(denom == 0, 1.0, denom)[..., None]
-    m = functools.reduce(jnp.maximum, [lse[:, s] for s in range(splits)])
-    m = jnp.where(jnp.isfinite(m), m, 0.0)                               # [B, Hkv, G]
-    denom, o = 0.0, 0.0
-    for s in range(splits):
-        w = jnp.exp2(lse[:, s] - m)                                      # 0 for an empty split
-        denom = denom + w
-        o = o + w[..., None] * jnp.where(w[..., None] > 0, o_part[:, s], 0.0)
-    return o / jnp.where(denom == 0, 1.0, denom)[..., None]
-
-
-# The most split-K partials `_combine_splits` merges without reductions (the decode kernels' split rule gives
-# at most 132 / (batch * kv heads), so 16 covers batch 1 with 8 kv heads and up).
-UNROLLED_COMBINE_SPLITS = 16
+    return out, score_variance_from_partials(shift[:, None], s1[:, None], s2[:, None], n[:, None])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -946,7 +773,7 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
     T = config.block_kv
     stages = config.num_stages
     splits = config.num_splits
-    window = _table_window(max_pages, splits, T)
+    window = table_window(max_pages, splits, T)
     # The lse of the q tile's first `copy_rows` rows (a multiple of 8, so a 16-byte-aligned bulk copy
     # from SMEM row 0) goes out; the wrapper picks the group's rows at row_off.
     lse_cols = copy_rows

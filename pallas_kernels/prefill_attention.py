@@ -32,7 +32,7 @@ through the same three-warpgroup loop, its ring slots counted from its first til
 those of its range that end before the block's first token. A split that starts past some rows' causal bound
 gives them no key: their exp2 offsets are kept finite (`_finite_offset`), l stays 0, lse = -inf. Each CTA
 writes its output normalised by its own l (bf16: f32 tiles do not fit SMEM beside the ring at D=128) and its
-rows' base-2 log-sum-exp (f32); the decode kernel's `_combine_splits` merges them in XLA (a row no split saw
+rows' base-2 log-sum-exp (f32); the decode kernel's `combine_splits` merges them in XLA (a row no split saw
 stays 0). The delta variant splits the same way (each split adds the anchor to its own normalised partial, the
 convex merge keeps it once). `ws_prefill_splits` picks S to fill one wave of SMs with several tiles per
 split; `stratum_jax.attention.prefill_attention(prefill_splits=...)` passes it (the engine's `--prefill-splits`,
@@ -96,9 +96,10 @@ from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpre
 from pallas_kernels.delta_attention import (
     F16_SAFE_MAX, GRANULE, SCALE_AREA, add_anchor_v, check_delta_inputs, convert_to_f16, delta_ring_type,
     fetch_scale_granules, granule_columns, scale_areas_type, scale_index)
-from pallas_kernels.paged_attention import (
-    MMA_TRANSFORMS, TuningConfig, _combine_splits, _flat_table, _table_window, check_prefill_blocks,
-    check_prefill_query, issue_tile_copies, page_classes, sequence_scalars, split_tile_range, wait_page_class)
+from pallas_kernels.paged_attention import MMA_TRANSFORMS, TuningConfig, check_prefill_blocks, check_prefill_query
+from pallas_kernels.paged_tiles import (flat_table, issue_tile_copies, page_classes, sequence_scalars, split_tile_range,
+                                        table_window, wait_page_class)
+from pallas_kernels.split_k import combine_splits
 
 _LOG2E = math.log2(math.e)
 _WG_ROWS = 64                  # WGMMA M: rows of one compute warpgroup's q tile
@@ -129,7 +130,7 @@ def ws_smem_bytes(config: TuningConfig, head_dim: int, max_pages: int, interpret
     """SMEM of one CTA: the K/V ring, two q/o tiles, the page-table window (+ P tiles in the interpreter)."""
     ring = 2 * config.num_stages * config.block_kv * head_dim * 2
     q_o = _CTA_ROWS * head_dim * 2
-    table = 4 * _table_window(max_pages, 1, config.block_kv)
+    table = 4 * table_window(max_pages, 1, config.block_kv)
     p = _CTA_ROWS * config.block_kv * 2 if interpret else 0
     return ring + q_o + table + p + _lse_tile_bytes(config) + 1024
 
@@ -205,7 +206,7 @@ def _ws_prefill_attention(q, k_pool, v_pool, q_starts, lengths, page_starts, pag
     q_mma = jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX) if pool_dtype == jnp.float16 else q
     q2 = _cta_q_rows(q_mma.astype(pool_dtype), num_kv_heads)
     max_pages = page_starts.shape[1]
-    table = _flat_table(page_starts, 1, config.block_kv)
+    table = flat_table(page_starts, 1, config.block_kv)
     # Only a float16 pool passes pool_dtype: the bf16 kernel's trace stays as it was.
     f16 = dict(pool_dtype="float16") if pool_dtype == jnp.float16 else {}
     kernel = _build_ws_kernel(blocks=blocks, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -221,14 +222,14 @@ def _merge_split_rows(out, *, blocks: int, num_kv_heads: int, splits: int):
     """The kernel's output -> rows [blocks * Hkv * 128, D]. Unsplit: out is those rows (returned as is).
     Split: out = (o_part [S * blocks * Hkv * 128, D] bf16, each split's output normalised by its own l,
     lse [S * blocks * Hkv * 128] f32, base 2, -inf where a row saw no key of the split), merged by the decode
-    kernel's `_combine_splits` (weights 2^(lse - max); a row no split saw stays 0), in f32."""
+    kernel's `combine_splits` (weights 2^(lse - max); a row no split saw stays 0), in f32."""
     if splits == 1:
         return out
     o_part, lse = out
     head_dim = o_part.shape[-1]
     o_part = o_part.reshape(splits, blocks, num_kv_heads, _CTA_ROWS, head_dim).astype(jnp.float32)
     lse = lse.reshape(splits, blocks, num_kv_heads, _CTA_ROWS)
-    merged = _combine_splits(jnp.moveaxis(o_part, 0, 1), jnp.moveaxis(lse, 0, 1))     # [blocks, Hkv, 128, D]
+    merged = combine_splits(jnp.moveaxis(o_part, 0, 1), jnp.moveaxis(lse, 0, 1))     # [blocks, Hkv, 128, D]
     return merged.reshape(-1, head_dim)
 
 
@@ -266,7 +267,7 @@ def ws_delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, max_pa
     ring = 2 * S * T * head_dim * itemsize
     areas = 2 * S * (T // GRANULE) * SCALE_AREA * 4
     q_o = 2 * _CTA_ROWS * head_dim * 2
-    table = 4 * _table_window(max_pages, 1, T)
+    table = 4 * table_window(max_pages, 1, T)
     converted = (2 * S * T * head_dim * 2 + S * 2 * (T // GRANULE) * 4) if itemsize == 1 else 0
     p = _CTA_ROWS * T * 2 if interpret else 0
     return ring + areas + q_o + table + converted + p + _lse_tile_bytes(config) + 1024
@@ -346,7 +347,7 @@ def _ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_v,
     num_kv_heads = k_delta.shape[0]
     # f16 q for the f16 MMAs with the deltas; clipped so no product turns inf (delta_attention.F16_SAFE_MAX).
     q2 = _cta_q_rows(jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX).astype(jnp.float16), num_kv_heads)
-    table = _flat_table(page_starts, 1, config.block_kv)
+    table = flat_table(page_starts, 1, config.block_kv)
     kernel = _build_ws_kernel(blocks=blocks, num_kv_heads=num_kv_heads, head_dim=head_dim,
                               group=num_q_heads // num_kv_heads, max_pages=page_starts.shape[1],
                               table_len=table.shape[0], scale=scale, config=config, interpret=interpret,
@@ -376,7 +377,7 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
     T = config.block_kv
     splits = config.num_splits or 1
     stages = config.num_stages
-    window = _table_window(max_pages, 1, T)
+    window = table_window(max_pages, 1, T)
     log2_t = T.bit_length() - 1
     log2_group = group.bit_length() - 1
     small_classes = page_classes(T)                                           # (log2 P, copies per tile)

@@ -43,7 +43,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.decode_matmul import sum_partials
-from pallas_kernels.paged_attention import issue_tile_copies, page_classes, sequence_scalars
+from pallas_kernels.paged_tiles import issue_tile_copies, page_classes, sequence_scalars
 
 ROW_BLOCK = 8          # rows a CTA takes (tiled TMA boxes want 8-row multiples; a decode step has 8-128 rows)
 HEAD_DIMS = (32, 64, 128)

@@ -63,8 +63,8 @@ cancel in fp32 when the scores share a large offset). Like l, the two sums stay 
 elementwise every tile (no rescaling: c is fixed after the first tile) and reduced over the rows (across warps)
 once after the loop, so the stats add no cross-warp reduction, barrier or SMEM round trip to the loop; they cost
 2 * T*N/128 registers a thread. Each CTA writes (c, sum, sum of squares) for its N columns, like lse; the wrapper
-picks the group's columns, counts each split's keys (`_split_key_counts`) and merges the splits with Chan et
-al.'s update (`_score_variance_from_partials`). The flags are static: with both off, the traced kernel is the one
+picks the group's columns, counts each split's keys (`split_key_counts`) and merges the splits with Chan et
+al.'s update (`score_variance_from_partials`). The flags are static: with both off, the traced kernel is the one
 from before they existed (the jaxpr's hash compared at both default configs, with and without split-K, and two
 others, 2026-12-02). Not yet measured on a GPU.
 
@@ -96,10 +96,12 @@ from pallas_kernels.delta_attention import F16_SAFE_MAX, convert_to_f16, delta_r
 from pallas_kernels.fp8_q_split import HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_BLOCK as FP8_Q_SPLIT_ROWS, fp8_q_split
 from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
 from pallas_kernels.paged_attention import (
-    BF16_PAGES, F16_PAGES, MMA_TRANSFORMS, Bf16Pages, TileContext, check_pools_and_tables, check_tile_pipeline,
-    _combine_splits, _flat_table, _score_variance_from_partials, _split_key_counts, _table_window,
-    default_num_splits, issue_tile_copies, page_classes, paged_attention_reference, q_row_blocks, sequence_scalars, split_tile_range, table_window_start,
-    wait_page_class, zero_rows_past)
+    BF16_PAGES, F16_PAGES, MMA_TRANSFORMS, Bf16Pages, TileContext, check_pools_and_tables, default_num_splits,
+    paged_attention_reference, q_row_blocks, zero_rows_past)
+from pallas_kernels.paged_tiles import (check_tile_pipeline, flat_table, issue_tile_copies, page_classes,
+                                        sequence_scalars, split_tile_range, table_window, table_window_start,
+                                        wait_page_class)
+from pallas_kernels.split_k import combine_splits, score_variance_from_partials, split_key_counts
 
 _LOG2E = math.log2(math.e)
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -264,7 +266,7 @@ class SwappedConfig:
         kb = lambda x: -(-x // 1024) * 1024
         fp8 = jnp.dtype(pool_dtype) == _FP8
         itemsize = jnp.dtype(pool_dtype).itemsize
-        whole = (kb(4 * _table_window(max_pages, self.num_splits or 1, T))
+        whole = (kb(4 * table_window(max_pages, self.num_splits or 1, T))
                  + kb((self.fp8_q_terms if fp8 else 2) * n * D) + reduction_scratch_bytes(n))
         loop = 2 * kb(S * T * D * itemsize) + (kb(T * D * 2) if fp8 else 0) + kb(n * T * 2)
         epilogue = kb(n * D * out_itemsize) + kb(n * 4) * (4 if score_stats else 1)
@@ -484,7 +486,7 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
         q_mma = jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX) if mma_dtype == jnp.float16 else q
         q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q_mma.astype(mma_dtype), num_kv_heads)
     max_pages = page_starts.shape[1]
-    table = _flat_table(page_starts, splits, config.block_kv)
+    table = flat_table(page_starts, splits, config.block_kv)
     kernel = _build_swapped_kernel(
         batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
         table_len=table.shape[0], rows_per_b=rows_per_b, rows_per_h=rows_per_h, n_cols=copy_rows,
@@ -503,8 +505,8 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
 
     if score_stats:
         res, stats = res[:-3], res[-3:]
-        n = _split_key_counts(lengths, page_sizes, max_pages=max_pages, block_kv=config.block_kv, splits=splits)
-        score_var = _score_variance_from_partials(*(group_cols(x) for x in stats), n[:, :, None, None])
+        n = split_key_counts(lengths, page_sizes, max_pages=max_pages, block_kv=config.block_kv, splits=splits)
+        score_var = score_variance_from_partials(*(group_cols(x) for x in stats), n[:, :, None, None])
         score_var = score_var.reshape(batch, num_q_heads)
     if splits == 1:
         out = res[0].reshape(batch, num_kv_heads, rows_per_h, head_dim)[:, :, :group]
@@ -512,7 +514,7 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     else:
         o_part, lse = res
         o_part = o_part.reshape(batch, splits, num_kv_heads, rows_per_h, head_dim)[:, :, :, :group]
-        out = _combine_splits(o_part, group_cols(lse)).reshape(batch, num_q_heads, head_dim).astype(out_dtype)
+        out = combine_splits(o_part, group_cols(lse)).reshape(batch, num_q_heads, head_dim).astype(out_dtype)
     return (out, score_var) if score_stats else out
 
 
@@ -537,7 +539,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     [B * S, Hkv, n_cols] f32, the base-2 log-sum-exp of every column, -inf for an empty split)."""
     T, D, N = config.block_kv, head_dim, n_cols
     stages, splits = config.num_stages, config.num_splits
-    window = _table_window(max_pages, splits, T)
+    window = table_window(max_pages, splits, T)
     small_classes = page_classes(T)                                   # (log2 P, copies) for P < T
     arrivals = [n for _, n in small_classes] + [1]                    # one copy per page piece, K and V each
     qk_scale = scale * _LOG2E                                         # exp2 below

@@ -341,7 +341,7 @@ def test_combine_splits_against_float64(splits):
     """The split-K merge, unrolled (<= UNROLLED_COMBINE_SPLITS) or by reductions (above it), against the merge
     in float64: partials normalised per split with base-2 lse; an empty split (lse -inf) holds NaN garbage and
     must be ignored, and a row whose splits are all empty gives zeros."""
-    from pallas_kernels.paged_attention import UNROLLED_COMBINE_SPLITS, _combine_splits
+    from pallas_kernels.split_k import UNROLLED_COMBINE_SPLITS, combine_splits
     assert (splits > UNROLLED_COMBINE_SPLITS) == (splits == 17)
     rng = np.random.default_rng(splits)
     b, hkv, g, d = 3, 2, 4, 8
@@ -351,7 +351,7 @@ def test_combine_splits_against_float64(splits):
     empty[0, :, 0, 0] = True                                   # every split of one row empty
     lse[empty] = -np.inf
     o_part[empty] = np.nan
-    got = np.asarray(jax.jit(_combine_splits)(jnp.asarray(o_part), jnp.asarray(lse)))
+    got = np.asarray(jax.jit(combine_splits)(jnp.asarray(o_part), jnp.asarray(lse)))
     w = np.where(empty, 0.0, np.exp2(lse.astype(np.float64) - np.max(np.where(empty, -1e30, lse), axis=1,
                                                                        keepdims=True)))
     num = np.sum(w[..., None] * np.where(empty[..., None], 0.0, o_part.astype(np.float64)), axis=1)
