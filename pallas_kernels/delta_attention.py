@@ -615,14 +615,14 @@ def delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anc
     name = "delta_prefill_attention"
     if q.ndim != 4:
         raise ValueError(f"{name}: q must be [blocks, tokens, num_q_heads, head_dim], got {q.shape}")
-    check_delta_inputs(q[:, 0], k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes,
-                  name=name)
+    check_delta_inputs(q[:, 0], k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts,
+                       page_sizes, name=name)
     _, _, _, head_dim = check_prefill_query(
         name, q, k_delta.shape[0], q_starts, most_tokens=prefill_block_tokens(q.shape[2], k_delta.shape[0]),
         q_rows=_Q_ROWS)
     if config is None:
-        config = default_delta_prefill_config(head_dim, k_delta.dtype, fold=_folds(anchor_k, None, fold_mean_anchor), max_pages=page_starts.shape[1],
-                                              out_itemsize=q.dtype.itemsize)
+        config = default_delta_prefill_config(head_dim, k_delta.dtype, fold=_folds(anchor_k, None, fold_mean_anchor),
+                                              max_pages=page_starts.shape[1], out_itemsize=q.dtype.itemsize)
     config, scale = prefill_static_args(name, head_dim, sm_scale, config)
     anchor_k, anchor_v = _choose_path(name, head_dim, k_delta.dtype, anchor_k, anchor_v, soft_cap=None,
                                       fold_mean_anchor=fold_mean_anchor, config=config, max_pages=page_starts.shape[1],

@@ -458,8 +458,8 @@ def prefill_token_rows(q, q_starts, lengths, page_starts, page_sizes):
     [blocks * tokens])."""
     blocks, tokens, num_q_heads, head_dim = q.shape
     rep = lambda a: jnp.repeat(a, tokens, axis=0)
-    return (q.reshape(blocks * tokens, num_q_heads, head_dim), prefill_token_keys(q_starts, lengths, tokens).reshape(-1),
-            rep(page_starts), rep(page_sizes))
+    return (q.reshape(blocks * tokens, num_q_heads, head_dim),
+            prefill_token_keys(q_starts, lengths, tokens).reshape(-1), rep(page_starts), rep(page_sizes))
 
 
 def prefill_rows_to_blocks(res, q_shape, score_stats: bool):
