@@ -138,6 +138,18 @@ def test_kernel_calls_count_each_wrappers_call_sites(preflight):
     assert preflight.kernel_calls(text) == 2 + 1 + 1
 
 
+def test_a_kernel_over_the_gpus_smem_fails_the_preflight(preflight, first_of_each_kind, tmp_path, monkeypatch):
+    """What the pre-flight is for: a config that only breaks on the GPU. A swapped-kernel default that needs more SMEM
+    than an H200 SM has (256-key tiles x 8 stages) fails Mosaic GPU's lowering here, on the CPU, with its reason."""
+    from pallas_kernels import swapped_decode_attention as swapped
+    monkeypatch.setattr(swapped, "default_swapped_config",
+                        lambda *a, **k: swapped.SwappedConfig(block_kv=256, num_stages=8))
+    out = tmp_path / "smem.json"
+    assert preflight.main([*E2E_FLAGS, "--shapes", "decode", "--out", str(out)]) == 1
+    _, (program,) = _programs(out)
+    assert not program["ok"] and "exceeds available shared memory" in program["error"], program["error"]
+
+
 def test_a_program_that_fails_to_lower_is_reported_and_fails_the_run(preflight, tmp_path, monkeypatch, capsys):
     real = preflight.ModelRunner.program
 
