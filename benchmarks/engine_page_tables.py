@@ -14,7 +14,9 @@ the rows grow, after e2e_decode.py's warm-up pass has left its own pages free. T
 Where the pages go does not depend on the model: the pool's size is the config's (batch x (prompt + new tokens +
 256) token slots), the page size comes from the request lengths, and the prompts are random token ids that share no
 prefix. So the `tiny` preset (reference attention, on CPU) gives the tables llama-1b and 8b get on the H200;
-`attention_bound.py --layouts engine` times the kernel on them.
+`attention_bound.py --layouts engine` times the kernel on them. One caveat: the HAB scheduler's admission can depend
+on measured device idle time, so a GPU run could place pages differently; for e2e's pattern (every request queued
+at once, a pool with room for all) three runs here under different load gave identical tables.
 """
 from __future__ import annotations
 
