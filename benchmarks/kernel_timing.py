@@ -120,7 +120,9 @@ def paired_profile(base_fn, base_args, fn, args, *, calls: int) -> dict:
 def pair_breakdown(ks, calls: int) -> dict:
     """`paired_profile`'s figures from device_trace Kernels of `calls` interleaved (base, fn) pairs."""
     ks = sorted(ks, key=lambda k: k.start_us)
-    pallas = [k for k in ks if kernel_kind(k.name) == PALLAS_KIND]
+    # A Pallas kernel of either side: the attention kernels' kind, or any Mosaic GPU kernel (a Pallas GEMM between
+    # attention calls, attention_bound.py --between, is a matmul by kind).
+    pallas = [k for k in ks if kernel_kind(k.name) == PALLAS_KIND or "mosaic_gpu" in k.name]
     if len(pallas) != 2 * calls:
         raise ValueError(f"paired_profile: {len(pallas)} Pallas kernels in the trace of {calls} pairs, want "
                          f"{2 * calls}: each side must launch exactly one")

@@ -120,8 +120,8 @@ class RuntimeConfig:
     l2_prefetch_mb: float = 0.0      # with the Pallas projections: the kernel before each decode GEMM (the norms,
                                      # attention, gate/up) also prefetches into L2 up to this many MB of that GEMM's
                                      # weight, the tiles it reads first, and the fused q/k/v write each decode row's
-                                     # first K/V tile (projection.DecodeKernelMatmul); 0 = off (untimed: off until
-                                     # benchmarks/l2_prefetch.py and an e2e A/B on the H200 say so)
+                                     # first K/V tile (projection.DecodeKernelMatmul); 0 = off: on the H200 the
+                                     # issuing kernels lose what the fed ones gain (BENCHMARKS.md #18, session 30)
     decode_kernel: str = "swapped"   # the bf16 decode kernel with --attention kernel: "swapped" (keys on WGMMA's M,
                                      # the GQA group on N: fewer registers, 2-4 CTAs an SM) or "paged" (64-row q
                                      # blocks); benchmarks/KERNEL_NOTES.md has their timings

@@ -141,9 +141,13 @@ def test_kernel_calls_count_each_wrappers_call_sites(preflight):
 def test_a_kernel_over_the_gpus_smem_fails_the_preflight(preflight, first_of_each_kind, tmp_path, monkeypatch):
     """What the pre-flight is for: a config that only breaks on the GPU. A swapped-kernel default that needs more SMEM
     than an H200 SM has (256-key tiles x 8 stages) fails Mosaic GPU's lowering here, on the CPU, with its reason."""
+    import jax
     from pallas_kernels import swapped_decode_attention as swapped
     monkeypatch.setattr(swapped, "default_swapped_config",
                         lambda *a, **k: swapped.SwappedConfig(block_kv=256, num_stages=8))
+    # A decode step of these shapes traced by an earlier test in this process would be reused without tracing (and
+    # the patched default never read); the failing lowering itself leaves nothing cached for later tests.
+    jax.clear_caches()
     out = tmp_path / "smem.json"
     assert preflight.main([*E2E_FLAGS, "--shapes", "decode", "--out", str(out)]) == 1
     _, (program,) = _programs(out)

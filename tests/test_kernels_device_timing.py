@@ -162,7 +162,11 @@ def test_pair_breakdown_splits_interleaved_kernels_by_order():
     # A run's kernel stamped as starting a little before the paged kernel's end still counts as the run's: pair 0's
     # busy becomes 150 (the kernel, the q prep inside it) + 2, the median of (152, 150, 165).
     skewed = [k if k.start_us != 305.0 else Kernel(k.name, k.device, 249.0, 399.0) for k in ks]
-    assert timing.pair_breakdown(skewed, calls=3)["busy_us"] == pytest.approx(152.0)                    # a pair short of its run's kernel
+    assert timing.pair_breakdown(skewed, calls=3)["busy_us"] == pytest.approx(152.0)
+    # A Pallas GEMM as one side (attention_bound.py --between): a Mosaic GPU kernel whose kind is matmul still counts.
+    gemm = [k if k.start_us % 1000 != 305.0 else Kernel("decode_matmul_2048x2048_mosaic_gpu_kernel", k.device,
+                                                        k.start_us, k.end_us) for k in ks]
+    assert timing.pair_breakdown(gemm, calls=3)["pallas_us"] == 150.0                    # a pair short of its run's kernel
 
 
 def test_pallas_timing_prefers_the_paired_profile():
