@@ -136,8 +136,8 @@ def between_weight(megabytes: float, batch: int, k: int):
 
 def own_pools_time(fn, args, copies: int, *, calls: int) -> dict:
     """fn's Pallas kernel a call when each of `copies` consecutive calls reads its own copy of the K/V pools (args[1],
-    args[2]), as a step's layers do: {us, copies, tbps}. The copies are device-side sums (distinct buffers, the same
-    tables)."""
+    args[2]), as a step's layers do: {us, copies, busy_us}. The copies are device-side sums (distinct buffers, the
+    same tables)."""
     q, k_pool, v_pool, *tables = args
     ks = tuple(k_pool + jnp.asarray(i, k_pool.dtype) for i in range(copies))
     vs = tuple(v_pool + jnp.asarray(i, v_pool.dtype) for i in range(copies))
