@@ -15,35 +15,60 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class TraceRequest:
     index: int                  # line number in the trace (0-based)
-    timestamp_ms: int
+    timestamp_ms: int | float
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_line(path, i: int, raw: bytes) -> TraceRequest:
+    """Line i (0-based) of a Mooncake-format trace; ValueError names the file, the line and what is wrong. Types
+    are not coerced: a string, float or bool where the format has an integer is an error, not a guess."""
+    where = f"{path}:{i + 1}"
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: not a Mooncake trace line ({e}): {raw[:120]!r}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a JSON object with timestamp, input_length, output_length, hash_ids")
+    t = d.get("timestamp")
+    if not (_is_int(t) or isinstance(t, float)) or not 0 <= t <= 2**53:
+        raise ValueError(f"{where}: 'timestamp' must be a number of ms in [0, 2^53], got {t!r:.40}")
+    for key in ("input_length", "output_length"):
+        if not _is_int(d.get(key)) or d[key] < 1:
+            raise ValueError(f"{where}: '{key}' must be an integer >= 1, got {d.get(key)!r}")
+    ids = d.get("hash_ids")
+    if not isinstance(ids, list) or not ids or not all(_is_int(h) for h in ids):
+        raise ValueError(f"{where}: 'hash_ids' must be a non-empty list of integers, got {ids!r:.80}")
+    return TraceRequest(i, d["timestamp"], d["input_length"], d["output_length"], tuple(ids))
+
+
 def load_trace(path: pathlib.Path, start: int, count: int) -> list[TraceRequest]:
-    """Lines [start, start + count) of a Mooncake-format trace; raises ValueError naming a bad line."""
+    """Lines [start, start + count) of a Mooncake-format trace (blank lines are skipped and not counted); raises
+    ValueError naming a bad line."""
     if start < 0 or count <= 0:
         raise ValueError(f"--window-start must be >= 0 and --num-requests > 0, got {start} and {count}")
     out = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if i < start:
+    seen = 0
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            if not raw.strip():
                 continue
-            if i >= start + count:
+            seen += 1
+            if seen <= start:
+                continue
+            if len(out) == count:
                 break
-            try:
-                d = json.loads(line)
-                r = TraceRequest(i, int(d["timestamp"]), int(d["input_length"]), int(d["output_length"]),
-                                 tuple(int(h) for h in d["hash_ids"]))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{i + 1}: not a Mooncake trace line ({e}): {line[:120]!r}") from e
-            if r.input_length <= 0 or r.output_length <= 0 or not r.hash_ids:
-                raise ValueError(f"{path}:{i + 1}: input/output lengths must be > 0 and hash_ids non-empty")
-            out.append(r)
+            out.append(parse_line(path, i, raw))
     if len(out) < count:
-        raise ValueError(f"{path} has {start + len(out)} lines: the window [{start}, {start + count}) runs past "
-                         f"its end; lower --window-start or --num-requests")
+        raise ValueError(f"{path} has {start + len(out)} requests: the window [{start}, {start + count}) runs "
+                         f"past its end; lower --window-start or --num-requests")
     return out
 
 

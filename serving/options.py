@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import math
 import pathlib
 
+from serving.auth import load_keys
 from serving.cost import Prices
 from serving.routing import DEFAULT_ENTROPY_BITS, DEFAULT_ENTROPY_WINDOW, check_regex
 from serving.stacks import BASELINE, LONG_CONTEXT, STRATUM, parse_stacks
@@ -91,6 +93,34 @@ class ServerOptions:
         need((self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key go together: give both")
         for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key), ("--keys-file", self.keys_file)):
             need(path is None or pathlib.Path(path).is_file(), f"{flag} {path}: no such file")
+        for flag, path, marker in (("--tls-cert", self.tls_cert, "CERTIFICATE-----"),
+                                   ("--tls-key", self.tls_key, "PRIVATE KEY-----")):
+            if path is not None:
+                try:
+                    text = pathlib.Path(path).read_bytes().decode("ascii", "replace")
+                except OSError as e:
+                    raise ValueError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+                need(marker in text, f"{flag} {path}: not a PEM file with a '-----BEGIN ...{marker}' block")
+        if self.keys_file is not None:
+            load_keys(self.keys_file)            # a file with no usable key: its ValueError names file and line
+        # Fixed ports that would bind the same address twice (jax's profiler binds every interface).
+        ports = [(flag, value, host) for flag, value, host in (
+            ("--port", self.port, self.host), ("--metrics-port", self.metrics_port, self.metrics_host),
+            ("--http-port", self.http_port, self.http_address), ("--profile-port", self.profile_port, "0.0.0.0"))
+            if value > 0]
+        for i, (flag, value, host) in enumerate(ports):
+            for other, other_value, other_host in ports[i + 1:]:
+                need(value != other_value or (host != other_host and not {host, other_host} & _WILDCARDS),
+                     f"{flag} and {other} are both {value}: give each its own port (or 0 for any free one)")
+        for field in dataclasses.fields(self.prices):
+            value = getattr(self.prices, field.name)
+            need(math.isfinite(value), f"--{field.name.replace('_', '-')} must be a finite number >= 0, got {value!r}")
+        for flag, value, stack in (("--baseline-kv-pool-tokens", self.baseline_kv_pool_tokens, BASELINE),
+                                   ("--baseline-kv-memory-share", self.baseline_kv_memory_share, BASELINE),
+                                   ("--long-context-max-context", self.long_context_max_context, LONG_CONTEXT),
+                                   ("--long-context-kv-pool-tokens", self.long_context_kv_pool_tokens, LONG_CONTEXT)):
+            need(value is None or stack in self.stacks,
+                 f"{flag} sizes the {stack} stack, which is not running: add {stack} to --stacks or drop {flag}")
 
     @property
     def is_loopback(self) -> bool:
@@ -169,6 +199,9 @@ class ServerOptions:
         prices = Prices(args.gpu_usd_per_hour, args.transfer_usd_per_gb, args.hbm_usd_per_gb_hour)
         names = {f.name for f in dataclasses.fields(cls)} - {"prices"}
         return cls(prices=prices, **{k: v for k, v in vars(args).items() if k in names})
+
+
+_WILDCARDS = {"0.0.0.0", "::", ""}     # hosts that bind every interface
 
 
 def _is_loopback(host: str) -> bool:

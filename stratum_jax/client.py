@@ -54,6 +54,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Integer flags: the values a request can carry (the server checks its own, tighter limits within these; a
+# --max-tokens below 1 is sent, and the server's INVALID_ARGUMENT says what it takes).
+_INT_RANGES = (("max_tokens", "--max-tokens", 1, 2**31 - 1), ("top_k", "--top-k", 0, 2**31 - 1),
+               ("seed", "--seed", 0, 2**63 - 1), ("profile", "--profile", 1, 2**32 - 1))
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """parser.error for values no request can carry, and a --tls-ca that is no readable PEM certificate."""
+    for name, flag, lo, hi in _INT_RANGES:
+        value = getattr(args, name)
+        if value is not None and (value > hi or (value < lo and name != "max_tokens")):
+            parser.error(f"{flag} must be an integer in [{lo}, {hi}], got {value}")
+    if args.timeout is not None and not 0 < args.timeout < float("inf"):
+        parser.error(f"--timeout must be a number of seconds > 0, got {args.timeout}")
+    if args.tls_ca is not None:
+        try:
+            with open(args.tls_ca, "rb") as f:
+                pem = f.read()
+        except OSError as e:
+            parser.error(f"--tls-ca {args.tls_ca}: cannot read it ({e.strerror})")
+        if b"-----BEGIN CERTIFICATE-----" not in pem:
+            parser.error(f"--tls-ca {args.tls_ca}: not a PEM certificate (no '-----BEGIN CERTIFICATE-----' line)")
+
+
 def _metadata(args) -> list[tuple[str, str]]:
     md = []
     if args.api_key:
@@ -146,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     needs_prompt = not (args.health or args.metrics or args.profile is not None)
     if needs_prompt and args.prompt is None:
         parser.error("give a prompt (or one of --health, --metrics, --profile)")
+    if not needs_prompt and args.prompt is not None:
+        parser.error(f"--health, --metrics and --profile send no prompt: drop {args.prompt!r} or the flag")
+    check_args(parser, args)
     try:
         run(args)
     except grpc.RpcError as e:

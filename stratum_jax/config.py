@@ -184,8 +184,9 @@ class RuntimeConfig:
         need(self.scheduler in SCHEDULERS, f"--scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         for name in ("hab_threshold_ms", "hab_max_wait_ms"):
             value = getattr(self, name)
+            env = f" (or ${HAB_THRESHOLD_ENV})" if name == "hab_threshold_ms" else ""
             need(isinstance(value, (int, float)) and 0 <= value < float("inf"),
-                 f"--{name.replace('_', '-')} must be a number of ms >= 0, got {value!r}")
+                 f"--{name.replace('_', '-')}{env} must be a finite number of ms >= 0, got {value!r}")
         need(self.page_size is None or self.page_size in PAGE_SIZE_CLASSES,
              f"--page-size must be one of {PAGE_SIZE_CLASSES}, got {self.page_size!r}")
         need(self.attention in ATTENTION_BACKENDS,
@@ -209,6 +210,9 @@ class RuntimeConfig:
              f"(got {self.kv_precision})")
         self._check_dmlp(need)
         self._check_parallel(need)
+        need(isinstance(self.seed, int) and self.seed >= 0,
+             f"--engine-seed must be an integer >= 0, got {self.seed!r}")
+        self._check_paths(need)
         for name in ("kv_host_tokens", "kv_prefetch_pages"):
             value = getattr(self, name)
             need(isinstance(value, int) and value >= 0,
@@ -235,6 +239,21 @@ class RuntimeConfig:
             raise ValueError(f"--max-context {self.max_context} exceeds the model's max_position_embeddings "
                              f"{max_position_embeddings}: lower it, or leave it out to use the model's limit")
         return self
+
+    def _check_paths(self, need) -> None:
+        """Paths the engine writes, checked now rather than after the model has loaded."""
+        if self.trace_out is not None:
+            path = self.trace_out
+            parent = os.path.dirname(os.path.abspath(path))
+            need(not os.path.isdir(path), f"--trace-out {self.trace_out}: is a directory; give a file path "
+                                          f"(the event log is appended to it)")
+            need(os.path.isdir(parent), f"--trace-out {self.trace_out}: its directory {parent} does not exist; "
+                                        f"create it or give another path")
+        if self.compilation_cache_dir is not None:
+            path = os.path.expanduser(self.compilation_cache_dir)
+            need(not os.path.exists(path) or os.path.isdir(path),
+                 f"--compilation-cache-dir {self.compilation_cache_dir}: is a file, not a directory; give a "
+                 f"directory (created if missing) or 'none'")
 
     def _check_parallel(self, need) -> None:
         need(isinstance(self.tensor_parallel, int) and self.tensor_parallel >= 1,
@@ -329,7 +348,9 @@ class RuntimeConfig:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        d = RuntimeConfig()
+        # The defaults that read the environment are not read here: a bad $STRATUM_* value is an error of
+        # from_cli_args (a usage message), not a traceback while the parser is being built.
+        d = RuntimeConfig(hab_threshold_ms=HAB_PROFILES["default"], kv_precision="bf16")
         g = parser.add_argument_group("runtime")
         g.add_argument("--model", default=d.model, help="preset name (pydoc-2m: trained; tiny, llama-1b, llama-8b, llama-70b: random) or HF dir")
         g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])

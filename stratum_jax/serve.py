@@ -42,7 +42,16 @@ async def serve(config: RuntimeConfig, options: ServerOptions) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await server.start(load=False)
+    try:
+        await server.start(load=False)
+    except (OSError, RuntimeError, ValueError) as e:   # a bind failure: gRPC's RuntimeError, HTTP's ValueError,
+        o = options                                   # the metrics server's OSError
+        log.error("could not open the server's ports (%s). Check --host %s --port %d, --metrics-host %s "
+                  "--metrics-port %d and --http-host %s --http-port %d: addresses this machine has and free ports "
+                  "(0 picks one; -1 turns metrics or HTTP off)", str(e).rstrip("."), o.host, o.port,
+                  o.metrics_host, o.metrics_port, o.http_address, o.http_port)
+        await server.drain(grace_s=0)      # closes whatever did open
+        return 2
     load = asyncio.create_task(server.load())
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)

@@ -12,6 +12,7 @@ The work is done in training/ (pipeline.py); this module only parses flags.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -49,8 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--online-round-ms", type=float, default=None,
                    help="simulated ms each online round is charged (sets the cadence with the learner's "
                         "cpu budget); default 1.0")
-    p.add_argument("--online-track", type=float, default=0.25,
-                   help="share of blocks whose accesses become online examples (as --dmlp-online-track)")
+    p.add_argument("--online-track", type=float, default=None,
+                   help="share of blocks whose accesses become online examples (as --dmlp-online-track); "
+                        "default 0.25")
     p.add_argument("--guard", action=argparse.BooleanOptionalAction, default=True,
                    help="also replay the DMLP behind the shadow-LRU guard (on by default; the online "
                         "replay uses it too)")
@@ -58,8 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.online and not a.eval_only:
         p.error("--online applies to --eval-only (training evaluates offline on its own held-out part)")
-    if a.online_round_ms is not None and not a.online_round_ms > 0:
+    for flag, value in (("--online-round-ms", a.online_round_ms), ("--online-track", a.online_track)):
+        if value is not None and not a.online:
+            p.error(f"{flag} applies to --online replays: add --online or drop {flag}")
+    if a.online_round_ms is not None and not 0 < a.online_round_ms < math.inf:
         p.error("--online-round-ms must be > 0")
+    if a.online_track is None:
+        a.online_track = 0.25
     if not 0.0 < a.online_track <= 1.0:
         p.error("--online-track must lie in (0, 1]")
     if a.guard_window < 1:
@@ -67,12 +74,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.eval_only:
         if not a.checkpoint or not a.report:
             p.error("--eval-only needs --checkpoint and --report")
-    elif not a.out:
-        p.error("training needs --out DIR (or use --eval-only)")
+        if a.out:
+            p.error("--out is where training writes; --eval-only writes only --report: drop one of them")
+        report_dir = os.path.dirname(os.path.abspath(a.report))
+        if os.path.isdir(a.report) or not os.path.isdir(report_dir):
+            p.error(f"--report {a.report}: give a file path in an existing directory")
+    else:
+        if not a.out:
+            p.error("training needs --out DIR (or use --eval-only)")
+        if os.path.exists(a.out) and not os.path.isdir(a.out):
+            p.error(f"--out {a.out}: is a file; give a directory (created if missing)")
+        for flag, value in (("--checkpoint", a.checkpoint), ("--report", a.report),
+                            ("--warmup-traces", a.warmup_traces)):
+            if value:
+                p.error(f"{flag} applies to --eval-only (training writes --out DIR/checkpoint and "
+                        f"DIR/report.json): add --eval-only or drop {flag}")
     if a.epochs < 1:
         p.error("--epochs must be >= 1")
-    if a.time_scale is not None and not a.time_scale > 0:
-        p.error("--time-scale must be > 0")
+    if a.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {a.batch_size}")
+    if not 0 < a.learning_rate < math.inf:
+        p.error(f"--learning-rate must be a finite number > 0, got {a.learning_rate}")
+    if a.seed < 0:
+        p.error(f"--seed must be >= 0, got {a.seed}")
+    hs = a.horizons_ms
+    if not all(0 < h < math.inf for h in hs) or any(x >= y for x, y in zip(hs, hs[1:])):
+        p.error(f"--horizons-ms must be finite numbers > 0 in increasing order, got {' '.join(map(str, hs))}")
+    if not all(0 < c <= 1 for c in a.capacity_fracs):
+        p.error(f"--capacity-fracs must lie in (0, 1] (shares of the scored unique blocks), got "
+                f"{' '.join(map(str, a.capacity_fracs))}")
+    if not 0 <= a.host_frac < math.inf:
+        p.error(f"--host-frac must be a finite number >= 0, got {a.host_frac}")
+    if a.time_scale is not None and not 0 < a.time_scale < math.inf:
+        p.error("--time-scale must be a finite number > 0")
     return a
 
 

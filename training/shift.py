@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import os
 import sys
 
 import numpy as np
 
 from training.synthetic import BLOCK, conversation_trace, write_jsonl
+from training.traces import mooncake_records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +53,9 @@ class ShiftSpec:
 
 
 def read_records(path: str) -> list[dict]:
-    """Mooncake records, one JSON object a line (validated when the result is read as a trace)."""
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    """Mooncake records, one JSON object a line, each line checked as `read_mooncake` checks it
+    (TraceFormatError, a ValueError, names the file and line)."""
+    return [obj for _, obj in mooncake_records(path)]
 
 
 def _max_id(records: list[dict]) -> int:
@@ -135,6 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--mix", type=float, default=0.0, help="synthetic requests per trace request to merge in")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    if os.path.exists(a.out) and os.path.exists(a.trace) and os.path.samefile(a.out, a.trace):
+        p.error(f"--out {a.out} is the --trace file: writing it would replace the trace; give another path")
     try:
         spec = ShiftSpec(a.rate, a.system_prompts, a.system_blocks, a.zipf, a.mix, a.seed)
         out = derive(read_records(a.trace), spec)

@@ -113,11 +113,16 @@ class _Columns:
 def _lines(path: str) -> Iterator[tuple[int, dict]]:
     """Yields (line number, parsed JSON object); blank lines are skipped."""
     try:
-        fh = open(path, encoding="utf-8")
+        fh = open(path, "rb")
     except OSError as e:
         raise TraceFormatError(path, 0, f"cannot open: {e.strerror}") from None
     with fh:
-        for no, text in enumerate(fh, start=1):
+        for no, raw in enumerate(fh, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TraceFormatError(path, no, f"not UTF-8 text (byte {e.start + 1} of the line); a trace is "
+                                                 f"JSON lines") from None
             if not text.strip():
                 continue
             try:
@@ -129,14 +134,22 @@ def _lines(path: str) -> Iterator[tuple[int, dict]]:
             yield no, obj
 
 
+def _finite(v) -> bool:
+    """Whether the number v is finite and within float range (JSON's integers have no bound)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _number(path, no, obj, key, *, integer=False, minimum=0.0, required=True):
     v = obj.get(key)
     if v is None and not required:
         return None
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok or not math.isfinite(v) or v < minimum:
+    if isinstance(v, bool) or not ok or not _finite(v) or v < minimum:
         kind = "an integer" if integer else "a finite number"
-        raise TraceFormatError(path, no, f"'{key}' must be {kind} >= {minimum:g}, got {v!r}")
+        raise TraceFormatError(path, no, f"'{key}' must be {kind} >= {minimum:g}, got {v!r:.40}")
     return v
 
 
@@ -152,18 +165,19 @@ def _features(path, no, feats) -> dict:
     for k, v in feats.items():
         if k not in FEATURE_NAMES:
             raise TraceFormatError(path, no, f"unknown feature {k!r}")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v)):
             raise TraceFormatError(path, no, f"feature {k!r} must be a finite number or null, got {v!r}")
     return feats
 
 
-def _mooncake_rows(path: str, time_scale: float) -> Iterator[tuple]:
-    """Rows for `_Columns.add`, one per prompt block, from a Mooncake trace (see `read_mooncake`)."""
-    last, nan_seed = 0.0, [math.nan] * len(SEED_FEATURES)
+def mooncake_records(path: str) -> Iterator[tuple[int, dict]]:
+    """(line number, record) for each request of a Mooncake trace, every line checked (`read_mooncake`):
+    TraceFormatError names the file and line of the first bad one."""
+    last = 0.0
     for no, obj in _lines(path):
         last = _check_time(path, no, _number(path, no, obj, "timestamp"), last)
         n_in = _number(path, no, obj, "input_length", integer=True, minimum=1)
-        n_out = _number(path, no, obj, "output_length", integer=True)
+        _number(path, no, obj, "output_length", integer=True)
         ids = obj.get("hash_ids")
         if not isinstance(ids, list) or not ids or not all(
                 isinstance(h, int) and not isinstance(h, bool) for h in ids):
@@ -172,6 +186,18 @@ def _mooncake_rows(path: str, time_scale: float) -> Iterator[tuple]:
         if len(ids) != want:
             raise TraceFormatError(path, no, f"{len(ids)} hash_ids for input_length {n_in}; a "
                                    f"{MOONCAKE_BLOCK_TOKENS}-token block each means {want}")
+        if len(set(ids)) != len(ids):
+            again = next(h for i, h in enumerate(ids) if h in ids[:i])
+            raise TraceFormatError(path, no, f"hash id {again} appears twice in 'hash_ids': each block of a "
+                                   f"prompt hashes its whole prefix, so one prompt cannot repeat an id")
+        yield no, obj
+
+
+def _mooncake_rows(path: str, time_scale: float) -> Iterator[tuple]:
+    """Rows for `_Columns.add`, one per prompt block, from a Mooncake trace (see `read_mooncake`)."""
+    nan_seed = [math.nan] * len(SEED_FEATURES)
+    for no, obj in mooncake_records(path):
+        last, n_in, n_out, ids = obj["timestamp"], obj["input_length"], obj["output_length"], obj["hash_ids"]
         tail_fill = (n_in - MOONCAKE_BLOCK_TOKENS * (len(ids) - 1)) / MOONCAKE_BLOCK_TOKENS
         for d, h in enumerate(ids):
             yield (path, no, last / time_scale, h, (path, no), d, len(ids) - 1 - d,

@@ -103,13 +103,77 @@ def checkpoint_config(path: Path, dtype: str | None = None) -> ModelConfig:
     """An HF checkpoint directory's model config (config.json, and generation_config.json's end tokens), without
     reading its weights. dtype overrides the checkpoint's."""
     cfg_file = path / "config.json"
+    d = _read_json(cfg_file)
+    _check_field_types(d, cfg_file)
     try:
-        cfg = ModelConfig.from_hf_config(_read_json(cfg_file), dtype=dtype)
+        cfg = ModelConfig.from_hf_config(d, dtype=dtype)
     except CheckpointError:
         raise
     except ValueError as e:
         raise CheckpointError(f"{cfg_file}: {e}") from e
+    except (TypeError, KeyError, AttributeError, ZeroDivisionError) as e:  # a field _check_field_types missed
+        raise CheckpointError(f"{cfg_file}: a field has the wrong type or value ({type(e).__name__}: {e}); "
+                              "compare it with the model's published config.json") from e
     return _generation_eos(path, cfg)
+
+
+# config.json fields checked for JSON type before from_hf_config reads them: int() would truncate 2.7 layers
+# to 2 and bool() would read "false" as true, loading a model that runs but computes the wrong thing.
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings")
+_NULLABLE = ("num_key_value_heads", "head_dim")  # null: the default (num_attention_heads, hidden / heads)
+_POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")  # null: false
+
+
+def _check_field_types(d: Any, cfg_file: Path) -> None:
+    """Raises CheckpointError naming the config.json field whose JSON type or value cannot be right."""
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{cfg_file}: must hold a JSON object, got {type(d).__name__}")
+
+    def bad(key: str, want: str, value: Any) -> CheckpointError:
+        return CheckpointError(f"{cfg_file}: field {key!r} must be {want}, got {json.dumps(value)}")
+
+    archs = d.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise bad("architectures", "a list of class names such as [\"LlamaForCausalLM\"]", archs)
+    for key in _POSITIVE_INTS:
+        v = d.get(key)
+        if key in d and not (v is None and key in _NULLABLE) and not (_is_int(v) and v > 0):
+            raise bad(key, "a positive integer" + (" or null" if key in _NULLABLE else ""), v)
+    heads = d.get("num_attention_heads")
+    if d.get("head_dim") is None and _is_int(d.get("hidden_size")) and _is_int(heads) and d["hidden_size"] % heads:
+        raise CheckpointError(f"{cfg_file}: hidden_size {d['hidden_size']} is not a multiple of num_attention_heads "
+                              f"{heads}, and no head_dim is given")
+    rope = [(f"{k}.rope_theta", d[k].get("rope_theta")) for k in ("rope_parameters", "rope_scaling")
+            if isinstance(d.get(k), dict) and "rope_theta" in d[k]]
+    for key, v in [(k, d[k]) for k in _POSITIVE_NUMBERS if k in d] + rope:
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
+            raise bad(key, "a positive finite number", v)
+    for key in _BOOLS:
+        if d.get(key) is not None and not isinstance(d[key], bool):
+            raise bad(key, "true or false", d[key])
+    for key in ("rope_parameters", "rope_scaling"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise bad(key, "an object or null", d[key])
+    if d.get("layer_types") is not None and not isinstance(d["layer_types"], list):
+        raise bad("layer_types", "a list", d["layer_types"])
+    for key in ("dtype", "torch_dtype"):
+        if d.get(key) is not None and not isinstance(d[key], str):
+            raise bad(key, "a dtype name such as \"bfloat16\"", d[key])
+    if d.get("bos_token_id") is not None and not _is_int(d["bos_token_id"]):
+        raise bad("bos_token_id", "a token id (an integer) or null", d["bos_token_id"])
+    if not _is_token_ids(d.get("eos_token_id")):
+        raise bad("eos_token_id", "a token id, a list of token ids, or null", d["eos_token_id"])
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_token_ids(v: Any) -> bool:
+    """An HF eos_token_id: null, an integer, or a list of integers (as hf_eos_ids reads it)."""
+    return all(e is None or _is_int(e) for e in (v if isinstance(v, list) else [v]))
 
 
 def _where(tp: TensorParallel | None) -> str:
@@ -143,8 +207,7 @@ def load_params(directory: str | Path, cfg: ModelConfig, tp: TensorParallel | No
         files = sorted({f.name for f in where.values()})
         raise CheckpointError(f"{directory}: tensor {missing[0]!r} not found in {', '.join(files) or 'any file'}"
                               + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""))
-    extra = sorted(n for n in set(where) - set(expected) if not n.endswith(_IGNORED_SUFFIXES)
-                   and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+    extra = sorted(n for n in set(where) - set(expected) if not _ignored(n, cfg))
     if extra:
         # A tensor this decoder would ignore (an o_proj bias, say) means the output would be wrong.
         raise CheckpointError(f"{where[extra[0]]}: unexpected tensor {extra[0]!r} for this architecture"
@@ -163,6 +226,13 @@ def load_params(directory: str | Path, cfg: ModelConfig, tp: TensorParallel | No
     flat: dict[str, jax.Array] = {}
     for file, names in by_file.items():
         st = _open_safetensors(file)
+        # A shard's tensor that the index puts elsewhere, or nowhere, would be silently left out.
+        unlisted = [n for n in st.names if where.get(n) != file and not _ignored(n, cfg)]
+        if unlisted:
+            listed = f"lists it in {where[unlisted[0]].name}" if unlisted[0] in where else "does not list it"
+            raise CheckpointError(f"{file}: has tensor {unlisted[0]!r}, but {_INDEX} {listed}"
+                                  + (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else "")
+                                  + f"; regenerate {_INDEX} from the shards")
         for name in names:
             if name not in st:  # only possible when an index names the wrong shard
                 raise CheckpointError(f"{file}: has no tensor {name!r}, though {_INDEX} says it does")
@@ -178,6 +248,11 @@ def load_params(directory: str | Path, cfg: ModelConfig, tp: TensorParallel | No
                 x = place_on_mesh(st.array(name), *placements[name])
                 flat[name] = x if x.dtype == jnp.dtype(cfg.dtype) else x.astype(cfg.dtype)
     return jax.tree_util.tree_map_with_path(lambda p, _: flat[_name(p)], shapes)
+
+
+def _ignored(name: str, cfg: ModelConfig) -> bool:
+    """A checkpoint tensor with no parameter behind it that loading may skip."""
+    return name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
 def _to_device(view: np.ndarray, dtype: str, device) -> jax.Array:
@@ -212,9 +287,15 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
     """Maps each tensor name of the checkpoint to the safetensors file holding it."""
     index = directory / _INDEX
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        content = _read_json(index)
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no 'weight_map' object")
+        for name, file in weight_map.items():
+            # Shards are files of this directory: a path elsewhere would load another checkpoint's weights.
+            if not (isinstance(file, str) and file == Path(file).name and file not in ("", ".", "..")):
+                raise CheckpointError(f"{index}: weight_map gives tensor {name!r} the shard {json.dumps(file)}; "
+                                      f"each must be the name of a .safetensors file in {directory}")
         where = {name: directory / file for name, file in weight_map.items()}
         for file in sorted(set(where.values())):
             if not file.is_file():
@@ -228,7 +309,7 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
 
 def _load_tokenizer(directory: Path, cfg: ModelConfig) -> Tokenizer:
     tok_file = directory / "tokenizer.json"
-    if tok_file.is_file():
+    if tok_file.exists():  # a directory or unreadable file of that name is an error, not "no tokenizer"
         try:
             tokenizer: Tokenizer = HFTokenizer(directory)
         except ValueError as e:  # malformed JSON in a side file names that file itself
@@ -243,6 +324,14 @@ def _load_tokenizer(directory: Path, cfg: ModelConfig) -> Tokenizer:
     if tokenizer.vocab_size > cfg.vocab_size:
         raise CheckpointError(f"{source} has {tokenizer.vocab_size} tokens but {directory / 'config.json'} "
                               f"has vocab_size {cfg.vocab_size}")
+    # Ids from generation_config.json or tokenizer_config.json outside the embedding would be clamped silently.
+    for what, ids in (("BOS", () if tokenizer.bos_token_id is None else (tokenizer.bos_token_id,)),
+                      ("EOS", tokenizer.eos_token_ids)):
+        for i in ids:
+            if not (_is_int(i) and 0 <= i < cfg.vocab_size):
+                raise CheckpointError(f"{directory}: the tokenizer's {what} id {i!r} (from generation_config.json, "
+                                      f"config.json or tokenizer_config.json) is not a token id in "
+                                      f"[0, vocab_size={cfg.vocab_size})")
     return tokenizer
 
 
@@ -253,24 +342,26 @@ def _generation_eos(directory: Path, cfg: ModelConfig) -> ModelConfig:
     if not gen_file.is_file():
         return cfg
     gen = _read_json(gen_file)
-    if not isinstance(gen, dict) or gen.get("eos_token_id") is None:
+    if not isinstance(gen, dict):
+        raise CheckpointError(f"{gen_file}: must hold a JSON object, got {type(gen).__name__}")
+    if gen.get("eos_token_id") is None:
         return cfg
-    try:
-        eos = hf_eos_ids(gen["eos_token_id"])
-    except (TypeError, ValueError) as e:
+    if not _is_token_ids(gen["eos_token_id"]):
         raise CheckpointError(f"{gen_file}: eos_token_id must be an int or a list of ints, "
-                              f"got {gen['eos_token_id']!r}") from e
-    return _replace(cfg, str(gen_file), eos_token_ids=eos)
+                              f"got {gen['eos_token_id']!r}")
+    return _replace(cfg, str(gen_file), eos_token_ids=hf_eos_ids(gen["eos_token_id"]))
 
 
 def _read_json(path: Path) -> Any:
     if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
+        raise CheckpointError(f"{path}: " + ("is not a regular file" if path.exists() else "file not found"))
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start}); it must be a JSON file") from e
 
 
 def _replace(cfg: ModelConfig, what: str, **changes) -> ModelConfig:

@@ -49,6 +49,7 @@ class SafetensorsFile:
             self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
             for name, e in header.items():
                 self._entries[name] = _entry(name, e, data_len)
+            _check_tiling(self._entries, data_len)
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
     @property
@@ -85,3 +86,17 @@ def _entry(name: str, e, data_len: int) -> tuple[str, tuple[int, ...], int, int]
     if code in DTYPES and end - begin != math.prod(shape) * DTYPES[code].itemsize:
         raise ValueError(f"tensor {name!r}: {end - begin} bytes for shape {list(shape)} of {code}")
     return code, shape, begin, end
+
+
+def _check_tiling(entries: dict[str, tuple[str, tuple[int, ...], int, int]], data_len: int) -> None:
+    """The tensors must cover the data exactly, in offset order, as the format requires (and the safetensors
+    library checks): two tensors sharing bytes, or bytes no tensor owns, mean a corrupt header."""
+    pos = 0
+    for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: item[1][2:]):
+        if begin != pos:
+            what = "overlaps the tensor before it" if begin < pos else f"leaves bytes {pos}..{begin} unowned"
+            raise ValueError(f"tensor {name!r} at data offset {begin} {what}; the header is corrupt")
+        pos = end
+    if pos != data_len:
+        raise ValueError(f"the tensors end at data offset {pos} but the data is {data_len} bytes; the header is "
+                         "corrupt or the file has trailing bytes")

@@ -111,25 +111,45 @@ class HFTokenizer(Tokenizer):
             if isinstance(tok, str):
                 self._specials[name] = tok
 
+        def special_id(name: str) -> int:
+            """The id of the special token tokenizer_config.json names; an unknown one would silently drop
+            BOS from every prompt (or never stop at EOS)."""
+            token_id = self._tok.token_to_id(self._specials[name])
+            if token_id is None:
+                raise ValueError(f"{d / 'tokenizer_config.json'}: {name} {self._specials[name]!r} is not in the "
+                                 f"vocabulary of {d / 'tokenizer.json'}; fix the one or the other")
+            return token_id
+
         # tokenizer_config.json decides BOS when present (Qwen2's config.json names a bos_token_id that its
         # tokenizer never adds); otherwise the model's configs do.
+        self._add_bos = tok_cfg.get("add_bos_token", True) is not False
         if tok_cfg:
-            bos = self._tok.token_to_id(self._specials["bos_token"]) if "bos_token" in self._specials else None
+            bos = None
+            if "bos_token" in self._specials:  # one that is never added may be unknown
+                bos = special_id("bos_token") if self._add_bos else self._tok.token_to_id(self._specials["bos_token"])
         else:
             bos = gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id"))
         self.bos_token_id = bos
-        self._add_bos = tok_cfg.get("add_bos_token", True) is not False
         # generation_config.json lists every stop id (Llama 3.1: <|end_of_text|>, <|eom_id|>, <|eot_id|>).
         eos = gen_cfg.get("eos_token_id", model_cfg.get("eos_token_id"))
         if eos is None and "eos_token" in self._specials:
-            eos = self._tok.token_to_id(self._specials["eos_token"])
+            eos = special_id("eos_token")
         self.eos_token_ids = tuple(e for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
 
-        template = tok_cfg.get("chat_template")
+        template, source = tok_cfg.get("chat_template"), d / "tokenizer_config.json"
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            if not all(isinstance(t, dict) for t in template):
+                raise ValueError(f"{source}: chat_template list entries must be {{\"name\", \"template\"}} objects, "
+                                 f"got {json.dumps(template)}")
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if (d / "chat_template.jinja").is_file():
-            template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+            source = d / "chat_template.jinja"
+            try:
+                template = source.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{source}: not UTF-8 text (byte {e.start}); it must be a jinja template") from e
+        if template is not None:
+            _check_template(template, source)
         self.chat_template = template
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
@@ -195,9 +215,28 @@ def _read_json(path: Path) -> dict:
         return {}
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            content = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); it must be a JSON file") from e
+    if not isinstance(content, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(content).__name__}")
+    return content
+
+
+def _check_template(template, source: Path) -> None:
+    """A chat template that is not a string, or not valid jinja, fails at load, naming its file, rather
+    than on every chat request."""
+    import jinja2
+
+    if not isinstance(template, str):
+        raise ValueError(f"{source}: chat_template must be a string (or a list of {{\"name\", \"template\"}} "
+                         f"objects), got {json.dumps(template)}")
+    try:
+        _compile_template(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{source}: chat template is not valid jinja (line {e.lineno}: {e.message})") from e
 
 
 _TEMPLATES: dict[str, object] = {}
