@@ -33,6 +33,7 @@ import argparse
 import datetime
 import json
 import pathlib
+import re
 import sys
 import tempfile
 from typing import NamedTuple
@@ -193,7 +194,9 @@ def make_pools(shape: dict, layers: int, *, rows: int, context: int, page: int, 
 
 
 def part_of(name: str, shape: dict) -> str:
-    """A kernel's part in the layer, from its name (the Pallas GEMMs are named decode_matmul_{N}x{K})."""
+    """A kernel's part in the layer, from its name (the Pallas GEMMs are named decode_matmul_{N}x{K}; the norm-fold
+    variants decode_matmul_residual_{N}x{K} and decode_gated_matmul_normed_{N}x{K}, benchmarks/norm_fold.py)."""
+    name = re.sub(r"matmul_(residual|normed)_", "matmul_", name)
     h, i = shape["hidden"], shape["intermediate"]
     qkv_rows = shape["q_out"] + 2 * shape["kv_out"]
     gemms = {f"decode_matmul_{qkv_rows}x{h}": "qkv", f"decode_matmul_{h}x{shape['q_out']}": "o",

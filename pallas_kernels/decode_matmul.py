@@ -45,6 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import llvm
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
@@ -56,6 +58,7 @@ _MAX_ROWS = 256        # beyond this the GEMM is no longer weight-bound: use XLA
 _SMEM_LIMIT = 226 * 1024   # the H100/H200's 227 KB of dynamic SMEM a CTA, less 1 KB for barriers and alignment
 _ACC_REGISTERS = 128       # fp32 accumulator registers a thread may hold (of 255; addressing, epilogue: the rest)
 _TRANSFORMS = (plgpu.TilingTransform((8, _TILE_K)), plgpu.SwizzleTransform(128))
+_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)      # [rows] vectors: one value a row of a WGMMA accumulator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,15 +227,16 @@ def _checked_config(x, w, config: TuningConfig | None, out_dtype) -> TuningConfi
     return config
 
 
-def _run(x, w, *, out_dtype, config, gated, interpret, partials=False, prefetch_weight=None, prefetch=None):
+def _run(x, w, *, out_dtype, config, gated, interpret, partials=False, prefetch_weight=None, prefetch=None,
+         residual=None, row_norm_eps=None):
     """`_decode_matmul` compiled, or in the Mosaic GPU interpreter (interpret, or inside an active one); the
     static `interpreted` keeps the two traces apart in jit's cache."""
+    kwargs = dict(out_dtype=out_dtype, config=config, gated=gated, partials=partials, prefetch=prefetch,
+                  row_norm_eps=row_norm_eps)
     if interpret:
         with mosaic_gpu_interpret():
-            return _decode_matmul(x, w, prefetch_weight, out_dtype=out_dtype, config=config, gated=gated,
-                                  interpreted=True, partials=partials, prefetch=prefetch)
-    return _decode_matmul(x, w, prefetch_weight, out_dtype=out_dtype, config=config, gated=gated,
-                          interpreted=interpret_mode_active(), partials=partials, prefetch=prefetch)
+            return _decode_matmul(x, w, prefetch_weight, residual, interpreted=True, **kwargs)
+    return _decode_matmul(x, w, prefetch_weight, residual, interpreted=interpret_mode_active(), **kwargs)
 
 
 def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, prefetch_weight=None,
@@ -265,21 +269,29 @@ def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, prefetch_we
                 prefetch_weight=prefetch_weight, prefetch=prefetch)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "gated", "interpreted", "partials", "prefetch"))
-def _decode_matmul(x, w, prefetch_weight=None, *, out_dtype, config, gated=False, interpreted=False, partials=False,
-                   prefetch=None):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "gated", "interpreted", "partials", "prefetch",
+                                             "row_norm_eps"))
+def _decode_matmul(x, w, prefetch_weight=None, residual=None, *, out_dtype, config, gated=False, interpreted=False,
+                   partials=False, prefetch=None, row_norm_eps=None):
     # `interpreted` only keys the jit cache: interpreted and compiled traces never share an entry. partials: the
     # kernel's [S, R, N] output as it is (`decode_matmul_partials`). prefetch: an L2Prefetch of prefetch_weight.
+    # residual [M, N]: the split-K summed inside the kernel's cluster and added to it (`cluster_residual`).
+    # row_norm_eps: the rows' RMS scale applied in the gated epilogue (`row_norm`).
     del interpreted
     m, k = x.shape
     n = w.shape[0] // 2 if gated else w.shape[0]       # output columns
     rows = -(-m // _ROWS) * _ROWS
     if rows != m:
         x = jnp.pad(x, ((0, rows - m), (0, 0)))
+        if residual is not None:
+            residual = jnp.pad(residual, ((0, rows - m), (0, 0)))
     splits = config.k_splits
-    partial_dtype = out_dtype if splits == 1 else jnp.dtype(jnp.float32)
+    partial_dtype = out_dtype if splits == 1 or residual is not None else jnp.dtype(jnp.float32)
     kernel = _build_kernel(rows=rows, n=n, k=k, out_dtype=partial_dtype, config=config, gated=gated,
-                           prefetch=prefetch)
+                           prefetch=prefetch, row_norm_eps=row_norm_eps, cluster_residual=residual is not None)
+    if residual is not None:
+        y, _ = kernel(x, w, residual)     # the second output is the kernel's partials exchange buffer
+        return y[:m]
     y = kernel(x, w, *(() if prefetch is None else (prefetch_weight,)))
     if partials:
         return y
@@ -287,17 +299,30 @@ def _decode_matmul(x, w, prefetch_weight=None, *, out_dtype, config, gated=False
     return y[:m].astype(out_dtype)
 
 
-def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None):
+def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, row_norm_eps=None,
+                  cluster_residual=False):
     """Returns f(x [rows, K], w [N, K]) -> [S, rows, N] partials (S = config.k_splits) in out_dtype; gated:
     f(x, w [2N, K]) -> [1, rows, N], silu(x @ w[:N].T) * (x @ w[N:].T) (`decode_gated_matmul`). prefetch: f takes
-    the next weight as a third argument and each CTA prefetches its share of the plan once its tiles are in."""
+    the next weight as a third argument and each CTA prefetches its share of the plan once its tiles are in.
+    row_norm_eps (gated only): each product is scaled by its row's rsqrt(mean(x^2) + eps) before the activation,
+    the mean taken over the x tiles the CTA streams anyway (`pallas_kernels/norm_fold.py`). cluster_residual:
+    f(x, w, residual [rows, N]) -> (residual + x @ w.T [rows, N] in out_dtype, the [S, rows, N] fp32 exchange
+    buffer): a column tile's S splits run as one cluster and sum their partials inside the kernel."""
     tile_n, splits = config.tile_n, config.k_splits
     k_len = k // splits
     k_steps = k_len // _TILE_K
     stages = min(config.num_stages, k_steps)
+    row_norm = row_norm_eps is not None
+    if row_norm and (not gated or splits != 1):
+        raise ValueError("row_norm_eps is for the gated kernel, which has no split-K")
+    rows_per_split = rows // splits      # cluster_residual: the rows each split sums and writes
 
     def body(x_gmem, w_gmem, *rest):
-        *next_weight, out_gmem, out_smem = rest
+        if cluster_residual:
+            residual_gmem, out_gmem, parts_gmem, out_smem, part_smem, res_smem, barriers = rest
+            next_weight = []
+        else:
+            *next_weight, out_gmem, out_smem = rest
         col = lax.axis_index("n")
         split = lax.axis_index("k")
         n0 = pl.multiple_of(col * tile_n, tile_n)
@@ -307,26 +332,43 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None):
         w_rows = [n0, n + n0] if gated else [n0]
 
         def accumulate(*acc_refs):
-            def step(_, x_tile, *w_tiles):
+            def step(_, x_tile, *w_tiles_and_carry):
+                w_tiles = w_tiles_and_carry[:len(acc_refs)]
                 for acc_ref, w_tile in zip(acc_refs, w_tiles, strict=True):
                     plgpu.wgmma(acc_ref, x_tile, w_tile.transpose((1, 0)))
+                if row_norm:
+                    # The rows' sums of squares from the x tile the WGMMA reads (SMEM, already in): the norm's
+                    # statistic costs no extra bytes, only a register pass over a [rows, 64] tile a step.
+                    x32 = plgpu.load(x_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                    carry = w_tiles_and_carry[-1] + jnp.sum(x32 * x32, axis=1)
                 plgpu.wgmma_wait(1)      # keep one WGMMA in flight; its slot is released a step late
+                return carry if row_norm else None
 
             w_spec = plgpu.BlockSpec((tile_n, _TILE_K), lambda kk: (0, kk), transforms=_TRANSFORMS, delay_release=1)
+            init = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), _ROW_LAYOUT) if row_norm else None
             pipeline = plgpu.emit_pipeline(
-                step, grid=(k_steps,), max_concurrent_steps=stages,
+                step, grid=(k_steps,), max_concurrent_steps=stages, init_carry=init,
                 in_specs=[
                     plgpu.BlockSpec((rows, _TILE_K), lambda kk: (0, kk), transforms=_TRANSFORMS, delay_release=1),
                     *[w_spec] * len(w_rows),
                 ])
-            pipeline(x_gmem.at[:, pl.ds(k0, k_len)],
-                     *[w_gmem.at[pl.ds(r0, tile_n), pl.ds(k0, k_len)] for r0 in w_rows])
+            sumsq = pipeline(x_gmem.at[:, pl.ds(k0, k_len)],
+                             *[w_gmem.at[pl.ds(r0, tile_n), pl.ds(k0, k_len)] for r0 in w_rows])
             plgpu.wgmma_wait(0)
-            return tuple(acc_ref[...] for acc_ref in acc_refs)
+            return tuple(acc_ref[...] for acc_ref in acc_refs) + ((sumsq,) if row_norm else ())
 
         accs = pl.run_scoped(accumulate, *[plgpu.ACC((rows, tile_n), jnp.float32)] * len(w_rows))
+        if row_norm:
+            *accs, sumsq = accs
+            inv_rms = lax.rsqrt(sumsq * (1.0 / k) + row_norm_eps)
+            accs = [a * lax.broadcast_in_dim(inv_rms, a.shape, [0]) for a in accs]
         if prefetch is not None:       # this CTA's weight tiles are all in: HBM can start on the next kernel's
             issue_prefetch(next_weight[0], prefetch, cta=split * (n // tile_n) + col, num_ctas=n // tile_n * splits)
+        if cluster_residual:
+            _cluster_sum_and_add(accs[0], split, n0, residual_gmem=residual_gmem, out_gmem=out_gmem,
+                                 parts_gmem=parts_gmem, out_smem=out_smem, part_smem=part_smem, res_smem=res_smem,
+                                 barriers=barriers, splits=splits, rows_per_split=rows_per_split, tile_n=tile_n)
+            return
         if gated:
             # Each product rounded to the output dtype first, as the unfused path's dot outputs are.
             gate, up = (a.astype(out_dtype).astype(jnp.float32) for a in accs)
@@ -340,7 +382,67 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None):
     # The function's name is the kernel's name in a profile, `<name>_mosaic_gpu_kernel`: decode_matmul_{N}x{K} or
     # decode_gated_matmul_{N}x{K}, so a trace tells the projections apart (benchmarks/profile_decode.py attributes
     # each to its model part; benchmarks/device_trace.py counts them all as matmuls).
-    body.__name__ = body.__qualname__ = f"decode_{'gated_' if gated else ''}matmul_{n}x{k}"
+    variant = "_residual" if cluster_residual else "_normed" if row_norm else ""
+    body.__name__ = body.__qualname__ = f"decode_{'gated_' if gated else ''}matmul{variant}_{n}x{k}"
+    if cluster_residual:
+        return plgpu.kernel(
+            body, out_type=(jax.ShapeDtypeStruct((rows, n), out_dtype),
+                            jax.ShapeDtypeStruct((splits, rows, n), jnp.float32)),
+            grid=(n // tile_n,), grid_names=("n",), cluster=(splits,), cluster_names=("k",),
+            scratch_types=[plgpu.SMEM((rows_per_split, tile_n), out_dtype),
+                           plgpu.SMEM((rows, tile_n), jnp.float32),
+                           plgpu.SMEM((rows_per_split, tile_n), out_dtype),
+                           (plgpu.ClusterBarrier(collective_axes=("k",), num_arrivals=1),
+                            plgpu.Barrier(num_arrivals=splits + 1))])
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((splits, rows, n), out_dtype), grid=(n // tile_n, splits),
         grid_names=("n", "k"), scratch_types=[plgpu.SMEM((rows, tile_n), out_dtype)])
+
+
+def _cluster_sum_and_add(acc, split, n0, *, residual_gmem, out_gmem, parts_gmem, out_smem, part_smem, res_smem,
+                         barriers, splits, rows_per_split, tile_n):
+    """The split-K sum inside a cluster, then the residual add (inside `_build_kernel`'s body, cluster_residual).
+
+    Each of the column tile's S CTAs writes its fp32 partial [rows, tile_n] to the exchange buffer (L2), the cluster
+    waits on a cluster barrier, and CTA s then sums rows [s * rows / S, +rows / S) of all S partials in split order,
+    rounds the sum to the output dtype, adds the residual's rows and stores them: the same values as summing
+    `decode_matmul_partials` with `sum_partials` and adding the residual, with no separate kernel for the sum."""
+    cluster_barrier, load_barrier = barriers
+    part_smem[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(part_smem, parts_gmem.at[split, :, pl.ds(n0, tile_n)])
+    plgpu.wait_smem_to_gmem(0)
+    _fence_for_peers()
+    plgpu.barrier_arrive(cluster_barrier)
+    plgpu.barrier_wait(cluster_barrier)
+    _fence_for_peers()
+    r0 = pl.multiple_of(split * rows_per_split, rows_per_split)
+    # part_smem is free again (its store has completed): it takes the S partials' slices of this CTA's rows.
+    for s in range(splits):
+        plgpu.copy_gmem_to_smem(parts_gmem.at[s, pl.ds(r0, rows_per_split), pl.ds(n0, tile_n)],
+                                part_smem.at[pl.ds(s * rows_per_split, rows_per_split)], load_barrier)
+    plgpu.copy_gmem_to_smem(residual_gmem.at[pl.ds(r0, rows_per_split), pl.ds(n0, tile_n)], res_smem, load_barrier)
+    plgpu.barrier_wait(load_barrier)
+    y = part_smem[pl.ds(0, rows_per_split)]
+    for s in range(1, splits):
+        y = y + part_smem[pl.ds(s * rows_per_split, rows_per_split)]
+    dtype = out_smem.dtype
+    out_smem[...] = (res_smem[...].astype(jnp.float32) + y.astype(dtype).astype(jnp.float32)).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(r0, rows_per_split), pl.ds(n0, tile_n)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _fence_for_peers():
+    """On the GPU: order this CTA's completed TMA stores of the exchange buffer before the cluster barrier, and the
+    barrier before the TMA loads of its peers' stores (async proxy <-> generic proxy, at cluster scope). The
+    interpreter runs each copy to completion in program order, so it needs (and has) no fence."""
+    if interpret_mode_active():
+        return
+
+    @plgpu.inline_mgpu()
+    def fence(_):
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;\n\tfence.acq_rel.cluster;", "",
+                        has_side_effects=True)
+
+    fence()

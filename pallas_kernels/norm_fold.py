@@ -1,0 +1,152 @@
+"""A decode layer's residual adds and RMSNorms folded into its GEMMs: two kernels a layer fewer (Mosaic GPU, Hopper).
+
+A llama layer's decode step runs 8 kernels today (BENCHMARKS.md #18): norm, q/k/v GEMM, RoPE + KV write, attention,
+o GEMM, residual add + norm (`residual_rmsnorm`), gate/up GEMM, down GEMM (its split-K sum and residual add fall to
+the next layer's `residual_rmsnorm`). The two norm kernels move under a megabyte each and still take 2.3-2.9 us on
+the H200, mostly ramp and drain; the step's time over its byte floor is mostly such fixed costs a kernel
+(benchmarks/KERNEL_NOTES.md, "The 1b step over its byte floor"). This module removes their work from the chain:
+
+- **The residual add moves into the GEMM before it** (`decode_matmul_residual`): the o (or down) projection's K
+  splits run as one thread-block cluster; each CTA writes its fp32 partial to an exchange buffer in L2, the cluster
+  waits on a cluster barrier, and each CTA sums its share of the rows over the splits, rounds, adds the residual and
+  writes the new residual stream x. No [S, R, H] partials leave the kernel for another launch to sum.
+- **The norm moves into the GEMM after it** (`decode_gated_matmul_normed`): rms_norm(x) * g @ W.T equals
+  rsqrt(mean(x^2) + eps) * (x @ (W * g).T) row by row, so the norm weight g is folded into the next projection's
+  weight once at load (`fold_norm_weight`), and the row's scale, a per-row statistic of x, is taken from the x tiles
+  the GEMM streams anyway (every CTA reads all of x's K) and applied to its accumulators before the activation.
+
+Numerics: the residual add is the unfused path's exactly (the split-K sum in split order in fp32, rounded, then the
+bf16 add). The folded norm is the same function up to bf16 rounding in other places: the unfused path rounds the
+normalized row to bf16 and multiplies by g in bf16 before its GEMM; the fold rounds W * g to bf16 once and scales the
+fp32 products. Both are one bf16 rounding of each term (relative 2^-9); `tests/test_norm_fold.py` bounds the
+difference against the unfused kernels' outputs.
+
+Status (2026-12-05): built and checked in the interpreter and by lowering for CUDA; not yet timed or wired into the
+engine (`benchmarks/norm_fold.py` is the A/B against the unfused kernels, for the H200).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import decode_matmul as dm
+from pallas_kernels.decode_matmul import TuningConfig
+
+MAX_CLUSTER = 8          # thread blocks a cluster may hold on Hopper without the non-portable opt-in
+
+
+def fold_norm_weight(norm_weight, w):
+    """w [N, K] bf16 with the preceding RMSNorm's weight [K] folded into its columns: (w * g) in fp32, rounded
+    once to w's dtype. `decode_gated_matmul_normed(x, fold_norm_weight(g, w))` ~ gated(rms_norm(x) * g, w)."""
+    if norm_weight.ndim != 1 or w.ndim != 2 or norm_weight.shape[0] != w.shape[1]:
+        raise ValueError(f"fold_norm_weight: the norm weight must be [K] and w [N, K], got {norm_weight.shape} and "
+                         f"{w.shape}")
+    return (w.astype(jnp.float32) * norm_weight.astype(jnp.float32)[None, :]).astype(w.dtype)
+
+
+def cluster_k_splits(n: int, k: int, tile_n: int, rows: int = 64) -> int:
+    """`decode_matmul_residual`'s default split: as `default_k_splits` (about one CTA an SM), from the splits a
+    cluster takes (a power of two up to MAX_CLUSTER that divides the rows and the K tiles)."""
+    tiles, k_tiles = n // tile_n, k // dm._TILE_K
+    best = 1
+    for s in (1, 2, 4, 8):
+        if s > MAX_CLUSTER or rows % s or k_tiles % s or k_tiles // s < 4:
+            continue
+        best = s
+        if tiles * s >= dm._NUM_SMS * 0.9:
+            break
+    return best
+
+
+def decode_matmul_residual_reference(x, w, residual):
+    """residual + x @ w.T as the unfused path computes it: fp32 products rounded to residual's dtype, then added."""
+    return residual + dm.decode_matmul_reference(x, w, out_dtype=residual.dtype)
+
+
+def decode_matmul_residual(x, w, residual, *, config: TuningConfig | None = None, interpret: bool = False):
+    """residual + x @ w.T for a decode step's rows, its split-K summed inside the kernel (module docstring).
+
+    Args:
+      x: [M, K] bf16 activations, 1 <= M <= 256.
+      w: [N, K] bf16 weight (torch's [out, in] layout); K a multiple of 64, N a multiple of config.tile_n.
+      residual: [M, N] bf16, the residual stream the product is added to.
+      config: TuningConfig; k_splits None picks `cluster_k_splits`; a given split must be 1, 2, 4 or 8 and divide
+        the padded rows and the K tiles.
+      interpret: run in the Mosaic GPU interpreter on CPU (tests).
+    Returns the new residual stream [M, N] bf16: `decode_matmul_residual_reference`'s values.
+    """
+    config = config or TuningConfig()
+    dm.check_inputs(x, w, dataclasses.replace(config, k_splits=None))     # shapes and dtypes; the split below
+    m, k = x.shape
+    n = w.shape[0]
+    if residual.shape != (m, n) or residual.dtype != x.dtype:
+        raise ValueError(f"decode_matmul_residual: residual must be [{m}, {n}] {x.dtype} (x's rows, w's outputs), "
+                         f"got {residual.shape} {residual.dtype}")
+    rows = -(-m // dm._ROWS) * dm._ROWS
+    splits = config.k_splits or cluster_k_splits(n, k, config.tile_n, rows)
+    if splits not in (1, 2, 4, 8) or rows % splits:
+        raise ValueError(f"decode_matmul_residual: k_splits must be 1, 2, 4 or 8 (a cluster's blocks, each summing "
+                         f"rows / k_splits of the {rows} padded rows), got {splits}")
+    config = dataclasses.replace(config, k_splits=splits)
+    dm.check_inputs(x, w, config)
+    problem = residual_resource_problem(rows, k, config)
+    if problem:
+        raise ValueError(f"decode_matmul_residual: {problem}")
+    return dm._run(x, w, out_dtype=jnp.dtype(x.dtype), config=config, gated=False, interpret=interpret,
+                   residual=residual)
+
+
+def residual_resource_problem(rows: int, k: int, config: TuningConfig) -> str | None:
+    """What to lower when a `decode_matmul_residual` CTA would need more SMEM or registers than the GPU gives:
+    the plain kernel's ring and fp32 tile, plus the residual's and the output's [rows / S, tile_n] bf16 slices."""
+    smem, regs = dm.cta_resources(rows, k, config, out_itemsize=4)
+    smem += 2 * (rows // config.k_splits) * config.tile_n * 2
+    if smem > dm._SMEM_LIMIT:
+        return (f"{rows} rows with {config} need {smem // 1024} KB of SMEM a CTA (at most {dm._SMEM_LIMIT // 1024}): "
+                "lower num_stages or tile_n")
+    if regs > dm._ACC_REGISTERS:
+        return (f"{rows} rows with tile_n={config.tile_n} need {regs} accumulator registers a thread (at most "
+                f"{dm._ACC_REGISTERS}): lower tile_n")
+    return None
+
+
+def decode_gated_matmul_normed_reference(x, w_folded, *, eps: float):
+    """silu(g_n) * u_n for [g, u] = x @ w_folded.T (fp32), each row scaled by rsqrt(mean(x^2) + eps) and rounded to
+    x's dtype before the activation: `decode_gated_matmul_normed`'s values (w_folded = fold_norm_weight(g, w))."""
+    x32 = x.astype(jnp.float32)
+    inv_rms = lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    prod = jnp.einsum("mk,nk->mn", x, w_folded, preferred_element_type=jnp.float32) * inv_rms
+    gate, up = (p.astype(x.dtype).astype(jnp.float32) for p in jnp.split(prod, 2, axis=-1))
+    return (jax.nn.silu(gate) * up).astype(x.dtype)
+
+
+def decode_gated_matmul_normed(x, w_folded, *, eps: float, config: TuningConfig | None = None,
+                               interpret: bool = False):
+    """The gated MLP's input to down_proj from the un-normalized residual stream: silu(.) * (.) of
+    rms_norm(x) * g @ [w_gate; w_up].T, with g folded into w (`fold_norm_weight`) and the norm's row scale taken
+    inside the kernel (module docstring).
+
+    Args:
+      x: [M, K] bf16, the residual stream (not normalized), 1 <= M <= 256.
+      w_folded: [2I, K] bf16, the fused gate_up weight with the post-attention norm's weight folded in.
+      eps: the norm's epsilon.
+      config: TuningConfig; k_splits None or 1 (the norm and the activation need whole sums).
+      interpret: run in the Mosaic GPU interpreter on CPU (tests).
+    Returns [M, I] in x.dtype: `decode_gated_matmul_normed_reference`'s values.
+    """
+    config = config or TuningConfig()
+    if w_folded.ndim != 2 or w_folded.shape[0] % 2:
+        raise ValueError(f"decode_gated_matmul_normed: w must be [2I, K] (gate rows, then up rows), got "
+                         f"{w_folded.shape}")
+    if not (isinstance(eps, float) and eps > 0):
+        raise ValueError(f"decode_gated_matmul_normed: eps must be a positive float, got {eps!r}")
+    dm.check_inputs(x, jax.ShapeDtypeStruct((w_folded.shape[0] // 2, w_folded.shape[1]), w_folded.dtype), config)
+    if config.k_splits not in (None, 1):
+        raise ValueError(f"decode_gated_matmul_normed: k_splits must be None or 1, got {config.k_splits}")
+    config = dataclasses.replace(config, k_splits=1)
+    dm.check_resources(x.shape[0], x.shape[1], config, gated=True, out_itemsize=jnp.dtype(x.dtype).itemsize)
+    return dm._run(x, w_folded, out_dtype=jnp.dtype(x.dtype), config=config, gated=True, interpret=interpret,
+                   row_norm_eps=eps)

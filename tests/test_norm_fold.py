@@ -1,0 +1,172 @@
+"""pallas_kernels/norm_fold.py: the residual add in the GEMM before it (split-K summed inside a cluster) and the
+RMSNorm folded into the gated GEMM after it, run in the Mosaic GPU interpreter, and lowered for CUDA at llama
+shapes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.decode_matmul import TuningConfig, decode_gated_matmul_reference
+from pallas_kernels.norm_fold import (cluster_k_splits, decode_gated_matmul_normed,
+                                      decode_gated_matmul_normed_reference, decode_matmul_residual,
+                                      decode_matmul_residual_reference, fold_norm_weight)
+from pallas_kernels.residual_rmsnorm import residual_rmsnorm_reference
+
+EPS = 1e-5
+
+
+def _operands(m, n, k, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.bfloat16)
+    residual = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    return x, w, residual
+
+
+@pytest.mark.parametrize("m,n,k,config", [
+    (64, 128, 512, TuningConfig(tile_n=64, num_stages=2, k_splits=4)),     # a cluster of 4, 16 rows each
+    (64, 128, 1024, TuningConfig(tile_n=128, num_stages=3, k_splits=8)),   # the largest portable cluster
+    (5, 128, 256, TuningConfig(tile_n=64, num_stages=2, k_splits=2)),      # few rows (padded to 64)
+    (100, 64, 512, TuningConfig(tile_n=64, num_stages=2, k_splits=None)),  # two row tiles, the default split
+    (64, 192, 256, TuningConfig(tile_n=96, num_stages=2, k_splits=1)),     # no split: a cluster of one
+])
+def test_the_residual_kernel_is_the_unfused_sum_and_add_bit_for_bit(m, n, k, config):
+    """The split-K sum in split order in fp32, rounded, then the bf16 add: exactly `decode_matmul_partials` summed
+    by `sum_partials` and added, as the unfused path (residual_rmsnorm's x) computes it."""
+    x, w, residual = _operands(m, n, k)
+    got = decode_matmul_residual(x, w, residual, config=config, interpret=True)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(decode_matmul_residual_reference(x, w, residual)))
+    # Every split and every row share is summed: a changed K range or residual row changes the output.
+    tail = decode_matmul_residual(x.at[:, -64:].set(0), w, residual, config=config, interpret=True)
+    assert (np.asarray(tail) != np.asarray(got)).mean() > 0.5
+    last_row = decode_matmul_residual(x, w, residual.at[m - 1].add(1.0), config=config, interpret=True)
+    assert not np.array_equal(np.asarray(last_row[m - 1]), np.asarray(got[m - 1]))
+    np.testing.assert_array_equal(np.asarray(last_row[:m - 1]), np.asarray(got[:m - 1]))
+
+
+def test_the_residual_kernel_equals_the_unfused_boundarys_stream():
+    """Against the kernel it replaces: residual_rmsnorm's first output from the same projection's split-K partials."""
+    x, w, residual = _operands(64, 256, 1024, seed=3)
+    parts = jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32)[None]     # one split's partial
+    want, _ = residual_rmsnorm_reference(parts, residual, jnp.ones((256,), jnp.bfloat16), eps=EPS)
+    got = decode_matmul_residual(x, w, residual, config=TuningConfig(tile_n=64, num_stages=2, k_splits=1),
+                                 interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("m,i,k,config", [
+    (64, 128, 512, TuningConfig(tile_n=64, num_stages=2)),
+    (5, 64, 256, TuningConfig(tile_n=64, num_stages=3)),       # padded rows: zeros, whose scale is 1 / sqrt(eps)
+    (100, 128, 256, TuningConfig(tile_n=64, num_stages=2)),    # two row tiles
+    (16, 224, 256, TuningConfig(tile_n=112, num_stages=2)),    # llama-8b's tile width
+])
+def test_the_normed_gated_kernel_scales_each_row_by_its_rms(m, i, k, config):
+    x, w, _ = _operands(m, 2 * i, k, seed=1)
+    x = x * jnp.asarray(np.linspace(0.1, 4.0, m)[:, None], jnp.bfloat16)    # rows of different scales
+    got = decode_gated_matmul_normed(x, w, eps=EPS, config=config, interpret=True)
+    assert got.shape == (m, i) and got.dtype == jnp.bfloat16
+    want = np.asarray(decode_gated_matmul_normed_reference(x, w, eps=EPS), np.float32)
+    # The same products and scale, the mean's sum in another order: equal up to a bf16 rounding of the products.
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-2, atol=1e-2)
+    assert np.abs(want).max() > 0.3
+    # The scale is each row's own: doubling row 2 leaves every output as it was (rms_norm is scale-invariant) ...
+    doubled = decode_gated_matmul_normed(x.at[2].multiply(2), w, eps=EPS, config=config, interpret=True)
+    np.testing.assert_allclose(np.asarray(doubled, np.float32), np.asarray(got, np.float32), rtol=1e-2, atol=1e-3)
+    # ... and the statistic sees all of K: a row whose last K tile grows gets a smaller scale for its other terms.
+    grown = decode_gated_matmul_normed(x.at[0, -64:].multiply(8), w.at[:, -64:].set(0), eps=EPS, config=config,
+                                       interpret=True)
+    plain = decode_gated_matmul_normed(x, w.at[:, -64:].set(0), eps=EPS, config=config, interpret=True)
+    assert np.abs(np.asarray(grown[0], np.float32)).sum() < 0.9 * np.abs(np.asarray(plain[0], np.float32)).sum()
+    np.testing.assert_array_equal(np.asarray(grown[1:]), np.asarray(plain[1:]))
+
+
+def test_the_fold_computes_the_unfused_norm_then_gated_projection():
+    """fold_norm_weight(g, w) with the in-kernel scale against rms_norm(x) * g through the unfused gated kernel's
+    numerics: the same function, the bf16 roundings in other places (module docstring); within a few bf16 steps."""
+    x, w, residual = _operands(64, 2 * 128, 512, seed=5)
+    g = jnp.asarray(np.random.default_rng(6).uniform(0.5, 2.0, 512), jnp.bfloat16)
+    _, h = residual_rmsnorm_reference(jnp.zeros((1, 64, 512), jnp.float32), x, g, eps=EPS)   # rms_norm(x) * g
+    unfused = np.asarray(decode_gated_matmul_reference(h, w), np.float32)
+    folded = np.asarray(decode_gated_matmul_normed(x, fold_norm_weight(g, w), eps=EPS,
+                                                   config=TuningConfig(tile_n=64, num_stages=2), interpret=True),
+                        np.float32)
+    scale = np.abs(unfused).max()
+    assert scale > 0.3
+    assert np.abs(folded - unfused).max() < 0.03 * scale
+    assert np.abs(folded - unfused).mean() < 0.003 * scale
+    # Without the fold (g left out) the outputs are far off: the test can tell.
+    unfolded = np.asarray(decode_gated_matmul_normed(x, w, eps=EPS, config=TuningConfig(tile_n=64, num_stages=2),
+                                                     interpret=True), np.float32)
+    assert np.abs(unfolded - unfused).mean() > 0.03 * scale
+
+
+def test_fold_norm_weight_scales_the_columns_once():
+    w = jnp.asarray([[1.0, 2.0, 3.0], [-1.0, 0.5, 4.0]], jnp.bfloat16)
+    g = jnp.asarray([2.0, 0.5, 1.0], jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(fold_norm_weight(g, w), np.float32),
+                                  [[2.0, 1.0, 3.0], [-2.0, 0.25, 4.0]])
+    with pytest.raises(ValueError, match=r"\[K\] and w \[N, K\]"):
+        fold_norm_weight(g[:2], w)
+
+
+def test_the_cluster_split_is_a_power_of_two_that_fills_the_gpu():
+    # llama-1b o / down (32 tiles of 64 columns): 4 splits, 128 CTAs; 8b o (64 tiles): 2; 8b down on 128-column tiles
+    # (32 tiles): 4. A short K keeps 4 tiles a split; gate/up-sized N needs none.
+    assert cluster_k_splits(2048, 2048, 64) == 4
+    assert cluster_k_splits(2048, 8192, 64) == 4
+    assert cluster_k_splits(4096, 4096, 64) == 2
+    assert cluster_k_splits(4096, 14336, 128) == 4
+    assert cluster_k_splits(128, 256, 64) == 1
+    assert cluster_k_splits(16384, 2048, 64) == 1
+    assert cluster_k_splits(64, 4096, 64, rows=64) == 8       # the portable cluster limit
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w, r: decode_matmul_residual(x, w, r[:, :64], interpret=True), r"residual must be \[64, 128\]"),
+    (lambda x, w, r: decode_matmul_residual(x, w, r, config=TuningConfig(tile_n=64, k_splits=3), interpret=True),
+     "multiple of k_splits|1, 2, 4 or 8"),
+    (lambda x, w, r: decode_matmul_residual(x, w, r, config=TuningConfig(tile_n=64, k_splits=16), interpret=True),
+     "1, 2, 4 or 8"),
+    (lambda x, w, r: decode_matmul_residual(x, w, r.astype(jnp.float32), interpret=True), "bfloat16"),
+    (lambda x, w, r: decode_gated_matmul_normed(x, w, eps=0.0, interpret=True), "eps must be a positive float"),
+    (lambda x, w, r: decode_gated_matmul_normed(x, w[:127], eps=EPS, interpret=True), r"\[2I, K\]"),
+    (lambda x, w, r: decode_gated_matmul_normed(x, w, eps=EPS, config=TuningConfig(tile_n=64, k_splits=2),
+                                                interpret=True), "k_splits must be None or 1"),
+])
+def test_bad_inputs_are_refused_with_what_to_fix(call, match):
+    x, w, residual = _operands(64, 128, 768)
+    with pytest.raises(ValueError, match=match):
+        call(x, w, residual)
+
+
+def test_configs_that_would_not_fit_a_cta_are_refused():
+    x, w, residual = _operands(64, 256, 4096)
+    with pytest.raises(ValueError, match="KB of SMEM.*lower num_stages or tile_n"):
+        decode_matmul_residual(x, w, residual, config=TuningConfig(tile_n=256, num_stages=6, k_splits=2),
+                               interpret=True)
+
+
+_LLAMA_SHAPES = [("1b o", 2048, 2048), ("1b down", 2048, 8192), ("8b o", 4096, 4096), ("8b down", 4096, 14336)]
+
+
+@pytest.mark.parametrize("name,n,k", _LLAMA_SHAPES)
+def test_the_residual_kernel_lowers_to_mosaic_gpu_at_llama_shapes(name, n, k):
+    """The engine's tile for each projection (projection.kernel_config) with the cluster split, lowered for CUDA on
+    this CPU: Mosaic GPU's passes run, and the module holds the cluster and the peer fences."""
+    from stratum_jax.model.projection import kernel_config
+    tile_n = kernel_config(64, n, k).tile_n
+    fn = jax.jit(lambda x, w, r: decode_matmul_residual(x, w, r, config=TuningConfig(tile_n=tile_n)))
+    text = fn.trace(jax.ShapeDtypeStruct((64, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((64, n), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"decode_matmul_residual_{n}x{k}_mosaic_gpu" in text
+    assert "fence.acq_rel.cluster" in text and "fence.proxy.async.global" in text
+
+
+@pytest.mark.parametrize("i,k", [(8192, 2048), (14336, 4096)])
+def test_the_normed_gated_kernel_lowers_to_mosaic_gpu_at_llama_shapes(i, k):
+    from stratum_jax.model.projection import gated_kernel_config
+    fn = jax.jit(lambda x, w: decode_gated_matmul_normed(x, w, eps=EPS, config=gated_kernel_config(i, 64, k)))
+    text = fn.trace(jax.ShapeDtypeStruct((64, k), jnp.bfloat16), jax.ShapeDtypeStruct((2 * i, k), jnp.bfloat16)
+                    ).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"decode_gated_matmul_normed_{i}x{k}_mosaic_gpu" in text

@@ -1,0 +1,76 @@
+"""benchmarks/norm_fold.py: the dry run runs the unfused and the folded layers on the engine's kernels (interpreter)
+and finds the fold computes the same layer; the GPU run's folded program lowers for CUDA with one kernel fewer a
+layer; its kernels are attributed to their parts; bad flags say what to fix (the timed run needs a GPU)."""
+import pathlib
+import sys
+
+import pytest
+
+from benchmark_module import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("norm_fold.py", "norm_fold")
+
+
+def test_dry_run_computes_the_same_layers(bench, tmp_path):
+    out = bench.main(["--dry-run", "--out", str(tmp_path / "a.json")])
+    # Layer 0's K/V come before any folded op: the same bits. The stream after the fold is the unfused add's bits
+    # for layer 0; downstream the folded norm's roundings (a bf16 step) spread, bounded here.
+    assert out["first_layer_pools_same_bits"]
+    assert out["down_scale"] > 0.3
+    assert out["down_max_abs_diff"] < 0.05 * out["down_scale"]
+    assert out["stream_max_abs_diff"] < 0.1
+    assert (tmp_path / "a.json").exists()
+
+
+def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench):
+    """llama-1b, 2 layers, lowered for CUDA on this CPU: the unfused layer launches 8 Mosaic GPU kernels, the folded
+    one 7 (the post-attention residual_rmsnorm is gone; o and gate/up are their fold variants)."""
+    import jax
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))   # gpu_preflight's imports
+    try:
+        kernel_calls = load_benchmark("gpu_preflight.py", "gpu_preflight").kernel_calls
+    finally:
+        sys.path.pop(0)
+    import jax.numpy as jnp
+    from stratum_jax.attention import RowTables
+    from stratum_jax.model.projection import DecodeKernelMatmul
+    shape, rows, context, layers = bench.layer_shapes("llama-1b"), 64, 640, 2
+    sd = jax.ShapeDtypeStruct
+    weights = jax.eval_shape(lambda: bench.with_folded_weights(bench.make_weights(shape, layers)))
+    slots = 1 << 16
+    pools = [(sd((shape["kv_heads"], slots, shape["head_dim"]), jnp.bfloat16),) * 2] * layers
+    tables = RowTables(sd((rows,), jnp.int32), sd((rows, context // 8), jnp.int32), sd((rows,), jnp.int32))
+    half = sd((rows, shape["head_dim"] // 2), jnp.float32)
+    step = bench.LayerStep(tables, half, half, sd((rows,), jnp.int32))
+    x = sd((rows, shape["hidden"]), jnp.bfloat16)
+    pending = sd((bench.down_splits(shape, rows), rows, shape["hidden"]), jnp.float32)
+    counts = {}
+    for variant, fn in bench.variant_fns(DecodeKernelMatmul(), shape, max_context=context).items():
+        text = fn.trace(x, pending, weights, pools, step).lower(lowering_platforms=("cuda",)).as_text()
+        counts[variant] = kernel_calls(text)
+        if variant == "fold":
+            assert "decode_matmul_residual_2048x2048" in text and "decode_gated_matmul_normed_8192x2048" in text
+    assert counts == {"unfused": 8 * layers, "fold": 7 * layers}
+
+
+def test_the_fold_kernels_are_attributed_to_their_parts(bench):
+    from l2_prefetch import part_of
+    shape = bench.layer_shapes("llama-8b")
+    assert part_of("decode_matmul_residual_4096x4096_mosaic_gpu_kernel", shape) == "o"
+    assert part_of("decode_gated_matmul_normed_14336x4096_mosaic_gpu_kernel", shape) == "gate_up"
+    assert part_of("decode_matmul_4096x14336_mosaic_gpu_kernel", shape) == "down"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--dry-run", "--rows", "0"], r"\[1, 128\]"),
+    (["--dry-run", "--models", "llama-3t"], "unknown presets"),
+    (["--dry-run", "--page", "48"], "--page must be one of"),
+    (["--dry-run", "--rounds", "0"], ">= 1"),
+    ([], "needs an NVIDIA Hopper GPU"),
+])
+def test_bad_flags_say_what_to_fix(bench, argv, match):
+    with pytest.raises(SystemExit, match=match):
+        bench.main(argv)
