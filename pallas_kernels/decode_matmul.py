@@ -228,11 +228,11 @@ def _checked_config(x, w, config: TuningConfig | None, out_dtype) -> TuningConfi
 
 
 def _run(x, w, *, out_dtype, config, gated, interpret, partials=False, prefetch_weight=None, prefetch=None,
-         residual=None, row_norm_eps=None):
+         residual=None, row_norm_eps=None, row_sumsq=False):
     """`_decode_matmul` compiled, or in the Mosaic GPU interpreter (interpret, or inside an active one); the
     static `interpreted` keeps the two traces apart in jit's cache."""
     kwargs = dict(out_dtype=out_dtype, config=config, gated=gated, partials=partials, prefetch=prefetch,
-                  row_norm_eps=row_norm_eps)
+                  row_norm_eps=row_norm_eps, row_sumsq=row_sumsq)
     if interpret:
         with mosaic_gpu_interpret():
             return _decode_matmul(x, w, prefetch_weight, residual, interpreted=True, **kwargs)
@@ -270,13 +270,14 @@ def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, prefetch_we
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "gated", "interpreted", "partials", "prefetch",
-                                             "row_norm_eps"))
+                                             "row_norm_eps", "row_sumsq"))
 def _decode_matmul(x, w, prefetch_weight=None, residual=None, *, out_dtype, config, gated=False, interpreted=False,
-                   partials=False, prefetch=None, row_norm_eps=None):
+                   partials=False, prefetch=None, row_norm_eps=None, row_sumsq=False):
     # `interpreted` only keys the jit cache: interpreted and compiled traces never share an entry. partials: the
     # kernel's [S, R, N] output as it is (`decode_matmul_partials`). prefetch: an L2Prefetch of prefetch_weight.
     # residual [M, N]: the split-K summed inside the kernel's cluster and added to it (`cluster_residual`).
-    # row_norm_eps: the rows' RMS scale applied in the gated epilogue (`row_norm`).
+    # row_norm_eps: the rows' RMS scale applied in the gated epilogue; row_sumsq (partials): also the rows' sums of
+    # squares of x over each split's K range, [S, R] fp32 (pallas_kernels/norm_fold.py).
     del interpreted
     m, k = x.shape
     n = w.shape[0] // 2 if gated else w.shape[0]       # output columns
@@ -288,11 +289,14 @@ def _decode_matmul(x, w, prefetch_weight=None, residual=None, *, out_dtype, conf
     splits = config.k_splits
     partial_dtype = out_dtype if splits == 1 or residual is not None else jnp.dtype(jnp.float32)
     kernel = _build_kernel(rows=rows, n=n, k=k, out_dtype=partial_dtype, config=config, gated=gated,
-                           prefetch=prefetch, row_norm_eps=row_norm_eps, cluster_residual=residual is not None)
+                           prefetch=prefetch, row_norm_eps=row_norm_eps, cluster_residual=residual is not None,
+                           row_sumsq=row_sumsq)
     if residual is not None:
         y, _ = kernel(x, w, residual)     # the second output is the kernel's partials exchange buffer
         return y[:m]
     y = kernel(x, w, *(() if prefetch is None else (prefetch_weight,)))
+    if row_sumsq:
+        return y          # (partials [S, rows, N], sums of squares [S, rows])
     if partials:
         return y
     y = y[0] if splits == 1 else jnp.sum(y, axis=0)
@@ -300,14 +304,16 @@ def _decode_matmul(x, w, prefetch_weight=None, residual=None, *, out_dtype, conf
 
 
 def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, row_norm_eps=None,
-                  cluster_residual=False):
+                  cluster_residual=False, row_sumsq=False):
     """Returns f(x [rows, K], w [N, K]) -> [S, rows, N] partials (S = config.k_splits) in out_dtype; gated:
     f(x, w [2N, K]) -> [1, rows, N], silu(x @ w[:N].T) * (x @ w[N:].T) (`decode_gated_matmul`). prefetch: f takes
     the next weight as a third argument and each CTA prefetches its share of the plan once its tiles are in.
     row_norm_eps (gated only): each product is scaled by its row's rsqrt(mean(x^2) + eps) before the activation,
     the mean taken over the x tiles the CTA streams anyway (`pallas_kernels/norm_fold.py`). cluster_residual:
     f(x, w, residual [rows, N]) -> (residual + x @ w.T [rows, N] in out_dtype, the [S, rows, N] fp32 exchange
-    buffer): a column tile's S splits run as one cluster and sum their partials inside the kernel."""
+    buffer): a column tile's S splits run as one cluster and sum their partials inside the kernel. row_sumsq
+    (plain): f(x, w) -> (partials, [S, rows] fp32 sums of x^2 over each split's K range), the rows' norm statistic
+    for the kernel that sums the partials (rope_kv_write's row_norm)."""
     tile_n, splits = config.tile_n, config.k_splits
     k_len = k // splits
     k_steps = k_len // _TILE_K
@@ -315,11 +321,17 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, 
     row_norm = row_norm_eps is not None
     if row_norm and (not gated or splits != 1):
         raise ValueError("row_norm_eps is for the gated kernel, which has no split-K")
+    if row_sumsq and (gated or cluster_residual or prefetch is not None):
+        raise ValueError("row_sumsq is for the plain kernel's partials")
+    row_stats = row_norm or row_sumsq       # the x tiles' sums of squares are accumulated
     rows_per_split = rows // splits      # cluster_residual: the rows each split sums and writes
 
     def body(x_gmem, w_gmem, *rest):
         if cluster_residual:
             residual_gmem, out_gmem, parts_gmem, out_smem, part_smem, res_smem, barriers = rest
+            next_weight = []
+        elif row_sumsq:
+            out_gmem, sumsq_gmem, out_smem, sumsq_smem = rest
             next_weight = []
         else:
             *next_weight, out_gmem, out_smem = rest
@@ -336,16 +348,16 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, 
                 w_tiles = w_tiles_and_carry[:len(acc_refs)]
                 for acc_ref, w_tile in zip(acc_refs, w_tiles, strict=True):
                     plgpu.wgmma(acc_ref, x_tile, w_tile.transpose((1, 0)))
-                if row_norm:
+                if row_stats:
                     # The rows' sums of squares from the x tile the WGMMA reads (SMEM, already in): the norm's
                     # statistic costs no extra bytes, only a register pass over a [rows, 64] tile a step.
                     x32 = plgpu.load(x_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
                     carry = w_tiles_and_carry[-1] + jnp.sum(x32 * x32, axis=1)
                 plgpu.wgmma_wait(1)      # keep one WGMMA in flight; its slot is released a step late
-                return carry if row_norm else None
+                return carry if row_stats else None
 
             w_spec = plgpu.BlockSpec((tile_n, _TILE_K), lambda kk: (0, kk), transforms=_TRANSFORMS, delay_release=1)
-            init = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), _ROW_LAYOUT) if row_norm else None
+            init = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), _ROW_LAYOUT) if row_stats else None
             pipeline = plgpu.emit_pipeline(
                 step, grid=(k_steps,), max_concurrent_steps=stages, init_carry=init,
                 in_specs=[
@@ -355,11 +367,19 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, 
             sumsq = pipeline(x_gmem.at[:, pl.ds(k0, k_len)],
                              *[w_gmem.at[pl.ds(r0, tile_n), pl.ds(k0, k_len)] for r0 in w_rows])
             plgpu.wgmma_wait(0)
-            return tuple(acc_ref[...] for acc_ref in acc_refs) + ((sumsq,) if row_norm else ())
+            return tuple(acc_ref[...] for acc_ref in acc_refs) + ((sumsq,) if row_stats else ())
 
         accs = pl.run_scoped(accumulate, *[plgpu.ACC((rows, tile_n), jnp.float32)] * len(w_rows))
-        if row_norm:
+        if row_stats:
             *accs, sumsq = accs
+        if row_sumsq:
+            # Every column tile's CTA of a split has the same sums: the first column tile's writes them.
+            @pl.when(col == 0)
+            def _():
+                sumsq_smem[...] = sumsq
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(sumsq_smem, sumsq_gmem.at[split])
+        if row_norm:
             inv_rms = lax.rsqrt(sumsq * (1.0 / k) + row_norm_eps)
             accs = [a * lax.broadcast_in_dim(inv_rms, a.shape, [0]) for a in accs]
         if prefetch is not None:       # this CTA's weight tiles are all in: HBM can start on the next kernel's
@@ -382,7 +402,7 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, 
     # The function's name is the kernel's name in a profile, `<name>_mosaic_gpu_kernel`: decode_matmul_{N}x{K} or
     # decode_gated_matmul_{N}x{K}, so a trace tells the projections apart (benchmarks/profile_decode.py attributes
     # each to its model part; benchmarks/device_trace.py counts them all as matmuls).
-    variant = "_residual" if cluster_residual else "_normed" if row_norm else ""
+    variant = "_residual" if cluster_residual else "_normed" if row_stats else ""
     body.__name__ = body.__qualname__ = f"decode_{'gated_' if gated else ''}matmul{variant}_{n}x{k}"
     if cluster_residual:
         return plgpu.kernel(
@@ -394,6 +414,12 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, 
                            plgpu.SMEM((rows_per_split, tile_n), out_dtype),
                            (plgpu.ClusterBarrier(collective_axes=("k",), num_arrivals=1),
                             plgpu.Barrier(num_arrivals=splits + 1))])
+    if row_sumsq:
+        return plgpu.kernel(
+            body, out_type=(jax.ShapeDtypeStruct((splits, rows, n), out_dtype),
+                            jax.ShapeDtypeStruct((splits, rows), jnp.float32)),
+            grid=(n // tile_n, splits), grid_names=("n", "k"),
+            scratch_types=[plgpu.SMEM((rows, tile_n), out_dtype), plgpu.SMEM((rows,), jnp.float32)])
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((splits, rows, n), out_dtype), grid=(n // tile_n, splits),
         grid_names=("n", "k"), scratch_types=[plgpu.SMEM((rows, tile_n), out_dtype)])

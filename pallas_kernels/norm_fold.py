@@ -113,6 +113,35 @@ def residual_resource_problem(rows: int, k: int, config: TuningConfig) -> str | 
     return None
 
 
+def decode_matmul_partials_sumsq(x, w_folded, *, config: TuningConfig | None = None, interpret: bool = False):
+    """The q/k/v projection of the un-normalized stream with the input norm folded in: (`decode_matmul_partials`
+    of x and w_folded, the rows' sums of squares of x over each split's K range [S, R] fp32). `rope_kv_write` with
+    `RowNorm(sumsq, K, eps)` sums the partials and applies the rows' scale (module docstring).
+
+    Args:
+      x: [M, K] bf16, the residual stream (not normalized), 1 <= M <= 256.
+      w_folded: [N, K] bf16, the fused q/k/v weight with the input norm's weight folded in.
+      config: TuningConfig; k_splits None picks `default_k_splits`.
+      interpret: run in the Mosaic GPU interpreter on CPU (tests).
+    Returns (parts [S, R, N] float32 (x.dtype when S = 1), sumsq [S, R] float32); R = M rounded up to 64.
+    """
+    config = dm._checked_config(x, w_folded, config, jnp.dtype(x.dtype))
+    return dm._run(x, w_folded, out_dtype=jnp.dtype(x.dtype), config=config, gated=False, interpret=interpret,
+                   partials=True, row_sumsq=True)
+
+
+def decode_matmul_partials_sumsq_reference(x, w_folded, splits: int):
+    """`decode_matmul_partials_sumsq`'s values: [S, R, N] fp32 partials over K's S equal ranges and [S, R] fp32 sums
+    of x^2 over each (rows past M zero)."""
+    m, k = x.shape
+    rows = -(-m // dm._ROWS) * dm._ROWS
+    xs = jnp.pad(x, ((0, rows - m), (0, 0))).reshape(rows, splits, k // splits).transpose(1, 0, 2)
+    ws = w_folded.reshape(w_folded.shape[0], splits, k // splits).transpose(1, 0, 2)
+    parts = jnp.einsum("smk,snk->smn", xs, ws, preferred_element_type=jnp.float32)
+    x32 = xs.astype(jnp.float32)
+    return parts, jnp.sum(x32 * x32, axis=-1)
+
+
 def decode_gated_matmul_normed_reference(x, w_folded, *, eps: float):
     """silu(g_n) * u_n for [g, u] = x @ w_folded.T (fp32), each row scaled by rsqrt(mean(x^2) + eps) and rounded to
     x's dtype before the activation: `decode_gated_matmul_normed`'s values (w_folded = fold_norm_weight(g, w))."""

