@@ -6,14 +6,19 @@ the next layer's `residual_rmsnorm`). The two norm kernels move under a megabyte
 the H200, mostly ramp and drain; the step's time over its byte floor is mostly such fixed costs a kernel
 (benchmarks/KERNEL_NOTES.md, "The 1b step over its byte floor"). This module removes their work from the chain:
 
-- **The residual add moves into the GEMM before it** (`decode_matmul_residual`): the o (or down) projection's K
+- **The residual add moves into the GEMM before it** (`decode_matmul_residual`, for o and down): the projection's K
   splits run as one thread-block cluster; each CTA writes its fp32 partial to an exchange buffer in L2, the cluster
   waits on a cluster barrier, and each CTA sums its share of the rows over the splits, rounds, adds the residual and
   writes the new residual stream x. No [S, R, H] partials leave the kernel for another launch to sum.
-- **The norm moves into the GEMM after it** (`decode_gated_matmul_normed`): rms_norm(x) * g @ W.T equals
-  rsqrt(mean(x^2) + eps) * (x @ (W * g).T) row by row, so the norm weight g is folded into the next projection's
-  weight once at load (`fold_norm_weight`), and the row's scale, a per-row statistic of x, is taken from the x tiles
-  the GEMM streams anyway (every CTA reads all of x's K) and applied to its accumulators before the activation.
+- **The norm moves into the GEMM after it**: rms_norm(x) * g @ W.T equals rsqrt(mean(x^2) + eps) * (x @ (W * g).T)
+  row by row, so the norm weight g is folded into the next projection's weight once at load (`fold_norm_weight`),
+  and the row's scale, a per-row statistic of x, is taken from the x tiles the GEMM streams anyway (every CTA reads
+  all of x's K). gate/up (`decode_gated_matmul_normed`, no split-K) applies it to its accumulators before the
+  activation; q/k/v (`decode_matmul_partials_sumsq`, split-K) leaves each split's sums of squares [S, R] beside its
+  partials, and `rope_kv_write`, which sums the partials anyway, applies the scale (`rope_kv_write.RowNorm`).
+
+The folded layer: q/k/v GEMM -> RoPE + KV write -> attention -> o GEMM + residual -> gate/up GEMM -> down GEMM +
+residual, 6 kernels. The final norm before the LM head stays XLA's (the LM head may be tied to the embedding).
 
 Numerics: the residual add is the unfused path's exactly (the split-K sum in split order in fp32, rounded, then the
 bf16 add). The folded norm is the same function up to bf16 rounding in other places: the unfused path rounds the
@@ -21,8 +26,12 @@ normalized row to bf16 and multiplies by g in bf16 before its GEMM; the fold rou
 fp32 products. Both are one bf16 rounding of each term (relative 2^-9); `tests/test_norm_fold.py` bounds the
 difference against the unfused kernels' outputs.
 
-Status (2026-12-05): built and checked in the interpreter and by lowering for CUDA; not yet timed or wired into the
-engine (`benchmarks/norm_fold.py` is the A/B against the unfused kernels, for the H200).
+Testing: jax 0.11.2's GPU interpreter deadlocks now and then on a cluster barrier of several blocks (3-5 of 8 runs
+on a 2-core machine), so CI interprets `decode_matmul_residual` only with one block a cluster; the multi-block
+cluster is checked by lowering for CUDA on CPU, and on the GPU by `tests/test_norm_fold.py -m gpu`.
+
+Status (2026-12-05): built; not yet timed or wired into the engine (`benchmarks/norm_fold.py` is the A/B of the
+folded layer against the unfused one, for the H200).
 """
 from __future__ import annotations
 
