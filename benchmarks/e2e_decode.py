@@ -183,7 +183,8 @@ def engine_config(args, attention: str, kv_precision: str = "bf16",
                          process_id=args.process_id, kv_precision=kv_precision,
                          fp8_scale=args.fp8_scale if kv_precision == "fp8-delta" else "granule",
                          interpret_kernels=args.interpret_kernels, async_scheduling=args.async_scheduling,
-                         projections=args.projections, l2_prefetch_mb=args.l2_prefetch_mb)
+                         projections=args.projections, l2_prefetch_mb=args.l2_prefetch_mb,
+                         fold_norms=args.fold_norms)
 
 
 def run_combinations(args) -> list[tuple[str, str, str]]:
@@ -261,7 +262,8 @@ def run_one(model, args, attention: str, bw: float, kv_precision: str = "bf16",
         "attention": attention, "decode_kernel": (decode_kernel if engine.attention_backend == "kernel" and engine.kv_precision == "bf16"
                           else None),
         "attention_backend": engine.attention_backend, "projections": engine.projections,
-        "l2_prefetch_mb": config.l2_prefetch_mb,
+        "l2_prefetch_mb": config.l2_prefetch_mb, "fold_norms": config.fold_norms,
+        "norms_folded": engine.runner.geo.norms_folded,
         "kv_precision_requested": kv_precision, "kv_precision": engine.kv_precision,
         "fp8_scale": config.fp8_scale if engine.kv_precision == "fp8-delta" else None,
         "page_size": args.page_size or "adaptive", "tensor_parallel": tp,
@@ -328,6 +330,8 @@ def build_parser(description: str = __doc__.splitlines()[0]) -> argparse.Argumen
                     help="the decode step's q/k/v, o and down projections (RuntimeConfig.projections)")
     ap.add_argument("--l2-prefetch-mb", type=float, default=RuntimeConfig.l2_prefetch_mb, metavar="MB",
                     help="the norm kernels' L2 prefetch of the next projection's weight (RuntimeConfig.l2_prefetch_mb)")
+    ap.add_argument("--fold-norms", action=argparse.BooleanOptionalAction, default=RuntimeConfig.fold_norms,
+                    help="the decode layer with its norms folded into the GEMMs (RuntimeConfig.fold_norms)")
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps per device call")
     ap.add_argument("--prefill-tokens", type=int, default=8192, help="prompt tokens per prefill step")
     ap.add_argument("--copy-gb", type=float, default=4.0)

@@ -47,7 +47,7 @@ from stratum_jax.config import RuntimeConfig
 from stratum_jax.kv.anchor import ALIGNED_LEN
 from stratum_jax.kv.delta_cache import init_delta_cache
 from stratum_jax.model.config import PRESETS
-from stratum_jax.model.fused import fuse_layer
+from stratum_jax.model.fused import fold_norms, fuse_layer
 from stratum_jax.model.llama import init_kv_cache, param_shapes
 from stratum_jax.model.loader import EMBEDDED, CheckpointError, LoadedModel, checkpoint_config
 from stratum_jax.model.projection import resolve_projections
@@ -131,6 +131,8 @@ def runner_for(config: RuntimeConfig, model: LoadedModel, kv_cache) -> ModelRunn
     config = config.for_model(model.config.max_position_embeddings)
     backend = resolve_backend(config, model.config, on_hopper=True)
     projections = resolve_projections(config, model.config, on_hopper=True, tensor_parallel=1)
+    if config.fold_norms and projections == "kernel":
+        fold_norms(model)         # abstract params: only marks the model folded, as the engine's fold would
     return ModelRunner(config, model, num_slots=config.kv_pool_slots, backend=backend, projections=projections,
                        attn_stats=config.measures_attention_stats, kv_layout=kv_layout_of(kv_cache))
 
@@ -178,11 +180,13 @@ def main(argv=None) -> int:
             kv = precision + (f" (anchor {anchor_len}, {config.fp8_scale} scales)" if anchor_len else "")
             print(f"{args.model} ({model.config.num_layers} layers) batch {args.batch}: attention "
                   f"{runner.geo.backend}, decode kernel {kernel}, KV {kv}, projections {runner.geo.projections}, L2 prefetch "
-                  f"{config.l2_prefetch_mb:g} MB, {runner.geo.decode_steps} decode steps a call", flush=True)
+                  f"{config.l2_prefetch_mb:g} MB, norms folded {runner.geo.norms_folded}, {runner.geo.decode_steps} "
+                  "decode steps a call", flush=True)
             rows = lower_all(runner, kv_cache, args.shapes, progress=lambda line: print(line, flush=True))
             runs.append(dict(attention=runner.geo.backend, decode_kernel=kernel, kv_precision=precision,
                              anchor_len=anchor_len, fp8_scale=config.fp8_scale, projections=runner.geo.projections,
-                             l2_prefetch_mb=config.l2_prefetch_mb, programs=rows))
+                             l2_prefetch_mb=config.l2_prefetch_mb, norms_folded=runner.geo.norms_folded,
+                             programs=rows))
     failed = sum(not r["ok"] for run in runs for r in run["programs"])
     total = sum(len(run["programs"]) for run in runs)
     print(f"{total - failed} of {total} step programs lowered for CUDA" + (f"; {failed} FAILED" if failed else ""))

@@ -30,7 +30,8 @@ Testing: jax 0.11.2's GPU interpreter deadlocks now and then on a cluster barrie
 on a 2-core machine), so CI interprets `decode_matmul_residual` only with one block a cluster; the multi-block
 cluster is checked by lowering for CUDA on CPU, and on the GPU by `tests/test_norm_fold.py -m gpu`.
 
-Status (2026-12-05): built; not yet timed or wired into the engine (`benchmarks/norm_fold.py` is the A/B of the
+Status (2026-12-05): built and wired into the engine behind --fold-norms (model/fused.py `fold_norms`, llama.DecoderLayer's
+folded path; off by default); not yet timed (`benchmarks/norm_fold.py` is the A/B of the
 folded layer against the unfused one, for the H200).
 """
 from __future__ import annotations

@@ -122,6 +122,10 @@ class RuntimeConfig:
                                      # weight, the tiles it reads first, and the fused q/k/v write each decode row's
                                      # first K/V tile (projection.DecodeKernelMatmul); 0 = off: on the H200 the
                                      # issuing kernels lose what the fed ones gain (BENCHMARKS.md #18, session 30)
+    fold_norms: bool = False         # with the Pallas projections: fold each layer's RMSNorm weights into q/k/v's and
+                                     # gate/up's weights at load and run a decode layer in 6 kernels instead of 8 (the
+                                     # residual adds inside o's and down's GEMMs, the norms' row scales inside q/k/v's
+                                     # and gate/up's: pallas_kernels/norm_fold.py); the prefill runs the same function
     decode_kernel: str = "swapped"   # the bf16 decode kernel with --attention kernel: "swapped" (keys on WGMMA's M,
                                      # the GQA group on N: fewer registers, 2-4 CTAs an SM) or "paged" (64-row q
                                      # blocks); benchmarks/KERNEL_NOTES.md has their timings
@@ -196,6 +200,7 @@ class RuntimeConfig:
         need(isinstance(self.l2_prefetch_mb, (int, float)) and 0 <= self.l2_prefetch_mb <= L2_PREFETCH_MAX_MB,
              f"--l2-prefetch-mb must be a number of MB in [0, {L2_PREFETCH_MAX_MB}] (the H200's L2 holds 50 MB), "
              f"got {self.l2_prefetch_mb!r}")
+        need(isinstance(self.fold_norms, bool), f"--fold-norms is a flag (true or false), got {self.fold_norms!r}")
         need(self.decode_kernel in DECODE_KERNELS,
              f"--decode-kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
         need(_parses(parse_prefill_splits, self.prefill_splits),
@@ -405,6 +410,10 @@ class RuntimeConfig:
                        help="with the Pallas projections, the kernel before each decode GEMM also prefetches into "
                             "L2 up to this many MB of that GEMM's weight, and the fused q/k/v write each decode row's "
                             "first K/V tile (0: off)")
+        g.add_argument("--fold-norms", action=argparse.BooleanOptionalAction, default=d.fold_norms,
+                       help="with the Pallas projections, fold the layers' RMSNorm weights into the next projection's "
+                            "weight at load and run each decode layer in 6 kernels instead of 8 (the residual adds "
+                            "and the norms inside the GEMMs)")
         g.add_argument("--decode-kernel", default=d.decode_kernel, choices=DECODE_KERNELS,
                        help="the bf16 decode attention kernel with --attention kernel: swapped (keys on the MMA's "
                             "rows, the GQA group on its columns) or paged (64-row query blocks)")

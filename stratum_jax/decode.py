@@ -61,6 +61,7 @@ class StepGeometry:
     projections: str = "xla"    # the layers' projections: "kernel" (Pallas, for few rows) or "xla" (projection.py)
     interpret: bool = False     # run the Pallas kernels in the interpreter (CPU tests)
     l2_prefetch_mb: float = 0.0  # the kernels' L2 prefetch ahead of the next one (config.py l2_prefetch_mb)
+    norms_folded: bool = False  # the model's norms are folded into its weights: the folded decode layer (--fold-norms)
     # Prefill attention kernel: "ws" (warp-specialised, three warpgroups per CTA) or "single" (the decode
     # kernel's pipeline). The interpreter runs a multi-warpgroup CTA as threads that each execute an XLA
     # CPU computation; with the engine's overlapped steps they can starve XLA's CPU execution threads
@@ -174,7 +175,8 @@ def _forward(params, kv_cache, batch: PackedBatch, *, cfg, geo: StepGeometry):
         hidden, kv_cache = llama.forward(params, cfg, batch.token_ids, jnp.maximum(batch.positions, 0), kv_cache,
                                          batch.write_slots, attend,
                                          step_matmul(geo.projections, interpret=geo.interpret,
-                                                     l2_prefetch_mb=geo.l2_prefetch_mb), first_tiles)
+                                                     l2_prefetch_mb=geo.l2_prefetch_mb,
+                                                     norms_folded=geo.norms_folded), first_tiles)
     if layer_var:
         attn_var = sum(layer_var[1:], layer_var[0]) / len(layer_var) * batch.stats_weight[:rows]
     else:

@@ -27,9 +27,10 @@ from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.kv.recall_choice import RecallChoice
 from stratum_jax.kv.transfer import KvTransfers, committed
 from stratum_jax.kv.precision import kv_bytes_per_slot, start_kv_cache
-from stratum_jax.model.fused import fuse_projections
+from stratum_jax.kv.pool_memory import check_pool_fits
+from stratum_jax.model.fused import fold_norms, fuse_projections
 from stratum_jax.model.loader import LoadedModel, load_model, params_nbytes
-from stratum_jax.model.projection import l2_prefetch_note, resolve_projections
+from stratum_jax.model.projection import fold_norms_note, l2_prefetch_note, resolve_projections
 from stratum_jax.model_runner import InFlightStep, ModelRunner, RunResult, kv_layout_of
 from stratum_jax.outputs import OutputProcessor
 from stratum_jax.phase_times import PhaseTimes
@@ -74,7 +75,15 @@ class Engine:
                                                tensor_parallel=config.tensor_parallel)
         if note := l2_prefetch_note(config.l2_prefetch_mb, self.projections, self.attention_backend):
             log.info(note)
+        # --fold-norms: the norm weights go into q/k/v's and gate/up's weights (model/fused.py), once per model.
+        if config.fold_norms and self.projections == "kernel":
+            fold_norms(model)
+        if note := fold_norms_note(config.fold_norms, model.norms_folded, self.projections):
+            log.info(note)
         self.num_slots = config.kv_pool_slots
+        # A pool the device cannot hold is refused here, naming the flag, not deep in XLA's allocator.
+        check_pool_fits(config.kv_pool_tokens, self.num_slots, self.model_config, config.kv_precision,
+                        devices=model.tp.size if model.tp is not None else 1)
         # bf16 pools, or DKVC's anchor + delta pools (--kv-precision; the precision run may be a fallback).
         self.kv_precision, self.kv_cache, self.kv_anchor = start_kv_cache(
             config.kv_precision, model, self.num_slots,

@@ -146,6 +146,7 @@ class ModelRunner:
                                 backend=backend, projections=projections,
                                 interpret=config.interpret_kernels and "kernel" in (backend, projections),
                                 l2_prefetch_mb=config.l2_prefetch_mb,
+                                norms_folded=model is not None and model.norms_folded and projections == "kernel",
                                 prefill_kernel="single" if config.interpret_kernels else "ws",
                                 decode_kernel=config.decode_kernel, prefill_splits=config.prefill_split_setting,
                                 attn_stats=attn_stats, tp=None if model is None else model.tp)

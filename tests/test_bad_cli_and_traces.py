@@ -205,3 +205,22 @@ def test_serving_replay_reader_skips_blank_lines(tmp_path):
     window = serving_trace.load_trace(p, 0, 2)
     assert [(r.index, r.timestamp_ms) for r in window] == [(0, 0), (2, 3000)]
     assert [r.index for r in serving_trace.load_trace(p, 1, 1)] == [2]
+
+
+# ---- a KV pool larger than the device: refused before allocating, naming the flag ----
+
+def test_a_kv_pool_larger_than_the_device_is_refused_naming_the_flag():
+    import jax
+
+    from stratum_jax.engine import Engine
+    from stratum_jax.kv.pool_memory import free_bytes, pool_bytes
+    from stratum_jax.model.config import PRESETS
+
+    cfg = PRESETS["tiny"]
+    free = free_bytes(jax.devices()[0])
+    tokens = (free // pool_bytes(cfg, 1, "bf16") + 1) // 256 * 256 + 256     # just past what the host holds
+    with pytest.raises(ValueError, match=r"--kv-pool-tokens \d+ needs .* lower --kv-pool-tokens to at most about"):
+        Engine(RuntimeConfig(model="tiny", kv_pool_tokens=tokens, max_context=256))
+    fits = (free // 2) // pool_bytes(cfg, 1, "bf16") // 256 * 256
+    assert pool_bytes(cfg, fits, "bf16") <= free       # the check's arithmetic: half the host's memory passes it
+    assert pool_bytes(cfg, 1024, "fp8-delta") * 2 == pool_bytes(cfg, 1024, "bf16")

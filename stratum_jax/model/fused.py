@@ -12,6 +12,12 @@ sharded P("tp", None) is a reshape of it, so fusing moves no data between device
 
 `fuse_projections` rewrites a LoadedModel's params in place and deletes the arrays it replaced (keeping both
 would need ~60% more weight memory); it is idempotent, so several engines may share one model.
+
+`fold_norms` (--fold-norms) then folds each layer's two RMSNorm weights into the fused projection each norm feeds
+(q/k/v, gate/up: `norm_fold.fold_norm_weight`, columns scaled in fp32 and rounded once) and sets the norms' weights
+to ones, so rms_norm(x) * g @ W.T becomes rms_norm(x) @ (W * g).T: the same function on every path (XLA's prefill
+normalises with unit weights), and the decode step's folded layer (pallas_kernels/norm_fold.py) takes the rows'
+scale inside the GEMMs. The final norm before the LM head is not folded (the head may be tied to the embedding).
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.norm_fold import fold_norm_weight
 from stratum_jax.model.llama import Params, fused_shards_of
 
 log = logging.getLogger(__name__)
@@ -75,3 +82,37 @@ def fuse_projections(model) -> None:
                     array.delete()
     log.info("fused q/k/v and gate/up weights of %d layers (%d shard block%s) in %.2f s", model.config.num_layers,
              shards, "s" if shards > 1 else "", time.perf_counter() - start)
+
+
+# (the norm, the fused projection it feeds) in a layer's params
+_FOLDS = (("input_layernorm", ("self_attn", "qkv_proj")), ("post_attention_layernorm", ("mlp", "gate_up_proj")))
+
+
+@jax.jit
+def _fold_layer(norm_weight: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(unit norm weight [K], w [1, N, K] with norm_weight [K] folded into its columns)."""
+    return jnp.ones_like(norm_weight), fold_norm_weight(norm_weight, w[0])[None]
+
+
+def fold_norms(model) -> None:
+    """Folds each layer's RMSNorm weights into the fused projection after them (the module docstring), in place and
+    once (model.norms_folded); the params must be fused on one device (`fuse_projections`, no tensor parallelism)."""
+    if model.norms_folded or model.params is None:     # None: a shape-only model (tests), nothing to fold
+        return
+    if fused_shards_of(model.params) != 1:
+        raise ValueError("fold_norms needs the fused one-device layout (fuse_projections without tensor parallelism); "
+                         f"the params have {fused_shards_of(model.params)} shard blocks")
+    start = time.perf_counter()
+    for key in [k for k in model.params if k.startswith("layers_")]:
+        layer = model.params[key]
+        for norm, (module, proj) in _FOLDS:
+            old_norm, old_w = layer[norm]["weight"], layer[module][proj]["weight"]
+            if not isinstance(old_w, jax.Array):       # abstract params (gpu_preflight.py): the shapes stay
+                continue
+            new_norm, new_w = jax.block_until_ready(_fold_layer(old_norm, old_w))
+            layer[norm]["weight"], layer[module][proj]["weight"] = new_norm, new_w
+            old_norm.delete()
+            old_w.delete()
+    model.norms_folded = True
+    log.info("folded the RMSNorm weights of %d layers into q/k/v and gate/up in %.2f s", model.config.num_layers,
+             time.perf_counter() - start)

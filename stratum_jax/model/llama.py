@@ -31,6 +31,9 @@ attention scores and softmax in float32.
 Layer boundaries: a layer hands the next one its residual stream and its MLP output still to be added
 (`DecoderLayer`), and each boundary (`ResidualRMSNorm`) adds and normalises in one place, so where the projections
 run on the decode kernels the add, its split-K sum and the norm are one kernel (projection.py, `Matmul.unsummed`).
+With the norms folded into the weights (`Matmul.norms_folded`: norm weights ones, model/fused.py `fold_norms`) a
+layer has no boundary kernels: o and down add the residual in their GEMMs and q/k/v and gate/up take the stream
+un-normalised, applying the norm themselves (`DecoderLayer`'s folded path; pallas_kernels/norm_fold.py).
 """
 
 from __future__ import annotations
@@ -155,7 +158,9 @@ class Linear(nn.Module):
     """y = x @ weight.T (+ bias), weight [features, in] in torch's layout; y in out_dtype (default: dtype).
     matmul: how x @ weight.T is computed when out_dtype is the default (None: XLA's dot; projection.py).
     unsummed (no bias, default out_dtype): the product may come back as `Unsummed` partials where the Matmul leaves
-    them for the residual add after it (`ResidualRMSNorm`); else y."""
+    them for the residual add after it (`ResidualRMSNorm`); else y. Called with a residual [..., features] (no bias,
+    default out_dtype): residual + y, the product rounded first (in one kernel where the Matmul fuses them,
+    `Matmul.residual_matmul`)."""
 
     features: int
     use_bias: bool
@@ -165,8 +170,13 @@ class Linear(nn.Module):
     unsummed: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array | Unsummed:
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None) -> jax.Array | Unsummed:
         w = self.param("weight", _normal_init, (self.features, x.shape[-1]), self.dtype)
+        if residual is not None:
+            if self.use_bias or self.out_dtype is not None:
+                raise ValueError("Linear: a residual is added only to a projection without bias in its own dtype")
+            fused = None if self.matmul is None else self.matmul.residual_matmul(x, w, residual)
+            return fused if fused is not None else residual + (self.matmul or xla_matmul)(x, w)
         if self.unsummed and self.matmul is not None and self.out_dtype is None and not self.use_bias:
             parts = self.matmul.unsummed(x, w)
             if parts is not None:
@@ -195,13 +205,21 @@ class ShardedFusedLinear(nn.Module):
     gated: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, rope_kv_write: RopeKVWrite | None = None, next_weight: NextWeight | None = None
-                 ) -> tuple[jax.Array, ...] | jax.Array | None:
+    def __call__(self, x: jax.Array, rope_kv_write: RopeKVWrite | None = None, next_weight: NextWeight | None = None,
+                 norm_eps: float | None = None) -> tuple[jax.Array, ...] | jax.Array | None:
         """rope_kv_write (q/k/v, one shard, no bias): `Matmul.rope_kv_write`'s (q rotated, k_pool, v_pool), or None
         where the Matmul does not fuse them (call again without it). next_weight (gated): the projection after,
-        for `Matmul.gated`'s L2 prefetch."""
+        for `Matmul.gated`'s L2 prefetch. norm_eps (gated): x is the un-normalised stream and the norm before (unit
+        weight, its weight folded into this one) is applied here (`Matmul.gated_normed` where it takes it)."""
         s = self.shards
         w = self.param("weight", _normal_init, (s, sum(self.features) // s, x.shape[-1]), self.dtype)
+        if norm_eps is not None:
+            if not self.gated:
+                raise ValueError("ShardedFusedLinear: norm_eps is for the gated MLP's projection")
+            fused = self.matmul.gated_normed(x, w[0], norm_eps) if s == 1 and self.matmul is not None else None
+            if fused is not None:
+                return fused
+            x = unit_rms_norm(x, norm_eps)
         if rope_kv_write is not None:
             if s != 1 or self.use_bias or self.gated or len(self.features) != 3:
                 raise ValueError("ShardedFusedLinear: rope_kv_write is for the q/k/v projection on one shard without "
@@ -230,11 +248,15 @@ class ShardedFusedLinear(nn.Module):
         return parts
 
 
+def unit_rms_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x [..., H] normalised by its rows' RMS in fp32, cast back to x.dtype: RMSNorm with a unit weight."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """HF Llama's RMSNorm: x [..., H] normalised in fp32, cast back to x.dtype, then times weight [H]."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)  # HF casts back before the weight multiply
+    return weight * unit_rms_norm(x, eps)  # HF casts back before the weight multiply
 
 
 # What the residual stream still has to add: a sublayer's output, or its unsummed partials, or nothing (the first
@@ -275,15 +297,20 @@ class Attention(nn.Module):
     matmul: Matmul | None = None
 
     @nn.compact
-    def __call__(self, x, positions, cache, write_slots, attend: Attend, first_tiles: FirstTiles | None = None):
+    def __call__(self, x, positions, cache, write_slots, attend: Attend, first_tiles: FirstTiles | None = None,
+                 norm_eps: float | None = None):
+        """x [T, hidden]: the input norm's output; or, with norm_eps (the norms folded: `DecoderLayer`), the residual
+        stream itself, which this module normalises (unit weight; inside the q/k/v kernels where they take it) and
+        adds o's output to. Returns (o's output, or its Unsummed partials; with norm_eps the new stream, the cache)."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         t = x.shape[0]
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         inv_freq = rope_inv_freq(cfg)
+        residual = x if norm_eps is not None else None
 
         def o_proj(o):      # o [T, Hq, D] -> [T, hidden] or its Unsummed partials (for the residual add after it)
             return Linear(cfg.hidden_size, False, dtype, matmul=self.matmul, unsummed=True,
-                          name="o_proj")(o.reshape(t, q_out))
+                          name="o_proj")(o.reshape(t, q_out), residual=residual)
 
         # The named scopes label the compiled ops (HLO metadata op_name), so a profile can say which part
         # of the model a kernel belongs to (benchmarks/profile_decode.py); they change no computation.
@@ -294,12 +321,15 @@ class Attention(nn.Module):
                 # A decode step on the Pallas projections: q/k/v, RoPE and the KV write in two kernels
                 # (pallas_kernels/rope_kv_write.py) instead of four; None where the Matmul does not fuse them.
                 fused = qkv_proj(x, RopeKVWrite(*rope_cos_sin(positions, inv_freq), write_slots, *cache,
-                                                first_tiles=first_tiles))
+                                                first_tiles=first_tiles, row_norm_eps=norm_eps))
                 if fused is not None:
                     q, k_pool, v_pool = fused
                     with jax.named_scope("attention"):
                         o = attend(self.layer, q, k_pool, v_pool, **self._o_prefetch(t)).astype(dtype)
                     return o_proj(o), (k_pool, v_pool)
+        if norm_eps is not None:
+            x = unit_rms_norm(x, norm_eps)
+        if self.fused_shards:
             q, k, v = qkv_proj(x)
         else:
             q = Linear(q_out, cfg.attention_bias, dtype, matmul=self.matmul, name="q_proj")(x)
@@ -341,17 +371,25 @@ class MLP(nn.Module):
     matmul: Matmul | None = None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, norm_eps: float | None = None):
+        """x [T, hidden]: the norm's output; or, with norm_eps (the norms folded: `DecoderLayer`), the residual stream,
+        normalised here (unit weight; inside the gate/up kernel where it takes it) and added to down's output.
+        Returns down's output (or its Unsummed partials); with norm_eps the new stream."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        residual = x if norm_eps is not None else None
         if self.fused_shards:
             act = ShardedFusedLinear((cfg.intermediate_size,) * 2, self.fused_shards, False, dtype,
                                      self.matmul, gated=True, name="gate_up_proj")(
-                x, next_weight=_next_weight(self, ("down_proj",)))
+                x, next_weight=None if norm_eps is not None else _next_weight(self, ("down_proj",)),
+                norm_eps=norm_eps)
         else:
+            if norm_eps is not None:
+                x = unit_rms_norm(x, norm_eps)
             gate = Linear(cfg.intermediate_size, False, dtype, matmul=self.matmul, name="gate_proj")(x)
             up = Linear(cfg.intermediate_size, False, dtype, matmul=self.matmul, name="up_proj")(x)
             act = jax.nn.silu(gate) * up
-        return Linear(cfg.hidden_size, False, dtype, matmul=self.matmul, unsummed=True, name="down_proj")(act)
+        return Linear(cfg.hidden_size, False, dtype, matmul=self.matmul, unsummed=True, name="down_proj")(
+            act, residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -365,8 +403,21 @@ class DecoderLayer(nn.Module):
                  first_tiles: FirstTiles | None = None):
         """x [T, hidden]: the residual stream before the previous layer's MLP output `pending` is added. Returns
         (the stream after this layer's attention, this layer's MLP output to add to it, the cache): the add happens
-        in the next boundary's `ResidualRMSNorm`, which can take the output as unsummed partials."""
+        in the next boundary's `ResidualRMSNorm`, which can take the output as unsummed partials.
+
+        With the norms folded (`Matmul.norms_folded`; one-shard fused weights, no bias, bf16 pools) the layer has no
+        boundary kernels: it returns (the stream after the whole layer, None, the cache), the adds and norms inside
+        its projections (pallas_kernels/norm_fold.py)."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        if (self.matmul is not None and self.matmul.norms_folded and self.fused_shards == 1
+                and not cfg.attention_bias and not isinstance(cache, DeltaKV)):
+            if isinstance(pending, Unsummed):
+                pending = pending.summed(x.shape[0], x.dtype)
+            if pending is not None:
+                x = x + pending
+            x, cache = Attention(cfg, self.layer, self.fused_shards, self.matmul, name="self_attn")(
+                x, positions, cache, write_slots, attend, first_tiles, norm_eps=cfg.rms_norm_eps)
+            return MLP(cfg, self.fused_shards, self.matmul, name="mlp")(x, norm_eps=cfg.rms_norm_eps), None, cache
         x, h = ResidualRMSNorm(cfg.rms_norm_eps, dtype, self.matmul, name="input_layernorm")(
             x, pending, _next_weight(self, ("self_attn", "qkv_proj")))
         o, cache = Attention(cfg, self.layer, self.fused_shards, self.matmul, name="self_attn")(

@@ -43,13 +43,15 @@ class CheckpointError(ValueError):
 @dataclasses.dataclass
 class LoadedModel:
     """config: the model as laid out (with tensor parallelism: tp.tp_model_config of the checkpoint's);
-    tp: the mesh its params live on (None: one device)."""
+    tp: the mesh its params live on (None: one device); norms_folded: the layers' RMSNorm weights are folded into
+    the projections after them (model/fused.py `fold_norms`)."""
 
     config: ModelConfig
     params: Params
     tokenizer: Tokenizer
     name: str
     tp: TensorParallel | None = None
+    norms_folded: bool = False
 
 
 def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0,

@@ -17,6 +17,12 @@ write (`Matmul.rope_kv_write`, pallas_kernels/rope_kv_write.py): one kernel wher
 projections' partials go unsummed (`Matmul.unsummed`) to the residual add and the norm after it
 (`Matmul.residual_rmsnorm`, pallas_kernels/residual_rmsnorm.py): one kernel a layer boundary, with both outputs
 written, where XLA ran three for the two boundaries of a layer and recomputed the residual stream.
+
+With the norms folded into the weights (`DecodeKernelMatmul.norms_folded`, --fold-norms: model/fused.py `fold_norms`)
+a decode layer drops both of those kernels (pallas_kernels/norm_fold.py): o's and down's residual adds run inside their
+GEMMs (`Matmul.residual_matmul`), and the norms' row scales inside q/k/v's (`rope_kv_write` with `row_norm_eps`) and
+gate/up's (`Matmul.gated_normed`). Each of those falls back to XLA's ops where its kernel does not take the shapes,
+computing the same function (the norm weights are ones after the fold).
 """
 from __future__ import annotations
 
@@ -30,8 +36,10 @@ import jax.numpy as jnp
 from pallas_kernels.decode_matmul import (TuningConfig, decode_gated_matmul, decode_matmul, decode_matmul_partials,
                                           default_k_splits, sum_partials, supports)
 from pallas_kernels.l2_prefetch import L2Prefetch, prefetch_plan
+from pallas_kernels.norm_fold import (cluster_k_splits, decode_gated_matmul_normed, decode_matmul_partials_sumsq,
+                                      decode_matmul_residual, residual_resource_problem)
 from pallas_kernels.residual_rmsnorm import residual_rmsnorm, supports as residual_rmsnorm_supports
-from pallas_kernels.rope_kv_write import HEAD_DIMS as ROPE_KV_WRITE_HEAD_DIMS, FirstTiles, rope_kv_write
+from pallas_kernels.rope_kv_write import HEAD_DIMS as ROPE_KV_WRITE_HEAD_DIMS, FirstTiles, RowNorm, rope_kv_write
 from stratum_jax.kv.slot_write import padding_slots
 
 
@@ -47,6 +55,9 @@ class RopeKVWrite(NamedTuple):
     k_pool: jax.Array
     v_pool: jax.Array
     first_tiles: FirstTiles | None = None
+    # x is the un-normalised residual stream and the input norm (weight folded into w) is applied in the write, with
+    # this epsilon (`Matmul.norms_folded`); None: x is already normalised.
+    row_norm_eps: float | None = None
 
 
 class Unsummed(NamedTuple):
@@ -70,6 +81,11 @@ class NextWeight(NamedTuple):
 class Matmul(Protocol):
     """How a model's projections multiply."""
 
+    # The model's RMSNorm weights are folded into the projections after them (model/fused.py `fold_norms`, all norm
+    # weights ones): its layers then run the folded decode layer (`rope_kv_write` with `row_norm_eps`,
+    # `gated_normed`, `residual_matmul`).
+    norms_folded: bool
+
     def __call__(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """x [..., K] @ w [N, K].T -> [..., N] in x.dtype."""
 
@@ -83,7 +99,18 @@ class Matmul(Protocol):
         """The fused q/k/v projection with RoPE on q and k and the K/V rows written into the pools: x [T, K], w
         [(Hq + 2 Hkv) * D, K] (q rows, then k, then v) -> (q [T, Hq, D] rotated, k_pool, v_pool), each value rounded
         as the unfused path rounds it; None where this Matmul does not fuse them (the caller then projects,
-        rotates and writes as before)."""
+        rotates and writes as before). With `write.row_norm_eps` x is the un-normalised stream and the rows are
+        scaled by their RMS (the norm's weight folded into w) before rounding; None then too where not fused (the
+        caller normalises x and calls again without it)."""
+
+    def gated_normed(self, x: jax.Array, w: jax.Array, eps: float) -> jax.Array | None:
+        """`gated` of the RMS-normalised rows of x [T, K] (unit norm weight: the norm's weight is folded into w),
+        with the rows' scale taken inside the GEMM; None where this Matmul does not fuse them (the caller
+        normalises and calls `gated`)."""
+
+    def residual_matmul(self, x: jax.Array, w: jax.Array, residual: jax.Array) -> jax.Array | None:
+        """residual [T, N] + x [T, K] @ w [N, K].T, the product rounded to x.dtype before the add (as the unfused path
+        rounds it), in one kernel; None where this Matmul does not fuse them (the caller multiplies and adds)."""
 
     def unsummed(self, x: jax.Array, w: jax.Array) -> Unsummed | None:
         """x [T, K] @ w [N, K].T left as split-K partials for `residual_rmsnorm`; None where this Matmul does not run
@@ -194,6 +221,19 @@ def unsummed_kernel_config(rows: int, n: int, k: int, dtype) -> TuningConfig | N
     return config if residual_rmsnorm_supports(splits, rows, n, jnp.float32 if splits > 1 else dtype) else None
 
 
+def residual_kernel_config(rows: int, n: int, k: int, dtype, *, one_block: bool = False) -> TuningConfig | None:
+    """`DecodeKernelMatmul.residual_matmul`'s config for [rows, k] x [n, k]: the plain kernel's column tile, its K
+    split as one thread-block cluster (`norm_fold.cluster_k_splits`; one_block: no split); None where the product
+    does not run on the kernel or the cluster's CTA would not fit."""
+    if not kernel_takes(rows, n, k, dtype):
+        return None
+    config = kernel_config(rows, n, k)
+    padded = -(-rows // 64) * 64
+    splits = 1 if one_block else cluster_k_splits(n, k, config.tile_n, padded)
+    config = dataclasses.replace(config, k_splits=splits)
+    return None if residual_resource_problem(padded, k, config) else config
+
+
 def gated_kernel_takes(rows: int, i: int, k: int, dtype) -> bool:
     """Whether `DecodeKernelMatmul.gated` sends x [rows, k] and a gate_up weight [2i, k] to the kernel: a decode
     step's rows of a bf16 model, at any width (the kernel streams gate/up as fast as XLA's GEMM and saves the
@@ -210,10 +250,12 @@ class DecodeKernelMatmul:
     GEMM (ahead of down) and, through `prefetch_plan`, the decode attention kernel (ahead of o) also prefetch into L2
     up to this many MB of the next projection's weight, the tiles its GEMM reads first (pallas_kernels/l2_prefetch.py);
     and, any budget > 0, the fused q/k/v write prefetches each decode row's first K/V tile for attention (given
-    `RopeKVWrite.first_tiles`). 0: off."""
+    `RopeKVWrite.first_tiles`). 0: off. norms_folded: the `Matmul` attribute (set by the engine once the weights are
+    folded)."""
 
     interpret: bool = False
     l2_prefetch_mb: float = 0.0
+    norms_folded: bool = False
 
     def __call__(self, x: jax.Array, w: jax.Array) -> jax.Array:
         rows = math.prod(x.shape[:-1])
@@ -241,7 +283,13 @@ class DecodeKernelMatmul:
             return None
         # The projection's split-K partials [S, R, N] (R: rows rounded up to 64) go to the fused kernel unsummed; the
         # padding rows get rotation angles 0 and slots past the pool (not written).
-        parts = decode_matmul_partials(x, w, config=kernel_config(rows, w.shape[0], k), interpret=self.interpret)
+        config = kernel_config(rows, w.shape[0], k)
+        row_norm = None
+        if write.row_norm_eps is None:
+            parts = decode_matmul_partials(x, w, config=config, interpret=self.interpret)
+        else:       # the folded input norm: each split's sums of x^2 beside its partials, the scale in the write
+            parts, sumsq = decode_matmul_partials_sumsq(x, w, config=config, interpret=self.interpret)
+            row_norm = RowNorm(sumsq, k, write.row_norm_eps)
         pad = parts.shape[1] - rows
         cos, sin = (jnp.pad(a, ((0, pad), (0, 0))) for a in (write.cos, write.sin))
         slots = jnp.concatenate([write.slots.astype(jnp.int32),
@@ -251,8 +299,26 @@ class DecodeKernelMatmul:
         with jax.named_scope("kv_write"):       # the profile's part for the fused kernel (the GEMM stays q/k/v's)
             q, k_pool, v_pool = rope_kv_write(parts, cos, sin, slots, write.k_pool, write.v_pool,
                                               num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                              first_tiles=first_tiles, interpret=self.interpret)
+                                              first_tiles=first_tiles, row_norm=row_norm, interpret=self.interpret)
         return q[:rows], k_pool, v_pool
+
+    def gated_normed(self, x: jax.Array, w: jax.Array, eps: float) -> jax.Array | None:
+        rows, (n2, k) = x.shape[0], w.shape
+        if x.ndim != 2 or w.dtype != x.dtype or n2 % 2 or not gated_kernel_takes(rows, n2 // 2, k, x.dtype):
+            return None
+        return decode_gated_matmul_normed(x, w, eps=eps, config=gated_kernel_config(n2 // 2, rows, k),
+                                          interpret=self.interpret)
+
+    def residual_matmul(self, x: jax.Array, w: jax.Array, residual: jax.Array) -> jax.Array | None:
+        n, k = w.shape
+        if (x.ndim != 2 or w.dtype != x.dtype or residual.shape != (x.shape[0], n) or residual.dtype != x.dtype):
+            return None
+        # Interpreted, the split stays in one block: jax 0.11.2's interpreter deadlocks now and then on a cluster
+        # barrier of several blocks (pallas_kernels/norm_fold.py's docstring).
+        config = residual_kernel_config(x.shape[0], n, k, x.dtype, one_block=self.interpret)
+        if config is None:
+            return None
+        return decode_matmul_residual(x, w, residual, config=config, interpret=self.interpret)
 
     def unsummed(self, x: jax.Array, w: jax.Array) -> Unsummed | None:
         n, k = w.shape
@@ -330,7 +396,24 @@ def l2_prefetch_note(l2_prefetch_mb: float, projections: str, attention_backend:
             f"values ahead of attention (by the fused q/k/v write)")
 
 
-def step_matmul(projections: str, *, interpret: bool, l2_prefetch_mb: float = 0.0) -> Matmul | None:
-    """The Matmul a step runs for a resolved --projections value (None: the model's default, XLA's dot)."""
-    return (DecodeKernelMatmul(interpret=interpret, l2_prefetch_mb=l2_prefetch_mb) if projections == "kernel"
-            else None)
+def fold_norms_note(fold_norms: bool, norms_folded: bool, projections: str) -> str | None:
+    """What --fold-norms does in an engine with these resolved projections, for the start-up log (None: nothing to
+    say). norms_folded: the model's weights are folded (by this engine, or by another sharing the model)."""
+    if norms_folded and projections == "kernel":
+        return ("norms folded into q/k/v and gate/up: a decode layer runs 6 kernels (the residual adds and the norms "
+                "inside the GEMMs; pallas_kernels/norm_fold.py)")
+    if norms_folded:
+        return ("the model's norm weights are folded into q/k/v and gate/up (by another engine on this model); the "
+                f"steps run the unfused layer on them (--projections resolved to {projections!r}), the same function")
+    if fold_norms:
+        return (f"--fold-norms has no effect: it needs the Pallas projections (--projections resolved to "
+                f"{projections!r})")
+    return None
+
+
+def step_matmul(projections: str, *, interpret: bool, l2_prefetch_mb: float = 0.0,
+                norms_folded: bool = False) -> Matmul | None:
+    """The Matmul a step runs for a resolved --projections value (None: the model's default, XLA's dot).
+    norms_folded: the model's norm weights are folded (--fold-norms); only the kernel path runs the folded layer."""
+    return (DecodeKernelMatmul(interpret=interpret, l2_prefetch_mb=l2_prefetch_mb, norms_folded=norms_folded)
+            if projections == "kernel" else None)
