@@ -119,6 +119,21 @@ def test_safetensors_trailing_bytes_are_refused(ckpt):
         load_model(str(ckpt))
 
 
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_weights_with_nan_or_inf_are_refused_naming_the_tensors(ckpt, dtype):
+    """They loaded silently and every step then produced NaN logits; now the load says which tensors."""
+    tensors = load_file(ckpt / "model.safetensors")
+    a, b = "model.layers.0.mlp.down_proj.weight", "model.norm.weight"
+    tensors[a] = tensors[a].copy()
+    tensors[a].flat[[3, 7]] = np.nan
+    tensors[b] = tensors[b].copy()
+    tensors[b].flat[0] = np.inf
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"2 tensors hold NaN or Inf: .*{a} \(2 values\).*{b} \(1 values\)"
+                                              "|" rf"2 tensors hold NaN or Inf: .*{b} \(1 values\).*{a} \(2 values\)"):
+        load_model(str(ckpt), dtype=dtype)
+
+
 def test_index_that_is_not_an_object(ckpt):
     (ckpt / "model.safetensors.index.json").write_text("[]")  # was an AttributeError
     with pytest.raises(CheckpointError, match=r"model.safetensors.index.json: no 'weight_map' object"):

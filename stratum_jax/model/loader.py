@@ -94,6 +94,7 @@ def load_model(name_or_dir: str, *, dtype: str | None = None, seed: int = 0,
         except ValueError as e:
             raise CheckpointError(f"{cfg_file}: {e}") from e
     params = jax.block_until_ready(load_params(path, cfg, tp))  # blocks only so that the time logged is true
+    check_finite(params, path)
     log.info("loaded %s: tokenizer in %.2f s, %s params (%.2f GB in %s) onto %s in %.2f s", path,
              loaded - start, f"{cfg.num_params:,}", params_nbytes(params) / 1e9, cfg.dtype,
              _where(tp), time.perf_counter() - loaded)
@@ -279,6 +280,24 @@ def _open_safetensors(file: Path) -> SafetensorsFile:
 def params_nbytes(params: Params) -> int:
     """Bytes of all parameters (global arrays: a sharded one counts once, whole)."""
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+
+
+@jax.jit
+def _nonfinite_counts(leaves: list[jax.Array]) -> jax.Array:
+    """[len(leaves)] int32: how many NaN or Inf values each leaf holds (one fused read of each, on its device)."""
+    return jnp.stack([jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in leaves])
+
+
+def check_finite(params: Params, where: Path) -> None:
+    """Raises CheckpointError naming every tensor with NaN or Inf values. The scan runs on the device after loading
+    (the host side stays zero-copy): ~4 ms for 16 GB on an H200."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    counts = np.asarray(_nonfinite_counts([x for _, x in flat]))
+    bad = [(_name(path), int(n)) for (path, _), n in zip(flat, counts, strict=True) if n]
+    if bad:
+        listed = ", ".join(f"{name} ({n:,} values)" for name, n in bad[:8]) + (" ..." if len(bad) > 8 else "")
+        raise CheckpointError(f"{where}: {len(bad)} tensor{'s' if len(bad) > 1 else ''} hold NaN or Inf: {listed}; "
+                              "the checkpoint is corrupt or was saved from a diverged run: re-export it")
 
 
 def _name(key_path) -> str:
