@@ -63,10 +63,11 @@ def with_folded_weights(weights: list[dict]) -> list[dict]:
              "gate_up_folded": fold_norm_weight(w["post_norm"], w["gate_up"])} for w in weights]
 
 
-def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int):
+def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int, cluster_splits: int | None = None):
     """f(x, pending, weights, pools, step) -> (x, None, pools): `l2_prefetch.layers_fn`'s arguments, the layers
     folded (module docstring). The stream enters with `pending` added (one XLA add a call, "other" in the parts) and
-    leaves complete: the last down projection's residual add is in its kernel."""
+    leaves complete: the last down projection's residual add is in its kernel. cluster_splits: o's and down's K split
+    (a cluster's blocks); None: `cluster_k_splits`' choice, as the engine runs it."""
     heads, head_dim, h, i = shape["heads"], shape["head_dim"], shape["hidden"], shape["intermediate"]
     qkv_rows = shape["q_out"] + 2 * shape["kv_out"]
 
@@ -76,7 +77,8 @@ def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int)
         return result
 
     def cluster_config(rows, n, k):     # the engine's tile for the projection, the cluster's own split
-        return dataclasses.replace(need(kernel_config(rows, n, k), f"the {n} x {k} projection"), k_splits=None)
+        return dataclasses.replace(need(kernel_config(rows, n, k), f"the {n} x {k} projection"),
+                                   k_splits=cluster_splits)
 
     def run(x, pending, weights, pools, step: LayerStep):
         rows, tables = x.shape[0], step.tables
@@ -106,9 +108,13 @@ def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int)
     return jax.jit(run, donate_argnums=(3,))
 
 
-def variant_fns(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int) -> dict:
-    return {"unfused": layers_fn(matmul, shape, max_context=max_context),
-            "fold": fold_layers_fn(matmul, shape, max_context=max_context)}
+def variant_fns(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int, cluster_splits=(None,)) -> dict:
+    """{"unfused": ..., "fold": ... (the engine's clusters), "fold_s{S}": ... (o's and down's split forced to S)}."""
+    fns = {"unfused": layers_fn(matmul, shape, max_context=max_context)}
+    for splits in cluster_splits:
+        fns["fold" if splits is None else f"fold_s{splits}"] = fold_layers_fn(matmul, shape, max_context=max_context,
+                                                                              cluster_splits=splits)
+    return fns
 
 
 def dry_run() -> dict:
@@ -142,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--page", type=int, default=32, help="tokens a page (the adaptive rule's size at 768 tokens)")
     ap.add_argument("--rounds", type=int, default=3, help="passes over the two variants (alternating, same clock)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/norm_fold_h200.json"))
+    ap.add_argument("--cluster-splits", default="auto", metavar="LIST",
+                    help="comma-separated fold variants by o's and down's K split: auto (the engine's), 1, 2, 4, 8")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes, correctness only")
     return ap
 
@@ -158,6 +166,11 @@ def main(argv=None) -> dict:
     unknown = [m for m in models if m not in PRESETS]
     if unknown:
         raise SystemExit(f"--models: unknown presets {unknown}; choose from {sorted(PRESETS)}")
+    splits = []
+    for item in a.cluster_splits.split(","):
+        if item not in ("auto", "1", "2", "4", "8"):
+            raise SystemExit(f"--cluster-splits: each item must be auto, 1, 2, 4 or 8, got {item!r}")
+        splits.append(None if item == "auto" else int(item))
     if a.dry_run:
         out = dry_run()
     else:
@@ -169,13 +182,18 @@ def main(argv=None) -> dict:
             weights = with_folded_weights(make_weights(shape, a.layers))
             step, pools = make_pools(shape, a.layers, rows=a.rows, context=a.context, page=a.page)
             x, pending = inputs(shape, a.rows, down_splits(shape, a.rows))
-            fns = variant_fns(DecodeKernelMatmul(), shape, max_context=a.context)
-            runs = {v: [] for v in VARIANTS}
+            fns = variant_fns(DecodeKernelMatmul(), shape, max_context=a.context, cluster_splits=tuple(splits))
+            runs = {v: [] for v in fns}
             for _ in range(a.rounds):
-                for v in VARIANTS:
-                    run, pools = profile_layers(fns[v], (x, pending, weights, pools, step), shape, a.layers)
+                for v in list(fns):
+                    try:
+                        run, pools = profile_layers(fns[v], (x, pending, weights, pools, step), shape, a.layers)
+                    except ValueError as e:       # a forced split the shapes refuse (traced before any donation)
+                        print(f"{model:9s} {v:8s} skipped: {e}", flush=True)
+                        del fns[v], runs[v]
+                        continue
                     runs[v].append(run)
-            for v in VARIANTS:
+            for v in fns:
                 best = min(runs[v], key=lambda r: r["span_us"])
                 delta = float(np.median([r["span_us"] - b["span_us"]
                                          for r, b in zip(runs[v], runs["unfused"], strict=True)]))

@@ -26,9 +26,11 @@ def test_dry_run_computes_the_same_layers(bench, tmp_path):
     assert (tmp_path / "a.json").exists()
 
 
-def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench):
-    """llama-1b, 2 layers, lowered for CUDA on this CPU: the unfused layer launches 8 Mosaic GPU kernels, the folded
-    one 6 (both residual_rmsnorm kernels gone; q/k/v, o, gate/up and down are their fold variants)."""
+@pytest.mark.parametrize("model", ["llama-1b", "llama-8b"])
+def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench, model):
+    """2 layers, lowered for CUDA on this CPU: the unfused layer launches 8 Mosaic GPU kernels, the folded one 6 (both
+    residual_rmsnorm kernels gone; q/k/v, o, gate/up and down are their fold variants), with the engine's cluster
+    split and with --cluster-splits' forced ones (2, 8)."""
     import jax
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))   # gpu_preflight's imports
     try:
@@ -38,7 +40,7 @@ def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench):
     import jax.numpy as jnp
     from stratum_jax.attention import RowTables
     from stratum_jax.model.projection import DecodeKernelMatmul
-    shape, rows, context, layers = bench.layer_shapes("llama-1b"), 64, 640, 2
+    shape, rows, context, layers = bench.layer_shapes(model), 64, 640, 2
     sd = jax.ShapeDtypeStruct
     weights = jax.eval_shape(lambda: bench.with_folded_weights(bench.make_weights(shape, layers)))
     slots = 1 << 16
@@ -49,14 +51,16 @@ def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench):
     x = sd((rows, shape["hidden"]), jnp.bfloat16)
     pending = sd((bench.down_splits(shape, rows), rows, shape["hidden"]), jnp.float32)
     counts = {}
-    for variant, fn in bench.variant_fns(DecodeKernelMatmul(), shape, max_context=context).items():
+    h, i, qkv = shape["hidden"], shape["intermediate"], shape["q_out"] + 2 * shape["kv_out"]
+    fns = bench.variant_fns(DecodeKernelMatmul(), shape, max_context=context, cluster_splits=(None, 2, 8))
+    for variant, fn in fns.items():
         text = fn.trace(x, pending, weights, pools, step).lower(lowering_platforms=("cuda",)).as_text()
         counts[variant] = kernel_calls(text)
-        if variant == "fold":
-            for name in ("decode_matmul_normed_3072x2048", "decode_matmul_residual_2048x2048",
-                         "decode_gated_matmul_normed_8192x2048", "decode_matmul_residual_2048x8192"):
+        if variant.startswith("fold"):
+            for name in (f"decode_matmul_normed_{qkv}x{h}", f"decode_matmul_residual_{h}x{h}",
+                         f"decode_gated_matmul_normed_{i}x{h}", f"decode_matmul_residual_{h}x{i}"):
                 assert name in text
-    assert counts == {"unfused": 8 * layers, "fold": 6 * layers}
+    assert counts == {"unfused": 8 * layers, "fold": 6 * layers, "fold_s2": 6 * layers, "fold_s8": 6 * layers}
 
 
 def test_the_fold_kernels_are_attributed_to_their_parts(bench):
