@@ -12,7 +12,7 @@ case "${STEP:-fold}" in
     echo "tests rc=$?"
     for m in ${MODELS:-llama-1b llama-8b}; do
       timeout ${MODEL_TIMEOUT:-240} python3 benchmarks/norm_fold.py --models $m --layers 8 --rounds ${ROUNDS:-2} \
-        --cluster-splits ${SPLITS:-auto,2,8} ${EXTRA:-} --out $OUT/norm_fold_${m}_s32.json 2>&1 | grep -v Warn | tail -16
+        --cluster-splits ${SPLITS:-auto,2} --exchanges ${EXCHANGES:-dsmem,l2} ${EXTRA:-} --out $OUT/norm_fold_${m}_s32.json 2>&1 | grep -v Warn | tail -16
     done ;;
   ab)
     BASE=self THIS_ARGS="--fold-norms" MODELS="${MODELS:-llama-1b llama-8b}" ROUNDS=${ROUNDS:-2} \

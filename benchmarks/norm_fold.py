@@ -44,7 +44,7 @@ import numpy as np                             # noqa: E402
 from l2_prefetch import (DRY_SHAPE, EPS, LayerStep, inputs, layer_shapes, layers_fn,  # noqa: E402
                          make_pools, make_weights, profile_layers)
 from l2_prefetch import down_splits  # noqa: E402
-from pallas_kernels.norm_fold import (decode_gated_matmul_normed, decode_matmul_partials_sumsq,  # noqa: E402
+from pallas_kernels.norm_fold import (EXCHANGES, decode_gated_matmul_normed, decode_matmul_partials_sumsq,  # noqa: E402
                                       decode_matmul_residual, fold_norm_weight)
 from pallas_kernels.rope_kv_write import RowNorm, rope_kv_write   # noqa: E402
 from pallas_kernels.paged_attention import PAGE_SIZES   # noqa: E402
@@ -63,11 +63,13 @@ def with_folded_weights(weights: list[dict]) -> list[dict]:
              "gate_up_folded": fold_norm_weight(w["post_norm"], w["gate_up"])} for w in weights]
 
 
-def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int, cluster_splits: int | None = None):
+def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int, cluster_splits: int | None = None,
+                   exchange: str = "dsmem"):
     """f(x, pending, weights, pools, step) -> (x, None, pools): `l2_prefetch.layers_fn`'s arguments, the layers
     folded (module docstring). The stream enters with `pending` added (one XLA add a call, "other" in the parts) and
     leaves complete: the last down projection's residual add is in its kernel. cluster_splits: o's and down's K split
-    (a cluster's blocks); None: `cluster_k_splits`' choice, as the engine runs it."""
+    (a cluster's blocks); None: `cluster_k_splits`' choice, as the engine runs it. exchange: how the cluster's
+    blocks read each other's partials (`decode_matmul_residual`)."""
     heads, head_dim, h, i = shape["heads"], shape["head_dim"], shape["hidden"], shape["intermediate"]
     qkv_rows = shape["q_out"] + 2 * shape["kv_out"]
 
@@ -100,20 +102,25 @@ def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int,
             attn = decode_attention(q[:rows], tables.context_lens - 1, tables, k_pool, v_pool, backend="kernel",
                                     interpret=matmul.interpret, max_context=max_context)
             x = decode_matmul_residual(attn.reshape(rows, heads * head_dim), w["o"], x, config=o_config,
-                                       interpret=matmul.interpret)
+                                       exchange=exchange, interpret=matmul.interpret)
             act = decode_gated_matmul_normed(x, w["gate_up_folded"], eps=EPS, config=gate_up_config,
                                              interpret=matmul.interpret)
-            x = decode_matmul_residual(act, w["down"], x, config=down_config, interpret=matmul.interpret)
+            x = decode_matmul_residual(act, w["down"], x, config=down_config, exchange=exchange,
+                                       interpret=matmul.interpret)
         return x, None, new_pools
     return jax.jit(run, donate_argnums=(3,))
 
 
-def variant_fns(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int, cluster_splits=(None,)) -> dict:
-    """{"unfused": ..., "fold": ... (the engine's clusters), "fold_s{S}": ... (o's and down's split forced to S)}."""
+def variant_fns(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int, cluster_splits=(None,),
+                exchanges=("dsmem",)) -> dict:
+    """{"unfused": ..., "fold": ... (the engine's clusters and exchange), "fold[_l2][_s{S}]": ... (the "l2" exchange;
+    o's and down's split forced to S)}."""
     fns = {"unfused": layers_fn(matmul, shape, max_context=max_context)}
-    for splits in cluster_splits:
-        fns["fold" if splits is None else f"fold_s{splits}"] = fold_layers_fn(matmul, shape, max_context=max_context,
-                                                                              cluster_splits=splits)
+    for exchange in exchanges:
+        for splits in cluster_splits:
+            name = "fold" + ("" if exchange == "dsmem" else f"_{exchange}") + ("" if splits is None else f"_s{splits}")
+            fns[name] = fold_layers_fn(matmul, shape, max_context=max_context, cluster_splits=splits,
+                                       exchange=exchange)
     return fns
 
 
@@ -150,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/norm_fold_h200.json"))
     ap.add_argument("--cluster-splits", default="auto", metavar="LIST",
                     help="comma-separated fold variants by o's and down's K split: auto (the engine's), 1, 2, 4, 8")
+    ap.add_argument("--exchanges", default="dsmem", metavar="LIST",
+                    help="comma-separated: how o's and down's cluster blocks exchange partials, dsmem and/or l2")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes, correctness only")
     return ap
 
@@ -171,6 +180,9 @@ def main(argv=None) -> dict:
         if item not in ("auto", "1", "2", "4", "8"):
             raise SystemExit(f"--cluster-splits: each item must be auto, 1, 2, 4 or 8, got {item!r}")
         splits.append(None if item == "auto" else int(item))
+    exchanges = [e for e in a.exchanges.split(",") if e]
+    if not exchanges or any(e not in EXCHANGES for e in exchanges):
+        raise SystemExit(f"--exchanges: each item must be one of {EXCHANGES}, got {a.exchanges!r}")
     if a.dry_run:
         out = dry_run()
     else:
@@ -182,7 +194,8 @@ def main(argv=None) -> dict:
             weights = with_folded_weights(make_weights(shape, a.layers))
             step, pools = make_pools(shape, a.layers, rows=a.rows, context=a.context, page=a.page)
             x, pending = inputs(shape, a.rows, down_splits(shape, a.rows))
-            fns = variant_fns(DecodeKernelMatmul(), shape, max_context=a.context, cluster_splits=tuple(splits))
+            fns = variant_fns(DecodeKernelMatmul(), shape, max_context=a.context, cluster_splits=tuple(splits),
+                              exchanges=tuple(exchanges))
             runs = {v: [] for v in fns}
             for _ in range(a.rounds):
                 for v in list(fns):
@@ -201,7 +214,7 @@ def main(argv=None) -> dict:
                                      layers=a.layers, rounds=runs[v], busy_us=best["busy_us"], span_us=best["span_us"],
                                      parts=best["parts"], span_delta_vs_unfused_us=delta))
                 cells = "  ".join(f"{p} {us:6.2f}" for p, us in best["parts"].items())
-                print(f"{model:9s} {v:8s} busy {best['busy_us']:7.2f} us/layer  span {best['span_us']:7.2f} "
+                print(f"{model:9s} {v:12s} busy {best['busy_us']:7.2f} us/layer  span {best['span_us']:7.2f} "
                       f"({delta:+.2f} vs unfused)  | {cells}", flush=True)
             del weights, pools
         out = dict(benchmark="norm_fold", device=jax.devices()[0].device_kind, jax=jax.__version__,

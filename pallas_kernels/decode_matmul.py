@@ -228,11 +228,11 @@ def _checked_config(x, w, config: TuningConfig | None, out_dtype) -> TuningConfi
 
 
 def _run(x, w, *, out_dtype, config, gated, interpret, partials=False, prefetch_weight=None, prefetch=None,
-         residual=None, row_norm_eps=None, row_sumsq=False):
+         residual=None, row_norm_eps=None, row_sumsq=False, exchange="dsmem"):
     """`_decode_matmul` compiled, or in the Mosaic GPU interpreter (interpret, or inside an active one); the
     static `interpreted` keeps the two traces apart in jit's cache."""
     kwargs = dict(out_dtype=out_dtype, config=config, gated=gated, partials=partials, prefetch=prefetch,
-                  row_norm_eps=row_norm_eps, row_sumsq=row_sumsq)
+                  row_norm_eps=row_norm_eps, row_sumsq=row_sumsq, exchange=exchange)
     if interpret:
         with mosaic_gpu_interpret():
             return _decode_matmul(x, w, prefetch_weight, residual, interpreted=True, **kwargs)
@@ -270,12 +270,13 @@ def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, prefetch_we
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "gated", "interpreted", "partials", "prefetch",
-                                             "row_norm_eps", "row_sumsq"))
+                                             "row_norm_eps", "row_sumsq", "exchange"))
 def _decode_matmul(x, w, prefetch_weight=None, residual=None, *, out_dtype, config, gated=False, interpreted=False,
-                   partials=False, prefetch=None, row_norm_eps=None, row_sumsq=False):
+                   partials=False, prefetch=None, row_norm_eps=None, row_sumsq=False, exchange="dsmem"):
     # `interpreted` only keys the jit cache: interpreted and compiled traces never share an entry. partials: the
     # kernel's [S, R, N] output as it is (`decode_matmul_partials`). prefetch: an L2Prefetch of prefetch_weight.
-    # residual [M, N]: the split-K summed inside the kernel's cluster and added to it (`cluster_residual`).
+    # residual [M, N]: the split-K summed inside the kernel's cluster and added to it (`cluster_residual`), the
+    # partials exchanged through `exchange` ("dsmem": the peers' shared memory; "l2": a global buffer).
     # row_norm_eps: the rows' RMS scale applied in the gated epilogue; row_sumsq (partials): also the rows' sums of
     # squares of x over each split's K range, [S, R] fp32 (pallas_kernels/norm_fold.py).
     del interpreted
@@ -289,11 +290,11 @@ def _decode_matmul(x, w, prefetch_weight=None, residual=None, *, out_dtype, conf
     splits = config.k_splits
     partial_dtype = out_dtype if splits == 1 or residual is not None else jnp.dtype(jnp.float32)
     kernel = _build_kernel(rows=rows, n=n, k=k, out_dtype=partial_dtype, config=config, gated=gated,
-                           prefetch=prefetch, row_norm_eps=row_norm_eps, cluster_residual=residual is not None,
-                           row_sumsq=row_sumsq)
+                           prefetch=prefetch, row_norm_eps=row_norm_eps,
+                           cluster_residual=exchange if residual is not None else None, row_sumsq=row_sumsq)
     if residual is not None:
-        y, _ = kernel(x, w, residual)     # the second output is the kernel's partials exchange buffer
-        return y[:m]
+        y = kernel(x, w, residual)
+        return (y[0] if exchange == "l2" else y)[:m]     # l2: the second output is the exchange buffer
     y = kernel(x, w, *(() if prefetch is None else (prefetch_weight,)))
     if row_sumsq:
         return y          # (partials [S, rows, N], sums of squares [S, rows])
@@ -304,14 +305,15 @@ def _decode_matmul(x, w, prefetch_weight=None, residual=None, *, out_dtype, conf
 
 
 def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, row_norm_eps=None,
-                  cluster_residual=False, row_sumsq=False):
+                  cluster_residual=None, row_sumsq=False):
     """Returns f(x [rows, K], w [N, K]) -> [S, rows, N] partials (S = config.k_splits) in out_dtype; gated:
     f(x, w [2N, K]) -> [1, rows, N], silu(x @ w[:N].T) * (x @ w[N:].T) (`decode_gated_matmul`). prefetch: f takes
     the next weight as a third argument and each CTA prefetches its share of the plan once its tiles are in.
     row_norm_eps (gated only): each product is scaled by its row's rsqrt(mean(x^2) + eps) before the activation,
-    the mean taken over the x tiles the CTA streams anyway (`pallas_kernels/norm_fold.py`). cluster_residual:
-    f(x, w, residual [rows, N]) -> (residual + x @ w.T [rows, N] in out_dtype, the [S, rows, N] fp32 exchange
-    buffer): a column tile's S splits run as one cluster and sum their partials inside the kernel. row_sumsq
+    the mean taken over the x tiles the CTA streams anyway (`pallas_kernels/norm_fold.py`). cluster_residual
+    ("dsmem" or "l2"): f(x, w, residual [rows, N]) -> residual + x @ w.T [rows, N] in out_dtype: a column tile's S
+    splits run as one cluster and sum their partials inside the kernel, read from the peers' shared memory
+    ("dsmem") or through an [S, rows, N] fp32 exchange buffer in global memory ("l2", a second output). row_sumsq
     (plain): f(x, w) -> (partials, [S, rows] fp32 sums of x^2 over each split's K range), the rows' norm statistic
     for the kernel that sums the partials (rope_kv_write's row_norm)."""
     tile_n, splits = config.tile_n, config.k_splits
@@ -327,9 +329,12 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, 
     rows_per_split = rows // splits      # cluster_residual: the rows each split sums and writes
 
     def body(x_gmem, w_gmem, *rest):
-        if cluster_residual:
+        if cluster_residual == "l2":
             residual_gmem, out_gmem, parts_gmem, out_smem, part_smem, res_smem, barriers = rest
             next_weight = []
+        elif cluster_residual:
+            residual_gmem, out_gmem, out_smem, part_smem, res_smem, barriers = rest
+            parts_gmem, next_weight = None, []
         elif row_sumsq:
             out_gmem, sumsq_gmem, out_smem, sumsq_smem = rest
             next_weight = []
@@ -342,6 +347,12 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, 
 
         # The weight rows this CTA streams: its tile_n rows, or (gated) its gate rows and the matching up rows.
         w_rows = [n0, n + n0] if gated else [n0]
+        if cluster_residual:
+            # The residual rows this block will add come in while the GEMM runs: off the epilogue's chain (dsmem:
+            # the whole tile's, see _cluster_sum_and_add).
+            r0 = pl.multiple_of(split * rows_per_split, rows_per_split)
+            res_rows = pl.ds(r0, rows_per_split) if cluster_residual == "l2" else pl.ds(0, rows)
+            plgpu.copy_gmem_to_smem(residual_gmem.at[res_rows, pl.ds(n0, tile_n)], res_smem, barriers[-1])
 
         def accumulate(*acc_refs):
             def step(_, x_tile, *w_tiles_and_carry):
@@ -385,9 +396,9 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, 
         if prefetch is not None:       # this CTA's weight tiles are all in: HBM can start on the next kernel's
             issue_prefetch(next_weight[0], prefetch, cta=split * (n // tile_n) + col, num_ctas=n // tile_n * splits)
         if cluster_residual:
-            _cluster_sum_and_add(accs[0], split, n0, residual_gmem=residual_gmem, out_gmem=out_gmem,
-                                 parts_gmem=parts_gmem, out_smem=out_smem, part_smem=part_smem, res_smem=res_smem,
-                                 barriers=barriers, splits=splits, rows_per_split=rows_per_split, tile_n=tile_n)
+            _cluster_sum_and_add(accs[0], split, n0, out_gmem=out_gmem, parts_gmem=parts_gmem, out_smem=out_smem,
+                                 part_smem=part_smem, res_smem=res_smem, barriers=barriers, splits=splits,
+                                 rows_per_split=rows_per_split, tile_n=tile_n)
             return
         if gated:
             # Each product rounded to the output dtype first, as the unfused path's dot outputs are.
@@ -405,15 +416,21 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, 
     variant = "_residual" if cluster_residual else "_normed" if row_stats else ""
     body.__name__ = body.__qualname__ = f"decode_{'gated_' if gated else ''}matmul{variant}_{n}x{k}"
     if cluster_residual:
+        out = jax.ShapeDtypeStruct((rows, n), out_dtype)
+        out_rows = rows_per_split if cluster_residual == "l2" else rows
+        # barriers: the cluster's, (l2: the S partials' loads,) the residual's load.
+        barriers = (plgpu.ClusterBarrier(collective_axes=("k",), num_arrivals=1),
+                    *((plgpu.Barrier(num_arrivals=splits),) if cluster_residual == "l2" else ()),
+                    plgpu.Barrier(num_arrivals=1))
         return plgpu.kernel(
-            body, out_type=(jax.ShapeDtypeStruct((rows, n), out_dtype),
-                            jax.ShapeDtypeStruct((splits, rows, n), jnp.float32)),
+            body, out_type=(out, jax.ShapeDtypeStruct((splits, rows, n), jnp.float32)) if cluster_residual == "l2"
+            else out,
             grid=(n // tile_n,), grid_names=("n",), cluster=(splits,), cluster_names=("k",),
-            scratch_types=[plgpu.SMEM((rows_per_split, tile_n), out_dtype),
+            # out, partial, residual (dsmem: the whole tile's out and residual, _cluster_sum_and_add), barriers
+            scratch_types=[plgpu.SMEM((out_rows, tile_n), out_dtype),
                            plgpu.SMEM((rows, tile_n), jnp.float32),
-                           plgpu.SMEM((rows_per_split, tile_n), out_dtype),
-                           (plgpu.ClusterBarrier(collective_axes=("k",), num_arrivals=1),
-                            plgpu.Barrier(num_arrivals=splits + 1))])
+                           plgpu.SMEM((out_rows, tile_n), out_dtype),
+                           barriers])
     if row_sumsq:
         return plgpu.kernel(
             body, out_type=(jax.ShapeDtypeStruct((splits, rows, n), out_dtype),
@@ -425,50 +442,90 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, 
         grid_names=("n", "k"), scratch_types=[plgpu.SMEM((rows, tile_n), out_dtype)])
 
 
-def _cluster_sum_and_add(acc, split, n0, *, residual_gmem, out_gmem, parts_gmem, out_smem, part_smem, res_smem,
-                         barriers, splits, rows_per_split, tile_n):
+def _cluster_sum_and_add(acc, split, n0, *, out_gmem, parts_gmem, out_smem, part_smem, res_smem, barriers, splits,
+                         rows_per_split, tile_n):
     """The split-K sum inside a cluster, then the residual add (inside `_build_kernel`'s body, cluster_residual).
 
-    Each of the column tile's S CTAs writes its fp32 partial [rows, tile_n] to the exchange buffer (L2), the cluster
-    waits on a cluster barrier, and CTA s then sums rows [s * rows / S, +rows / S) of all S partials in split order,
-    rounds the sum to the output dtype, adds the residual's rows and stores them: the same values as summing
-    `decode_matmul_partials` with `sum_partials` and adding the residual, with no separate kernel for the sum."""
-    cluster_barrier, load_barrier = barriers
-    part_smem[...] = acc
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(part_smem, parts_gmem.at[split, :, pl.ds(n0, tile_n)])
-    plgpu.wait_smem_to_gmem(0)
-    _fence_for_peers()
-    plgpu.barrier_arrive(cluster_barrier)
-    plgpu.barrier_wait(cluster_barrier)
-    _fence_for_peers()
+    Each of the column tile's S blocks holds its fp32 partial [rows, tile_n]; after a cluster barrier the partials are
+    summed in split order, the sum rounded to the output dtype and added to the residual's rows (loaded while the GEMM
+    ran), and block s stores rows [s * rows / S, +rows / S): the same values as summing `decode_matmul_partials` with
+    `sum_partials` and adding the residual, with no separate kernel for the sum. The exchange:
+    - "dsmem" (parts_gmem None): every block reads all S partials from the peers' shared memory and sums the whole
+      tile (S times the reads a row split needs, but jax 0.11.2 lowers a peer's shared memory only unsliced); a
+      second cluster barrier keeps every block, and its shared memory, alive until its peers have read it.
+    - "l2": through the global exchange buffer parts_gmem (TMA stores, the barrier, TMA loads of this block's rows).
+    """
+    cluster_barrier, *load_barrier, res_barrier = barriers
     r0 = pl.multiple_of(split * rows_per_split, rows_per_split)
-    # part_smem is free again (its store has completed): it takes the S partials' slices of this CTA's rows.
-    for s in range(splits):
-        plgpu.copy_gmem_to_smem(parts_gmem.at[s, pl.ds(r0, rows_per_split), pl.ds(n0, tile_n)],
-                                part_smem.at[pl.ds(s * rows_per_split, rows_per_split)], load_barrier)
-    plgpu.copy_gmem_to_smem(residual_gmem.at[pl.ds(r0, rows_per_split), pl.ds(n0, tile_n)], res_smem, load_barrier)
-    plgpu.barrier_wait(load_barrier)
-    y = part_smem[pl.ds(0, rows_per_split)]
-    for s in range(1, splits):
-        y = y + part_smem[pl.ds(s * rows_per_split, rows_per_split)]
-    dtype = out_smem.dtype
-    out_smem[...] = (res_smem[...].astype(jnp.float32) + y.astype(dtype).astype(jnp.float32)).astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(r0, rows_per_split), pl.ds(n0, tile_n)])
+    part_smem[...] = acc
+    plgpu.commit_smem()          # every thread's writes done (a warpgroup barrier) before the one arriving thread
+    if parts_gmem is None:
+        _fence_for_peers(async_proxy=False)
+        plgpu.barrier_arrive(cluster_barrier)
+        plgpu.barrier_wait(cluster_barrier)
+        _fence_for_peers(async_proxy=False)
+        # A plain strided register layout for the whole tile (none is inferred for the peers' reads).
+        strided = plgpu.Layout.WG_STRIDED(part_smem.shape, 4)
+        if interpret_mode_active():
+            # jax 0.11.2's interpreter has no peer shared memory (cluster_ref): one block a cluster reads its own.
+            if splits != 1:
+                raise NotImplementedError("the Mosaic GPU interpreter cannot read a peer's shared memory: interpret "
+                                          "decode_matmul_residual with k_splits=1 or exchange='l2'")
+            y = plgpu.load(part_smem, (), layout=strided)
+        else:
+            y = plgpu.load(plgpu.cluster_ref(part_smem, {"k": 0}), (), layout=strided)
+            for s in range(1, splits):
+                y = y + plgpu.load(plgpu.cluster_ref(part_smem, {"k": s}), (), layout=strided)
+        _add_and_store(y, res_smem, res_barrier, out_smem, strided)
+        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(r0, rows_per_split)],
+                                out_gmem.at[pl.ds(r0, rows_per_split), pl.ds(n0, tile_n)])
+        # No block may leave (and free its shared memory) before every peer has read it.
+        _fence_for_peers(async_proxy=False)
+        plgpu.barrier_arrive(cluster_barrier)
+        plgpu.barrier_wait(cluster_barrier)
+    else:
+        plgpu.copy_smem_to_gmem(part_smem, parts_gmem.at[split, :, pl.ds(n0, tile_n)])
+        plgpu.wait_smem_to_gmem(0)
+        _fence_for_peers()
+        plgpu.barrier_arrive(cluster_barrier)
+        plgpu.barrier_wait(cluster_barrier)
+        _fence_for_peers()
+        # part_smem is free again (its store has completed): it takes the S partials' slices of this block's rows.
+        for s in range(splits):
+            plgpu.copy_gmem_to_smem(parts_gmem.at[s, pl.ds(r0, rows_per_split), pl.ds(n0, tile_n)],
+                                    part_smem.at[pl.ds(s * rows_per_split, rows_per_split)], load_barrier[0])
+        plgpu.barrier_wait(load_barrier[0])
+        y = part_smem[pl.ds(0, rows_per_split)]
+        for s in range(1, splits):
+            y = y + part_smem[pl.ds(s * rows_per_split, rows_per_split)]
+        _add_and_store(y, res_smem, res_barrier, out_smem)
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(r0, rows_per_split), pl.ds(n0, tile_n)])
     plgpu.wait_smem_to_gmem(0)
 
 
-def _fence_for_peers():
-    """On the GPU: order this CTA's completed TMA stores of the exchange buffer before the cluster barrier, and the
-    barrier before the TMA loads of its peers' stores (async proxy <-> generic proxy, at cluster scope). The
-    interpreter runs each copy to completion in program order, so it needs (and has) no fence."""
+def _add_and_store(y, res_smem, res_barrier, out_smem, layout=None):
+    """out_smem = the residual's rows (res_smem, once its load is in) + y (the summed fp32 partials) rounded to the
+    output dtype first, then the add rounded: the unfused path's two roundings. Ends with a warpgroup barrier, after
+    which every thread's reads of y's sources are done. layout: y's (and the residual's load's), where given."""
+    plgpu.barrier_wait(res_barrier)
+    dtype = out_smem.dtype
+    res = res_smem[...] if layout is None else plgpu.load(res_smem, (), layout=layout)
+    out_smem[...] = (res.astype(jnp.float32) + y.astype(dtype).astype(jnp.float32)).astype(dtype)
+    plgpu.commit_smem()
+
+
+def _fence_for_peers(async_proxy: bool = True):
+    """On the GPU: order this block's writes of its partial before the cluster barrier, and the barrier before its
+    reads of its peers' partials, at cluster scope (the barrier's arrive and wait order only the block's own
+    accesses). async_proxy: the writes and reads are TMA copies of the global exchange buffer ("l2"), so the
+    generic and async proxies are ordered too. The interpreter runs each access to completion in program order, so
+    it needs (and has) no fence."""
     if interpret_mode_active():
         return
+    asm = ("fence.proxy.async.global;\n\t" if async_proxy else "") + "fence.acq_rel.cluster;"
 
     @plgpu.inline_mgpu()
     def fence(_):
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;\n\tfence.acq_rel.cluster;", "",
-                        has_side_effects=True)
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], asm, "", has_side_effects=True)
 
     fence()

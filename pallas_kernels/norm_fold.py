@@ -76,7 +76,11 @@ def decode_matmul_residual_reference(x, w, residual):
     return residual + dm.decode_matmul_reference(x, w, out_dtype=residual.dtype)
 
 
-def decode_matmul_residual(x, w, residual, *, config: TuningConfig | None = None, interpret: bool = False):
+EXCHANGES = ("dsmem", "l2")
+
+
+def decode_matmul_residual(x, w, residual, *, config: TuningConfig | None = None, exchange: str = "dsmem",
+                           interpret: bool = False):
     """residual + x @ w.T for a decode step's rows, its split-K summed inside the kernel (module docstring).
 
     Args:
@@ -85,10 +89,14 @@ def decode_matmul_residual(x, w, residual, *, config: TuningConfig | None = None
       residual: [M, N] bf16, the residual stream the product is added to.
       config: TuningConfig; k_splits None picks `cluster_k_splits`; a given split must be 1, 2, 4 or 8 and divide
         the padded rows and the K tiles.
+      exchange: how a cluster's blocks read each other's fp32 partials: "dsmem" (from the peers' shared memory) or
+        "l2" (through a global buffer: TMA stores, then loads); the same values either way.
       interpret: run in the Mosaic GPU interpreter on CPU (tests).
     Returns the new residual stream [M, N] bf16: `decode_matmul_residual_reference`'s values.
     """
     config = config or TuningConfig()
+    if exchange not in EXCHANGES:
+        raise ValueError(f"decode_matmul_residual: exchange must be one of {EXCHANGES}, got {exchange!r}")
     dm.check_inputs(x, w, dataclasses.replace(config, k_splits=None))     # shapes and dtypes; the split below
     m, k = x.shape
     n = w.shape[0]
@@ -102,18 +110,19 @@ def decode_matmul_residual(x, w, residual, *, config: TuningConfig | None = None
                          f"rows / k_splits of the {rows} padded rows), got {splits}")
     config = dataclasses.replace(config, k_splits=splits)
     dm.check_inputs(x, w, config)
-    problem = residual_resource_problem(rows, k, config)
+    problem = residual_resource_problem(rows, k, config, exchange)
     if problem:
         raise ValueError(f"decode_matmul_residual: {problem}")
     return dm._run(x, w, out_dtype=jnp.dtype(x.dtype), config=config, gated=False, interpret=interpret,
-                   residual=residual)
+                   residual=residual, exchange=exchange)
 
 
-def residual_resource_problem(rows: int, k: int, config: TuningConfig) -> str | None:
+def residual_resource_problem(rows: int, k: int, config: TuningConfig, exchange: str = "dsmem") -> str | None:
     """What to lower when a `decode_matmul_residual` CTA would need more SMEM or registers than the GPU gives:
-    the plain kernel's ring and fp32 tile, plus the residual's and the output's [rows / S, tile_n] bf16 slices."""
+    the plain kernel's ring and fp32 tile, plus the residual's and the output's bf16 tiles ([rows, tile_n] with the
+    "dsmem" exchange, [rows / S, tile_n] with "l2")."""
     smem, regs = dm.cta_resources(rows, k, config, out_itemsize=4)
-    smem += 2 * (rows // config.k_splits) * config.tile_n * 2
+    smem += 2 * (rows if exchange == "dsmem" else rows // config.k_splits) * config.tile_n * 2
     if smem > dm._SMEM_LIMIT:
         return (f"{rows} rows with {config} need {smem // 1024} KB of SMEM a CTA (at most {dm._SMEM_LIMIT // 1024}): "
                 "lower num_stages or tile_n")

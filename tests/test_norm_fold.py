@@ -40,19 +40,34 @@ CLUSTER_HANGS = pytest.mark.skip(reason="the GPU interpreter deadlocks intermitt
     (64, 192, 256, TuningConfig(tile_n=96, num_stages=2, k_splits=1)),     # no split: a cluster of one
     (5, 64, 512, TuningConfig(tile_n=64, num_stages=2, k_splits=1)),       # few rows (padded to 64)
 ])
-def test_the_residual_kernel_is_the_unfused_sum_and_add_bit_for_bit(m, n, k, config):
+@pytest.mark.parametrize("exchange", ["dsmem", "l2"])
+def test_the_residual_kernel_is_the_unfused_sum_and_add_bit_for_bit(m, n, k, config, exchange):
     """The split-K sum in split order in fp32, rounded, then the bf16 add: exactly `decode_matmul_partials` summed
-    by `sum_partials` and added, as the unfused path (residual_rmsnorm's x) computes it."""
+    by `sum_partials` and added, as the unfused path (residual_rmsnorm's x) computes it. (The interpreter reads no
+    peer's shared memory: the multi-block "dsmem" cases run on the GPU only.)"""
+    if exchange == "dsmem" and config.k_splits != 1:
+        pytest.skip("the interpreter has no peer shared memory (cluster_ref)")
     x, w, residual = _operands(m, n, k)
-    got = decode_matmul_residual(x, w, residual, config=config, interpret=True)
+    got = decode_matmul_residual(x, w, residual, config=config, exchange=exchange, interpret=True)
     assert got.shape == (m, n) and got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got), np.asarray(decode_matmul_residual_reference(x, w, residual)))
     # Every split and every row share is summed: a changed K range or residual row changes the output.
-    tail = decode_matmul_residual(x.at[:, -64:].set(0), w, residual, config=config, interpret=True)
+    tail = decode_matmul_residual(x.at[:, -64:].set(0), w, residual, config=config, exchange=exchange,
+                                  interpret=True)
     assert (np.asarray(tail) != np.asarray(got)).mean() > 0.5
-    last_row = decode_matmul_residual(x, w, residual.at[m - 1].add(1.0), config=config, interpret=True)
+    last_row = decode_matmul_residual(x, w, residual.at[m - 1].add(1.0), config=config, exchange=exchange,
+                                      interpret=True)
     assert not np.array_equal(np.asarray(last_row[m - 1]), np.asarray(got[m - 1]))
     np.testing.assert_array_equal(np.asarray(last_row[:m - 1]), np.asarray(got[:m - 1]))
+
+
+def test_the_interpreter_refuses_a_peer_shared_memory_exchange_saying_what_to_use():
+    x, w, residual = _operands(64, 128, 512)
+    with pytest.raises(NotImplementedError, match="k_splits=1 or exchange='l2'"):
+        decode_matmul_residual(x, w, residual, config=TuningConfig(tile_n=64, num_stages=2, k_splits=2),
+                               interpret=True)
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        decode_matmul_residual(x, w, residual, exchange="nvlink", interpret=True)
 
 
 def test_the_residual_kernel_equals_the_unfused_boundarys_stream():
@@ -161,16 +176,19 @@ _LLAMA_SHAPES = [("1b o", 2048, 2048), ("1b down", 2048, 8192), ("8b o", 4096, 4
 
 
 @pytest.mark.parametrize("name,n,k", _LLAMA_SHAPES)
-def test_the_residual_kernel_lowers_to_mosaic_gpu_at_llama_shapes(name, n, k):
+@pytest.mark.parametrize("exchange", ["dsmem", "l2"])
+def test_the_residual_kernel_lowers_to_mosaic_gpu_at_llama_shapes(name, n, k, exchange):
     """The engine's tile for each projection (projection.kernel_config) with the cluster split, lowered for CUDA on
-    this CPU: Mosaic GPU's passes run, and the module holds the cluster and the peer fences."""
+    this CPU: Mosaic GPU's passes run, and the module holds the peer fences (the async proxy's only with "l2")."""
     from stratum_jax.model.projection import kernel_config
     tile_n = kernel_config(64, n, k).tile_n
-    fn = jax.jit(lambda x, w, r: decode_matmul_residual(x, w, r, config=TuningConfig(tile_n=tile_n)))
+    fn = jax.jit(lambda x, w, r: decode_matmul_residual(x, w, r, config=TuningConfig(tile_n=tile_n),
+                                                        exchange=exchange))
     text = fn.trace(jax.ShapeDtypeStruct((64, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.bfloat16),
                     jax.ShapeDtypeStruct((64, n), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
     assert f"decode_matmul_residual_{n}x{k}_mosaic_gpu" in text
-    assert "fence.acq_rel.cluster" in text and "fence.proxy.async.global" in text
+    assert "fence.acq_rel.cluster" in text
+    assert ("fence.proxy.async.global" in text) == (exchange == "l2")
 
 
 @pytest.mark.parametrize("i,k", [(8192, 2048), (14336, 4096)])
@@ -261,19 +279,24 @@ def test_the_folded_qkv_and_its_rope_kv_write_lower_to_mosaic_gpu(model):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("name,n,k", _LLAMA_SHAPES)
 def test_gpu_residual_kernel_is_the_unfused_sum_every_time(name, n, k):
-    """The compiled cluster kernel at llama shapes against the partials summed on the host's order: bit for bit, 20
-    calls in a row (a missing fence between a CTA's partial store and its peers' loads shows as a stale or NaN row
-    now and then, not every time)."""
+    """The compiled cluster kernel at llama shapes, both exchanges, 20 calls each: within a bf16 rounding of XLA's
+    GEMM, and the two exchanges bit for bit equal to each other and to their first call every time (a missing
+    fence or barrier between a block's partial and its peers' reads shows as a stale or NaN row now and then)."""
     from stratum_jax.model.projection import kernel_config
     x, w, residual = _operands(64, n, k, seed=11)
     want = np.asarray(jax.jit(decode_matmul_residual_reference)(x, w, residual), np.float32)
-    fn = jax.jit(lambda x, w, r: decode_matmul_residual(x, w, r,
-                                                        config=TuningConfig(tile_n=kernel_config(64, n, k).tile_n)))
-    for call in range(20):
-        got = np.asarray(fn(x, w, residual), np.float32)
-        diff = np.abs(got - want)
-        # The reference is XLA's GEMM (another summation order): equal up to one bf16 rounding of the product.
-        assert np.isfinite(got).all() and diff.max() <= 2.0 ** -6 * max(1.0, np.abs(want).max()), (call, diff.max())
+    config = TuningConfig(tile_n=kernel_config(64, n, k).tile_n)
+    first = None
+    for exchange in ("dsmem", "l2"):
+        fn = jax.jit(lambda x, w, r, e=exchange: decode_matmul_residual(x, w, r, config=config, exchange=e))
+        for call in range(20):
+            got = np.asarray(fn(x, w, residual), np.float32)
+            diff = np.abs(got - want)
+            # The reference is XLA's GEMM (another summation order): equal up to one bf16 rounding of the product.
+            assert np.isfinite(got).all() and diff.max() <= 2.0 ** -6 * max(1.0, np.abs(want).max()), (
+                exchange, call, diff.max())
+            first = got if first is None else first
+            np.testing.assert_array_equal(got, first, err_msg=f"{exchange} call {call}")
 
 
 @pytest.mark.gpu
