@@ -11,8 +11,9 @@ case "${STEP:-fold}" in
     timeout ${TEST_TIMEOUT:-180} python3 -m pytest -q -p no:randomly -m gpu tests/test_norm_fold.py 2>&1 | tail -6
     echo "tests rc=$?"
     for m in ${MODELS:-llama-1b llama-8b}; do
+      tile=$([ $m = llama-1b ] && echo 32 || echo 64)     # split 2 on these tiles: 128 CTAs in clusters of 2
       timeout ${MODEL_TIMEOUT:-240} python3 benchmarks/norm_fold.py --models $m --layers 8 --rounds ${ROUNDS:-2} \
-        --cluster-splits ${SPLITS:-auto,2} --exchanges ${EXCHANGES:-dsmem,l2} ${EXTRA:-} --out $OUT/norm_fold_${m}_s32.json 2>&1 | grep -v Warn | tail -16
+        --cluster-splits ${SPLITS:-auto,2x$tile} --exchanges ${EXCHANGES:-dsmem,l2} ${EXTRA:-} --out $OUT/norm_fold_${m}_${TAG:-s32}.json 2>&1 | grep -v Warn | tail -16
     done ;;
   ab)
     BASE=self THIS_ARGS="--fold-norms" MODELS="${MODELS:-llama-1b llama-8b}" ROUNDS=${ROUNDS:-2} \

@@ -64,11 +64,13 @@ def with_folded_weights(weights: list[dict]) -> list[dict]:
 
 
 def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int, cluster_splits: int | None = None,
+                   cluster_tile: int | None = None,
                    exchange: str = "dsmem"):
     """f(x, pending, weights, pools, step) -> (x, None, pools): `l2_prefetch.layers_fn`'s arguments, the layers
     folded (module docstring). The stream enters with `pending` added (one XLA add a call, "other" in the parts) and
     leaves complete: the last down projection's residual add is in its kernel. cluster_splits: o's and down's K split
-    (a cluster's blocks); None: `cluster_k_splits`' choice, as the engine runs it. exchange: how the cluster's
+    (a cluster's blocks); None: `cluster_k_splits`' choice, as the engine runs it. cluster_tile: their column tile
+    (None: the engine's, `kernel_config`). exchange: how the cluster's
     blocks read each other's partials (`decode_matmul_residual`)."""
     heads, head_dim, h, i = shape["heads"], shape["head_dim"], shape["hidden"], shape["intermediate"]
     qkv_rows = shape["q_out"] + 2 * shape["kv_out"]
@@ -79,8 +81,8 @@ def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int,
         return result
 
     def cluster_config(rows, n, k):     # the engine's tile for the projection, the cluster's own split
-        return dataclasses.replace(need(kernel_config(rows, n, k), f"the {n} x {k} projection"),
-                                   k_splits=cluster_splits)
+        config = need(kernel_config(rows, n, k), f"the {n} x {k} projection")
+        return dataclasses.replace(config, k_splits=cluster_splits, tile_n=cluster_tile or config.tile_n)
 
     def run(x, pending, weights, pools, step: LayerStep):
         rows, tables = x.shape[0], step.tables
@@ -117,10 +119,12 @@ def variant_fns(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int, cl
     o's and down's split forced to S)}."""
     fns = {"unfused": layers_fn(matmul, shape, max_context=max_context)}
     for exchange in exchanges:
-        for splits in cluster_splits:
-            name = "fold" + ("" if exchange == "dsmem" else f"_{exchange}") + ("" if splits is None else f"_s{splits}")
+        for item in cluster_splits:
+            splits, tile = item if isinstance(item, tuple) else (item, None)
+            name = ("fold" + ("" if exchange == "dsmem" else f"_{exchange}") + ("" if splits is None else f"_s{splits}")
+                    + ("" if tile is None else f"x{tile}"))
             fns[name] = fold_layers_fn(matmul, shape, max_context=max_context, cluster_splits=splits,
-                                       exchange=exchange)
+                                       cluster_tile=tile, exchange=exchange)
     return fns
 
 
@@ -156,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=3, help="passes over the two variants (alternating, same clock)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/norm_fold_h200.json"))
     ap.add_argument("--cluster-splits", default="auto", metavar="LIST",
-                    help="comma-separated fold variants by o's and down's K split: auto (the engine's), 1, 2, 4, 8")
+                    help="comma-separated fold variants by o's and down's K split: auto (the engine's), 1, 2, 4, 8, "
+                         "each optionally with a column tile: 2x32")
     ap.add_argument("--exchanges", default="dsmem", metavar="LIST",
                     help="comma-separated: how o's and down's cluster blocks exchange partials, dsmem and/or l2")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes, correctness only")
@@ -177,9 +182,12 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--models: unknown presets {unknown}; choose from {sorted(PRESETS)}")
     splits = []
     for item in a.cluster_splits.split(","):
-        if item not in ("auto", "1", "2", "4", "8"):
-            raise SystemExit(f"--cluster-splits: each item must be auto, 1, 2, 4 or 8, got {item!r}")
-        splits.append(None if item == "auto" else int(item))
+        split, _, tile = item.partition("x")
+        if split not in ("auto", "1", "2", "4", "8") or (tile and (not tile.isdigit() or int(tile) % 8)):
+            raise SystemExit(f"--cluster-splits: each item must be auto, 1, 2, 4 or 8, optionally with a column tile "
+                             f"(2x32: split 2, 32-column tiles), got {item!r}")
+        base = None if split == "auto" else int(split)
+        splits.append((base, int(tile)) if tile else base)
     exchanges = [e for e in a.exchanges.split(",") if e]
     if not exchanges or any(e not in EXCHANGES for e in exchanges):
         raise SystemExit(f"--exchanges: each item must be one of {EXCHANGES}, got {a.exchanges!r}")

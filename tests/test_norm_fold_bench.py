@@ -30,7 +30,7 @@ def test_dry_run_computes_the_same_layers(bench, tmp_path):
 def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench, model):
     """2 layers, lowered for CUDA on this CPU: the unfused layer launches 8 Mosaic GPU kernels, the folded one 6 (both
     residual_rmsnorm kernels gone; q/k/v, o, gate/up and down are their fold variants), with the engine's cluster
-    split and with --cluster-splits' forced ones (2, 8), each with both exchanges (dsmem, l2)."""
+    split and with --cluster-splits' forced ones (2, 8, 2 on tiles of H / 64 columns), each with both exchanges."""
     import jax
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))   # gpu_preflight's imports
     try:
@@ -52,8 +52,8 @@ def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench, model):
     pending = sd((bench.down_splits(shape, rows), rows, shape["hidden"]), jnp.float32)
     counts = {}
     h, i, qkv = shape["hidden"], shape["intermediate"], shape["q_out"] + 2 * shape["kv_out"]
-    fns = bench.variant_fns(DecodeKernelMatmul(), shape, max_context=context, cluster_splits=(None, 2, 8),
-                            exchanges=("dsmem", "l2"))
+    fns = bench.variant_fns(DecodeKernelMatmul(), shape, max_context=context,
+                            cluster_splits=(None, 2, 8, (2, h // 64)), exchanges=("dsmem", "l2"))
     for variant, fn in fns.items():
         text = fn.trace(x, pending, weights, pools, step).lower(lowering_platforms=("cuda",)).as_text()
         counts[variant] = kernel_calls(text)
@@ -62,7 +62,7 @@ def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench, model):
                          f"decode_gated_matmul_normed_{i}x{h}", f"decode_matmul_residual_{h}x{i}"):
                 assert name in text
     assert counts == {"unfused": 8 * layers, **{f"fold{e}{s}": 6 * layers for e in ("", "_l2")
-                                                 for s in ("", "_s2", "_s8")}}
+                                                 for s in ("", "_s2", "_s8", f"_s2x{h // 64}")}}
 
 
 def test_the_fold_kernels_are_attributed_to_their_parts(bench):
