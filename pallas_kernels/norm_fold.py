@@ -7,9 +7,10 @@ the H200, mostly ramp and drain; the step's time over its byte floor is mostly s
 (benchmarks/KERNEL_NOTES.md, "The 1b step over its byte floor"). This module removes their work from the chain:
 
 - **The residual add moves into the GEMM before it** (`decode_matmul_residual`, for o and down): the projection's K
-  splits run as one thread-block cluster; each CTA writes its fp32 partial to an exchange buffer in L2, the cluster
-  waits on a cluster barrier, and each CTA sums its share of the rows over the splits, rounds, adds the residual and
-  writes the new residual stream x. No [S, R, H] partials leave the kernel for another launch to sum.
+  splits run as one thread-block cluster; after a cluster barrier each CTA reads the splits' fp32 partials from its
+  peers' shared memory ("dsmem") or through an exchange buffer in L2 ("l2"), sums them in split order, rounds, adds
+  the residual and writes its share of the rows of the new residual stream x. No [S, R, H] partials leave the
+  kernel for another launch to sum.
 - **The norm moves into the GEMM after it**: rms_norm(x) * g @ W.T equals rsqrt(mean(x^2) + eps) * (x @ (W * g).T)
   row by row, so the norm weight g is folded into the next projection's weight once at load (`fold_norm_weight`),
   and the row's scale, a per-row statistic of x, is taken from the x tiles the GEMM streams anyway (every CTA reads
@@ -30,9 +31,11 @@ Testing: jax 0.11.2's GPU interpreter deadlocks now and then on a cluster barrie
 on a 2-core machine), so CI interprets `decode_matmul_residual` only with one block a cluster; the multi-block
 cluster is checked by lowering for CUDA on CPU, and on the GPU by `tests/test_norm_fold.py -m gpu`.
 
-Status (2026-12-05): built and wired into the engine behind --fold-norms (model/fused.py `fold_norms`, llama.DecoderLayer's
-folded path; off by default); not yet timed (`benchmarks/norm_fold.py` is the A/B of the
-folded layer against the unfused one, for the H200).
+Status (2026-12-05): wired into the engine behind --fold-norms (model/fused.py `fold_norms`, llama.DecoderLayer's
+folded path), off: on the H200 the folded layer with the L2 exchange was 12 us a layer slower than the unfused one,
+o's and down's clustered GEMMs taking about twice the split-K GEMM's time (BENCHMARKS.md #18 session 32). The peer
+shared memory exchange ("dsmem", the default since) is lowered for CUDA but not yet timed (`benchmarks/norm_fold.py
+--exchanges dsmem,l2`).
 """
 from __future__ import annotations
 
