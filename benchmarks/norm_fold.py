@@ -32,6 +32,7 @@ import dataclasses
 import datetime
 import json
 import pathlib
+import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -64,14 +65,15 @@ def with_folded_weights(weights: list[dict]) -> list[dict]:
 
 
 def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int, cluster_splits: int | None = None,
-                   cluster_tile: int | None = None,
-                   exchange: str = "dsmem"):
+                   cluster_tile: int | None = None, cluster_stages: int | None = None,
+                   exchange: str = "l2"):
     """f(x, pending, weights, pools, step) -> (x, None, pools): `l2_prefetch.layers_fn`'s arguments, the layers
     folded (module docstring). The stream enters with `pending` added (one XLA add a call, "other" in the parts) and
     leaves complete: the last down projection's residual add is in its kernel. cluster_splits: o's and down's K split
     (a cluster's blocks); None: `cluster_k_splits`' choice, as the engine runs it. cluster_tile: their column tile
-    (None: the engine's, `kernel_config`). exchange: how the cluster's
-    blocks read each other's partials (`decode_matmul_residual`)."""
+    (None: the engine's, `kernel_config`). cluster_stages: their ring depth (None: the engine's; fewer stages let two
+    CTAs share an SM, so a grid of clusters fits the GPCs in one wave). exchange: how the cluster's blocks read each
+    other's partials (`decode_matmul_residual`)."""
     heads, head_dim, h, i = shape["heads"], shape["head_dim"], shape["hidden"], shape["intermediate"]
     qkv_rows = shape["q_out"] + 2 * shape["kv_out"]
 
@@ -82,7 +84,8 @@ def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int,
 
     def cluster_config(rows, n, k):     # the engine's tile for the projection, the cluster's own split
         config = need(kernel_config(rows, n, k), f"the {n} x {k} projection")
-        return dataclasses.replace(config, k_splits=cluster_splits, tile_n=cluster_tile or config.tile_n)
+        return dataclasses.replace(config, k_splits=cluster_splits, tile_n=cluster_tile or config.tile_n,
+                                   num_stages=cluster_stages or config.num_stages)
 
     def run(x, pending, weights, pools, step: LayerStep):
         rows, tables = x.shape[0], step.tables
@@ -114,17 +117,17 @@ def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int,
 
 
 def variant_fns(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int, cluster_splits=(None,),
-                exchanges=("dsmem",)) -> dict:
-    """{"unfused": ..., "fold": ... (the engine's clusters and exchange), "fold[_l2][_s{S}]": ... (the "l2" exchange;
-    o's and down's split forced to S)}."""
+                exchanges=("l2",)) -> dict:
+    """{"unfused": ..., "fold": ... (the engine's clusters, the "l2" exchange), "fold[_dsmem][_s{S}[x{T}]][_st{D}]":
+    ... (the "dsmem" exchange; o's and down's split forced to S, their column tile to T, their ring depth to D)}."""
     fns = {"unfused": layers_fn(matmul, shape, max_context=max_context)}
     for exchange in exchanges:
         for item in cluster_splits:
-            splits, tile = item if isinstance(item, tuple) else (item, None)
-            name = ("fold" + ("" if exchange == "dsmem" else f"_{exchange}") + ("" if splits is None else f"_s{splits}")
-                    + ("" if tile is None else f"x{tile}"))
+            splits, tile, stages = (*item, None, None)[:3] if isinstance(item, tuple) else (item, None, None)
+            name = ("fold" + ("" if exchange == "l2" else f"_{exchange}") + ("" if splits is None else f"_s{splits}")
+                    + ("" if tile is None else f"x{tile}") + ("" if stages is None else f"_st{stages}"))
             fns[name] = fold_layers_fn(matmul, shape, max_context=max_context, cluster_splits=splits,
-                                       cluster_tile=tile, exchange=exchange)
+                                       cluster_tile=tile, cluster_stages=stages, exchange=exchange)
     return fns
 
 
@@ -161,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/norm_fold_h200.json"))
     ap.add_argument("--cluster-splits", default="auto", metavar="LIST",
                     help="comma-separated fold variants by o's and down's K split: auto (the engine's), 1, 2, 4, 8, "
-                         "each optionally with a column tile: 2x32")
-    ap.add_argument("--exchanges", default="dsmem", metavar="LIST",
+                         "each optionally with a column tile and a ring depth: 2x32, 4x64:4, auto:3")
+    ap.add_argument("--exchanges", default="l2", metavar="LIST",
                     help="comma-separated: how o's and down's cluster blocks exchange partials, dsmem and/or l2")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes, correctness only")
     return ap
@@ -182,12 +185,14 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--models: unknown presets {unknown}; choose from {sorted(PRESETS)}")
     splits = []
     for item in a.cluster_splits.split(","):
-        split, _, tile = item.partition("x")
-        if split not in ("auto", "1", "2", "4", "8") or (tile and (not tile.isdigit() or int(tile) % 8)):
+        m = re.fullmatch(r"(auto|1|2|4|8)(?:x(\d+))?(?::(\d+))?", item)
+        if not m or (m[2] and int(m[2]) % 8) or (m[3] and int(m[3]) < 2):
             raise SystemExit(f"--cluster-splits: each item must be auto, 1, 2, 4 or 8, optionally with a column tile "
-                             f"(2x32: split 2, 32-column tiles), got {item!r}")
-        base = None if split == "auto" else int(split)
-        splits.append((base, int(tile)) if tile else base)
+                             f"(a multiple of 8) and a ring depth >= 2 (4x64:4: split 4, 64-column tiles, 4 stages), "
+                             f"got {item!r}")
+        base = None if m[1] == "auto" else int(m[1])
+        tile, stages = (int(m[2]) if m[2] else None), (int(m[3]) if m[3] else None)
+        splits.append((base, tile, stages) if tile or stages else base)
     exchanges = [e for e in a.exchanges.split(",") if e]
     if not exchanges or any(e not in EXCHANGES for e in exchanges):
         raise SystemExit(f"--exchanges: each item must be one of {EXCHANGES}, got {a.exchanges!r}")

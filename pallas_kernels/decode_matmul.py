@@ -228,7 +228,7 @@ def _checked_config(x, w, config: TuningConfig | None, out_dtype) -> TuningConfi
 
 
 def _run(x, w, *, out_dtype, config, gated, interpret, partials=False, prefetch_weight=None, prefetch=None,
-         residual=None, row_norm_eps=None, row_sumsq=False, exchange="dsmem"):
+         residual=None, row_norm_eps=None, row_sumsq=False, exchange="l2"):
     """`_decode_matmul` compiled, or in the Mosaic GPU interpreter (interpret, or inside an active one); the
     static `interpreted` keeps the two traces apart in jit's cache."""
     kwargs = dict(out_dtype=out_dtype, config=config, gated=gated, partials=partials, prefetch=prefetch,
@@ -272,7 +272,7 @@ def decode_gated_matmul(x, w, *, config: TuningConfig | None = None, prefetch_we
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "gated", "interpreted", "partials", "prefetch",
                                              "row_norm_eps", "row_sumsq", "exchange"))
 def _decode_matmul(x, w, prefetch_weight=None, residual=None, *, out_dtype, config, gated=False, interpreted=False,
-                   partials=False, prefetch=None, row_norm_eps=None, row_sumsq=False, exchange="dsmem"):
+                   partials=False, prefetch=None, row_norm_eps=None, row_sumsq=False, exchange="l2"):
     # `interpreted` only keys the jit cache: interpreted and compiled traces never share an entry. partials: the
     # kernel's [S, R, N] output as it is (`decode_matmul_partials`). prefetch: an L2Prefetch of prefetch_weight.
     # residual [M, N]: the split-K summed inside the kernel's cluster and added to it (`cluster_residual`), the

@@ -82,7 +82,7 @@ def decode_matmul_residual_reference(x, w, residual):
 EXCHANGES = ("dsmem", "l2")
 
 
-def decode_matmul_residual(x, w, residual, *, config: TuningConfig | None = None, exchange: str = "dsmem",
+def decode_matmul_residual(x, w, residual, *, config: TuningConfig | None = None, exchange: str = "l2",
                            interpret: bool = False):
     """residual + x @ w.T for a decode step's rows, its split-K summed inside the kernel (module docstring).
 
@@ -92,8 +92,9 @@ def decode_matmul_residual(x, w, residual, *, config: TuningConfig | None = None
       residual: [M, N] bf16, the residual stream the product is added to.
       config: TuningConfig; k_splits None picks `cluster_k_splits`; a given split must be 1, 2, 4 or 8 and divide
         the padded rows and the K tiles.
-      exchange: how a cluster's blocks read each other's fp32 partials: "dsmem" (from the peers' shared memory) or
-        "l2" (through a global buffer: TMA stores, then loads); the same values either way.
+      exchange: how a cluster's blocks read each other's fp32 partials: "l2" (through a global buffer: TMA stores,
+        then loads; the faster on the H200, BENCHMARKS.md #18 session 33) or "dsmem" (from the peers' shared memory:
+        jax 0.11.2 lowers only whole peer refs, so every block reads all S partials); the same values either way.
       interpret: run in the Mosaic GPU interpreter on CPU (tests).
     Returns the new residual stream [M, N] bf16: `decode_matmul_residual_reference`'s values.
     """
@@ -120,7 +121,7 @@ def decode_matmul_residual(x, w, residual, *, config: TuningConfig | None = None
                    residual=residual, exchange=exchange)
 
 
-def residual_resource_problem(rows: int, k: int, config: TuningConfig, exchange: str = "dsmem") -> str | None:
+def residual_resource_problem(rows: int, k: int, config: TuningConfig, exchange: str = "l2") -> str | None:
     """What to lower when a `decode_matmul_residual` CTA would need more SMEM or registers than the GPU gives:
     the plain kernel's ring and fp32 tile, plus the residual's and the output's bf16 tiles ([rows, tile_n] with the
     "dsmem" exchange, [rows / S, tile_n] with "l2")."""

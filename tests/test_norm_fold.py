@@ -65,7 +65,7 @@ def test_the_interpreter_refuses_a_peer_shared_memory_exchange_saying_what_to_us
     x, w, residual = _operands(64, 128, 512)
     with pytest.raises(NotImplementedError, match="k_splits=1 or exchange='l2'"):
         decode_matmul_residual(x, w, residual, config=TuningConfig(tile_n=64, num_stages=2, k_splits=2),
-                               interpret=True)
+                               exchange="dsmem", interpret=True)
     with pytest.raises(ValueError, match="exchange must be one of"):
         decode_matmul_residual(x, w, residual, exchange="nvlink", interpret=True)
 

@@ -30,7 +30,8 @@ def test_dry_run_computes_the_same_layers(bench, tmp_path):
 def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench, model):
     """2 layers, lowered for CUDA on this CPU: the unfused layer launches 8 Mosaic GPU kernels, the folded one 6 (both
     residual_rmsnorm kernels gone; q/k/v, o, gate/up and down are their fold variants), with the engine's cluster
-    split and with --cluster-splits' forced ones (2, 8, 2 on tiles of H / 64 columns), each with both exchanges."""
+    split and with --cluster-splits' forced ones (2, 8, 2 on tiles of H / 64 columns with 4 stages), each with both
+    exchanges."""
     import jax
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))   # gpu_preflight's imports
     try:
@@ -53,7 +54,7 @@ def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench, model):
     counts = {}
     h, i, qkv = shape["hidden"], shape["intermediate"], shape["q_out"] + 2 * shape["kv_out"]
     # Every variant at 1b; at 8b the engine's (each lowering costs seconds on a 2-core CI machine).
-    splits, exchanges = ((None, 2, 8, (2, h // 64)), ("dsmem", "l2")) if model == "llama-1b" else ((None,), ("dsmem",))
+    splits, exchanges = ((None, 2, 8, (2, h // 64, 4)), ("l2", "dsmem")) if model == "llama-1b" else ((None,), ("l2",))
     fns = bench.variant_fns(DecodeKernelMatmul(), shape, max_context=context, cluster_splits=splits,
                             exchanges=exchanges)
     for variant, fn in fns.items():
@@ -63,7 +64,7 @@ def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench, model):
             for name in (f"decode_matmul_normed_{qkv}x{h}", f"decode_matmul_residual_{h}x{h}",
                          f"decode_gated_matmul_normed_{i}x{h}", f"decode_matmul_residual_{h}x{i}"):
                 assert name in text
-    want = ({f"fold{e}{s}" for e in ("", "_l2") for s in ("", "_s2", "_s8", f"_s2x{h // 64}")}
+    want = ({f"fold{e}{s}" for e in ("", "_dsmem") for s in ("", "_s2", "_s8", f"_s2x{h // 64}_st4")}
             if model == "llama-1b" else {"fold"})
     assert counts == {"unfused": 8 * layers, **{name: 6 * layers for name in want}}
 
@@ -82,6 +83,9 @@ def test_the_fold_kernels_are_attributed_to_their_parts(bench):
     (["--dry-run", "--models", "llama-3t"], "unknown presets"),
     (["--dry-run", "--page", "48"], "--page must be one of"),
     (["--dry-run", "--rounds", "0"], ">= 1"),
+    (["--dry-run", "--cluster-splits", "4x64:1"], "ring depth >= 2"),
+    (["--dry-run", "--cluster-splits", "3"], "auto, 1, 2, 4 or 8"),
+    (["--dry-run", "--exchanges", "nvlink"], "--exchanges"),
     ([], "needs an NVIDIA Hopper GPU"),
 ])
 def test_bad_flags_say_what_to_fix(bench, argv, match):
