@@ -209,18 +209,31 @@ def test_serving_replay_reader_skips_blank_lines(tmp_path):
 
 # ---- a KV pool larger than the device: refused before allocating, naming the flag ----
 
-def test_a_kv_pool_larger_than_the_device_is_refused_naming_the_flag():
+def test_a_kv_pool_larger_than_the_device_is_refused_naming_the_flag(monkeypatch):
     import jax
 
     from stratum_jax.engine import Engine
+    from stratum_jax.kv import pool_memory
     from stratum_jax.kv.pool_memory import free_bytes, pool_bytes
     from stratum_jax.model.config import PRESETS
 
+    # The host's available memory moves from moment to moment; pin it so the refusal's edge is exact.
+    free = 1 << 30
+    monkeypatch.setattr(pool_memory, "_host_available_bytes", lambda: free)
+    assert free_bytes(jax.devices()[0]) == free
     cfg = PRESETS["tiny"]
-    free = free_bytes(jax.devices()[0])
     tokens = (free // pool_bytes(cfg, 1, "bf16") + 1) // 256 * 256 + 256     # just past what the host holds
-    with pytest.raises(ValueError, match=r"--kv-pool-tokens \d+ needs .* lower --kv-pool-tokens to at most about"):
+    with pytest.raises(ValueError, match=r"--kv-pool-tokens \d+ needs .* 1.0 GiB is host memory: lower "
+                                         r"--kv-pool-tokens to at most about \d+"):
         Engine(RuntimeConfig(model="tiny", kv_pool_tokens=tokens, max_context=256))
     fits = (free // 2) // pool_bytes(cfg, 1, "bf16") // 256 * 256
     assert pool_bytes(cfg, fits, "bf16") <= free       # the check's arithmetic: half the host's memory passes it
     assert pool_bytes(cfg, 1024, "fp8-delta") * 2 == pool_bytes(cfg, 1024, "bf16")
+
+
+def test_the_host_check_counts_available_memory_not_installed_memory():
+    import os
+
+    from stratum_jax.kv.pool_memory import _host_available_bytes
+    available = _host_available_bytes()
+    assert available is not None and 0 < available <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -24,17 +24,29 @@ def pool_bytes(model_config, num_slots: int, precision: str, devices: int = 1) -
 
 
 def free_bytes(device: jax.Device) -> int | None:
-    """Memory the device can still allocate: a GPU's allocator limit less what is in use (the weights), the host's
-    physical memory on CPU; None where unknown."""
+    """Memory the device can still allocate: a GPU's allocator limit less what is in use (the weights); on CPU the
+    host memory the kernel says is available now (MemAvailable: free plus reclaimable cache, less what other
+    processes hold), else its physical memory; None where unknown."""
     if device.platform == "cpu":
-        try:
-            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        return _host_available_bytes()
+    stats = device.memory_stats()
     if not stats or "bytes_limit" not in stats:
         return None
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def _host_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def check_pool_fits(kv_pool_tokens: int, num_slots: int, model_config, precision: str, *, devices: int = 1,
