@@ -74,6 +74,29 @@ def cluster_k_splits(n: int, k: int, tile_n: int, rows: int = 64) -> int:
     return best
 
 
+ENGINE_CLUSTER = 2       # blocks a cluster in the engine's choice (`cluster_tiling`)
+
+
+def cluster_tiling(n: int, k: int, tile_n: int, rows: int = 64) -> tuple[int, int]:
+    """(tile_n, k_splits) the engine runs `decode_matmul_residual` with for [rows, k] x [n, k]: clusters of
+    ENGINE_CLUSTER blocks, the column tile narrowed from tile_n (the plain kernel's) to the widest multiple of 8
+    dividing n that still gives about one CTA an SM, at most to half (the narrowing measured). On the H200 this was the fastest fold measured; clusters of 4 on
+    the plain tiles were 8 us a layer slower, and so were clusters of 2 on them (half a wave) (BENCHMARKS.md #18
+    sessions 32-33). (tile_n, 1) where the K range cannot be split in two (fewer than 8 K tiles) or the rows do not
+    halve."""
+    k_tiles = k // dm._TILE_K
+    if k_tiles % ENGINE_CLUSTER or k_tiles // ENGINE_CLUSTER < 4 or rows % ENGINE_CLUSTER:
+        return tile_n, 1
+    narrowest = tile_n
+    for width in range(tile_n, max(8, tile_n // 2) - 1, -8):
+        if n % width:
+            continue
+        narrowest = width
+        if n // width * ENGINE_CLUSTER >= dm._NUM_SMS * 0.9:
+            break
+    return narrowest, ENGINE_CLUSTER
+
+
 def decode_matmul_residual_reference(x, w, residual):
     """residual + x @ w.T as the unfused path computes it: fp32 products rounded to residual's dtype, then added."""
     return residual + dm.decode_matmul_reference(x, w, out_dtype=residual.dtype)

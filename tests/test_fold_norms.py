@@ -180,14 +180,17 @@ def test_the_flag_parses_and_is_validated():
         RuntimeConfig(fold_norms="yes")
 
 
-@pytest.mark.parametrize("model, rows, want_splits", [("llama-1b", 64, 4), ("llama-8b", 64, 4), ("llama-8b", 8, 4)])
-def test_the_residual_kernels_cluster_config_at_llama_shapes(model, rows, want_splits):
-    """down's K split as a cluster at llama shapes (128 CTAs at 1b and 8b), and one block when interpreted."""
+@pytest.mark.parametrize("model, rows, want", [("llama-1b", 64, (32, 2)), ("llama-8b", 64, (64, 2)),
+                                               ("llama-8b", 8, (64, 2))])
+def test_the_residual_kernels_cluster_config_at_llama_shapes(model, rows, want):
+    """down's K split as clusters of 2 on narrowed tiles at llama shapes (128 CTAs at 1b and 8b), and the plain
+    tile in one block when interpreted."""
     cfg = PRESETS[model]
     config = residual_kernel_config(rows, cfg.hidden_size, cfg.intermediate_size, jnp.bfloat16)
-    assert config is not None and config.k_splits == want_splits
-    assert residual_kernel_config(rows, cfg.hidden_size, cfg.intermediate_size, jnp.bfloat16,
-                                  one_block=True).k_splits == 1
+    assert config is not None and (config.tile_n, config.k_splits) == want
+    assert cfg.hidden_size // config.tile_n * config.k_splits == 128
+    one_block = residual_kernel_config(rows, cfg.hidden_size, cfg.intermediate_size, jnp.bfloat16, one_block=True)
+    assert one_block.k_splits == 1 and one_block.tile_n >= config.tile_n
 
 
 @pytest.mark.parametrize("model", ["llama-1b", "llama-8b"])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.decode_matmul import TuningConfig, decode_gated_matmul_reference
-from pallas_kernels.norm_fold import (cluster_k_splits, decode_gated_matmul_normed,
+from pallas_kernels.norm_fold import (cluster_k_splits, cluster_tiling, decode_gated_matmul_normed,
                                       decode_gated_matmul_normed_reference, decode_matmul_partials_sumsq,
                                       decode_matmul_partials_sumsq_reference, decode_matmul_residual,
                                       decode_matmul_residual_reference, fold_norm_weight)
@@ -145,6 +145,13 @@ def test_the_cluster_split_is_a_power_of_two_that_fills_the_gpu():
     assert cluster_k_splits(128, 256, 64) == 1
     assert cluster_k_splits(16384, 2048, 64) == 1
     assert cluster_k_splits(64, 4096, 64, rows=64) == 8       # the portable cluster limit
+    # The engine's: clusters of 2 on narrower tiles, about one CTA an SM (the fastest fold measured on the H200).
+    assert cluster_tiling(2048, 2048, 64) == (32, 2)          # llama-1b o
+    assert cluster_tiling(2048, 8192, 64) == (32, 2)          # llama-1b down
+    assert cluster_tiling(4096, 4096, 64) == (64, 2)          # llama-8b o
+    assert cluster_tiling(4096, 14336, 128) == (64, 2)        # llama-8b down
+    assert cluster_tiling(256, 512, 64) == (32, 2)            # small: narrowed at most to half
+    assert cluster_tiling(4096, 384, 64) == (64, 1)           # 6 K tiles: no split of at least 4 each
 
 
 @pytest.mark.parametrize("call,match", [

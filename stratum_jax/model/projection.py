@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from pallas_kernels.decode_matmul import (TuningConfig, decode_gated_matmul, decode_matmul, decode_matmul_partials,
                                           default_k_splits, sum_partials, supports)
 from pallas_kernels.l2_prefetch import L2Prefetch, prefetch_plan
-from pallas_kernels.norm_fold import (cluster_k_splits, decode_gated_matmul_normed, decode_matmul_partials_sumsq,
+from pallas_kernels.norm_fold import (cluster_tiling, decode_gated_matmul_normed, decode_matmul_partials_sumsq,
                                       decode_matmul_residual, residual_resource_problem)
 from pallas_kernels.residual_rmsnorm import residual_rmsnorm, supports as residual_rmsnorm_supports
 from pallas_kernels.rope_kv_write import HEAD_DIMS as ROPE_KV_WRITE_HEAD_DIMS, FirstTiles, RowNorm, rope_kv_write
@@ -222,15 +222,15 @@ def unsummed_kernel_config(rows: int, n: int, k: int, dtype) -> TuningConfig | N
 
 
 def residual_kernel_config(rows: int, n: int, k: int, dtype, *, one_block: bool = False) -> TuningConfig | None:
-    """`DecodeKernelMatmul.residual_matmul`'s config for [rows, k] x [n, k]: the plain kernel's column tile, its K
-    split as one thread-block cluster (`norm_fold.cluster_k_splits`; one_block: no split); None where the product
-    does not run on the kernel or the cluster's CTA would not fit."""
+    """`DecodeKernelMatmul.residual_matmul`'s config for [rows, k] x [n, k]: the plain kernel's ring, its K split as
+    one two-block cluster on narrower column tiles (`norm_fold.cluster_tiling`; one_block: the plain tile, no
+    split); None where the product does not run on the kernel or the cluster's CTA would not fit."""
     if not kernel_takes(rows, n, k, dtype):
         return None
     config = kernel_config(rows, n, k)
     padded = -(-rows // 64) * 64
-    splits = 1 if one_block else cluster_k_splits(n, k, config.tile_n, padded)
-    config = dataclasses.replace(config, k_splits=splits)
+    tile_n, splits = (config.tile_n, 1) if one_block else cluster_tiling(n, k, config.tile_n, padded)
+    config = dataclasses.replace(config, tile_n=tile_n, k_splits=splits)
     return None if residual_resource_problem(padded, k, config) else config
 
 
