@@ -32,10 +32,11 @@ on a 2-core machine), so CI interprets `decode_matmul_residual` only with one bl
 cluster is checked by lowering for CUDA on CPU, and on the GPU by `tests/test_norm_fold.py -m gpu`.
 
 Status (2026-12-05): wired into the engine behind --fold-norms (model/fused.py `fold_norms`, llama.DecoderLayer's
-folded path), off: on the H200 the folded layer with the L2 exchange was 12 us a layer slower than the unfused one,
-o's and down's clustered GEMMs taking about twice the split-K GEMM's time (BENCHMARKS.md #18 session 32). The peer
-shared memory exchange ("dsmem", the default since) is lowered for CUDA but not yet timed (`benchmarks/norm_fold.py
---exchanges dsmem,l2`).
+folded path), off: on the H200 the folded layer is still slower than the unfused one. With o's and down's K split
+in clusters of 4 (1b) the layer lost 11-12 us; in clusters of 2 on half-width tiles (`cluster_tiling`, the engine's
+choice since) 2.8 us (1b) and 2.1 us (8b): o and down with the residual add cost more than the norm kernels they
+replace (BENCHMARKS.md #18 sessions 32-33). The peer shared-memory exchange ("dsmem") was slower than "l2" in every
+cluster shape: jax 0.11.2 lowers a peer's SMEM ref only whole, so each block reads all the partials.
 """
 from __future__ import annotations
 
