@@ -396,7 +396,7 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, 
         if prefetch is not None:       # this CTA's weight tiles are all in: HBM can start on the next kernel's
             issue_prefetch(next_weight[0], prefetch, cta=split * (n // tile_n) + col, num_ctas=n // tile_n * splits)
         if cluster_residual:
-            _cluster_sum_and_add(accs[0], split, n0, out_gmem=out_gmem, parts_gmem=parts_gmem, out_smem=out_smem,
+            _cluster_sum_and_add(accs[0], split, r0, n0, out_gmem=out_gmem, parts_gmem=parts_gmem, out_smem=out_smem,
                                  part_smem=part_smem, res_smem=res_smem, barriers=barriers, splits=splits,
                                  rows_per_split=rows_per_split, tile_n=tile_n)
             return
@@ -442,7 +442,7 @@ def _build_kernel(*, rows, n, k, out_dtype, config, gated=False, prefetch=None, 
         grid_names=("n", "k"), scratch_types=[plgpu.SMEM((rows, tile_n), out_dtype)])
 
 
-def _cluster_sum_and_add(acc, split, n0, *, out_gmem, parts_gmem, out_smem, part_smem, res_smem, barriers, splits,
+def _cluster_sum_and_add(acc, split, r0, n0, *, out_gmem, parts_gmem, out_smem, part_smem, res_smem, barriers, splits,
                          rows_per_split, tile_n):
     """The split-K sum inside a cluster, then the residual add (inside `_build_kernel`'s body, cluster_residual).
 
@@ -456,7 +456,6 @@ def _cluster_sum_and_add(acc, split, n0, *, out_gmem, parts_gmem, out_smem, part
     - "l2": through the global exchange buffer parts_gmem (TMA stores, the barrier, TMA loads of this block's rows).
     """
     cluster_barrier, *load_barrier, res_barrier = barriers
-    r0 = pl.multiple_of(split * rows_per_split, rows_per_split)
     part_smem[...] = acc
     plgpu.commit_smem()          # every thread's writes done (a warpgroup barrier) before the one arriving thread
     if parts_gmem is None:
