@@ -52,7 +52,7 @@ from pallas_kernels.paged_attention import PAGE_SIZES   # noqa: E402
 from stratum_jax.attention import decode_attention   # noqa: E402
 from stratum_jax.model.config import PRESETS   # noqa: E402
 from stratum_jax.model.projection import (DecodeKernelMatmul, Unsummed, gated_kernel_config,  # noqa: E402
-                                         kernel_config)
+                                         kernel_config, residual_kernel_config)
 
 VARIANTS = ("unfused", "fold")
 
@@ -69,11 +69,11 @@ def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int,
                    exchange: str = "l2"):
     """f(x, pending, weights, pools, step) -> (x, None, pools): `l2_prefetch.layers_fn`'s arguments, the layers
     folded (module docstring). The stream enters with `pending` added (one XLA add a call, "other" in the parts) and
-    leaves complete: the last down projection's residual add is in its kernel. cluster_splits: o's and down's K split
-    (a cluster's blocks); None: `cluster_k_splits`' choice, as the engine runs it. cluster_tile: their column tile
-    (None: the engine's, `kernel_config`). cluster_stages: their ring depth (None: the engine's; fewer stages let two
-    CTAs share an SM, so a grid of clusters fits the GPCs in one wave). exchange: how the cluster's blocks read each
-    other's partials (`decode_matmul_residual`)."""
+    leaves complete: the last down projection's residual add is in its kernel. o's and down's config is the engine's
+    (`residual_kernel_config`: two-block clusters on narrowed tiles; one block when interpreted, as the engine runs
+    it), unless cluster_splits forces their K split (a cluster's blocks) on the plain kernel's tile. cluster_tile
+    and cluster_stages then override their column tile and ring depth (fewer stages let two CTAs share an SM).
+    exchange: how the cluster's blocks read each other's partials (`decode_matmul_residual`)."""
     heads, head_dim, h, i = shape["heads"], shape["head_dim"], shape["hidden"], shape["intermediate"]
     qkv_rows = shape["q_out"] + 2 * shape["kv_out"]
 
@@ -82,9 +82,14 @@ def fold_layers_fn(matmul: DecodeKernelMatmul, shape: dict, *, max_context: int,
             raise SystemExit(f"{what} does not run on the Pallas kernels at these shapes: pick other --rows or models")
         return result
 
-    def cluster_config(rows, n, k):     # the engine's tile for the projection, the cluster's own split
-        config = need(kernel_config(rows, n, k), f"the {n} x {k} projection")
-        return dataclasses.replace(config, k_splits=cluster_splits, tile_n=cluster_tile or config.tile_n,
+    def cluster_config(rows, n, k):
+        if cluster_splits is None:
+            config = need(residual_kernel_config(rows, n, k, jnp.bfloat16, one_block=matmul.interpret),
+                          f"the {n} x {k} projection with its residual")
+        else:
+            config = dataclasses.replace(need(kernel_config(rows, n, k), f"the {n} x {k} projection"),
+                                         k_splits=cluster_splits)
+        return dataclasses.replace(config, tile_n=cluster_tile or config.tile_n,
                                    num_stages=cluster_stages or config.num_stages)
 
     def run(x, pending, weights, pools, step: LayerStep):

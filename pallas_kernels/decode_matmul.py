@@ -86,6 +86,11 @@ class TuningConfig:
             raise ValueError(f"k_splits must be None or an int in [1, 64], got {self.k_splits!r}")
 
 
+def fills_the_gpu(ctas: int) -> bool:
+    """Whether a grid of `ctas` one-CTA-an-SM blocks is about one wave: the split rules stop growing there."""
+    return ctas >= _NUM_SMS * 0.9
+
+
 def default_k_splits(n: int, k: int, tile_n: int) -> int:
     """The smallest split that gives at least about one CTA per SM, keeping each split's K range a
     whole number of at least 4 tiles (so the pipeline has something to overlap)."""
@@ -96,7 +101,7 @@ def default_k_splits(n: int, k: int, tile_n: int) -> int:
         if k_tiles % s or k_tiles // s < 4:
             continue
         best = s
-        if tiles * s >= _NUM_SMS * 0.9:
+        if fills_the_gpu(tiles * s):
             break
     return best
 

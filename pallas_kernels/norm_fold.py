@@ -70,7 +70,7 @@ def cluster_k_splits(n: int, k: int, tile_n: int, rows: int = 64) -> int:
         if s > MAX_CLUSTER or rows % s or k_tiles % s or k_tiles // s < 4:
             continue
         best = s
-        if tiles * s >= dm._NUM_SMS * 0.9:
+        if dm.fills_the_gpu(tiles * s):
             break
     return best
 
@@ -93,7 +93,7 @@ def cluster_tiling(n: int, k: int, tile_n: int, rows: int = 64) -> tuple[int, in
         if n % width:
             continue
         narrowest = width
-        if n // width * ENGINE_CLUSTER >= dm._NUM_SMS * 0.9:
+        if dm.fills_the_gpu(n // width * ENGINE_CLUSTER):
             break
     return narrowest, ENGINE_CLUSTER
 
