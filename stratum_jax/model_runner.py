@@ -44,6 +44,15 @@ _EXECUTABLES: dict[tuple, object] = {}
 _EXECUTABLES_LOCK = threading.Lock()
 
 
+def forget_executables() -> None:
+    """Drops this process's compiled step executables and jax's trace caches, so the next runner of any key traces
+    and compiles its steps anew: for code that must see a step traced (a test counting what a step calls). Either
+    cache alone would hand back the old program untraced."""
+    with _EXECUTABLES_LOCK:
+        _EXECUTABLES.clear()
+    jax.clear_caches()
+
+
 @dataclasses.dataclass
 class PackedOutput:
     """Host copies of a packed step's results: tokens / logprob [rows], top_ids / top_logprobs [rows, K]

@@ -11,6 +11,7 @@ from stratum_jax.model.config import PRESETS
 from stratum_jax.model.llama import init_params
 from stratum_jax.model.loader import LoadedModel
 from stratum_jax.model.tokenizer import ByteTokenizer
+from stratum_jax.model_runner import forget_executables
 from stratum_jax.request import SamplingParams
 
 on_gpu = jax.default_backend() == "gpu"
@@ -39,7 +40,9 @@ PROMPTS = [[5, 6, 7], list(range(20, 61)), [9] * 17, list(range(100, 110))]
 
 def _count_traces(monkeypatch, module, names, traced=None) -> dict:
     """Wraps `module`'s functions `names` (as the attention layer imports them at each call) to count their
-    traces in `traced` (a new dict, or the one given); returns it."""
+    traces in `traced` (a new dict, or the one given); returns it. Forgets the process's compiled steps first: an
+    engine of the same config built by another test would reuse its executables untraced."""
+    forget_executables()
     traced = {} if traced is None else traced
     traced.update(dict.fromkeys(names, 0))
     for name in names:

@@ -86,3 +86,29 @@ def test_old_files_are_pruned_past_the_limit(tmp_path, monkeypatch):
         os.utime(cache.path_for("affine", ("key", i)), ns=(i * 10**9, i * 10**9))   # written in this order
     left = sorted(p.name for p in (tmp_path / SUBDIRECTORY).iterdir())
     assert left == sorted(cache.path_for("affine", ("key", i)).name for i in (2, 3))
+
+
+def test_forget_executables_makes_the_next_engine_of_the_same_config_trace_its_steps(monkeypatch):
+    """Engines of one config share this process's compiled steps (model_runner._EXECUTABLES) and jax's trace cache,
+    so a second engine runs without tracing; tests that count what a step calls rely on `forget_executables` to
+    see a trace whatever ran before them in the process."""
+    from stratum_jax.config import RuntimeConfig
+    from stratum_jax.engine import Engine
+    from stratum_jax.model import llama
+    from stratum_jax.model_runner import forget_executables
+    from stratum_jax.request import SamplingParams
+
+    traced = []
+    real = llama.forward
+    monkeypatch.setattr(llama, "forward", lambda *a, **kw: traced.append(1) or real(*a, **kw))
+
+    def run():
+        engine = Engine(RuntimeConfig(model="tiny", max_context=128, kv_pool_tokens=1024, max_batch_size=2,
+                                      prefill_chunk=32, decode_steps=2, attention="reference", projections="xla"))
+        return [r.token_ids for r in engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0,
+                                                                                   ignore_eos=True))]
+    first = run()
+    traced.clear()
+    assert run() == first and not traced          # the first engine's steps, untraced
+    forget_executables()
+    assert run() == first and traced              # traced anew

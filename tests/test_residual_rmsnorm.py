@@ -132,7 +132,11 @@ def test_the_engine_with_the_fused_kernels_generates_what_xlas_projections_do(mo
     norm) run in the step, and the greedy tokens equal --projections xla's."""
     import pallas_kernels.residual_rmsnorm as norm_module
     import pallas_kernels.rope_kv_write as write_module
+    from stratum_jax.model_runner import forget_executables
 
+    # Another test in this process may have compiled the same engine step (the same config), which the engine would
+    # reuse untraced: forget it, so the step is traced here and the counts below see it.
+    forget_executables()
     traced = {"write": 0, "norm": 0}
     for module, name, key in ((write_module, "_rope_kv_write", "write"), (norm_module, "_residual_rmsnorm", "norm")):
         real = getattr(module, name)
