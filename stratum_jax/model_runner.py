@@ -44,17 +44,6 @@ _EXECUTABLES: dict[tuple, object] = {}
 _EXECUTABLES_LOCK = threading.Lock()
 
 
-def forget_executables() -> None:
-    """Drops this process's compiled step executables and the step functions' trace caches, so the next runner of
-    any key traces and compiles its steps anew: for code that must see a step traced (a test counting what a step
-    calls). Either cache alone would hand back the old program untraced. Only the steps' caches: jax.clear_caches()
-    would also drop every other compiled function of the process (slow for whatever runs next)."""
-    with _EXECUTABLES_LOCK:
-        _EXECUTABLES.clear()
-    for step in (packed_step, decode_steps):
-        step.clear_cache()
-
-
 @dataclasses.dataclass
 class PackedOutput:
     """Host copies of a packed step's results: tokens / logprob [rows], top_ids / top_logprobs [rows, K]

@@ -24,6 +24,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def fresh_engine_steps(monkeypatch):
+    """The engine steps this test builds are traced and compiled here, not taken from the process's compiled steps
+    (stratum_jax/model_runner.py `_EXECUTABLES`, shared by engines of one config, and the step functions' trace
+    caches): for a test that counts what a step traces. The other tests' compiled steps are back after it (an
+    empty cache for the rest of a worker's files made CI's tests 50% slower)."""
+    from stratum_jax import decode, model_runner
+    monkeypatch.setattr(model_runner, "_EXECUTABLES", {})
+    for step in (decode.packed_step, decode.decode_steps):
+        step.clear_cache()
+
+
+@pytest.fixture
 def two_splits(monkeypatch):
     """The paged-attention kernel's default split for tiny grids is 16 CTAs per (row, kv head), which the
     Mosaic GPU interpreter runs slowly; 2 splits still exercise the split-K merge (of outputs and stats)."""

@@ -88,14 +88,14 @@ def test_old_files_are_pruned_past_the_limit(tmp_path, monkeypatch):
     assert left == sorted(cache.path_for("affine", ("key", i)).name for i in (2, 3))
 
 
-def test_forget_executables_makes_the_next_engine_of_the_same_config_trace_its_steps(monkeypatch):
-    """Engines of one config share this process's compiled steps (model_runner._EXECUTABLES) and jax's trace cache,
-    so a second engine runs without tracing; tests that count what a step calls rely on `forget_executables` to
-    see a trace whatever ran before them in the process."""
+def test_fresh_engine_steps_makes_an_engine_of_a_compiled_config_trace_its_steps(monkeypatch, request):
+    """Engines of one config share this process's compiled steps (model_runner._EXECUTABLES) and the step functions'
+    trace caches, so a second engine runs without tracing; tests that count what a step traces take the
+    `fresh_engine_steps` fixture (conftest.py) to see a trace whatever ran before them in the process."""
+    from stratum_jax import model_runner
     from stratum_jax.config import RuntimeConfig
     from stratum_jax.engine import Engine
     from stratum_jax.model import llama
-    from stratum_jax.model_runner import forget_executables
     from stratum_jax.request import SamplingParams
 
     traced = []
@@ -110,5 +110,7 @@ def test_forget_executables_makes_the_next_engine_of_the_same_config_trace_its_s
     first = run()
     traced.clear()
     assert run() == first and not traced          # the first engine's steps, untraced
-    forget_executables()
+    shared = model_runner._EXECUTABLES
+    request.getfixturevalue("fresh_engine_steps")
     assert run() == first and traced              # traced anew
+    assert model_runner._EXECUTABLES is not shared and shared      # the others' steps kept, to come back after

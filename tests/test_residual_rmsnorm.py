@@ -126,17 +126,13 @@ def test_the_models_layer_boundaries_on_the_kernel_match_them_unfused():
         np.testing.assert_allclose(a, b, rtol=2.0 ** -6, atol=2.0 ** -6)
 
 
-def test_the_engine_with_the_fused_kernels_generates_what_xlas_projections_do(monkeypatch):
+def test_the_engine_with_the_fused_kernels_generates_what_xlas_projections_do(monkeypatch, fresh_engine_steps):
     """The engine's real step (packed prefill, then decode calls of 2 steps inside the step's loop) with
     --projections kernel in the interpreter: both fused kernels (q/k/v's RoPE and KV write, the residual add and
     norm) run in the step, and the greedy tokens equal --projections xla's."""
     import pallas_kernels.residual_rmsnorm as norm_module
     import pallas_kernels.rope_kv_write as write_module
-    from stratum_jax.model_runner import forget_executables
 
-    # Another test in this process may have compiled the same engine step (the same config), which the engine would
-    # reuse untraced: forget it, so the step is traced here and the counts below see it.
-    forget_executables()
     traced = {"write": 0, "norm": 0}
     for module, name, key in ((write_module, "_rope_kv_write", "write"), (norm_module, "_residual_rmsnorm", "norm")):
         real = getattr(module, name)
