@@ -39,8 +39,9 @@ PROMPTS = [[5, 6, 7], list(range(20, 61)), [9] * 17, list(range(100, 110))]
 
 def _count_traces(monkeypatch, module, names, traced=None) -> dict:
     """Wraps `module`'s functions `names` (as the attention layer imports them at each call) to count their
-    traces in `traced` (a new dict, or the one given); returns it. The test takes `fresh_engine_steps` too (an
-    engine of the same config built by another test would run its compiled steps untraced)."""
+    traces in `traced` (a new dict, or the one given); returns it. (An engine whose config another test in the worker
+    built runs that test's compiled steps untraced: a counting test whose config is not its own takes the
+    `fresh_engine_steps` fixture.)"""
     traced = {} if traced is None else traced
     traced.update(dict.fromkeys(names, 0))
     for name in names:
@@ -52,7 +53,7 @@ def _count_traces(monkeypatch, module, names, traced=None) -> dict:
 
 
 @pytest.mark.parametrize("decode_kernel", ["swapped", "paged"])
-def test_engine_kernel_interpret_matches_reference(monkeypatch, two_splits, fresh_engine_steps, decode_kernel):
+def test_engine_kernel_interpret_matches_reference(monkeypatch, two_splits, decode_kernel):
     """--decode-kernel swapped (the default) and paged. The interpreter runs every CTA of every step in Python
     (every row of every packed and decode step, padding rows too), so: 2 rows, 2 splits, 2 decode steps per
     call. The decode kernel asked for is counted as it is traced, and the other must not be."""
@@ -72,8 +73,7 @@ def test_engine_kernel_interpret_matches_reference(monkeypatch, two_splits, fres
 @pytest.mark.parametrize("precision,fp8_scale,decode_kernel", [("fp8-delta", "granule", "delta_attention"),
                                                                ("fp8-delta", "head", "swapped_paged_attention"),
                                                                ("fp16-delta", "granule", "swapped_paged_attention")])
-def test_engine_delta_kernels_interpret_match_reference(monkeypatch, two_splits, fresh_engine_steps, precision,
-                                                       fp8_scale, decode_kernel):
+def test_engine_delta_kernels_interpret_match_reference(monkeypatch, two_splits, precision, fp8_scale, decode_kernel):
     """--kv-precision fp8-delta / fp16-delta: prefill blocks through the delta prefill kernel and decode rows
     through the delta-KV decode kernel (fp8), or through the swapped kernel on the deltas plus the anchor
     (fp16, and fp8 with --fp8-scale head: the fold, stratum_jax/attention.py `_head_scale_fold`), all in the
