@@ -27,8 +27,8 @@ def pytest_collection_modifyitems(config, items):
 def fresh_engine_steps(monkeypatch):
     """The engine steps this test builds are traced and compiled here, not taken from the process's compiled steps
     (stratum_jax/model_runner.py `_EXECUTABLES`, shared by engines of one config, and the step functions' trace
-    caches): for a test that counts what a step traces. The other tests' compiled steps are back after it (an
-    empty cache for the rest of a worker's files made CI's tests 50% slower)."""
+    caches): for a test that counts what a step traces. The other tests' compiled steps are back after it, so the
+    files that run later in the worker still reuse them."""
     from stratum_jax import decode, model_runner
     monkeypatch.setattr(model_runner, "_EXECUTABLES", {})
     for step in (decode.packed_step, decode.decode_steps):
