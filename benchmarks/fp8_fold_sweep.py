@@ -8,6 +8,11 @@ whole folded path); q is split into `fp8_q_terms` e4m3 parts inside the timed ca
         --configs 'default;fp8_q_terms=3;num_stages=3;num_splits=4' --out results/x.json
     python benchmarks/fp8_fold_sweep.py --dry-run      # tiny shapes in the Mosaic GPU interpreter (CPU)
 
+--fold times each config on the engine's whole fold call instead (stratum_jax/attention.py: the per-head scales
+s_k into q, s_v and the mean anchor's V onto the output, bf16 out), so configs that move the fold's XLA work into
+kernels (`fp8_q_kernel`, `out_affine_in_kernel`) are compared on what the engine runs; s_k, s_v, a_v random per
+kv head, the check is the bf16 swapped kernel on q * s_k, times s_v, plus a_v.
+
 Each config's fp8 output is checked against the bf16 swapped kernel on the same values (e4m3 -> bf16 is exact);
 a config that fails to compile or misses 3e-2 is recorded, not raised. Prints a table, writes JSON."""
 from __future__ import annotations
@@ -49,6 +54,7 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--inner", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--fold", action="store_true", help="time the whole fold call per config (see above)")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/fp8_fold_sweep_h200.json"))
     a = p.parse_args(argv)
@@ -60,7 +66,7 @@ def main(argv=None) -> dict:
     dev = jax.devices()[0]
     meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, jax=jax.__version__, batch=B,
                 q_heads=Hq, kv_heads=Hkv, head_dim=D, reps=a.reps, inner=a.inner, rounds=a.rounds,
-                dry_run=a.dry_run)
+                dry_run=a.dry_run, fold=a.fold)
     print(json.dumps(meta), flush=True)
     out_path = pathlib.Path(a.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,6 +76,13 @@ def main(argv=None) -> dict:
     print(f"read ceiling (bf16 sum): {read:.3f} TB/s", flush=True)
     rng = np.random.default_rng(1)
     key = jax.random.key(0)
+    # --fold: the fold's per-kv-head scales and anchor V (random; powers of two not required)
+    group = Hq // Hkv
+    s_k = jnp.asarray(rng.uniform(0.5, 2.0, Hkv), jnp.float32)
+    s_v = jnp.asarray(rng.uniform(0.5, 2.0, Hkv), jnp.float32)
+    a_v = jnp.asarray(rng.standard_normal((Hkv, D)), jnp.float32)
+    fold_kw = dict(q_scale=jnp.repeat(s_k, group), out_scale=s_v, out_bias=a_v, out_dtype=jnp.bfloat16) if a.fold \
+        else {}
     jits = {}
     rows = []
     for ctx in (int(c) for c in a.contexts.split(",")):
@@ -99,12 +112,17 @@ def main(argv=None) -> dict:
             swapped = jits.setdefault(("swapped", ctx), jax.jit(
                 lambda *x: swapped_paged_attention(*x, max_context=ctx, interpret=interpret)))
             rec["swapped_bf16"] = timed("swapped bf16", swapped, (q, kb, vb, lengths, starts, psz), bf16_io)
-            want = np.asarray(swapped(q, kb, vb, lengths, starts, psz), np.float32)
+            if a.fold:    # s_v * attention(q * s_k) + a_v, on the bf16 kernel
+                q_k = q * jnp.repeat(s_k, group)[None, :, None]
+                want = (np.asarray(swapped(q_k, kb, vb, lengths, starts, psz), np.float32)
+                        * np.repeat(np.asarray(s_v), group)[None, :, None] + np.repeat(np.asarray(a_v), group, 0)[None])
+            else:
+                want = np.asarray(swapped(q, kb, vb, lengths, starts, psz), np.float32)
             for cfg in configs:
                 r = dict(config=dataclasses.asdict(cfg))
                 try:
                     fn = jits.setdefault((cfg, ctx), jax.jit(
-                        lambda *x, cfg=cfg: swapped_paged_attention(*x, config=cfg, interpret=interpret)))
+                        lambda *x, cfg=cfg: swapped_paged_attention(*x, config=cfg, interpret=interpret, **fold_kw)))
                     got = np.asarray(fn(q, k8, v8, lengths, starts, psz), np.float32)
                     r["max_abs_err_vs_bf16"] = float(np.abs(got - want).max())
                     r["ok"] = bool(r["max_abs_err_vs_bf16"] <= 3e-2 * max(1.0, float(np.abs(want).max())))
@@ -124,7 +142,8 @@ def main(argv=None) -> dict:
                 rows.append((ctx, page, rec["paged"]["ms"], rec["paged"]["pct_read"], rec["swapped_bf16"]["ms"],
                              f"T{c['block_kv']} S{c['num_stages']} k{c['num_splits'] or 'auto'} "
                              f"q{c['fp8_q_terms']}{'' if c['fp8_q_stacked'] else 'x'}{' sh' if c['shared_smem'] else ''}"
-                             f"{' R' if c['refill_under_pv'] else ''}{' Qk' if c['fp8_q_kernel'] else ''}",
+                             f"{' R' if c['refill_under_pv'] else ''}{' Qk' if c['fp8_q_kernel'] else ''}"
+                             f"{' Ak' if c['out_affine_in_kernel'] else ''}",
                              r.get("ms", float("nan")), r.get("x_paged", float("nan")), r.get("pct_read", float("nan")),
                              (r.get("gpu_clocks") or {}).get("sm_mhz_median")))
     print(f"{meta['device']}  jax {meta['jax']}  B={B} Hq={Hq} Hkv={Hkv} D={D}  read {read:.2f} TB/s")

@@ -52,6 +52,46 @@ def reduce_precision_e4m3_bits(x):
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def split_block_in_kernel(q_rows, row_scale, parts_smem, unscale_smem, *, terms: int):
+    """Inside a kernel (one warpgroup): one block of 8 q rows split into e4m3 parts, as `split_rows_fp8` and
+    `stack_q_parts` compute them, written into the swapped decode kernel's stacked q tile: the attention kernel's
+    own q prologue (`SwappedConfig.fp8_q_in_kernel`), so no kernel runs before it.
+
+    q_rows: GMEM ref [8, D] (bf16 or f32), the block's rows; row_scale: GMEM ref [8] f32, each row's scale (the
+    fold's s_k); parts_smem: SMEM ref [terms * 8, D] e4m3 with the WGMMA operand transforms (part t at rows
+    8t..8t+7); unscale_smem: an SMEM ref of 8 int32 the unscales pass through. Returns the 8 unscales as a [8] f32
+    vector in the WGMMA accumulator's column layout (`Layout.WGMMA.reduce(0)`: one value per column of an [M, 8]
+    MMA result), ready to scale S^T's columns.
+
+    The block is loaded transposed ([D, 8], the WGMMA_TRANSPOSED layout, straight from GMEM), since an e4m3 tile is
+    stored from registers only from that layout into the transposed view of the swizzled tile; each row's unscale
+    is then a column max. That vector has no layout cast to the accumulator's column layout (and layout inference
+    found no solution for a broadcast, cast and second reduction inside the attention kernel), so it goes through
+    SMEM as int32 bits (the caller's table window has room for 8 more entries in its allocation). One proxy fence
+    and warpgroup barrier covers the parts (the MMA reads them through the async proxy) and the unscales. Numerics:
+    bit for bit the XLA split's (the same fp32 product, power-of-two unscale, division, and
+    `reduce_precision_e4m3_bits`)."""
+    transposed = plgpu.Layout.WGMMA_TRANSPOSED
+    d = q_rows.shape[1]
+    x = plgpu.load(q_rows.transpose((1, 0)), layout=transposed, optimized=False).astype(jnp.float32)   # [D, 8]
+    scale = plgpu.load(row_scale, layout=transposed.reduce(0), optimized=False)
+    x = x * lax.broadcast_in_dim(scale, (d, ROW_BLOCK), [1])
+    pow2_floor = lax.bitcast_convert_type(lax.bitcast_convert_type(jnp.abs(x), jnp.int32) & 0x7F800000, jnp.float32)
+    unscale = jnp.clip(pow2_floor * 2.0 ** -6, 2.0 ** -100, 2.0 ** 100).max(axis=0)       # monotone maps, then max
+    rest = x * lax.broadcast_in_dim(1.0 / unscale, (d, ROW_BLOCK), [1])
+    for t in range(terms):
+        if t < terms - 1:
+            part = reduce_precision_e4m3_bits(rest)
+            rest = rest - part
+        else:
+            part = rest
+        parts_smem.at[pl.ds(t * ROW_BLOCK, ROW_BLOCK)].transpose((1, 0))[...] = part.astype(_F8)
+    unscale_smem[...] = lax.bitcast_convert_type(unscale, unscale_smem.dtype)
+    plgpu.commit_smem()
+    columns = plgpu.load(unscale_smem, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+    return lax.bitcast_convert_type(columns, jnp.float32)
+
+
 def check_inputs(x, row_scale, terms: int) -> None:
     """Raises ValueError, saying what to fix, for what the kernel does not take."""
     if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):

@@ -93,7 +93,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.delta_attention import F16_SAFE_MAX, convert_to_f16, delta_ring_type
-from pallas_kernels.fp8_q_split import HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_BLOCK as FP8_Q_SPLIT_ROWS, fp8_q_split
+from pallas_kernels.fp8_q_split import (HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_BLOCK as FP8_Q_SPLIT_ROWS, fp8_q_split,
+                                         split_block_in_kernel)
 from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
 from pallas_kernels.paged_attention import (
     BF16_PAGES, F16_PAGES, MMA_TRANSFORMS, Bf16Pages, TileContext, check_pools_and_tables, default_num_splits,
@@ -106,6 +107,7 @@ from pallas_kernels.split_k import combine_splits, score_variance_from_partials,
 _LOG2E = math.log2(math.e)
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)     # [N] vectors: one value per column (query head) of S^T / O^T
+_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)     # [D] vectors: one value per row (head dim) of O^T
 _SMEM_PER_SM = 228 * 1024                      # H100/H200: shared memory per SM ...
 _SMEM_PER_CTA_RESERVED = 1024                  # ... of which the driver reserves 1 KB per resident CTA
 
@@ -232,6 +234,17 @@ class SwappedConfig:
         before the attention kernel (pallas_kernels/fp8_q_split.py, bit for bit the same parts and unscales)
         instead of XLA's ops (three kernels on the H200); used where q's 8-row blocks hold whole heads (num_q_heads
         a multiple of 8, the group dividing 8 or a multiple of it). Off in the defaults: not yet timed on a GPU.
+      fp8_q_in_kernel: float8 pools: q's scale, fp8 split and layout inside the attention kernel (each CTA splits
+        its own 8-row q block after issuing its first K/V copies: `fp8_q_split.split_block_in_kernel`), so no
+        kernel runs before it; where `fp8_q_split_takes` and the parts are stacked, else XLA's ops. Bit for bit the
+        same parts and unscales. Off in the defaults: not yet run on a GPU (built in session 35). Session 21 timed
+        a first version (before the copies: slower; after them: as fast as XLA's split) at split-K 2, where every
+        CTA of 2.6 waves pays the split; with one wave (no split-K, 4 CTAs an SM) it is paid once.
+      out_affine_in_kernel: with the output affine map (`swapped_paged_attention`'s out_scale / out_bias, the DKVC
+        fold's s_v and mean anchor a_v) and no split-K, apply it in the kernel's epilogue before the one cast to
+        the output dtype, so the call has no XLA kernel after the attention kernel; otherwise (and with split-K
+        always) XLA applies it after the kernel (and the split merge), as one fusion. The same fp32 operations in
+        the same order. Off in the defaults: not yet run on a GPU (built in session 35 without device access).
     """
 
     block_kv: int = 128
@@ -244,6 +257,8 @@ class SwappedConfig:
     fp8_q_stacked: bool = True
     refill_under_pv: bool = False
     fp8_q_kernel: bool = False
+    fp8_q_in_kernel: bool = False
+    out_affine_in_kernel: bool = False
 
     def __post_init__(self):
         check_tile_pipeline(self.block_kv, self.num_stages, self.num_splits)
@@ -254,8 +269,9 @@ class SwappedConfig:
                    pool_dtype=jnp.bfloat16, score_stats: bool = False) -> int:
         """SMEM of one CTA in bytes, as Pallas sizes it (each allocation rounded up to 1 KB; with shared_smem, two
         run_scoped regions in sequence take the larger) plus the mbarriers (8 bytes each):
-          - for the whole kernel: the page-table window (4 bytes an entry), q (bf16/f16 [N, D], or fp8_q_terms
-            e4m3 parts [N, D] for float8 pools), the cross-warp reduction scratch;
+          - for the whole kernel: the page-table window (4 bytes an entry; with fp8_q_in_kernel N entries more, q's
+            unscales on their way to the column layout; an upper bound where q's rows are padded), q (bf16/f16 [N, D], or fp8_q_terms e4m3 parts [N, D]
+            for float8 pools), the cross-warp reduction scratch;
           - the loop: the K and V rings stages * T * D each (itemsize of the pools), float8 pools' f16 V staging
             tile T * D * 2, P [N, T] 16-bit;
           - or the epilogue: out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32 and,
@@ -266,7 +282,8 @@ class SwappedConfig:
         kb = lambda x: -(-x // 1024) * 1024
         fp8 = jnp.dtype(pool_dtype) == _FP8
         itemsize = jnp.dtype(pool_dtype).itemsize
-        whole = (kb(4 * table_window(max_pages, self.num_splits or 1, T))
+        q_in_kernel = fp8 and self.fp8_q_in_kernel and self.fp8_q_stacked and n == 8
+        whole = (kb(4 * (table_window(max_pages, self.num_splits or 1, T) + (n if q_in_kernel else 0)))
                  + kb((self.fp8_q_terms if fp8 else 2) * n * D) + reduction_scratch_bytes(n))
         loop = 2 * kb(S * T * D * itemsize) + (kb(T * D * 2) if fp8 else 0) + kb(n * T * 2)
         epilogue = kb(n * D * out_itemsize) + kb(n * 4) * (4 if score_stats else 1)
@@ -367,7 +384,8 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
                             soft_cap: float | None = None, config: SwappedConfig | None = None,
                             max_context: int | None = None, interpret: bool = False,
                             return_score_stats: bool = False, q_scale: jax.Array | None = None,
-                            out_dtype=None, prefetch_weight: jax.Array | None = None,
+                            out_dtype=None, out_scale: jax.Array | None = None, out_bias: jax.Array | None = None,
+                            prefetch_weight: jax.Array | None = None,
                             prefetch: L2Prefetch | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention over a paged KV pool with per-sequence page sizes, keys on WGMMA's M (module docstring).
 
@@ -393,6 +411,11 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
       q_scale: float8 pools only: [num_q_heads] float32 factors, q head j multiplied by q_scale[j] in fp32
         before its fp8 split (the fixed-scale fold's s_k; with `SwappedConfig.fp8_q_kernel` inside that kernel).
       out_dtype: the output's dtype (default q.dtype).
+      out_scale, out_bias: an affine map of the output per kv head, [num_kv_heads] and [num_kv_heads, head_dim]
+        float32 (either may be None: 1 / 0): q head j's output row becomes o_j * out_scale[kv] + out_bias[kv]
+        (kv = j // group) in fp32, then is cast to out_dtype once; a sequence of length 0 keeps zeros. The DKVC
+        fold's s_v and mean anchor a_v (stratum_jax/attention.py). Applied in the kernel's epilogue where
+        `SwappedConfig.out_affine_in_kernel` and there is no split-K, else by XLA after the kernel.
       prefetch_weight, prefetch: the next GEMM's bf16 weight (the o projection's) and an `L2Prefetch` plan of it:
         each CTA, once its keys are streamed, prefetches its share into L2 (pallas_kernels/l2_prefetch.py; no value
         changes); both or neither.
@@ -423,6 +446,10 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
                                 or q_scale.dtype != jnp.float32):
         raise ValueError(f"swapped_paged_attention: q_scale is for float8 pools, as [num_q_heads] = [{num_q_heads}] "
                          f"float32; got {q_scale.shape} {q_scale.dtype} with {k_pool.dtype} pools")
+    for name, x, shape in (("out_scale", out_scale, (num_kv_heads,)), ("out_bias", out_bias, (num_kv_heads, head_dim))):
+        if x is not None and (x.shape != shape or x.dtype != jnp.float32):
+            raise ValueError(f"swapped_paged_attention: {name} must be {list(shape)} float32 (per kv head), got "
+                             f"{list(x.shape)} {x.dtype}")
     config = config or default_swapped_config(head_dim, max_context, k_pool.dtype)
     if not isinstance(config, SwappedConfig):
         raise TypeError(f"swapped_paged_attention: config must be a SwappedConfig, got {type(config).__name__}")
@@ -443,6 +470,8 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
         kw["q_scale"] = q_scale
     if out_dtype is not None and jnp.dtype(out_dtype) != q.dtype:
         kw["out_dtype"] = jnp.dtype(out_dtype)
+    if out_scale is not None or out_bias is not None:
+        kw["out_affine"] = (out_scale, out_bias)
     check_prefetch_args("swapped_paged_attention", prefetch_weight, prefetch)
     if prefetch is not None:
         kw.update(prefetch_weight=prefetch_weight, prefetch=prefetch)
@@ -456,24 +485,39 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpreted", "soft_cap", "score_stats",
                                              "out_dtype", "prefetch"))
 def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, scale, config, interpreted,
-                             soft_cap=None, score_stats=False, q_scale=None, out_dtype=None, prefetch_weight=None,
-                             prefetch=None):
+                             soft_cap=None, score_stats=False, q_scale=None, out_dtype=None, out_affine=None,
+                             prefetch_weight=None, prefetch=None):
     """The wrapper traced inside a jit: q row blocks (float8 pools: q's fp8 parts), flat page table, the kernel,
-    split-K merge (of the output and, with score_stats, of the score sums). Returns out [B, Hq, D] in out_dtype
-    (default q.dtype) (and score_var [B, Hq] f32)."""
+    split-K merge (of the output and, with score_stats, of the score sums), the output's affine map out_affine =
+    (scale [Hkv] or None, bias [Hkv, D] or None) where the kernel does not apply it. Returns out [B, Hq, D] in
+    out_dtype (default q.dtype) (and score_var [B, Hq] f32)."""
     del interpreted
     out_dtype = q.dtype if out_dtype is None else out_dtype
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
     group = num_q_heads // num_kv_heads
     splits = config.num_splits
+    affine_in_kernel = out_affine is not None and splits == 1 and config.out_affine_in_kernel
+    if affine_in_kernel:
+        out_scale, out_bias = out_affine
+        extra_after_q = (jnp.ones((num_kv_heads,), jnp.float32) if out_scale is None else out_scale,
+                         jnp.zeros((num_kv_heads, head_dim), jnp.float32) if out_bias is None else out_bias)
+    else:
+        extra_after_q = ()
+    # The kernel rounds to out_dtype itself only where nothing follows it in fp32 (a split merge or XLA's affine).
+    kernel_out_dtype = out_dtype if splits == 1 and (out_affine is None or affine_in_kernel) else jnp.float32
     kv_format = {jnp.dtype(jnp.float16): F16_PAGES, _FP8: F8_PAGES}.get(jnp.dtype(k_pool.dtype), BF16_PAGES)
     mma_dtype = jnp.dtype(kv_format.mma_dtype)
     extra = ()
+    q_in_kernel = False
     if isinstance(kv_format, F8Pages):     # q as fp8 parts and a per-row unscale (F8Pages)
         q_rows, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q, num_kv_heads)
         stacked = stacks_q_parts(config, copy_rows)
-        if config.fp8_q_kernel and fp8_q_split_takes(q_rows, rows_per_b, num_q_heads):
+        q_in_kernel = config.fp8_q_in_kernel and stacked and fp8_q_split_takes(q_rows, rows_per_b, num_q_heads)
+        if q_in_kernel:     # raw q rows and the per-head scale: each CTA splits its block (`fp8_q_in_kernel`)
+            q2 = q_rows
+            q_unscale = jnp.ones((num_q_heads,), jnp.float32) if q_scale is None else q_scale   # the input slot
+        elif config.fp8_q_kernel and fp8_q_split_takes(q_rows, rows_per_b, num_q_heads):
             head_scale = jnp.ones((num_q_heads,), jnp.float32) if q_scale is None else q_scale
             q2, q_unscale = fp8_q_split(q_rows, head_scale, terms=config.fp8_q_terms, stacked=stacked)
         else:     # XLA's ops: q in fp32 times its head's scale, laid out in the same row blocks, then split
@@ -490,9 +534,10 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     kernel = _build_swapped_kernel(
         batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
         table_len=table.shape[0], rows_per_b=rows_per_b, rows_per_h=rows_per_h, n_cols=copy_rows,
-        out_dtype=jnp.dtype(out_dtype if splits == 1 else jnp.float32), scale=scale, soft_cap=soft_cap,
-        score_stats=score_stats, config=config, kv_format=kv_format, prefetch=prefetch)
-    res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool, *extra,
+        out_dtype=jnp.dtype(kernel_out_dtype), scale=scale, soft_cap=soft_cap,
+        score_stats=score_stats, config=config, kv_format=kv_format, prefetch=prefetch,
+        out_affine=affine_in_kernel, q_split_in_kernel=q_in_kernel, num_q_heads=num_q_heads)
+    res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool, *extra, *extra_after_q,
                  *(() if prefetch is None else (prefetch_weight,)))
 
     def group_cols(x):
@@ -514,8 +559,23 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     else:
         o_part, lse = res
         o_part = o_part.reshape(batch, splits, num_kv_heads, rows_per_h, head_dim)[:, :, :, :group]
-        out = combine_splits(o_part, group_cols(lse)).reshape(batch, num_q_heads, head_dim).astype(out_dtype)
+        out = combine_splits(o_part, group_cols(lse)).reshape(batch, num_q_heads, head_dim)
+    if out_affine is not None and not affine_in_kernel:
+        out = apply_out_affine(out, lengths, *out_affine)
+    out = out.astype(out_dtype)
     return (out, score_var) if score_stats else out
+
+
+def apply_out_affine(out, lengths, out_scale, out_bias):
+    """out [B, Hq, D] f32 -> out * out_scale + out_bias per kv head (`swapped_paged_attention`'s out_scale [Hkv],
+    out_bias [Hkv, D], either None), the bias only on sequences with keys (lengths [B] > 0); f32."""
+    group = out.shape[1] // (out_scale if out_bias is None else out_bias).shape[0]
+    if out_scale is not None:
+        out = out * jnp.repeat(out_scale, group)[:, None]
+    if out_bias is not None:
+        has_keys = (lengths > 0)[:, None, None]
+        out = out + jnp.where(has_keys, jnp.repeat(out_bias, group, axis=0), 0.0)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,10 +584,16 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
 
 def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len, rows_per_b, rows_per_h,
                           n_cols, out_dtype, scale, config: SwappedConfig, soft_cap=None, score_stats=False,
-                          kv_format=BF16_PAGES, prefetch: L2Prefetch | None = None):
+                          kv_format=BF16_PAGES, prefetch: L2Prefetch | None = None, out_affine: bool = False,
+                          q_split_in_kernel: bool = False, num_q_heads: int | None = None):
     """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or, split, (o_part, lse), followed by
     (shift, sum, sum of squares) [B * S, Hkv, n_cols] f32 score-stat columns when score_stats. prefetch: f takes the
     next GEMM's weight as its last input, and each CTA prefetches its share of the plan after its last tile.
+    out_affine (no split-K only): f takes out_scale [Hkv] and out_bias [Hkv, D] f32 after q's inputs, and each
+    output row is o * out_scale[h] + out_bias[h] (the bias only where the sequence has keys) before the cast.
+    q_split_in_kernel (F8_PAGES, stacked q, unpadded rows: `fp8_q_split_takes`): q2 is the raw q rows [rows, D]
+    (bf16 or f32) and the input after the pools is the per-q-head scale [num_q_heads] f32 instead of the
+    unscales; each CTA splits its block into the q tile after issuing its first K/V copies.
 
     kv_format: BF16_PAGES, F16_PAGES for float16 pools, or F8_PAGES for float8_e4m3fn pools (then q2 is
     [fp8_q_terms, rows, D] e4m3 parts, or with `stacks_q_parts` [rows * fp8_q_terms, D] (`stack_q_parts`), and a
@@ -553,16 +619,23 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     fp8_scores = isinstance(kv_format, F8Pages)       # q parts [terms, rows, D] e4m3 + q_unscale [rows] f32
     q_stacked = fp8_scores and stacks_q_parts(config, N)     # ... or [rows * terms, D] (`stack_q_parts`)
     terms = config.fp8_q_terms
+    if out_affine and splits != 1:
+        raise ValueError("out_affine in the kernel needs num_splits == 1 (split-K merges after the kernel)")
+    if q_split_in_kernel and not (q_stacked and num_q_heads is not None and num_q_heads % 8 == 0):
+        raise ValueError("q's split in the kernel needs float8 pools, stacked q parts and num_q_heads % 8 == 0")
     loop_types = [kv_format.scratch_types(stages=stages, block_kv=T, head_dim=D),
                   plgpu.SMEM((N, T), mma_dtype, transforms=MMA_TRANSFORMS)]
     epilogue_types = [plgpu.SMEM((N, D), out_dtype), plgpu.SMEM((N,), jnp.float32)]
     if score_stats:     # c, sum, sum of squares
         epilogue_types += [plgpu.SMEM((N,), jnp.float32) for _ in range(3)]
 
+
     def body(lengths_ref, psizes_ref, table_ref, q_ref, k_ref, v_ref, *rest):
         q_unscale_ref = next_weight_ref = None
         if fp8_scores:
             q_unscale_ref, rest = rest[0], rest[1:]
+        if out_affine:
+            (out_scale_ref, out_bias_ref), rest = rest[:2], rest[2:]
         if prefetch is not None:
             next_weight_ref, rest = rest[0], rest[1:]
         if splits == 1:
@@ -589,12 +662,15 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         # --- page-table window and q rows -> SMEM ------------------------------------------------
         win_start = table_window_start(b, tile_lo, log2_p, max_pages=max_pages, block_kv=T, table_len=table_len,
                                        window=window)
-        plgpu.copy_gmem_to_smem(table_ref.at[pl.ds(win_start, window)], table_smem, meta_bar.at[0],
+        plgpu.copy_gmem_to_smem(table_ref.at[pl.ds(win_start, window)],
+                                table_smem.at[pl.ds(0, window)] if q_split_in_kernel else table_smem, meta_bar.at[0],
                                 oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
         q_row = b * rows_per_b + h * rows_per_h
         q_row0 = pl.multiple_of(q_row - lax.rem(q_row, 8), 8)       # tiled TMA wants 8-row alignment
         row_off = q_row - q_row0                                      # the group's first column in S^T
-        if fp8_scores:
+        if q_split_in_kernel:      # split after the first K/V copies are issued (in pipeline below)
+            q_unscale = None
+        elif fp8_scores:
             if q_stacked:
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_row0 * terms, terms * N)], q_smem, meta_bar.at[1])
             else:
@@ -610,6 +686,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         # after it. With shared_smem they are two run_scoped regions in sequence, which share their SMEM (Pallas
         # takes the larger): a CTA needs the loop's bytes, not both (`SwappedConfig.smem_bytes`).
         def pipeline(kv_smem, p_smem):
+            nonlocal q_unscale
             kv_smem, staging = kv_smem[:2], kv_smem[2:]       # staging: F8Pages' f16 V tile, else none
 
             def page_entry(p):   # slot of page p of this sequence (p inside this CTA's window)
@@ -721,7 +798,13 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             # --- pipeline -----------------------------------------------------------------------------
             for s_ in range(stages):
                 pl.when(s_ < num_steps)(functools.partial(fetch, tile_lo + s_, s_))
-            plgpu.barrier_wait(meta_bar.at[1])
+            if q_split_in_kernel:   # while the first tiles land (lesson 6: never in front of their copies)
+                head0 = pl.multiple_of(lax.rem(q_row0, num_q_heads), 8)
+                q_unscale = cols(split_block_in_kernel(
+                    q_ref.at[pl.ds(q_row0, N)], q_unscale_ref.at[pl.ds(head0, N)], q_smem,
+                    table_smem.at[pl.ds(window, N)], terms=terms), (T, N))
+            else:
+                plgpu.barrier_wait(meta_bar.at[1])
 
             refill_early = config.refill_under_pv and bool(staging)
 
@@ -762,6 +845,13 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                            num_ctas=batch * num_kv_heads * splits)
         l_i = l_tile.sum(axis=0)
         o = acc / cols(jnp.where(l_i == 0.0, 1.0, l_i), acc.shape)    # an empty row (or split) gives zeros
+        if out_affine:
+            # This kv head's scale and bias (the fold's s_v and a_v: one per CTA, whatever the column; the
+            # neighbouring group's columns are dropped below). O^T's rows are the head dim, so the bias is a row
+            # vector; a sequence with no keys keeps its zeros (its bias times 0).
+            bias = plgpu.load(out_bias_ref.at[h], layout=_ROW_LAYOUT, optimized=False)
+            bias = bias * jnp.where(length > 0, 1.0, 0.0).astype(jnp.float32)
+            o = o * out_scale_ref[h] + lax.broadcast_in_dim(bias, acc.shape, [0])
 
         def epilogue(o_smem, lse_smem, *stat_smem):
             if config.shared_smem:
@@ -798,7 +888,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     if score_stats:
         out_type += [jax.ShapeDtypeStruct((batch * splits, num_kv_heads, N), jnp.float32)] * 3
     table_and_q = [
-        plgpu.SMEM((window,), jnp.int32),
+        # q_split_in_kernel: 8 more entries hold the block's unscales (f32 bits) on their way to the column layout
+        plgpu.SMEM((window + (N if q_split_in_kernel else 0),), jnp.int32),
         kv_format.q_smem_type(terms, N, D, stacked=q_stacked) if fp8_scores
         else plgpu.SMEM((N, D), mma_dtype, transforms=MMA_TRANSFORMS)]
     barriers = [

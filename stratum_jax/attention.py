@@ -282,7 +282,8 @@ def _unit_scale_fold(delta: DeltaKV) -> bool:
     deltas keep unit scales (stratum_jax/kv/delta_cache.py), so with a mean anchor K = a_k + d_k and
     V = a_v + d_v exactly. q . a_k is one value per query, which the softmax cancels, and the softmax weights
     sum to 1, so attention over (K, V) is a_v + attention over (d_k, d_v): the f16 deltas go through the
-    kernels' f16 MMA path unchanged (no scale columns, no conversion) and `_add_mean_anchor_v` adds a_v. A
+    kernels' f16 MMA path unchanged (no scale columns, no conversion) and a_v is added after (decode: the swapped
+    kernel's out_bias; prefill: `_add_mean_anchor_v`). A
     score's variance is also unchanged by the per-query shift. The folding switch
     ($STRATUM_DKVC_FOLD_MEAN_ANCHOR) turns this off with the rest of the folded path."""
     return delta.k_delta.dtype == jnp.float16 and _folds_in_ws_kernel(delta)
@@ -318,20 +319,17 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
     lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
     if (backend == "kernel" and kernel_variant == "swapped" and isinstance(k_pool, DeltaKV)
             and _head_scale_fold(k_pool)):
-        # The deltas as the pools of the swapped kernel, with an fp32 output, so the anchor is added before the one
-        # rounding to q's dtype. Fixed fp8 scales: s_k into q (the kernel's q_scale, applied before q's fp8
-        # split), s_v onto the output.
+        # The deltas as the pools of the swapped kernel; its output's affine map (out_scale, out_bias) adds the
+        # anchor's V (and with fixed fp8 scales multiplies by s_v first) in fp32 before the one rounding to q's
+        # dtype. Fixed fp8 scales: s_k into q too (the kernel's q_scale, applied before q's fp8 split).
         from pallas_kernels.swapped_decode_attention import swapped_paged_attention
         fixed = k_pool.fixed_scales       # fp8 deltas only (DeltaKV)
-        res = swapped_paged_attention(
+        return swapped_paged_attention(
             q if fixed else q.astype(jnp.float32), k_pool.k_delta, k_pool.v_delta, lengths, tables.page_starts,
             tables.page_sizes, max_context=max_context, interpret=interpret, return_score_stats=return_score_stats,
-            q_scale=_per_q_head(k_pool.k_floor, q.shape[1]) if fixed else None, out_dtype=jnp.float32)
-        out, stats = (res[0], res[1:]) if return_score_stats else (res, ())
-        if fixed:
-            out = out * _per_q_head(k_pool.v_floor, q.shape[1])[:, None]
-        out = _add_mean_anchor_v(out, k_pool, lengths > 0).astype(q.dtype)
-        return (out, *stats) if return_score_stats else out
+            q_scale=_per_q_head(k_pool.k_floor, q.shape[1]) if fixed else None, out_dtype=q.dtype,
+            out_scale=k_pool.v_floor.astype(jnp.float32) if fixed else None,
+            out_bias=k_pool.anchor_v[:, 0].astype(jnp.float32))
     if backend == "kernel" and isinstance(k_pool, DeltaKV):      # DKVC: the delta-KV kernel
         from pallas_kernels.delta_attention import delta_attention
         d = k_pool

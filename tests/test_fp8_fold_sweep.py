@@ -21,3 +21,27 @@ def test_dry_run_checks_each_config_against_bf16(sweep, tmp_path):
 def test_bad_config_says_what_to_fix(sweep, tmp_path):
     with pytest.raises(SystemExit, match="fp8_q_terms"):
         sweep.main(["--dry-run", "--configs", "fp8_q_terms=7", "--out", str(tmp_path / "s.json")])
+
+
+def test_fold_dry_run_times_the_whole_fold_call(sweep, tmp_path):
+    """--fold: each config runs the engine's fold call (s_k into q, s_v and a_v onto a bf16 output), checked
+    against the bf16 kernel's attention with the same map; the output map applied in the kernel (no split-K) and by
+    XLA agree."""
+    out = sweep.main(["--dry-run", "--fold", "--configs", "num_splits=1;num_splits=1,out_affine_in_kernel=True",
+                      "--out", str(tmp_path / "s.json")])
+    (shape,) = out["shapes"]
+    assert out["meta"]["fold"] is True
+    assert [r["config"]["out_affine_in_kernel"] for r in shape["runs"]] == [False, True]
+    assert all(r["ok"] and r["max_abs_err_vs_bf16"] < 5e-2 for r in shape["runs"]), shape["runs"]
+
+
+def test_ncu_probe_checks_the_fp8_kernel_against_the_paged_kernel(capsys):
+    """benchmarks/ncu_fp8_attention.py (what ncu profiles for #12's bar) at small shapes in the interpreter: the fp8
+    kernel on mixed pages against the bf16 paged kernel over the same values; a bad page size says what to fix."""
+    probe = load_benchmark("ncu_fp8_attention.py", "ncu_fp8_attention")
+    assert probe.main(["--interpret", "--small", "--calls", "1", "--page", "mixed"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("fp8 B=2") and float(line.rsplit(" ", 1)[1]) < 3e-2, line
+    with pytest.raises(SystemExit):
+        probe.main(["--interpret", "--small", "--page", "12"])
+    assert "--page must be one of" in capsys.readouterr().err

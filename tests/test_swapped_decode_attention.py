@@ -172,6 +172,104 @@ def test_float8_refill_under_pv_gives_the_same_output():
         trace(config).replace("refill_under_pv=False", "")
 
 
+def affine_truth(case, out_scale, out_bias):
+    """float64 attention over the case's pools, times out_scale, plus out_bias per kv head (rows with keys)."""
+    group = case["q"].shape[1] // out_scale.shape[0]
+    has_keys = np.asarray(case["lengths"])[:, None, None] > 0
+    return (float64_attention(case) * np.repeat(np.asarray(out_scale, np.float64), group)[None, :, None]
+            + np.where(has_keys, np.repeat(np.asarray(out_bias, np.float64), group, axis=0)[None], 0.0))
+
+
+@pytest.mark.parametrize("pool_dtype", [jnp.float8_e4m3fn, jnp.bfloat16], ids=["float8", "bf16"])
+def test_out_affine_in_kernel_gives_xlas_output(pool_dtype):
+    """The output's affine map per kv head (out_scale, out_bias: the DKVC fold's s_v and a_v) in the kernel's
+    epilogue (`out_affine_in_kernel`, no split-K) gives XLA's map after the kernel bit for bit, and float64's;
+    a sequence of length 0 keeps zeros (no bias). With split-K the flag changes nothing (XLA maps the merged
+    output). Two kv heads, so a CTA's 8-row block holds both groups and the map must be its own head's."""
+    case = random_paged_case(21, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    case = {**case, "k_pool": case["k_pool"].astype(pool_dtype), "v_pool": case["v_pool"].astype(pool_dtype),
+            "q": case["q"].astype(jnp.float32)}
+    rng = np.random.default_rng(5)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, 2), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    want = affine_truth(as_mma_input(case) if pool_dtype == jnp.bfloat16 else case, scale, bias)
+    for splits in (1, 2):
+        config = SwappedConfig(block_kv=64, num_stages=2, num_splits=splits, fp8_q_terms=2,
+                               shared_smem=splits == 1)
+        run = lambda cfg: swapped_paged_attention(**case, config=cfg, interpret=True, out_scale=scale,
+                                                  out_bias=bias, out_dtype=jnp.bfloat16)
+        xla = run(config)
+        kernel = run(dataclasses.replace(config, out_affine_in_kernel=True))
+        assert kernel.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(kernel, np.float32), np.asarray(xla, np.float32))
+        got = check(kernel, want, tol=4 * BF16_TOL)     # bf16 output of values up to ~4
+        assert np.all(got[LENGTHS.index(0)] == 0.0)
+
+
+def test_fp8_q_in_kernel_gives_xlas_split():
+    """`fp8_q_in_kernel`: each CTA splits its own 8-row q block (head scales applied, power-of-two unscales, e4m3
+    parts) after issuing its first copies; the output is XLA's split's bit for bit (fp32 and bf16 q, split-K 1 and
+    2, with the output map in the kernel: the whole fold in one launch). Two kv heads, per-head scales."""
+    case = random_paged_case(23, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    f8 = {**case, "k_pool": case["k_pool"].astype(jnp.float8_e4m3fn),
+          "v_pool": case["v_pool"].astype(jnp.float8_e4m3fn)}
+    rng = np.random.default_rng(8)
+    kw = dict(interpret=True, q_scale=jnp.asarray(rng.uniform(0.5, 2.0, 8), jnp.float32),
+              out_scale=jnp.asarray(rng.uniform(0.5, 2.0, 2), jnp.float32),
+              out_bias=jnp.asarray(rng.standard_normal((2, 64)), jnp.float32), out_dtype=jnp.bfloat16)
+    for q_dtype, splits in ((jnp.float32, 1), (jnp.bfloat16, 2)):
+        c = {**f8, "q": case["q"].astype(q_dtype)}
+        config = SwappedConfig(block_kv=64, num_stages=2, num_splits=splits, fp8_q_terms=2, shared_smem=True,
+                               refill_under_pv=True)
+        xla = swapped_paged_attention(**c, config=config, **kw)
+        one = swapped_paged_attention(**c, config=dataclasses.replace(
+            config, fp8_q_in_kernel=True, out_affine_in_kernel=True), **kw)
+        np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(xla, np.float32))
+
+
+def test_out_affine_entry_checks():
+    case = random_paged_case(0, lengths=[5], page_sizes=[8], num_q_heads=4, num_kv_heads=1, head_dim=64)
+    with pytest.raises(ValueError, match=r"out_scale must be \[1\] float32"):
+        swapped_paged_attention(**case, out_scale=jnp.ones((4,), jnp.float32))
+    with pytest.raises(ValueError, match=r"out_bias must be \[1, 64\] float32"):
+        swapped_paged_attention(**case, out_bias=jnp.ones((1, 64), jnp.bfloat16))
+
+
+def test_out_affine_in_kernel_leaves_no_xla_op_after_the_kernel():
+    """With the map in the kernel (no split-K, one q row block per group) the jitted call ends at the kernel:
+    nothing computes on its output (reshapes only); with XLA's map the multiply and add follow it."""
+    args = (jax.ShapeDtypeStruct((64, 32, 128), jnp.float32),
+            *(jax.ShapeDtypeStruct((8, 1 << 16, 128), jnp.float8_e4m3fn),) * 2,
+            jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64, 512), jnp.int32),
+            jax.ShapeDtypeStruct((64,), jnp.int32))
+    affine = (jnp.ones((8,), jnp.float32), jnp.zeros((8, 128), jnp.float32))
+
+    def after_kernel(in_kernel):
+        config = SwappedConfig(block_kv=64, num_stages=2, num_splits=1, fp8_q_terms=2, shared_smem=True,
+                               out_affine_in_kernel=in_kernel)
+        jaxpr = jax.make_jaxpr(lambda *a: swapped_paged_attention(
+            *a, config=config, out_scale=affine[0], out_bias=affine[1], out_dtype=jnp.bfloat16))(*args)
+        eqns = jaxpr.eqns[-1].params["jaxpr"].jaxpr.eqns         # the entry's jit
+        # the kernel: plgpu.kernel's call (a custom_vmap_call around the pallas_call in jax 0.11)
+        kernel = max(i for i, e in enumerate(eqns) if e.primitive.name in ("pallas_call", "custom_vmap_call"))
+        return {e.primitive.name for e in eqns[kernel + 1:]}
+    assert after_kernel(True) <= {"reshape", "slice", "convert_element_type"}, after_kernel(True)
+    assert {"mul", "add"} <= after_kernel(False)
+
+
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
+def test_one_launch_fold_lowers_to_mosaic_gpu(q_dtype):
+    """llama-8b's decode shape, fp8 pools, the whole fold in one launch (`ONE_LAUNCH_FP8`: no split-K with shared
+    SMEM, q's split in the kernel's prologue, the output map in its epilogue): lowers for CUDA, and the program is
+    that one custom call with no XLA reduction or arithmetic around it."""
+    text = _lowered_text(64, 128, config=ONE_LAUNCH_FP8, pool_dtype=jnp.float8_e4m3fn, q_dtype=q_dtype,
+                         q_scale=jnp.ones((32,), jnp.float32), out_scale=jnp.ones((8,), jnp.float32),
+                         out_bias=jnp.zeros((8, 128), jnp.float32), out_dtype=jnp.bfloat16)
+    assert text.count("stablehlo.custom_call") == 1 and "mosaic_gpu" in text
+    ops = set(re.findall(r"stablehlo\.([a-z_]+)", text))
+    assert not ops & {"reduce", "multiply", "add", "divide", "reduce_precision", "concatenate", "transpose"}, ops
+
+
 def test_float8_refill_under_pv_lowers_to_mosaic_gpu():
     """llama-8b's decode shape with the copies issued under the P V MMA: the ring refill inside the MMA's scope
     lowers (TMA issue between the WGMMA and its wait)."""
@@ -313,6 +411,9 @@ def test_float8_pools_default_config_and_min_splits(monkeypatch):
 
 
 SHARED_FP8 = SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2, shared_smem=True)   # splits: the fp8 rule
+# The whole fp8 fold in one launch: no split-K (4 CTAs an SM: B=64 x Hkv=8 in one wave), q split in the kernel
+ONE_LAUNCH_FP8 = dataclasses.replace(SHARED_FP8, num_splits=1, refill_under_pv=True, fp8_q_in_kernel=True,
+                                     out_affine_in_kernel=True)
 
 
 @pytest.mark.parametrize("head_dim, context, pool_dtype, batch, kw", [
@@ -320,9 +421,11 @@ SHARED_FP8 = SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2, shared_smem
     (128, 16384, jnp.float8_e4m3fn, 64, {"config": SHARED_FP8, "return_score_stats": True}),
     (64, 4096, jnp.float8_e4m3fn, 64, {}), (128, 4096, jnp.bfloat16, 64, {}), (64, 1024, jnp.float16, 64, {}),
     (128, 16384, jnp.bfloat16, 4, {}),
-    (128, 4096, jnp.bfloat16, 64, {"config": SwappedConfig(block_kv=64, num_stages=3, shared_smem=True)})],
+    (128, 4096, jnp.bfloat16, 64, {"config": SwappedConfig(block_kv=64, num_stages=3, shared_smem=True)}),
+    (128, 4096, jnp.float8_e4m3fn, 64, {"config": ONE_LAUNCH_FP8}),
+    (128, 16384, jnp.float8_e4m3fn, 64, {"config": ONE_LAUNCH_FP8})],
     ids=["fp8-128-4k", "fp8-128-4k-shared", "fp8-128-16k-shared-stats", "fp8-64-4k", "bf16-128-4k", "f16-64-1k", "bf16-128-16k-b4",
-         "bf16-128-4k-shared"])
+         "bf16-128-4k-shared", "fp8-128-4k-one-launch", "fp8-128-16k-one-launch"])
 def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype, batch, kw):
     """`SwappedConfig.smem_bytes` (what the default configs and fp8's split rule are chosen by) against the SMEM
     scratch Pallas' lowering sizes for the kernel (its resource estimate, read by wrapping the private
@@ -350,6 +453,11 @@ def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype
                           score_stats=bool(kw.get("return_score_stats")))
     barriers = 8 * (2 + 2 * cfg.num_stages * (len(swapped_module.page_classes(cfg.block_kv)) + 1))
     assert seen[-1] + barriers == want, (seen[-1], barriers, want, cfg)
+    if cfg.fp8_q_in_kernel:
+        # The one-launch fold's point at 4K: B * Hkv = 512 CTAs in one wave of 4 an SM. At 16K a whole row's table
+        # window (2,048 entries for 8-token pages) leaves room for 3.
+        want_ctas = 4 if context == 4096 else 3
+        assert cfg.ctas_per_sm(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype) == want_ctas
 
 
 def test_score_stats_shift_and_plain_output():
@@ -435,12 +543,12 @@ def test_a_short_max_context_picks_the_short_tile_at_head_dim_64():
     assert trace(max_context=512) != trace()
 
 
-def _lowered_text(batch, head_dim, config=None, pool_dtype=jnp.bfloat16, **kw):
+def _lowered_text(batch, head_dim, config=None, pool_dtype=jnp.bfloat16, q_dtype=jnp.bfloat16, **kw):
     """The jitted kernel lowered for CUDA on this CPU: Mosaic GPU's Python passes (layout inference, the
     dialect lowering: WGMMA operand checks, transposed SMEM stores, cross-warp reductions, TMA) all run; only
     ptxas and the hardware don't."""
     shape = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
-    args = (shape(batch, 32, head_dim), shape(8, 1 << 16, head_dim, dt=pool_dtype),
+    args = (shape(batch, 32, head_dim, dt=q_dtype), shape(8, 1 << 16, head_dim, dt=pool_dtype),
             shape(8, 1 << 16, head_dim, dt=pool_dtype),
             shape(batch, dt=jnp.int32), shape(batch, 4096 // 8, dt=jnp.int32), shape(batch, dt=jnp.int32))
     fn = jax.jit(lambda *a: swapped_paged_attention(*a, config=config, **kw))
@@ -562,3 +670,27 @@ def test_gpu_reduced_pools_match_float64(pool_dtype, head_dim):
     out, var = swapped_paged_attention(**small, return_score_stats=True)
     check(out, float64_attention(small))
     check_var(var, float64_score_variance(small), rtol=10 * VAR_RTOL, atol=10 * VAR_ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool_dtype", [jnp.float16, jnp.float8_e4m3fn], ids=["float16", "float8"])
+def test_gpu_out_affine_in_kernel(pool_dtype):
+    """Compiled, B=64 at ~1K over every page size, no split-K with shared SMEM: the output map in the epilogue
+    (`out_affine_in_kernel`; float8: with q's split in the kernel too, the one-launch fold) equals XLA's ops
+    around the kernel (to a bf16 unit in the last place) and float64's."""
+    case = ragged_decode_case(64, 128, 1024, seed=6)
+    case = {**case, "k_pool": case["k_pool"].astype(pool_dtype), "v_pool": case["v_pool"].astype(pool_dtype),
+            "q": case["q"].astype(jnp.float32)}
+    rng = np.random.default_rng(6)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, 8), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
+    config = dataclasses.replace(default_swapped_config(128, 1024, pool_dtype), num_splits=1, shared_smem=True)
+    run = lambda cfg: swapped_paged_attention(**case, config=cfg, out_scale=scale, out_bias=bias,
+                                              out_dtype=jnp.bfloat16)
+    kernel = run(dataclasses.replace(config, out_affine_in_kernel=True,
+                                     fp8_q_in_kernel=pool_dtype == jnp.float8_e4m3fn))
+    # The same fp32 operations; XLA may contract o * s + b into an FMA where the kernel does not (or the other
+    # way), which can move a bf16 result by one unit in the last place.
+    np.testing.assert_allclose(np.asarray(kernel, np.float32), np.asarray(run(config), np.float32),
+                               rtol=2.0 ** -7, atol=2.0 ** -7)
+    check(kernel, affine_truth(case, scale, bias), tol=4 * BF16_TOL)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# #12, built in session 35 without a GPU: the fp8 fold in one launch, and Nsight Compute on the fp8 kernel.
+# Device calls (repo root); each prints a short table and writes under $OUT.
+#   STEP=tests (~150 s): the compiled one-launch fold against XLA's ops around the kernel and float64
+#     (`test_gpu_out_affine_in_kernel`), and the float8 GPU tests already on main.
+#   STEP=sweep (~300 s): fp8_fold_sweep.py --fold (the engine's whole fold call, s_k / s_v / a_v included) at 4K
+#     over pages 16 / 64 / mixed, interleaved: the default (split-K 2: XLA's q split and merge, 4 launches), no
+#     split-K with shared SMEM (one wave of 4 CTAs an SM), that with q's split and the output map in the kernel
+#     (one launch), and q's split in the kernel alone (split-K 2), twice. CONTEXTS=4096,16384 adds 16K (where the
+#     one-launch config holds 3 CTAs an SM: 1.3 waves, expected slower).
+#   STEP=ncu (~300 s): ncu on the bar's two kernels at 4K (benchmarks/ncu_fp8_attention.py): summary sections for the
+#     bf16 paged kernel and the fp8 kernel at pages 16 / 64 / mixed (real clocks), then the full set with SASS stall
+#     samples for fp8 at pages 16 and mixed.
+set -uo pipefail
+source benchmarks/gpu_env.sh
+ONE="num_splits=1,shared_smem=True,fp8_q_in_kernel=True,out_affine_in_kernel=True"
+case "${STEP:-sweep}" in
+  tests)
+    timeout ${T0:-200} python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py \
+      -k "gpu_out_affine or (gpu_reduced_pools and float8)" 2>&1 | tail -4
+    timeout 100 python3 -m pytest -q -p no:randomly tests/test_fp8_q_split.py -m gpu 2>&1 | tail -2 ;;
+  sweep)
+    timeout ${T1:-500} python3 benchmarks/fp8_fold_sweep.py --fold --contexts ${CONTEXTS:-4096} --pages 16,64,mixed \
+      --rounds 2 --configs "default;num_splits=1,shared_smem=True;$ONE;fp8_q_in_kernel=True;default;$ONE" \
+      --out "$OUT/fp8_fold_sweep_one_launch.json" > "$OUT/sweep.log" 2>&1
+    echo "sweep: exit $?"; grep -v ptxas "$OUT/sweep.log" | grep -A40 "^ *ctx" ;;
+  ncu)
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats"
+    SECTIONS="$SECTIONS --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
+    for k in paged fp8; do for p in 16 64 mixed; do
+      echo "=== $k page $p ==="
+      timeout 150 $NCU --clock-control none -k regex:mosaic --launch-skip 1 --launch-count 1 $SECTIONS \
+        python3 benchmarks/ncu_fp8_attention.py --kernel $k --page $p > "$OUT/ncu_${k}_${p}.txt" 2>&1
+      grep -E "^    (Duration|DRAM Throughput|Compute \(SM\) Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Block Limit [A-Z]|Issue Slots Busy|No Eligible|Warp Cycles Per Issued Instruction|Waves Per SM|SM Frequency)|max \|" "$OUT/ncu_${k}_${p}.txt"
+    done; done
+    for p in 16 mixed; do
+      echo "=== full fp8 page $p ==="
+      timeout 200 $NCU --clock-control none --set full --import-source no -k regex:mosaic --launch-skip 1 \
+        --launch-count 1 -f -o /tmp/fp8_$p python3 benchmarks/ncu_fp8_attention.py --kernel fp8 --page $p \
+        > "$OUT/ncu_full_fp8_${p}.log" 2>&1
+      tail -1 "$OUT/ncu_full_fp8_${p}.log"
+      $NCU -i /tmp/fp8_$p.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_sass_fp8_${p}.csv" 2>&1
+      $NCU -i /tmp/fp8_$p.ncu-rep --page details --csv > "$OUT/ncu_details_fp8_${p}.csv" 2>&1
+      gzip -f "$OUT/ncu_sass_fp8_${p}.csv"
+    done ;;
+esac
