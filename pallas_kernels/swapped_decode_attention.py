@@ -270,8 +270,9 @@ class SwappedConfig:
         """SMEM of one CTA in bytes, as Pallas sizes it (each allocation rounded up to 1 KB; with shared_smem, two
         run_scoped regions in sequence take the larger) plus the mbarriers (8 bytes each):
           - for the whole kernel: the page-table window (4 bytes an entry; with fp8_q_in_kernel N entries more, q's
-            unscales on their way to the column layout; an upper bound where q's rows are padded), q (bf16/f16 [N, D], or fp8_q_terms e4m3 parts [N, D]
-            for float8 pools), the cross-warp reduction scratch;
+            unscales on their way to the column layout: an upper bound where q's rows are padded and XLA splits
+            them), q (bf16/f16 [N, D], or fp8_q_terms e4m3 parts [N, D] for float8 pools), the cross-warp
+            reduction scratch;
           - the loop: the K and V rings stages * T * D each (itemsize of the pools), float8 pools' f16 V staging
             tile T * D * 2, P [N, T] 16-bit;
           - or the epilogue: out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32 and,
@@ -409,7 +410,8 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
       interpret: run the kernel in the Mosaic GPU interpreter on CPU (tests).
       return_score_stats: static; also return each query head's score variance (as `paged_attention`).
       q_scale: float8 pools only: [num_q_heads] float32 factors, q head j multiplied by q_scale[j] in fp32
-        before its fp8 split (the fixed-scale fold's s_k; with `SwappedConfig.fp8_q_kernel` inside that kernel).
+        before its fp8 split (the fixed-scale fold's s_k; with `SwappedConfig.fp8_q_kernel` inside that kernel, with
+        `fp8_q_in_kernel` inside the attention kernel).
       out_dtype: the output's dtype (default q.dtype).
       out_scale, out_bias: an affine map of the output per kv head, [num_kv_heads] and [num_kv_heads, head_dim]
         float32 (either may be None: 1 / 0): q head j's output row becomes o_j * out_scale[kv] + out_bias[kv]
@@ -628,7 +630,6 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     epilogue_types = [plgpu.SMEM((N, D), out_dtype), plgpu.SMEM((N,), jnp.float32)]
     if score_stats:     # c, sum, sum of squares
         epilogue_types += [plgpu.SMEM((N,), jnp.float32) for _ in range(3)]
-
 
     def body(lengths_ref, psizes_ref, table_ref, q_ref, k_ref, v_ref, *rest):
         q_unscale_ref = next_weight_ref = None
