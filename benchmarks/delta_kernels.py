@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from config_flags import parse_overrides
 from kernel_timing import bench, copy_ceiling, paired_profile, read_ceiling, seconds_per_call
 from paged_layout import MIXED, page_layout, xla_decode_attention
 from pallas_kernels.paged_attention import (
@@ -47,6 +48,7 @@ from pallas_kernels.delta_attention import (
     DELTA_DTYPES, default_fold_mean_anchor, delta_attention, delta_prefill_attention, delta_smem_bytes,
     rebuild_reference)
 from pallas_kernels.prefill_attention import ws_delta_prefill_attention, ws_prefill_attention, ws_prefill_block_tokens
+from pallas_kernels.swapped_decode_attention import default_swapped_config
 
 
 def delta_configs(head_dim, dtype, anchor_len, table_width, quick):
@@ -80,19 +82,31 @@ def x_paged_by(run: dict, paged: dict, method: str) -> float | None:
 def delta_targets(shapes, method: str = "headline"):
     """#12's speed bars per (precision, anchor_len, context >= 4K): the worst over the page layouts of that
     context of the best ok run's delta/paged time ratio by `method` (`x_paged_by`; a layout with no ok run
-    counts as infinitely slow). A context none of whose runs has the method's figures gives no target."""
+    counts as infinitely slow). Only what the engine runs counts: a run with engine_default False (a fold config
+    from --fold-configs) is left out. A context none of whose runs has the method's figures gives no target."""
     worst = {}
     for rec in shapes:
         if rec["context"] < 4096:
             continue
         for d in rec["delta"]:
             key = (d["precision"], d["anchor_len"], rec["context"])
-            xs = [x_paged_by(r, rec["paged"], method) for r in d["runs"] if r.get("ok") and "ms" in r]
+            xs = [x_paged_by(r, rec["paged"], method) for r in d["runs"]
+                  if r.get("ok") and "ms" in r and r.get("engine_default", True)]
             if xs and all(x is None for x in xs):
                 continue
             worst[key] = max(worst.get(key, 0.0), min((x for x in xs if x is not None), default=math.inf))
     return [dict(precision=p, anchor_len=A, context=c, timing=method, worst_x_paged=x, bar=DELTA_BARS[p],
                  met=x <= DELTA_BARS[p]) for (p, A, c), x in sorted(worst.items())]
+
+
+def fold_configs(a, head_dim, context, dtype) -> list:
+    """--fold-configs: [(the overrides as given, SwappedConfig)] over `default_swapped_config(head_dim, context,
+    dtype)`, ';'-separated (`config_flags.parse_overrides`); empty: none."""
+    specs = [x.strip() for x in (a.fold_configs or "").split(";") if x.strip()]
+    if not specs:
+        return []
+    base = default_swapped_config(head_dim, context, dtype)
+    return list(zip(specs, parse_overrides(";".join(specs), base)))
 
 
 def delta_context(key, num_slots, num_kv_heads, head_dim, anchor_lens):
@@ -153,12 +167,13 @@ def delta_truth(q, ak, av, k_scale, v_scale, kd, vd, slot, lengths, scale) -> np
 
 
 def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, paged_ms, a, *, io, interpret,
-                 label, head_scales=None, baseline=None) -> dict:
+                 label, head_scales=None, baseline=None, config=None, overrides: str = "") -> dict:
     """The engine's folded decode path (stratum_jax/attention.py `_head_scale_fold`: the swapped kernel on the
     deltas, then the mean anchor's V added) on a DeltaKV with the unit scales an fp16-delta cache keeps, or with
     head_scales ((k, v) [Hkv] f32) an fp8-delta cache's fixed per-head scales (`--fp8-scale head`: s_k into q,
     s_v onto the output), checked against XLA attention over anchor + scale x delta. Its run is marked config
-    "fold"."""
+    "fold"; with config (a `SwappedConfig` for decode_attention's swapped_config, from --fold-configs' overrides)
+    "fold <overrides>" and engine_default False: shown beside the bar, not counted for it (`delta_targets`)."""
     from stratum_jax.attention import RowTables, decode_attention
     from stratum_jax.kv.delta_cache import DeltaKV
     fixed = head_scales is not None
@@ -175,11 +190,13 @@ def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, p
         cache = DeltaKV(anchor_k=ak, anchor_v=av, k_delta=kd, v_delta=vd, k_scale=k_scale, v_scale=v_scale,
                         k_floor=k_floor, v_floor=v_floor, fixed_scales=fixed)
         return decode_attention(q, lengths - 1, RowTables(lengths, starts, psz), cache, None, backend="kernel",
-                                interpret=interpret, max_context=starts.shape[1] * 8)
-    r = measure_variant(lambda: jitted(("fold", kd.dtype), fold),
+                                interpret=interpret, max_context=starts.shape[1] * 8, swapped_config=config)
+    r = measure_variant(lambda: jitted(("fold", kd.dtype, config), fold),
                         (q, kd, vd, ak, av, lengths, starts, psz, *head_scales), ref, paged_ms, a, label=label,
                         io_bytes=io, baseline=baseline)
-    return dict(config="fold", **r)
+    if config is None:
+        return dict(config="fold", **r)
+    return dict(config=f"fold {overrides}", engine_default=False, swapped_config=dataclasses.asdict(config), **r)
 
 
 def print_pallas_table(shapes) -> None:
@@ -286,11 +303,16 @@ def run_delta(a):
                         runs.append(r)
                     if A == 1:   # fp16: unit scales; fp8: one fixed scale per head (--fp8-scale head)
                         head_scales = None if prec == "fp16-delta" else (scales[0][:, 0], scales[1][:, 0])
+                        fold_kw = dict(io=io, interpret=interpret, head_scales=head_scales, baseline=baseline)
                         runs.append(measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale,
-                                                 rec["paged"]["ms"], a, io=io, interpret=interpret,
-                                                 label=f"ctx={ctx} page={page} {prec} A={A} fold",
-                                                 head_scales=head_scales, baseline=baseline))
-                    ok = [r for r in runs if r.get("ok") and "ms" in r]
+                                                 rec["paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} A={A} "
+                                                 "fold", **fold_kw))
+                        for overrides, cfg in fold_configs(a, D, ctx, dt):
+                            runs.append(measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale,
+                                                     rec["paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} "
+                                                     f"A={A} fold {overrides}", config=cfg, overrides=overrides,
+                                                     **fold_kw))
+                    ok = [r for r in runs if r.get("ok") and "ms" in r and r.get("engine_default", True)]
                     rec["delta"].append(dict(precision=prec, anchor_len=A, io_bytes=io, runs=runs,
                                              best=min(ok, key=lambda r: r["ms"]) if ok else None))
                 del kd, vd
@@ -310,6 +332,13 @@ def run_delta(a):
             cells.append(f"{b['ms']:7.3f} {b['x_paged']:4.2f}" if b else f"{'FAILED':>12}")
         print(f"{rec['context']:>6} {rec['page']:>6} | {rec['paged']['ms']:8.3f} {rec['paged']['pct_read']:5.1f}% | "
               + " | ".join(f"{c:>16}" for c in cells))
+    extra = [(rec, d, r) for rec in result["shapes"] for d in rec["delta"] for r in d["runs"]
+             if not r.get("engine_default", True)]
+    if extra:      # --fold-configs: beside the table, not in its best
+        print("\n--fold-configs (not the engine's default, not counted for the bars):")
+        for rec, d, r in extra:
+            print(f"{rec['context']:>6} {rec['page']!s:>6} | {d['precision']} {r['config']}: "
+                  + (f"{r['ms']:.3f} ms x{r['x_paged']:.2f}" if "ms" in r else r.get("error", "failed")[:120]))
     if a.profile_kernels:
         print_pallas_table(result["shapes"])
     result["targets"] = [t for method in TIMINGS for t in delta_targets(result["shapes"], method)]

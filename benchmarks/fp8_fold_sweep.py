@@ -143,14 +143,14 @@ def main(argv=None) -> dict:
                              f"T{c['block_kv']} S{c['num_stages']} k{c['num_splits'] or 'auto'} "
                              f"q{c['fp8_q_terms']}{'' if c['fp8_q_stacked'] else 'x'}{' sh' if c['shared_smem'] else ''}"
                              f"{' R' if c['refill_under_pv'] else ''}{' Qk' if c['fp8_q_kernel'] else ''}"
-                             f"{' Ak' if c['out_affine_in_kernel'] else ''}",
+                             f"{' Qi' if c['fp8_q_in_kernel'] else ''}{' Ak' if c['out_affine_in_kernel'] else ''}",
                              r.get("ms", float("nan")), r.get("x_paged", float("nan")), r.get("pct_read", float("nan")),
                              (r.get("gpu_clocks") or {}).get("sm_mhz_median")))
     print(f"{meta['device']}  jax {meta['jax']}  B={B} Hq={Hq} Hkv={Hkv} D={D}  read {read:.2f} TB/s")
-    print(f"{'ctx':>6} {'page':>6} | {'paged ms':>8} {'%read':>6} | {'swp bf16':>8} | {'fp8 config':<18} "
+    print(f"{'ctx':>6} {'page':>6} | {'paged ms':>8} {'%read':>6} | {'swp bf16':>8} | {'fp8 config':<24} "
           f"{'ms':>7} {'x paged':>7} {'%read':>6} {'SM MHz':>6}")
     for ctx, page, pms, ppct, sms, name, ms, x, pct, mhz in rows:
-        print(f"{ctx:>6} {page!s:>6} | {pms:8.3f} {ppct:5.1f}% | {sms:8.3f} | {name:<18} {ms:7.3f} {x:7.2f} "
+        print(f"{ctx:>6} {page!s:>6} | {pms:8.3f} {ppct:5.1f}% | {sms:8.3f} | {name:<24} {ms:7.3f} {x:7.2f} "
               f"{pct:5.1f}% {'-' if mhz is None else f'{mhz:.0f}':>6}")
     return result
 

@@ -8,9 +8,13 @@
 #     split-K with shared SMEM (one wave of 4 CTAs an SM), that with q's split and the output map in the kernel
 #     (one launch), and q's split in the kernel alone (split-K 2), twice. CONTEXTS=4096,16384 adds 16K (where the
 #     one-launch config holds 3 CTAs an SM: 1.3 waves, expected slower).
-#   STEP=ncu (~300 s): ncu on the bar's two kernels at 4K (benchmarks/ncu_fp8_attention.py): summary sections for the
-#     bf16 paged kernel and the fp8 kernel at pages 16 / 64 / mixed (real clocks), then the full set with SASS stall
-#     samples for fp8 at pages 16 and mixed.
+#   STEP=bar (~300 s): kernels.py --delta on fp8 at 4K (CONTEXTS to change), host and device timing with the
+#     paired profile, the engine's default fold beside ONE (--fold-configs: shown, not counted for the bar until
+#     it is the engine's default).
+#   STEP=ncu (~360 s): ncu on the bar's two kernels at 4K (benchmarks/ncu_fp8_attention.py): summary sections for the
+#     bf16 paged kernel and the fp8 kernel at pages 16 / 64 / mixed (real clocks), the one-launch fold's kernel at 16
+#     and mixed (its registers: 4 CTAs an SM need <= 128 a thread), then the full set with SASS stall samples for fp8
+#     at pages 16 and mixed.
 set -uo pipefail
 source benchmarks/gpu_env.sh
 ONE="num_splits=1,shared_smem=True,fp8_q_in_kernel=True,out_affine_in_kernel=True"
@@ -24,6 +28,11 @@ case "${STEP:-sweep}" in
       --rounds 2 --configs "default;num_splits=1,shared_smem=True;$ONE;fp8_q_in_kernel=True;default;$ONE" \
       --out "$OUT/fp8_fold_sweep_one_launch.json" > "$OUT/sweep.log" 2>&1
     echo "sweep: exit $?"; grep -v ptxas "$OUT/sweep.log" | grep -A40 "^ *ctx" ;;
+  bar)
+    timeout ${T1:-500} python3 benchmarks/kernels.py --delta --precisions fp8-delta --anchor-lens 1 --quick \
+      --timing both --profile-kernels --contexts ${CONTEXTS:-4096} --pages 16,64,mixed --fold-configs "$ONE" \
+      --out "$OUT/delta_kernels_fp8_one_launch.json" > "$OUT/bar.log" 2>&1
+    echo "bar: exit $?"; grep -v ptxas "$OUT/bar.log" | grep -E "fold|paged:|target|read|^ +[0-9]+ +[0-9m]" | tail -40 ;;
   ncu)
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats"
@@ -34,6 +43,12 @@ case "${STEP:-sweep}" in
         python3 benchmarks/ncu_fp8_attention.py --kernel $k --page $p > "$OUT/ncu_${k}_${p}.txt" 2>&1
       grep -E "^    (Duration|DRAM Throughput|Compute \(SM\) Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Block Limit [A-Z]|Issue Slots Busy|No Eligible|Warp Cycles Per Issued Instruction|Waves Per SM|SM Frequency)|max \|" "$OUT/ncu_${k}_${p}.txt"
     done; done
+    for p in 16 mixed; do     # the one-launch fold's kernel: its registers and CTAs an SM (4 wanted)
+      echo "=== fp8 one-launch page $p ==="
+      timeout 150 $NCU --clock-control none -k regex:mosaic --launch-skip 1 --launch-count 1 $SECTIONS \
+        python3 benchmarks/ncu_fp8_attention.py --kernel fp8 --one-launch --page $p > "$OUT/ncu_fp8one_${p}.txt" 2>&1
+      grep -E "^    (Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Block Limit [A-Z]|Waves Per SM)|max \|" "$OUT/ncu_fp8one_${p}.txt"
+    done
     for p in 16 mixed; do
       echo "=== full fp8 page $p ==="
       timeout 200 $NCU --clock-control none --set full --import-source no -k regex:mosaic --launch-skip 1 \

@@ -260,6 +260,9 @@ def main(argv=None):
                     help="with --delta-prefill: query tokens per sequence (its last positions)")
     ap.add_argument("--precisions", default="fp16-delta,fp8-delta", help="with --delta")
     ap.add_argument("--anchor-lens", default="1,256", help="with --delta: 1 (mean) and/or multiples of 256")
+    ap.add_argument("--fold-configs", default="",
+                    help="with --delta: ';'-separated SwappedConfig overrides (field=value,...) of the fold's default "
+                         "config, each also timed on the engine's fold path and shown, not counted for the bars")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_h200.json, "
                                                 "or delta_kernels_h200.json with --delta)")
     a = ap.parse_args(argv)

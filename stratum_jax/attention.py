@@ -299,7 +299,8 @@ def _add_mean_anchor_v(out, delta: DeltaKV, has_keys):
 
 def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend: str, interpret: bool = False,
                      max_context: int | None = None, return_score_stats: bool = False,
-                     kernel_variant: str = "swapped", prefetch: WeightPrefetch | None = None):
+                     kernel_variant: str = "swapped", prefetch: WeightPrefetch | None = None,
+                     swapped_config=None):
     """One query token per row: q [rows, num_heads, head_dim], positions [rows] int32 (-1: the row has no
     decode token this step). The row's keys are positions 0..position (its context after the write).
     backend "kernel": a Pallas Mosaic GPU kernel: for bf16 pools kernel_variant "swapped"
@@ -310,6 +311,8 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
     the tiled jnp path with one-token tiles.
     prefetch: the next GEMM's weight and plan (the o projection's), which the bf16 swapped kernel prefetches into L2
     as its CTAs finish (pallas_kernels/l2_prefetch.py); the other paths ignore it.
+    swapped_config: a `SwappedConfig` for the swapped kernel's paths (bf16 pools and the DKVC fold), None for its
+    default (`default_swapped_config` for the pools and max_context); benchmarks/kernels.py times others with it.
     Returns out [rows, num_heads, head_dim] (and score_var [rows, num_heads] with return_score_stats).
     """
     if kernel_variant not in DECODE_KERNELS:
@@ -329,7 +332,7 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
             tables.page_sizes, max_context=max_context, interpret=interpret, return_score_stats=return_score_stats,
             q_scale=_per_q_head(k_pool.k_floor, q.shape[1]) if fixed else None, out_dtype=q.dtype,
             out_scale=k_pool.v_floor.astype(jnp.float32) if fixed else None,
-            out_bias=k_pool.anchor_v[:, 0].astype(jnp.float32))
+            out_bias=k_pool.anchor_v[:, 0].astype(jnp.float32), config=swapped_config)
     if backend == "kernel" and isinstance(k_pool, DeltaKV):      # DKVC: the delta-KV kernel
         from pallas_kernels.delta_attention import delta_attention
         d = k_pool
@@ -340,7 +343,7 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
         from pallas_kernels.swapped_decode_attention import swapped_paged_attention
         return swapped_paged_attention(q, k_pool, v_pool, lengths, tables.page_starts, tables.page_sizes,
                                        max_context=max_context, interpret=interpret,
-                                       return_score_stats=return_score_stats,
+                                       return_score_stats=return_score_stats, config=swapped_config,
                                        prefetch_weight=None if prefetch is None else prefetch.weight,
                                        prefetch=None if prefetch is None else prefetch.plan)
     if backend == "kernel":

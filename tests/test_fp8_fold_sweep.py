@@ -45,3 +45,6 @@ def test_ncu_probe_checks_the_fp8_kernel_against_the_paged_kernel(capsys):
     with pytest.raises(SystemExit):
         probe.main(["--interpret", "--small", "--page", "12"])
     assert "--page must be one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        probe.main(["--interpret", "--small", "--kernel", "paged", "--one-launch"])
+    assert "add --kernel fp8" in capsys.readouterr().err

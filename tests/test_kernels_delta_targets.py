@@ -8,7 +8,7 @@ import pytest
 
 from benchmark_module import load_benchmark
 
-load_benchmark("kernels.py", "bench_kernels")
+kernels = load_benchmark("kernels.py", "bench_kernels")
 delta_kernels = sys.modules["delta_kernels"]       # the --delta mode (loaded beside it: benchmark_module.py)
 delta_targets = delta_kernels.delta_targets
 
@@ -54,3 +54,43 @@ def test_each_timing_method_is_judged_on_its_own_figures():
     host_only = [_shape(4096, fp8_delta=[_run(0.5)])]
     assert delta_targets(host_only, "device") == [] and delta_targets(host_only, "pallas") == []
     assert delta_targets(host_only)[0]["met"]
+
+
+def test_fold_configs_are_shown_not_counted():
+    """A run from --fold-configs (engine_default False: a config the engine does not run) never decides a bar,
+    however fast it is."""
+    fast_override = dict(_run(0.40), engine_default=False, config="fold num_splits=1")
+    shapes = [_shape(4096, fp8_delta=[_run(0.65), fast_override])]
+    (target,) = delta_targets(shapes)
+    assert target["worst_x_paged"] == 0.65 and not target["met"]
+
+
+def test_fold_configs_parse_over_the_folds_default(tmp_path):
+    """--fold-configs: each ';' item is SwappedConfig overrides of the fold's default for that context and pool
+    dtype; a field the config lacks says what to fix."""
+    import argparse
+    import jax.numpy as jnp
+    a = argparse.Namespace(fold_configs="num_splits=1,shared_smem=True; fp8_q_in_kernel=True")
+    (s1, c1), (s2, c2) = delta_kernels.fold_configs(a, 128, 4096, jnp.float8_e4m3fn)
+    assert (s1, c1.num_splits, c1.shared_smem, c1.block_kv) == ("num_splits=1,shared_smem=True", 1, True, 64)
+    assert c2.fp8_q_in_kernel and c2.num_splits is None
+    assert delta_kernels.fold_configs(argparse.Namespace(fold_configs=""), 128, 4096, jnp.float8_e4m3fn) == []
+    with pytest.raises(SystemExit, match="not field=value"):
+        delta_kernels.fold_configs(argparse.Namespace(fold_configs="splits=1"), 128, 4096, jnp.float8_e4m3fn)
+
+
+def test_delta_dry_run_times_the_fold_configs_beside_the_default(tmp_path):
+    """kernels.py --delta --fold-configs in the interpreter: the override runs the engine's fold path with that
+    config (checked against the same truth), is recorded as not the engine's default, and is not the best."""
+    import json
+    spec = "num_splits=1,shared_smem=True,out_affine_in_kernel=True"
+    out = tmp_path / "d.json"
+    assert kernels.main(["--delta", "--dry-run", "--precisions", "fp8-delta", "--fold-configs", spec,
+                         "--out", str(out)]) == 0
+    (shape,) = json.loads(out.read_text())["shapes"]
+    (delta,) = shape["delta"]
+    by_config = {r["config"] if isinstance(r["config"], str) else "kernel": r for r in delta["runs"]}
+    extra = by_config[f"fold {spec}"]
+    assert extra["ok"] and extra["engine_default"] is False and extra["swapped_config"]["num_splits"] == 1
+    assert by_config["fold"]["ok"] and "engine_default" not in by_config["fold"]
+    assert delta["best"]["config"] != extra["config"]
