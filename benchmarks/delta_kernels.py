@@ -41,9 +41,9 @@ import numpy as np
 
 from config_flags import parse_overrides
 from kernel_timing import bench, copy_ceiling, paired_profile, read_ceiling, seconds_per_call
-from paged_layout import MIXED, page_layout, xla_decode_attention
+from paged_layout import MIXED, batch_page_sizes, page_layout, xla_decode_attention
 from pallas_kernels.paged_attention import (
-    PAGE_SIZES, PREFILL_KERNEL_CONFIG, TuningConfig, paged_attention, paged_prefill_attention, prefill_block_tokens)
+    PREFILL_KERNEL_CONFIG, TuningConfig, paged_attention, paged_prefill_attention, prefill_block_tokens)
 from pallas_kernels.delta_attention import (
     DELTA_DTYPES, default_fold_mean_anchor, delta_attention, delta_prefill_attention, delta_smem_bytes,
     rebuild_reference)
@@ -270,7 +270,7 @@ def run_delta(a):
         lengths = jnp.full((B,), ctx, jnp.int32)
         paged_io = 2 * B * Hkv * ctx * D * 2 + 2 * q.nbytes
         for page in pages:
-            sizes = [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(B)] if page == MIXED else [page] * B
+            sizes = batch_page_sizes(B, page)
             starts_np, _ = page_layout(rng, B, ctx, sizes, table_width)
             starts, psz = jnp.asarray(starts_np), jnp.asarray(sizes, jnp.int32)
             rec = dict(context=ctx, page=page, paged=None, delta=[])
@@ -389,7 +389,7 @@ def run_delta_prefill(a):
         q_starts = jnp.asarray(np.tile(ctx - n_q + tokens * np.arange(per_seq), B), jnp.int32)
         lengths = q_starts + tokens
         for page in pages:
-            sizes = [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(B)] if page == MIXED else [page] * B
+            sizes = batch_page_sizes(B, page)
             starts_np, _ = page_layout(rng, B, ctx, sizes, table_width)
             starts = jnp.asarray(np.repeat(starts_np, per_seq, axis=0))
             psz = jnp.asarray(np.repeat(sizes, per_seq), jnp.int32)

@@ -36,8 +36,8 @@ import numpy as np                             # noqa: E402
 from config_flags import parse_overrides       # noqa: E402  (beside this script)
 from gpu_clocks import ClockSampler            # noqa: E402
 from kernel_timing import bench, read_ceiling   # noqa: E402
-from paged_layout import MIXED, page_layout   # noqa: E402
-from pallas_kernels.paged_attention import PAGE_SIZES, paged_attention   # noqa: E402
+from paged_layout import MIXED, batch_page_sizes, page_layout   # noqa: E402
+from pallas_kernels.paged_attention import paged_attention   # noqa: E402
 from pallas_kernels.swapped_decode_attention import (   # noqa: E402
     default_swapped_config, swapped_paged_attention)
 
@@ -76,11 +76,13 @@ def main(argv=None) -> dict:
     print(f"read ceiling (bf16 sum): {read:.3f} TB/s", flush=True)
     rng = np.random.default_rng(1)
     key = jax.random.key(0)
-    # --fold: the fold's per-kv-head scales and anchor V (random; powers of two not required)
+    # --fold: the fold's per-kv-head scales and anchor V (random; powers of two not required), from their own
+    # generator so the page layouts are the ones a run without --fold draws
     group = Hq // Hkv
-    s_k = jnp.asarray(rng.uniform(0.5, 2.0, Hkv), jnp.float32)
-    s_v = jnp.asarray(rng.uniform(0.5, 2.0, Hkv), jnp.float32)
-    a_v = jnp.asarray(rng.standard_normal((Hkv, D)), jnp.float32)
+    fold_rng = np.random.default_rng(2)
+    s_k = jnp.asarray(fold_rng.uniform(0.5, 2.0, Hkv), jnp.float32)
+    s_v = jnp.asarray(fold_rng.uniform(0.5, 2.0, Hkv), jnp.float32)
+    a_v = jnp.asarray(fold_rng.standard_normal((Hkv, D)), jnp.float32)
     fold_kw = dict(q_scale=jnp.repeat(s_k, group), out_scale=s_v, out_bias=a_v, out_dtype=jnp.bfloat16) if a.fold \
         else {}
     jits = {}
@@ -97,7 +99,7 @@ def main(argv=None) -> dict:
         lengths = jnp.full((B,), ctx, jnp.int32)
         bf16_io, fp8_io = 2 * B * Hkv * ctx * D * 2, 2 * B * Hkv * ctx * D
         for page in (p if p == MIXED else int(p) for p in a.pages.split(",")):
-            sizes = [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(B)] if page == MIXED else [page] * B
+            sizes = batch_page_sizes(B, page)
             starts, _ = page_layout(rng, B, ctx, sizes, ctx // 8)
             starts, psz = jnp.asarray(starts), jnp.asarray(sizes, jnp.int32)
 

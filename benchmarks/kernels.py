@@ -70,11 +70,11 @@ import numpy as np                             # noqa: E402
 
 from config_flags import parse_overrides       # noqa: E402  (beside this script)
 from kernel_timing import copy_ceiling, read_ceiling, seconds_per_call   # noqa: E402
-from paged_layout import MIXED, dense_from_pages, page_layout, xla_decode_attention   # noqa: E402
+from paged_layout import MIXED, batch_page_sizes, dense_from_pages, page_layout, xla_decode_attention   # noqa: E402
 from delta_kernels import run_delta, run_delta_prefill   # noqa: E402  (beside this script)
 from pallas_kernels.testing import float64_attention, random_paged_case   # noqa: E402
 from pallas_kernels.paged_attention import (   # noqa: E402
-    PAGE_SIZES, TuningConfig, default_config, paged_attention)
+    TuningConfig, default_config, paged_attention)
 from pallas_kernels.swapped_decode_attention import (   # noqa: E402
     SwappedConfig, default_swapped_config, swapped_paged_attention)
 
@@ -357,7 +357,7 @@ def main(argv=None):
         runs = [("paged", c) for c in configs] + ([] if a.triton_only else [("swapped", c) for c in ctx_swapped])
         xla_time = None
         for page in pages:
-            sizes = [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(B)] if page == MIXED else [page] * B
+            sizes = batch_page_sizes(B, page)
             starts_np, _ = page_layout(rng, B, ctx, sizes, table_width)
             starts = jnp.asarray(starts_np)
             psz = jnp.asarray(sizes, jnp.int32)

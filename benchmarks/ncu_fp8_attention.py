@@ -34,7 +34,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from paged_layout import MIXED, page_layout  # noqa: E402  (beside this script)
+from paged_layout import MIXED, batch_page_sizes, page_layout  # noqa: E402  (beside this script)
 from pallas_kernels.paged_attention import PAGE_SIZES, paged_attention  # noqa: E402
 from pallas_kernels.swapped_decode_attention import (  # noqa: E402
     default_swapped_config, swapped_paged_attention)
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         ap.error("--one-launch is a way to run the fp8 kernel: add --kernel fp8")
     if ctx % 256:
         ap.error(f"--context must be a multiple of 256 (the layout's block), got {ctx}")
-    sizes = [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(B)] if args.page == MIXED else [int(args.page)] * B
+    sizes = batch_page_sizes(B, args.page)
     starts, num_slots = page_layout(np.random.default_rng(1), B, ctx, sizes, ctx // 8)
     keys = jax.random.split(jax.random.key(0), 3)
     k8 = (jax.random.normal(keys[0], (Hkv, num_slots, D), jnp.float32) * 8).astype(jnp.float8_e4m3fn)

@@ -9,7 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.paged_attention import PAGE_SIZES
+
 MIXED = "mixed"     # the --pages value of a batch whose rows cycle through every page size
+
+
+def batch_page_sizes(batch: int, page) -> list[int]:
+    """Each row's page size: `page` (an int) for every row, or with MIXED the rows cycling through PAGE_SIZES."""
+    return [PAGE_SIZES[b % len(PAGE_SIZES)] for b in range(batch)] if page == MIXED else [int(page)] * batch
 
 
 def page_layout(rng, batch, context, page_sizes, table_width):

@@ -52,6 +52,19 @@ def reduce_precision_e4m3_bits(x):
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def e4m3_parts(rest, terms: int) -> list:
+    """In a kernel: rest (f32, already divided by its unscale) -> its `terms` e4m3 parts, each the rounding of what
+    the parts before it left (`reduce_precision_e4m3_bits`); the last a plain cast, which keeps e4m3's subnormals
+    and needs no f32 value back."""
+    parts = []
+    for _ in range(terms - 1):
+        part = reduce_precision_e4m3_bits(rest)
+        parts.append(part.astype(_F8))
+        rest = rest - part
+    parts.append(rest.astype(_F8))
+    return parts
+
+
 def split_block_in_kernel(q_rows, row_scale, parts_smem, unscale_smem, *, terms: int):
     """Inside a kernel (one warpgroup): one block of 8 q rows split into e4m3 parts, as `split_rows_fp8` and
     `stack_q_parts` compute them, written into the swapped decode kernel's stacked q tile: the attention kernel's
@@ -78,14 +91,8 @@ def split_block_in_kernel(q_rows, row_scale, parts_smem, unscale_smem, *, terms:
     x = x * lax.broadcast_in_dim(scale, (d, ROW_BLOCK), [1])
     pow2_floor = lax.bitcast_convert_type(lax.bitcast_convert_type(jnp.abs(x), jnp.int32) & 0x7F800000, jnp.float32)
     unscale = jnp.clip(pow2_floor * 2.0 ** -6, 2.0 ** -100, 2.0 ** 100).max(axis=0)       # monotone maps, then max
-    rest = x * lax.broadcast_in_dim(1.0 / unscale, (d, ROW_BLOCK), [1])
-    for t in range(terms):
-        if t < terms - 1:
-            part = reduce_precision_e4m3_bits(rest)
-            rest = rest - part
-        else:
-            part = rest
-        parts_smem.at[pl.ds(t * ROW_BLOCK, ROW_BLOCK)].transpose((1, 0))[...] = part.astype(_F8)
+    for t, part in enumerate(e4m3_parts(x * lax.broadcast_in_dim(1.0 / unscale, (d, ROW_BLOCK), [1]), terms)):
+        parts_smem.at[pl.ds(t * ROW_BLOCK, ROW_BLOCK)].transpose((1, 0))[...] = part
     unscale_smem[...] = lax.bitcast_convert_type(unscale, unscale_smem.dtype)
     plgpu.commit_smem()
     columns = plgpu.load(unscale_smem, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
@@ -162,15 +169,9 @@ def _build_kernel(*, rows, head_dim, period, terms, stacked, x_dtype):
             u = jnp.clip(jnp.max(jnp.where(row == i, pow2_floor, 0.0)) * 2.0 ** -6, 2.0 ** -100, 2.0 ** 100)
             unscale_smem[i] = u
             unscale = jnp.where(row == i, u, unscale)
-        rest = x * (1.0 / unscale)
-        for t in range(terms):
-            if t < terms - 1:
-                part = reduce_precision_e4m3_bits(rest)
-                rest = rest - part
-            else:
-                part = rest     # the last part needs no fp32 value back: a plain cast, e4m3's subnormals kept
+        for t, part in enumerate(e4m3_parts(x * (1.0 / unscale), terms)):
             dst = parts_smem.at[pl.ds(t * ROW_BLOCK, ROW_BLOCK)] if stacked else parts_smem.at[t]
-            dst[...] = part.astype(_F8)
+            dst[...] = part
         plgpu.commit_smem()
         if stacked:
             plgpu.copy_smem_to_gmem(parts_smem, parts_gmem.at[pl.ds(r0 * terms, ROW_BLOCK * terms)])

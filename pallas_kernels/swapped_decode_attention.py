@@ -515,19 +515,20 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     if isinstance(kv_format, F8Pages):     # q as fp8 parts and a per-row unscale (F8Pages)
         q_rows, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q, num_kv_heads)
         stacked = stacks_q_parts(config, copy_rows)
-        q_in_kernel = config.fp8_q_in_kernel and stacked and fp8_q_split_takes(q_rows, rows_per_b, num_q_heads)
-        if q_in_kernel:     # raw q rows and the per-head scale: each CTA splits its block (`fp8_q_in_kernel`)
-            q2 = q_rows
-            q_unscale = jnp.ones((num_q_heads,), jnp.float32) if q_scale is None else q_scale   # the input slot
-        elif config.fp8_q_kernel and fp8_q_split_takes(q_rows, rows_per_b, num_q_heads):
-            head_scale = jnp.ones((num_q_heads,), jnp.float32) if q_scale is None else q_scale
-            q2, q_unscale = fp8_q_split(q_rows, head_scale, terms=config.fp8_q_terms, stacked=stacked)
+        takes = fp8_q_split_takes(q_rows, rows_per_b, num_q_heads)
+        q_in_kernel = config.fp8_q_in_kernel and stacked and takes
+        head_scale = lambda: jnp.ones((num_q_heads,), jnp.float32) if q_scale is None else q_scale
+        if q_in_kernel:     # raw q rows, and the per-head scale in the unscales' input slot (`fp8_q_in_kernel`)
+            q2, extra = q_rows, (head_scale(),)
+        elif config.fp8_q_kernel and takes:
+            q2, q_unscale = fp8_q_split(q_rows, head_scale(), terms=config.fp8_q_terms, stacked=stacked)
+            extra = (q_unscale,)
         else:     # XLA's ops: q in fp32 times its head's scale, laid out in the same row blocks, then split
             q32 = q.astype(jnp.float32) if q_scale is None else q.astype(jnp.float32) * q_scale[None, :, None]
             q2, q_unscale = split_rows_fp8(q_row_blocks(q32, num_kv_heads)[0], config.fp8_q_terms)
             if stacked:
                 q2 = stack_q_parts(q2)
-        extra = (q_unscale,)
+            extra = (q_unscale,)
     else:
         q_mma = jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX) if mma_dtype == jnp.float16 else q
         q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q_mma.astype(mma_dtype), num_kv_heads)
@@ -563,20 +564,22 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
         o_part = o_part.reshape(batch, splits, num_kv_heads, rows_per_h, head_dim)[:, :, :, :group]
         out = combine_splits(o_part, group_cols(lse)).reshape(batch, num_q_heads, head_dim)
     if out_affine is not None and not affine_in_kernel:
-        out = apply_out_affine(out, lengths, *out_affine)
+        out = apply_out_affine(out, lengths > 0, *out_affine)
     out = out.astype(out_dtype)
     return (out, score_var) if score_stats else out
 
 
-def apply_out_affine(out, lengths, out_scale, out_bias):
-    """out [B, Hq, D] f32 -> out * out_scale + out_bias per kv head (`swapped_paged_attention`'s out_scale [Hkv],
-    out_bias [Hkv, D], either None), the bias only on sequences with keys (lengths [B] > 0); f32."""
-    group = out.shape[1] // (out_scale if out_bias is None else out_bias).shape[0]
+def apply_out_affine(out, has_keys, out_scale, out_bias):
+    """out [rows, ..., Hq, D] -> out * out_scale + out_bias per kv head in f32 (`swapped_paged_attention`'s out_scale
+    [Hkv], out_bias [Hkv, D], either None; q head j takes kv head j // group), the bias only on rows with keys
+    (has_keys [rows] bool: a row with none stays zeros, as the kernels give). Returns f32."""
+    group = out.shape[-2] // (out_scale if out_bias is None else out_bias).shape[0]
+    out = out.astype(jnp.float32)
     if out_scale is not None:
-        out = out * jnp.repeat(out_scale, group)[:, None]
+        out = out * jnp.repeat(out_scale.astype(jnp.float32), group)[:, None]
     if out_bias is not None:
-        has_keys = (lengths > 0)[:, None, None]
-        out = out + jnp.where(has_keys, jnp.repeat(out_bias, group, axis=0), 0.0)
+        mask = has_keys.reshape(has_keys.shape + (1,) * (out.ndim - 1))
+        out = out + jnp.where(mask, jnp.repeat(out_bias.astype(jnp.float32), group, axis=0), 0.0)
     return out
 
 

@@ -292,9 +292,8 @@ def _unit_scale_fold(delta: DeltaKV) -> bool:
 def _add_mean_anchor_v(out, delta: DeltaKV, has_keys):
     """out [rows, ..., Hq, D] (attention over the deltas) + anchor_v per q head, in f32, where has_keys [rows]
     (a row with no key stays zeros, as the kernels give); returns out's dtype."""
-    a_v = _per_q_head(delta.anchor_v[:, 0], out.shape[-2])                            # [Hq, D]
-    mask = has_keys.reshape(has_keys.shape + (1,) * (out.ndim - 1))
-    return (out.astype(jnp.float32) + jnp.where(mask, a_v, 0.0)).astype(out.dtype)
+    from pallas_kernels.swapped_decode_attention import apply_out_affine
+    return apply_out_affine(out, has_keys, None, delta.anchor_v[:, 0]).astype(out.dtype)
 
 
 def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend: str, interpret: bool = False,
