@@ -237,14 +237,15 @@ class SwappedConfig:
       fp8_q_in_kernel: float8 pools: q's scale, fp8 split and layout inside the attention kernel (each CTA splits
         its own 8-row q block after issuing its first K/V copies: `fp8_q_split.split_block_in_kernel`), so no
         kernel runs before it; where `fp8_q_split_takes` and the parts are stacked, else XLA's ops. Bit for bit the
-        same parts and unscales. Off in the defaults: not yet run on a GPU (built in session 35). Session 21 timed
-        a first version (before the copies: slower; after them: as fast as XLA's split) at split-K 2, where every
-        CTA of 2.6 waves pays the split; with one wave (no split-K, 4 CTAs an SM) it is paid once.
+        same parts and unscales. On in the float8 default (`default_swapped_config`): it removes XLA's three
+        kernels before the attention kernel and their launch gaps, though every CTA of split-K 2's 2.6 waves
+        pays the split.
       out_affine_in_kernel: with the output affine map (`swapped_paged_attention`'s out_scale / out_bias, the DKVC
         fold's s_v and mean anchor a_v) and no split-K, apply it in the kernel's epilogue before the one cast to
         the output dtype, so the call has no XLA kernel after the attention kernel; otherwise (and with split-K
         always) XLA applies it after the kernel (and the split merge), as one fusion. The same fp32 operations in
-        the same order. Off in the defaults: not yet run on a GPU (built in session 35 without device access).
+        the same order. Off in the defaults: with no split-K (one wave of 4 CTAs an SM at 4K) the fold is
+        0.64-0.69x the paged kernel's time against split-K 2's 0.57-0.60x (H100, session 36, BENCHMARKS.md).
     """
 
     block_kv: int = 128
@@ -342,9 +343,11 @@ def default_swapped_config(head_dim: int, max_context: int | None = None, pool_d
     split-K's smaller table window) and a shorter chain pay. Still the fastest after session 20's cheaper V
     conversion (0.61-0.66x at 4K against shared SMEM, 3 stages, k1, k4). The ring refilled under the P V MMA
     (`refill_under_pv`): faster than after it in 11 of 12 pairs at 4K and 16K, pages 16/64/mixed (BENCHMARKS.md,
-    session 23). head_dim 64 fp8 was not timed: its bf16 default."""
+    session 23). q's fp8 split inside the attention kernel (`fp8_q_in_kernel`): the fold's device time 0.557-0.570x
+    the paged kernel's at 4K against 0.570-0.608x with XLA's split, and no slower at 16K (H100, session 36,
+    BENCHMARKS.md). head_dim 64 fp8 was not timed: its bf16 default."""
     if jnp.dtype(pool_dtype) == _FP8 and head_dim == 128:
-        return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2, refill_under_pv=True)
+        return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2, refill_under_pv=True, fp8_q_in_kernel=True)
     if head_dim == 64:
         if max_context is not None and max_context <= SHORT_CONTEXT_KEYS:
             return SwappedConfig(block_kv=64, num_stages=3)

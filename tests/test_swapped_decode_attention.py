@@ -375,14 +375,14 @@ def test_split_rows_fp8_unscale_is_the_row_reduction():
 
 
 def test_float8_pools_default_config_and_min_splits(monkeypatch):
-    """float8 pools at head_dim 128 default to 64-token tiles, 2 stages, 2 q parts (the fastest timed,
-    BENCHMARKS.md) and split-K of at least FP8_MIN_SPLITS even where the grid rule says 1; with shared_smem
+    """float8 pools at head_dim 128 default to 64-token tiles, 2 stages, 2 q parts split in the attention kernel
+    (the fastest timed, BENCHMARKS.md) and split-K of at least FP8_MIN_SPLITS even where the grid rule says 1; with shared_smem
     (not a default yet) deeper where the page table's window would leave fewer than FP8_CTAS_PER_SM CTAs an SM
     (16K context: 4); bf16 pools keep their default. head_dim 64 fp8 keeps the bf16 default tiles (not timed)."""
     fp8 = jnp.float8_e4m3fn
     cfg = swapped_module.default_swapped_config(128, pool_dtype=fp8)
-    assert (cfg.block_kv, cfg.num_stages, cfg.fp8_q_terms, cfg.num_splits, cfg.shared_smem, cfg.refill_under_pv) == \
-        (64, 2, 2, None, False, True)
+    assert (cfg.block_kv, cfg.num_stages, cfg.fp8_q_terms, cfg.num_splits, cfg.shared_smem, cfg.refill_under_pv,
+            cfg.fp8_q_in_kernel, cfg.out_affine_in_kernel) == (64, 2, 2, None, False, True, True, False)
     assert swapped_module.default_swapped_config(128) == SwappedConfig(block_kv=64, num_stages=3)
     assert swapped_module.default_swapped_config(64, pool_dtype=fp8) == swapped_module.default_swapped_config(64)
     assert cfg.ctas_per_sm(128, max_pages=16384 // 8) >= 2
@@ -397,7 +397,7 @@ def test_float8_pools_default_config_and_min_splits(monkeypatch):
     jax.make_jaxpr(lambda c: swapped_paged_attention(**c))(as_fp8)
     jax.make_jaxpr(lambda c: swapped_paged_attention(**c))(case)
     assert seen[0] == SwappedConfig(block_kv=64, num_stages=2, num_splits=swapped_module.FP8_MIN_SPLITS,
-                                    fp8_q_terms=2, refill_under_pv=True)
+                                    fp8_q_terms=2, refill_under_pv=True, fp8_q_in_kernel=True)
     assert seen[1] == SwappedConfig(block_kv=64, num_stages=3, num_splits=1)
     # Without shared_smem, FP8_MIN_SPLITS (or the grid's); with it, deep enough for FP8_CTAS_PER_SM CTAs an SM.
     splits = lambda c, pages, grid=1: swapped_module.fp8_default_splits(c, 128, pages, 4, grid)
@@ -453,7 +453,7 @@ def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype
                           score_stats=bool(kw.get("return_score_stats")))
     barriers = 8 * (2 + 2 * cfg.num_stages * (len(swapped_module.page_classes(cfg.block_kv)) + 1))
     assert seen[-1] + barriers == want, (seen[-1], barriers, want, cfg)
-    if cfg.fp8_q_in_kernel:
+    if cfg.fp8_q_in_kernel and cfg.num_splits == 1:
         # The one-launch fold's point at 4K: B * Hkv = 512 CTAs in one wave of 4 an SM. At 16K a whole row's table
         # window (2,048 entries for 8-token pages) leaves room for 3.
         want_ctas = 4 if context == 4096 else 3
@@ -684,7 +684,8 @@ def test_gpu_out_affine_in_kernel(pool_dtype):
     rng = np.random.default_rng(6)
     scale = jnp.asarray(rng.uniform(0.5, 2.0, 8), jnp.float32)
     bias = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
-    config = dataclasses.replace(default_swapped_config(128, 1024, pool_dtype), num_splits=1, shared_smem=True)
+    config = dataclasses.replace(default_swapped_config(128, 1024, pool_dtype), num_splits=1, shared_smem=True,
+                                 fp8_q_in_kernel=False)
     run = lambda cfg: swapped_paged_attention(**case, config=cfg, out_scale=scale, out_bias=bias,
                                               out_dtype=jnp.bfloat16)
     kernel = run(dataclasses.replace(config, out_affine_in_kernel=True,
