@@ -11,6 +11,8 @@
 #   STEP=bar (~300 s): kernels.py --delta on fp8 at 4K (CONTEXTS to change), host and device timing with the
 #     paired profile, the engine's default fold beside ONE (--fold-configs: shown, not counted for the bar until
 #     it is the engine's default).
+#   STEP=default (~450 s; session 36): kernels.py --delta on fp8 at 4K and 16K with the engine's default fold (q's
+#     split in the kernel since session 36), then e2e_decode.py llama-8b B=64 4K, bf16 vs fp8-delta (#12's two bars).
 #   STEP=ncu (~360 s): ncu on the bar's two kernels at 4K (benchmarks/ncu_fp8_attention.py): summary sections for the
 #     bf16 paged kernel and the fp8 kernel at pages 16 / 64 / mixed (real clocks), the one-launch fold's kernel at 16
 #     and mixed (its registers: 4 CTAs an SM need <= 128 a thread), then the full set with SASS stall samples for fp8
@@ -33,6 +35,15 @@ case "${STEP:-sweep}" in
       --timing both --profile-kernels --contexts ${CONTEXTS:-4096} --pages 16,64,mixed --fold-configs "$ONE" \
       --out "$OUT/delta_kernels_fp8_one_launch.json" > "$OUT/bar.log" 2>&1
     echo "bar: exit $?"; grep -v ptxas "$OUT/bar.log" | grep -E "fold|paged:|target|read|^ +[0-9]+ +[0-9m]" | tail -40 ;;
+  default)   # session 36: the fp8 default (q split in the kernel) against #12's two bars, in one call (~450 s)
+    timeout ${T1:-200} python3 benchmarks/kernels.py --delta --precisions fp8-delta --anchor-lens 1 --quick \
+      --timing both --profile-kernels --contexts ${CONTEXTS:-4096,16384} --pages 16,64,mixed \
+      --out "$OUT/delta_kernels_fp8_default_${TAG:-s36}.json" > "$OUT/bar.log" 2>&1
+    echo "bar: exit $?"; grep -v ptxas "$OUT/bar.log" | grep -E "^target|^ +[0-9]+ +[0-9m]+ \| +[0-9.]+ +[0-9.]+% \|"
+    timeout ${T2:-300} python3 benchmarks/e2e_decode.py --model llama-8b --batch 64 --prompt-len 3968 --new-tokens 128 \
+      --attention kernel --kv-precision bf16 fp8-delta --fp8-scale head \
+      --out "$OUT/e2e_decode_llama-8b_b64_4k_fp8_head_${TAG:-s36}.json" > "$OUT/e2e.log" 2>&1
+    echo "e2e: exit $?"; grep -vE "^\s*$|it/s\]|tok/s\]|ptxas" "$OUT/e2e.log" | tail -12 ;;
   ncu)
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats"
