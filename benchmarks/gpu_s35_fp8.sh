@@ -11,8 +11,10 @@
 #   STEP=bar (~300 s): kernels.py --delta on fp8 at 4K (CONTEXTS to change), host and device timing with the
 #     paired profile, the engine's default fold beside ONE (--fold-configs: shown, not counted for the bar until
 #     it is the engine's default).
-#   STEP=default (~450 s; session 36): kernels.py --delta on fp8 at 4K and 16K with the engine's default fold (q's
-#     split in the kernel since session 36), then e2e_decode.py llama-8b B=64 4K, bf16 vs fp8-delta (#12's two bars).
+#   STEP=default (~500 s; session 36): kernels.py --delta on fp8 at 4K and 16K with the engine's default fold (q's
+#     split in the kernel since session 36) and, shown beside it, FOLD_CONFIGS (default: the split merge and output
+#     map in the kernel, `split_merge_in_kernel`), the compiled merge's GPU test, then e2e_decode.py llama-8b B=64
+#     4K, bf16 vs fp8-delta (#12's two bars).
 #   STEP=ncu (~360 s): ncu on the bar's two kernels at 4K (benchmarks/ncu_fp8_attention.py): summary sections for the
 #     bf16 paged kernel and the fp8 kernel at pages 16 / 64 / mixed (real clocks), the one-launch fold's kernel at 16
 #     and mixed (its registers: 4 CTAs an SM need <= 128 a thread), then the full set with SASS stall samples for fp8
@@ -38,8 +40,10 @@ case "${STEP:-sweep}" in
   default)   # session 36: the fp8 default (q split in the kernel) against #12's two bars, in one call (~450 s)
     timeout ${T1:-200} python3 benchmarks/kernels.py --delta --precisions fp8-delta --anchor-lens 1 --quick \
       --timing both --profile-kernels --contexts ${CONTEXTS:-4096,16384} --pages 16,64,mixed \
+      --fold-configs "${FOLD_CONFIGS:-split_merge_in_kernel=True,out_affine_in_kernel=True}" \
       --out "$OUT/delta_kernels_fp8_default_${TAG:-s36}.json" > "$OUT/bar.log" 2>&1
-    echo "bar: exit $?"; grep -v ptxas "$OUT/bar.log" | grep -E "^target|^ +[0-9]+ +[0-9m]+ \| +[0-9.]+ +[0-9.]+% \|"
+    echo "bar: exit $?"; grep -v ptxas "$OUT/bar.log" | grep -E "^target|^ +[0-9]+ +[0-9m]+ \| +[0-9.]+ +[0-9.]+% \||fold .*ms x"
+    timeout 120 python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py -k gpu_out_affine 2>&1 | tail -3
     timeout ${T2:-300} python3 benchmarks/e2e_decode.py --model llama-8b --batch 64 --prompt-len 3968 --new-tokens 128 \
       --attention kernel --kv-precision bf16 fp8-delta --fp8-scale head \
       --out "$OUT/e2e_decode_llama-8b_b64_4k_fp8_head_${TAG:-s36}.json" > "$OUT/e2e.log" 2>&1

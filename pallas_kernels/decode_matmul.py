@@ -45,10 +45,9 @@ import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import llvm
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
+from pallas_kernels.cluster_exchange import fence_for_peers
 from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
 
 _ROWS = 64             # WGMMA M
@@ -464,10 +463,10 @@ def _cluster_sum_and_add(acc, split, r0, n0, *, out_gmem, parts_gmem, out_smem, 
     part_smem[...] = acc
     plgpu.commit_smem()          # every thread's writes done (a warpgroup barrier) before the one arriving thread
     if parts_gmem is None:
-        _fence_for_peers(async_proxy=False)
+        fence_for_peers(async_proxy=False)
         plgpu.barrier_arrive(cluster_barrier)
         plgpu.barrier_wait(cluster_barrier)
-        _fence_for_peers(async_proxy=False)
+        fence_for_peers(async_proxy=False)
         # A plain strided register layout for the whole tile (none is inferred for the peers' reads).
         strided = plgpu.Layout.WG_STRIDED(part_smem.shape, 4)
         if interpret_mode_active():
@@ -484,16 +483,16 @@ def _cluster_sum_and_add(acc, split, r0, n0, *, out_gmem, parts_gmem, out_smem, 
         plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(r0, rows_per_split)],
                                 out_gmem.at[pl.ds(r0, rows_per_split), pl.ds(n0, tile_n)])
         # No block may leave (and free its shared memory) before every peer has read it.
-        _fence_for_peers(async_proxy=False)
+        fence_for_peers(async_proxy=False)
         plgpu.barrier_arrive(cluster_barrier)
         plgpu.barrier_wait(cluster_barrier)
     else:
         plgpu.copy_smem_to_gmem(part_smem, parts_gmem.at[split, :, pl.ds(n0, tile_n)])
         plgpu.wait_smem_to_gmem(0)
-        _fence_for_peers()
+        fence_for_peers()
         plgpu.barrier_arrive(cluster_barrier)
         plgpu.barrier_wait(cluster_barrier)
-        _fence_for_peers()
+        fence_for_peers()
         # part_smem is free again (its store has completed): it takes the S partials' slices of this block's rows.
         for s in range(splits):
             plgpu.copy_gmem_to_smem(parts_gmem.at[s, pl.ds(r0, rows_per_split), pl.ds(n0, tile_n)],
@@ -516,20 +515,3 @@ def _add_and_store(y, res_smem, res_barrier, out_smem, layout=None):
     res = res_smem[...] if layout is None else plgpu.load(res_smem, (), layout=layout)
     out_smem[...] = (res.astype(jnp.float32) + y.astype(dtype).astype(jnp.float32)).astype(dtype)
     plgpu.commit_smem()
-
-
-def _fence_for_peers(async_proxy: bool = True):
-    """On the GPU: order this block's writes of its partial before the cluster barrier, and the barrier before its
-    reads of its peers' partials, at cluster scope (the barrier's arrive and wait order only the block's own
-    accesses). async_proxy: the writes and reads are TMA copies of the global exchange buffer ("l2"), so the
-    generic and async proxies are ordered too. The interpreter runs each access to completion in program order, so
-    it needs (and has) no fence."""
-    if interpret_mode_active():
-        return
-    asm = ("fence.proxy.async.global;\n\t" if async_proxy else "") + "fence.acq_rel.cluster;"
-
-    @plgpu.inline_mgpu()
-    def fence(_):
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], asm, "", has_side_effects=True)
-
-    fence()

@@ -92,6 +92,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
+from pallas_kernels.cluster_exchange import merge_attention_splits
 from pallas_kernels.delta_attention import F16_SAFE_MAX, convert_to_f16, delta_ring_type
 from pallas_kernels.fp8_q_split import (HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_BLOCK as FP8_Q_SPLIT_ROWS, fp8_q_split,
                                          split_block_in_kernel)
@@ -246,6 +247,13 @@ class SwappedConfig:
         always) XLA applies it after the kernel (and the split merge), as one fusion. The same fp32 operations in
         the same order. Off in the defaults: with no split-K (one wave of 4 CTAs an SM at 4K) the fold is
         0.64-0.69x the paged kernel's time against split-K 2's 0.57-0.60x (H100, session 36, BENCHMARKS.md).
+        With `split_merge_in_kernel` it also applies under split-K.
+      split_merge_in_kernel: with split-K, a (sequence, kv head)'s splits run as one cluster; each stores its
+        normalised rows and log-sum-exp (as without the flag), and after a cluster barrier the first split merges
+        them (`cluster_exchange.merge_attention_splits`: `combine_splits`' fp32 operations) and writes the output in
+        its dtype, so no XLA kernel follows the attention kernel's (with `out_affine_in_kernel`, nor for the
+        output map). The exchange goes through global memory (L2): the interpreter has no peer SMEM. Off in the
+        defaults: built in session 36, not yet timed.
     """
 
     block_kv: int = 128
@@ -260,6 +268,7 @@ class SwappedConfig:
     fp8_q_kernel: bool = False
     fp8_q_in_kernel: bool = False
     out_affine_in_kernel: bool = False
+    split_merge_in_kernel: bool = False
 
     def __post_init__(self):
         check_tile_pipeline(self.block_kv, self.num_stages, self.num_splits)
@@ -267,7 +276,7 @@ class SwappedConfig:
             raise ValueError(f"SwappedConfig: fp8_q_terms must be 1..4, got {self.fp8_q_terms}")
 
     def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2,
-                   pool_dtype=jnp.bfloat16, score_stats: bool = False) -> int:
+                   pool_dtype=jnp.bfloat16, score_stats: bool = False, merged_itemsize: int = 2) -> int:
         """SMEM of one CTA in bytes, as Pallas sizes it (each allocation rounded up to 1 KB; with shared_smem, two
         run_scoped regions in sequence take the larger) plus the mbarriers (8 bytes each):
           - for the whole kernel: the page-table window (4 bytes an entry; with fp8_q_in_kernel N entries more, q's
@@ -277,7 +286,9 @@ class SwappedConfig:
           - the loop: the K and V rings stages * T * D each (itemsize of the pools), float8 pools' f16 V staging
             tile T * D * 2, P [N, T] 16-bit;
           - or the epilogue: out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32 and,
-            with score_stats, 3 more [N] f32.
+            with score_stats, 3 more [N] f32; with split_merge_in_kernel (split-K) also the merge's S partials
+            [S, N, D] f32, their lse [S, N] f32, the merged tile [N, D] (merged_itemsize) and the bias row [D] f32
+            (used with an output map), and 2 more mbarriers.
         Without shared_smem the loop's and the epilogue's buffers add up instead. The lowered kernels' resource
         estimate is compared with this in tests/test_swapped_decode_attention.py."""
         n, T, D, S = query_columns(group), self.block_kv, head_dim, self.num_stages
@@ -290,14 +301,19 @@ class SwappedConfig:
         loop = 2 * kb(S * T * D * itemsize) + (kb(T * D * 2) if fp8 else 0) + kb(n * T * 2)
         epilogue = kb(n * D * out_itemsize) + kb(n * 4) * (4 if score_stats else 1)
         barriers = 8 * (2 + 2 * S * (len(page_classes(T)) + 1))
+        splits = self.num_splits or 1
+        if self.split_merge_in_kernel and splits > 1:
+            epilogue += kb(splits * n * D * 4) + kb(splits * n * 4) + kb(n * D * merged_itemsize) + kb(D * 4)
+            barriers += 16
         return whole + (max(loop, epilogue) if self.shared_smem else loop + epilogue) + barriers
 
     def ctas_per_sm(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2,
-                    pool_dtype=jnp.bfloat16) -> int:
-        """CTAs of this config an H200 SM holds by SMEM alone (registers are not the limit here: the
-        tiles need T*N/64 + D*N/128 + T*N/256 registers a thread)."""
-        return _SMEM_PER_SM // (self.smem_bytes(head_dim, max_pages, group, out_itemsize, pool_dtype)
-                                + _SMEM_PER_CTA_RESERVED)
+                    pool_dtype=jnp.bfloat16, merged_itemsize: int = 2) -> int:
+        """CTAs of this config an H200 SM holds by SMEM alone. Registers can bound it lower: the float8 default's
+        kernel takes 153 registers a thread (ncu, session 36), which allows 3 CTAs of 128 threads an SM, so
+        4 by SMEM (shared_smem) still runs 3."""
+        return _SMEM_PER_SM // (self.smem_bytes(head_dim, max_pages, group, out_itemsize, pool_dtype,
+                                                merged_itemsize=merged_itemsize) + _SMEM_PER_CTA_RESERVED)
 
 
 # At head_dim 64, contexts up to this many keys take 64-token tiles with 3 stages (`default_swapped_config`).
@@ -502,7 +518,8 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     num_kv_heads = k_pool.shape[0]
     group = num_q_heads // num_kv_heads
     splits = config.num_splits
-    affine_in_kernel = out_affine is not None and splits == 1 and config.out_affine_in_kernel
+    merge_in_kernel = splits > 1 and config.split_merge_in_kernel
+    affine_in_kernel = out_affine is not None and (splits == 1 or merge_in_kernel) and config.out_affine_in_kernel
     if affine_in_kernel:
         out_scale, out_bias = out_affine
         extra_after_q = (jnp.ones((num_kv_heads,), jnp.float32) if out_scale is None else out_scale,
@@ -510,7 +527,8 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     else:
         extra_after_q = ()
     # The kernel rounds to out_dtype itself only where nothing follows it in fp32 (a split merge or XLA's affine).
-    kernel_out_dtype = out_dtype if splits == 1 and (out_affine is None or affine_in_kernel) else jnp.float32
+    kernel_out_dtype = (out_dtype if (splits == 1 or merge_in_kernel) and (out_affine is None or affine_in_kernel)
+                        else jnp.float32)
     kv_format = {jnp.dtype(jnp.float16): F16_PAGES, _FP8: F8_PAGES}.get(jnp.dtype(k_pool.dtype), BF16_PAGES)
     mma_dtype = jnp.dtype(kv_format.mma_dtype)
     extra = ()
@@ -542,7 +560,8 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
         table_len=table.shape[0], rows_per_b=rows_per_b, rows_per_h=rows_per_h, n_cols=copy_rows,
         out_dtype=jnp.dtype(kernel_out_dtype), scale=scale, soft_cap=soft_cap,
         score_stats=score_stats, config=config, kv_format=kv_format, prefetch=prefetch,
-        out_affine=affine_in_kernel, q_split_in_kernel=q_in_kernel, num_q_heads=num_q_heads)
+        out_affine=affine_in_kernel, q_split_in_kernel=q_in_kernel, num_q_heads=num_q_heads,
+        merge_in_kernel=merge_in_kernel)
     res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool, *extra, *extra_after_q,
                  *(() if prefetch is None else (prefetch_weight,)))
 
@@ -559,7 +578,7 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
         n = split_key_counts(lengths, page_sizes, max_pages=max_pages, block_kv=config.block_kv, splits=splits)
         score_var = score_variance_from_partials(*(group_cols(x) for x in stats), n[:, :, None, None])
         score_var = score_var.reshape(batch, num_q_heads)
-    if splits == 1:
+    if splits == 1 or merge_in_kernel:     # (merged: res[1:3] are the splits' rows and lse, the kernel's exchange)
         out = res[0].reshape(batch, num_kv_heads, rows_per_h, head_dim)[:, :, :group]
         out = out.reshape(batch, num_q_heads, head_dim)
     else:
@@ -593,12 +612,15 @@ def apply_out_affine(out, has_keys, out_scale, out_bias):
 def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len, rows_per_b, rows_per_h,
                           n_cols, out_dtype, scale, config: SwappedConfig, soft_cap=None, score_stats=False,
                           kv_format=BF16_PAGES, prefetch: L2Prefetch | None = None, out_affine: bool = False,
-                          q_split_in_kernel: bool = False, num_q_heads: int | None = None):
-    """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or, split, (o_part, lse), followed by
+                          q_split_in_kernel: bool = False, num_q_heads: int | None = None,
+                          merge_in_kernel: bool = False):
+    """Returns f(lengths, page_sizes, table, q2, k_pool, v_pool) -> (o,) or, split, (o_part, lse) (merged in the
+    kernel: (o, o_part, lse), o_part and lse the exchange buffers of `SwappedConfig.split_merge_in_kernel`), followed by
     (shift, sum, sum of squares) [B * S, Hkv, n_cols] f32 score-stat columns when score_stats. prefetch: f takes the
     next GEMM's weight as its last input, and each CTA prefetches its share of the plan after its last tile.
-    out_affine (no split-K only): f takes out_scale [Hkv] and out_bias [Hkv, D] f32 after q's inputs, and each
-    output row is o * out_scale[h] + out_bias[h] (the bias only where the sequence has keys) before the cast.
+    out_affine (no split-K, or merge_in_kernel): f takes out_scale [Hkv] and out_bias [Hkv, D] f32 after q's inputs,
+    and each output row is o * out_scale[h] + out_bias[h] (the bias only where the sequence has keys) before the
+    cast. out_dtype: o's dtype (o_part is f32).
     q_split_in_kernel (F8_PAGES, stacked q, unpadded rows: `fp8_q_split_takes`): q2 is the raw q rows [rows, D]
     (bf16 or f32) and the input after the pools is the per-q-head scale [num_q_heads] f32 instead of the
     unscales; each CTA splits its block into the q tile after issuing its first K/V copies.
@@ -627,15 +649,23 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     fp8_scores = isinstance(kv_format, F8Pages)       # q parts [terms, rows, D] e4m3 + q_unscale [rows] f32
     q_stacked = fp8_scores and stacks_q_parts(config, N)     # ... or [rows * terms, D] (`stack_q_parts`)
     terms = config.fp8_q_terms
-    if out_affine and splits != 1:
-        raise ValueError("out_affine in the kernel needs num_splits == 1 (split-K merges after the kernel)")
+    if merge_in_kernel and splits == 1:
+        raise ValueError("merge_in_kernel needs split-K (num_splits > 1)")
+    if out_affine and splits != 1 and not merge_in_kernel:
+        raise ValueError("out_affine in the kernel needs num_splits == 1 or the split merge in the kernel")
+    part_dtype = out_dtype if splits == 1 else jnp.float32    # what each CTA stores: the output, or its split's rows
     if q_split_in_kernel and not (q_stacked and num_q_heads is not None and num_q_heads % 8 == 0):
         raise ValueError("q's split in the kernel needs float8 pools, stacked q parts and num_q_heads % 8 == 0")
     loop_types = [kv_format.scratch_types(stages=stages, block_kv=T, head_dim=D),
                   plgpu.SMEM((N, T), mma_dtype, transforms=MMA_TRANSFORMS)]
-    epilogue_types = [plgpu.SMEM((N, D), out_dtype), plgpu.SMEM((N,), jnp.float32)]
+    epilogue_types = [plgpu.SMEM((N, D), part_dtype), plgpu.SMEM((N,), jnp.float32)]
     if score_stats:     # c, sum, sum of squares
         epilogue_types += [plgpu.SMEM((N,), jnp.float32) for _ in range(3)]
+    if merge_in_kernel:     # the splits' rows and lse, the merged tile, the bias row (used with out_affine)
+        epilogue_types += [plgpu.SMEM((splits, N, D), jnp.float32), plgpu.SMEM((splits, N), jnp.float32),
+                           plgpu.SMEM((N, D), out_dtype), plgpu.SMEM((D,), jnp.float32)]
+    merge_barriers = [plgpu.ClusterBarrier(collective_axes=("k",), num_arrivals=1),
+                      plgpu.Barrier(num_arrivals=2 * splits + bool(out_affine))] if merge_in_kernel else []
 
     def body(lengths_ref, psizes_ref, table_ref, q_ref, k_ref, v_ref, *rest):
         q_unscale_ref = next_weight_ref = None
@@ -645,17 +675,22 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             (out_scale_ref, out_bias_ref), rest = rest[:2], rest[2:]
         if prefetch is not None:
             next_weight_ref, rest = rest[0], rest[1:]
+        merged_ref = None
         if splits == 1:
             (o_ref,), rest = rest[:1], rest[1:]
             lse_ref = None
+        elif merge_in_kernel:
+            (merged_ref, o_ref, lse_ref), rest = rest[:3], rest[3:]
         else:
             (o_ref, lse_ref), rest = rest[:2], rest[2:]
         if score_stats:
             stat_refs, rest = rest[:3], rest[3:]
+        if merge_in_kernel:
+            rest, merge_bars = rest[:-2], rest[-2:]
         if config.shared_smem:
             table_smem, q_smem, meta_bar, k_bars, v_bars = rest
         else:
-            table_smem, q_smem, kv_smem, p_smem, o_smem, lse_smem, meta_bar, k_bars, v_bars, *stat_smem = rest
+            table_smem, q_smem, kv_smem, p_smem, o_smem, lse_smem, meta_bar, k_bars, v_bars, *tail_smem = rest
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         k_split = lax.axis_index("k") if splits > 1 else 0
@@ -852,7 +887,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                            num_ctas=batch * num_kv_heads * splits)
         l_i = l_tile.sum(axis=0)
         o = acc / cols(jnp.where(l_i == 0.0, 1.0, l_i), acc.shape)    # an empty row (or split) gives zeros
-        if out_affine:
+        if out_affine and not merge_in_kernel:     # (merged: applied after the merge)
             # This kv head's scale and bias (the fold's s_v and a_v: one per CTA, whatever the column; the
             # neighbouring group's columns are dropped below). O^T's rows are the head dim, so the bias is a row
             # vector; a sequence with no keys keeps its zeros (its bias times 0).
@@ -860,14 +895,15 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             bias = bias * jnp.where(length > 0, 1.0, 0.0).astype(jnp.float32)
             o = o * out_scale_ref[h] + lax.broadcast_in_dim(bias, acc.shape, [0])
 
-        def epilogue(o_smem, lse_smem, *stat_smem):
+        def epilogue(o_smem, lse_smem, *tail_smem):
+            stat_smem, merge_smem = tail_smem[:3 if score_stats else 0], tail_smem[3 if score_stats else 0:]
             if config.shared_smem:
                 # These tiles reuse the loop's SMEM: every warp's last MMA must be done reading it before any
                 # warp writes here (a warp's wgmma wait covers only its own share).
                 plgpu.commit_smem()
             # O^T leaves registers transposed into the [N, D] output tile (the WGMMA_TRANSPOSED register layout
             # makes the f32 store transferable), so the TMA below writes q-head rows of the output.
-            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(o.astype(part_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
             if lse_ref is not None:
                 lse_smem[...] = m_i + jnp.log2(l_i)                       # -inf for an empty split
             if score_stats:
@@ -883,13 +919,26 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                 for src, dst in zip(stat_smem, stat_refs):
                     plgpu.copy_smem_to_gmem(src, dst.at[b * splits + k_split, h])
             plgpu.wait_smem_to_gmem(0)
+            if merge_in_kernel:
+                part_smem, lse_in_smem, merged_smem, bias_smem = merge_smem
+                merge_attention_splits(
+                    parts_gmem=o_ref, lse_gmem=lse_ref, out_gmem=merged_ref,
+                    part_rows=[(b * splits + s_) * rows_per_b + h * rows_per_h for s_ in range(splits)],
+                    lse_blocks=[(b * splits + s_, h) for s_ in range(splits)], out_row=q_row, col0=row_off,
+                    group=group, is_first=k_split == 0, part_smem=part_smem, lse_smem=lse_in_smem,
+                    out_smem=merged_smem, cluster_barrier=merge_bars[0], load_barrier=merge_bars[1],
+                    out_scale=out_scale_ref[h] if out_affine else None,
+                    bias_gmem=out_bias_ref.at[h] if out_affine else None,
+                    bias_smem=bias_smem, has_keys=length > 0)
 
         if config.shared_smem:
             pl.run_scoped(epilogue, *epilogue_types)
         else:
-            epilogue(o_smem, lse_smem, *stat_smem)
+            epilogue(o_smem, lse_smem, *tail_smem)
 
-    out_type = [jax.ShapeDtypeStruct((batch * rows_per_b * splits, D), out_dtype)]
+    out_type = [jax.ShapeDtypeStruct((batch * rows_per_b * splits, D), part_dtype)]
+    if merge_in_kernel:
+        out_type.insert(0, jax.ShapeDtypeStruct((batch * rows_per_b, D), out_dtype))
     if splits > 1:
         out_type.append(jax.ShapeDtypeStruct((batch * splits, num_kv_heads, N), jnp.float32))
     if score_stats:
@@ -905,14 +954,17 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
     ]
     if config.shared_smem:
-        scratch = table_and_q + barriers
+        scratch = table_and_q + barriers + merge_barriers
     else:     # the order the kernel had before shared_smem (its traced program unchanged)
-        scratch = table_and_q + loop_types + epilogue_types[:2] + barriers + epilogue_types[2:]
+        scratch = table_and_q + loop_types + epilogue_types[:2] + barriers + epilogue_types[2:] + merge_barriers
     grid, names = (batch, num_kv_heads), ("b", "h")
-    if splits > 1:
+    cluster = {}
+    if merge_in_kernel:     # a (sequence, kv head)'s splits: one cluster
+        cluster = dict(cluster=(splits,), cluster_names=("k",))
+    elif splits > 1:
         grid, names = (batch, num_kv_heads, splits), ("b", "h", "k")
     return plgpu.kernel(
-        body, out_type=out_type, grid=grid, grid_names=names, scratch_types=scratch,
+        body, out_type=out_type, grid=grid, grid_names=names, scratch_types=scratch, **cluster,
         compiler_params=plgpu.CompilerParams(approx_math=config.approx_math,
                                              unsafe_no_auto_barriers=config.no_auto_barriers,
                                              reduction_scratch_bytes=reduction_scratch_bytes(N)))

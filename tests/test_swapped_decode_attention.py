@@ -227,6 +227,31 @@ def test_fp8_q_in_kernel_gives_xlas_split():
         np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(xla, np.float32))
 
 
+def test_split_merge_in_kernel_gives_xlas_merge():
+    """`split_merge_in_kernel`: the splits of a (sequence, kv head) run as one cluster, exchange their rows and
+    log-sum-exp through global memory, and the first merges them (with the output map, for float8 pools the whole
+    fold: q split, scores, merge, s_v and a_v in one launch): bit for bit XLA's `combine_splits` and map, also
+    with split-K 3, shared SMEM, the score statistics (merged by XLA as before) and a sequence of length 0."""
+    case = random_paged_case(23, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    f8 = {**case, "k_pool": case["k_pool"].astype(jnp.float8_e4m3fn),
+          "v_pool": case["v_pool"].astype(jnp.float8_e4m3fn), "q": case["q"].astype(jnp.bfloat16)}
+    rng = np.random.default_rng(8)
+    affine = dict(q_scale=jnp.asarray(rng.uniform(0.5, 2.0, 8), jnp.float32),
+                  out_scale=jnp.asarray(rng.uniform(0.5, 2.0, 2), jnp.float32),
+                  out_bias=jnp.asarray(rng.standard_normal((2, 64)), jnp.float32), out_dtype=jnp.bfloat16)
+    fold = SwappedConfig(block_kv=64, num_stages=2, num_splits=2, fp8_q_terms=2, refill_under_pv=True,
+                         fp8_q_in_kernel=True)
+    plain = SwappedConfig(block_kv=64, num_stages=2, num_splits=3, shared_smem=True)
+    for c, config, kw in ((f8, fold, affine), ({**case, "q": case["q"].astype(jnp.float32)}, plain,
+                                               {"return_score_stats": True})):
+        xla = swapped_paged_attention(**c, config=config, interpret=True, **kw)
+        merged = swapped_paged_attention(**c, config=dataclasses.replace(
+            config, split_merge_in_kernel=True, out_affine_in_kernel=True), interpret=True, **kw)
+        for got, want in zip(jax.tree.leaves(merged), jax.tree.leaves(xla)):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_out_affine_entry_checks():
     case = random_paged_case(0, lengths=[5], page_sizes=[8], num_q_heads=4, num_kv_heads=1, head_dim=64)
     with pytest.raises(ValueError, match=r"out_scale must be \[1\] float32"):
@@ -257,12 +282,15 @@ def test_out_affine_in_kernel_leaves_no_xla_op_after_the_kernel():
     assert {"mul", "add"} <= after_kernel(False)
 
 
+@pytest.mark.parametrize("config", ["one-launch", "merged"])
 @pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
-def test_one_launch_fold_lowers_to_mosaic_gpu(q_dtype):
+def test_one_launch_fold_lowers_to_mosaic_gpu(q_dtype, config):
     """llama-8b's decode shape, fp8 pools, the whole fold in one launch (`ONE_LAUNCH_FP8`: no split-K with shared
-    SMEM, q's split in the kernel's prologue, the output map in its epilogue): lowers for CUDA, and the program is
-    that one custom call with no XLA reduction or arithmetic around it."""
-    text = _lowered_text(64, 128, config=ONE_LAUNCH_FP8, pool_dtype=jnp.float8_e4m3fn, q_dtype=q_dtype,
+    SMEM, q's split in the kernel's prologue, the output map in its epilogue; `MERGED_FP8`: split-K 2 as clusters,
+    merged and mapped by the first split): lowers for CUDA, and the program is that one custom call with no XLA
+    reduction or arithmetic around it."""
+    config = {"one-launch": ONE_LAUNCH_FP8, "merged": MERGED_FP8}[config]
+    text = _lowered_text(64, 128, config=config, pool_dtype=jnp.float8_e4m3fn, q_dtype=q_dtype,
                          q_scale=jnp.ones((32,), jnp.float32), out_scale=jnp.ones((8,), jnp.float32),
                          out_bias=jnp.zeros((8, 128), jnp.float32), out_dtype=jnp.bfloat16)
     assert text.count("stablehlo.custom_call") == 1 and "mosaic_gpu" in text
@@ -414,6 +442,9 @@ SHARED_FP8 = SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2, shared_smem
 # The whole fp8 fold in one launch: no split-K (4 CTAs an SM: B=64 x Hkv=8 in one wave), q split in the kernel
 ONE_LAUNCH_FP8 = dataclasses.replace(SHARED_FP8, num_splits=1, refill_under_pv=True, fp8_q_in_kernel=True,
                                      out_affine_in_kernel=True)
+# The fp8 default (split-K 2, q split in the kernel) with the split merge and the output map in the kernel
+MERGED_FP8 = dataclasses.replace(default_swapped_config(128, 4096, jnp.float8_e4m3fn), num_splits=2,
+                                 split_merge_in_kernel=True, out_affine_in_kernel=True)
 
 
 @pytest.mark.parametrize("head_dim, context, pool_dtype, batch, kw", [
@@ -423,9 +454,10 @@ ONE_LAUNCH_FP8 = dataclasses.replace(SHARED_FP8, num_splits=1, refill_under_pv=T
     (128, 16384, jnp.bfloat16, 4, {}),
     (128, 4096, jnp.bfloat16, 64, {"config": SwappedConfig(block_kv=64, num_stages=3, shared_smem=True)}),
     (128, 4096, jnp.float8_e4m3fn, 64, {"config": ONE_LAUNCH_FP8}),
-    (128, 16384, jnp.float8_e4m3fn, 64, {"config": ONE_LAUNCH_FP8})],
+    (128, 16384, jnp.float8_e4m3fn, 64, {"config": ONE_LAUNCH_FP8}),
+    (128, 4096, jnp.float8_e4m3fn, 64, {"config": MERGED_FP8})],
     ids=["fp8-128-4k", "fp8-128-4k-shared", "fp8-128-16k-shared-stats", "fp8-64-4k", "bf16-128-4k", "f16-64-1k", "bf16-128-16k-b4",
-         "bf16-128-4k-shared", "fp8-128-4k-one-launch", "fp8-128-16k-one-launch"])
+         "bf16-128-4k-shared", "fp8-128-4k-one-launch", "fp8-128-16k-one-launch", "fp8-128-4k-merged"])
 def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype, batch, kw):
     """`SwappedConfig.smem_bytes` (what the default configs and fp8's split rule are chosen by) against the SMEM
     scratch Pallas' lowering sizes for the kernel (its resource estimate, read by wrapping the private
@@ -450,14 +482,18 @@ def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype
         jax.jit(lambda *a: swapped_paged_attention(*a, **kw)).trace(*args).lower(lowering_platforms=("cuda",))
     cfg = captured["config"]
     want = cfg.smem_bytes(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype,
-                          score_stats=bool(kw.get("return_score_stats")))
+                          score_stats=bool(kw.get("return_score_stats")), merged_itemsize=4)
     barriers = 8 * (2 + 2 * cfg.num_stages * (len(swapped_module.page_classes(cfg.block_kv)) + 1))
+    barriers += 16 if cfg.split_merge_in_kernel else 0      # the cluster's and the merge loads'
     assert seen[-1] + barriers == want, (seen[-1], barriers, want, cfg)
     if cfg.fp8_q_in_kernel and cfg.num_splits == 1:
         # The one-launch fold's point at 4K: B * Hkv = 512 CTAs in one wave of 4 an SM. At 16K a whole row's table
         # window (2,048 entries for 8-token pages) leaves room for 3.
         want_ctas = 4 if context == 4096 else 3
         assert cfg.ctas_per_sm(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype) == want_ctas
+    if cfg.split_merge_in_kernel:     # the merge's tiles leave the fp8 default's 3 CTAs an SM at 4K
+        assert cfg.ctas_per_sm(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype,
+                               merged_itemsize=2) == 3
 
 
 def test_score_stats_shift_and_plain_output():
@@ -677,7 +713,7 @@ def test_gpu_reduced_pools_match_float64(pool_dtype, head_dim):
 def test_gpu_out_affine_in_kernel(pool_dtype):
     """Compiled, B=64 at ~1K over every page size, no split-K with shared SMEM: the output map in the epilogue
     (`out_affine_in_kernel`; float8: with q's split in the kernel too, the one-launch fold) equals XLA's ops
-    around the kernel (to a bf16 unit in the last place) and float64's."""
+    around the kernel (to a bf16 unit in the last place) and float64's; so does split-K 2 merged in the kernel."""
     case = ragged_decode_case(64, 128, 1024, seed=6)
     case = {**case, "k_pool": case["k_pool"].astype(pool_dtype), "v_pool": case["v_pool"].astype(pool_dtype),
             "q": case["q"].astype(jnp.float32)}
@@ -695,3 +731,11 @@ def test_gpu_out_affine_in_kernel(pool_dtype):
     np.testing.assert_allclose(np.asarray(kernel, np.float32), np.asarray(run(config), np.float32),
                                rtol=2.0 ** -7, atol=2.0 ** -7)
     check(kernel, affine_truth(case, scale, bias), tol=4 * BF16_TOL)
+    # Split-K 2 as clusters, merged and mapped in the kernel (`split_merge_in_kernel`) against XLA's merge and map
+    # (the kernel's exp2 of the merge weights is the approximate one).
+    split = dataclasses.replace(config, num_splits=2, shared_smem=False)
+    merged = run(dataclasses.replace(split, split_merge_in_kernel=True, out_affine_in_kernel=True,
+                                     fp8_q_in_kernel=pool_dtype == jnp.float8_e4m3fn))
+    np.testing.assert_allclose(np.asarray(merged, np.float32), np.asarray(run(split), np.float32),
+                               rtol=2.0 ** -7, atol=2.0 ** -7)
+    check(merged, affine_truth(case, scale, bias), tol=4 * BF16_TOL)
