@@ -16,12 +16,13 @@
 #     map in the kernel, `split_merge_in_kernel`), the compiled merge's GPU test, then e2e_decode.py llama-8b B=64
 #     4K, bf16 vs fp8-delta (#12's two bars).
 #   STEP=ncu (~360 s): ncu on the bar's two kernels at 4K (benchmarks/ncu_fp8_attention.py): summary sections for the
-#     bf16 paged kernel and the fp8 kernel at pages 16 / 64 / mixed (real clocks), the one-launch fold's kernel at 16
-#     and mixed (its registers: 4 CTAs an SM need <= 128 a thread), then the full set with SASS stall samples for fp8
-#     at pages 16 and mixed.
+#     bf16 paged kernel and the fp8 kernel at pages 16 / 64 / mixed (real clocks), the ONE and MERGED folds' kernels
+#     at page 16 (registers: the merge's epilogue must keep <= 168 a thread for 3 CTAs an SM), then the full set with
+#     SASS stall samples for fp8 at pages 16 and mixed.
 set -uo pipefail
 source benchmarks/gpu_env.sh
 ONE="num_splits=1,shared_smem=True,fp8_q_in_kernel=True,out_affine_in_kernel=True"
+MERGED="split_merge_in_kernel=True,out_affine_in_kernel=True"     # session 36: split-K 2 merged in the kernel
 case "${STEP:-sweep}" in
   tests)
     timeout ${T0:-200} python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py \
@@ -40,7 +41,7 @@ case "${STEP:-sweep}" in
   default)   # session 36: the fp8 default (q split in the kernel) against #12's two bars, in one call (~450 s)
     timeout ${T1:-200} python3 benchmarks/kernels.py --delta --precisions fp8-delta --anchor-lens 1 --quick \
       --timing both --profile-kernels --contexts ${CONTEXTS:-4096,16384} --pages 16,64,mixed \
-      --fold-configs "${FOLD_CONFIGS:-split_merge_in_kernel=True,out_affine_in_kernel=True}" \
+      --fold-configs "${FOLD_CONFIGS:-$MERGED}" \
       --out "$OUT/delta_kernels_fp8_default_${TAG:-s36}.json" > "$OUT/bar.log" 2>&1
     echo "bar: exit $?"; grep -v ptxas "$OUT/bar.log" | grep -E "^target|^ +[0-9]+ +[0-9m]+ \| +[0-9.]+ +[0-9.]+% \||fold .*ms x"
     timeout 120 python3 -m pytest -q -p no:randomly tests/test_swapped_decode_attention.py -k gpu_out_affine 2>&1 | tail -3
@@ -58,11 +59,12 @@ case "${STEP:-sweep}" in
         python3 benchmarks/ncu_fp8_attention.py --kernel $k --page $p > "$OUT/ncu_${k}_${p}.txt" 2>&1
       grep -E "^    (Duration|DRAM Throughput|Compute \(SM\) Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Block Limit [A-Z]|Issue Slots Busy|No Eligible|Warp Cycles Per Issued Instruction|Waves Per SM|SM Frequency)|max \|" "$OUT/ncu_${k}_${p}.txt"
     done; done
-    for p in 16 mixed; do     # the one-launch fold's kernel: its registers and CTAs an SM (4 wanted)
-      echo "=== fp8 one-launch page $p ==="
+    for name in one merged; do     # the fold configs' kernels: their registers and CTAs an SM
+      cfg=$ONE; [ $name = merged ] && cfg=$MERGED
+      echo "=== fp8 fold $name page 16 ==="
       timeout 150 $NCU --clock-control none -k regex:mosaic --launch-skip 1 --launch-count 1 $SECTIONS \
-        python3 benchmarks/ncu_fp8_attention.py --kernel fp8 --one-launch --page $p > "$OUT/ncu_fp8one_${p}.txt" 2>&1
-      grep -E "^    (Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Block Limit [A-Z]|Waves Per SM)|max \|" "$OUT/ncu_fp8one_${p}.txt"
+        python3 benchmarks/ncu_fp8_attention.py --kernel fp8 --fold "$cfg" --page 16 > "$OUT/ncu_fp8_${name}_16.txt" 2>&1
+      grep -E "^    (Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Block Limit [A-Z]|Waves Per SM)|max \|" "$OUT/ncu_fp8_${name}_16.txt"
     done
     for p in 16 mixed; do
       echo "=== full fp8 page $p ==="

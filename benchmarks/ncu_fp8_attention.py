@@ -3,11 +3,12 @@
 The shapes of `kernels.py --delta`'s bar (B=64, Hq=32, Hkv=8, D=128, every row at --context keys, pages --page or
 "mixed"; the pool placement of benchmarks/paged_layout.py): --kernel paged (the bf16 paged kernel, the bar's
 denominator) or fp8 (the swapped kernel on float8_e4m3fn pools, the fixed-scale fp8-delta fold's Pallas kernel,
-its default config; q's fp8 split runs in XLA before it, so ncu's `-k regex:mosaic` sees the Pallas kernel only).
---one-launch runs the fp8 kernel as the whole fold in one launch instead (no split-K, shared SMEM, q's split and the
-output map in the kernel: `benchmarks/gpu_s35_fp8.sh`'s ONE config, with unit scales and a zero anchor), to see the
-registers and CTAs an SM that config gets. Each call is checked against the other kernel's output over the same
-values (e4m3 -> bf16 is exact). On the GPU:
+its default config, q's fp8 split in the kernel; ncu's `-k regex:mosaic` sees the Pallas kernel only).
+--fold OVERRIDES runs the fp8 kernel through the fold's path (q and output scales, unit here, and a zero anchor)
+with SwappedConfig field=value overrides of that default, to see the registers and CTAs an SM a config gets:
+'num_splits=1,shared_smem=True,out_affine_in_kernel=True' is the whole fold in one launch without split-K,
+'split_merge_in_kernel=True,out_affine_in_kernel=True' the split-K merge in the kernel. Each call is checked
+against the other kernel's output over the same values (e4m3 -> bf16 is exact). On the GPU:
 
     for k in paged fp8; do for p in 16 64 mixed; do
       ncu -k regex:mosaic --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy \\
@@ -23,7 +24,6 @@ ncu run. --interpret --small runs the same calls at small shapes in the Mosaic G
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import pathlib
 import sys
 
@@ -34,7 +34,8 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from paged_layout import MIXED, batch_page_sizes, page_layout  # noqa: E402  (beside this script)
+from config_flags import parse_overrides  # noqa: E402  (beside this script)
+from paged_layout import MIXED, batch_page_sizes, page_layout  # noqa: E402
 from pallas_kernels.paged_attention import PAGE_SIZES, paged_attention  # noqa: E402
 from pallas_kernels.swapped_decode_attention import (  # noqa: E402
     default_swapped_config, swapped_paged_attention)
@@ -52,7 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", choices=("paged", "fp8"), default="fp8")
     ap.add_argument("--page", default="16", help=f"a page size of {PAGE_SIZES} or {MIXED!r}")
     ap.add_argument("--context", type=int, default=None, help="keys a row (default 4096; --small 512)")
-    ap.add_argument("--one-launch", action="store_true", help="fp8: the fold in one launch (see above)")
+    ap.add_argument("--fold", default=None, metavar="OVERRIDES",
+                    help="fp8: through the fold's path with these SwappedConfig overrides (see above)")
     ap.add_argument("--calls", type=int, default=2, help="calls of the kernel (ncu: skip the first)")
     ap.add_argument("--interpret", action="store_true", help="the Mosaic GPU interpreter (CPU)")
     ap.add_argument("--small", action="store_true", help="small shapes (with --interpret)")
@@ -62,8 +64,8 @@ def main(argv=None) -> int:
     ctx = args.context or s["context"]
     if args.page != MIXED and (not args.page.isdigit() or int(args.page) not in PAGE_SIZES):
         ap.error(f"--page must be one of {PAGE_SIZES} or {MIXED!r}, got {args.page!r}")
-    if args.one_launch and args.kernel != "fp8":
-        ap.error("--one-launch is a way to run the fp8 kernel: add --kernel fp8")
+    if args.fold is not None and args.kernel != "fp8":
+        ap.error("--fold is a way to run the fp8 kernel: add --kernel fp8")
     if ctx % 256:
         ap.error(f"--context must be a multiple of 256 (the layout's block), got {ctx}")
     sizes = batch_page_sizes(B, args.page)
@@ -75,9 +77,8 @@ def main(argv=None) -> int:
     tables = (jnp.full((B,), ctx, jnp.int32), jnp.asarray(starts), jnp.asarray(sizes, jnp.int32))
     paged = jax.jit(lambda *x: paged_attention(*x, interpret=args.interpret))
     fold = {}
-    if args.one_launch:     # unit scales and a zero anchor: the same values as the plain call, through the fold's path
-        config = dataclasses.replace(default_swapped_config(D, ctx, jnp.float8_e4m3fn), num_splits=1, shared_smem=True,
-                                     fp8_q_in_kernel=True, out_affine_in_kernel=True)
+    if args.fold is not None:     # unit scales and a zero anchor: the plain call's values, through the fold's path
+        (config,) = parse_overrides(args.fold, default_swapped_config(D, ctx, jnp.float8_e4m3fn))
         fold = dict(config=config, q_scale=jnp.ones((Hq,), jnp.float32), out_scale=jnp.ones((Hkv,), jnp.float32),
                     out_bias=jnp.zeros((Hkv, D), jnp.float32), out_dtype=jnp.bfloat16)
     fp8 = jax.jit(lambda *x: swapped_paged_attention(*x, max_context=ctx, interpret=args.interpret, **fold))
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
         out = jax.block_until_ready(fn(*fn_args))
     other = paged(*paged_args) if args.kernel == "fp8" else fp8(*fp8_args)
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - other.astype(jnp.float32))))
-    print(f"{args.kernel}{' one-launch' if args.one_launch else ''} B={B} Hq={Hq} Hkv={Hkv} D={D} context {ctx} "
+    print(f"{args.kernel}{f' fold {args.fold}' if args.fold is not None else ''} B={B} Hq={Hq} Hkv={Hkv} D={D} context {ctx} "
           f"page {args.page}: max |{args.kernel} - other kernel| {err:.3g}")
     return 0 if err <= 3e-2 else 1
 

@@ -70,10 +70,11 @@ def test_fold_configs_parse_over_the_folds_default(tmp_path):
     dtype; a field the config lacks says what to fix."""
     import argparse
     import jax.numpy as jnp
-    a = argparse.Namespace(fold_configs="num_splits=1,shared_smem=True; fp8_q_in_kernel=True")
+    a = argparse.Namespace(fold_configs="num_splits=1,shared_smem=True; split_merge_in_kernel=True")
     (s1, c1), (s2, c2) = delta_kernels.fold_configs(a, 128, 4096, jnp.float8_e4m3fn)
     assert (s1, c1.num_splits, c1.shared_smem, c1.block_kv) == ("num_splits=1,shared_smem=True", 1, True, 64)
-    assert c2.fp8_q_in_kernel and c2.num_splits is None
+    # overrides of the engine's fp8 default: its other fields (q split in the kernel) kept
+    assert c2.split_merge_in_kernel and c2.fp8_q_in_kernel and c2.num_splits is None
     assert delta_kernels.fold_configs(argparse.Namespace(fold_configs=""), 128, 4096, jnp.float8_e4m3fn) == []
     with pytest.raises(SystemExit, match="not field=value"):
         delta_kernels.fold_configs(argparse.Namespace(fold_configs="splits=1"), 128, 4096, jnp.float8_e4m3fn)
