@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cluster_interpreter import CLUSTER_HANGS
 
 from pallas_kernels.decode_matmul import TuningConfig, decode_gated_matmul_reference
 from pallas_kernels.norm_fold import (cluster_k_splits, cluster_tiling, decode_gated_matmul_normed,
@@ -24,12 +25,6 @@ def _operands(m, n, k, seed=0):
     return x, w, residual
 
 
-# jax 0.11.2's Mosaic GPU interpreter deadlocks now and then on a cluster barrier of several blocks (measured on this
-# 2-core machine: 3-5 of 8 runs of a cluster of 2-8 hung, with XLA's async CPU dispatch on or off; every hung
-# thread waits in the interpreter's ClusterBarrier.wait or in XLA's Execute). A test that hangs by luck cannot run
-# in CI, so these cases stay in the file, skipped, for the day the interpreter schedules clusters safely; the
-# cluster kernel is checked here by lowering for CUDA and on the GPU by the gpu-marked tests below.
-CLUSTER_HANGS = pytest.mark.skip(reason="the GPU interpreter deadlocks intermittently on multi-block cluster barriers")
 
 
 @pytest.mark.parametrize("m,n,k,config", [
