@@ -1,6 +1,18 @@
-"""Shared pytest set-up: tests marked `gpu` skip cleanly unless jax sees an NVIDIA GPU."""
+"""Shared pytest set-up: the fast Mosaic GPU interpreter (fast_interpreter.py); tests marked `gpu` skip cleanly unless
+jax sees an NVIDIA GPU."""
+import os
+
 import jax
 import pytest
+
+import fast_interpreter
+
+# The Mosaic GPU interpreter without jax's per-callback device_put (fast_interpreter.py): most of CI's time is
+# interpreted kernels.
+if os.environ.get("STRATUM_PLAIN_INTERPRETER") != "1":
+    _why_not = fast_interpreter.install()
+    if _why_not:
+        print(f"[tests] the interpreter runs as jax ships it: {_why_not}")
 
 
 # The slowest test files on the 2-core CI machine (their summed durations, slowest first). CI runs 2 xdist

@@ -30,8 +30,8 @@ def test_dry_run_computes_the_same_layers(bench, tmp_path):
 def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench, model):
     """2 layers, lowered for CUDA on this CPU: the unfused layer launches 8 Mosaic GPU kernels, the folded one 6 (both
     residual_rmsnorm kernels gone; q/k/v, o, gate/up and down are their fold variants), with the engine's cluster
-    split and with --cluster-splits' forced ones (2, 8, 2 on tiles of H / 64 columns with 4 stages), each with both
-    exchanges."""
+    split and with --cluster-splits' forced ones (8 over L2; 2 on tiles of H / 64 columns with 4 stages over
+    DSMEM)."""
     import jax
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))   # gpu_preflight's imports
     try:
@@ -53,10 +53,13 @@ def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench, model):
     pending = sd((bench.down_splits(shape, rows), rows, shape["hidden"]), jnp.float32)
     counts = {}
     h, i, qkv = shape["hidden"], shape["intermediate"], shape["q_out"] + 2 * shape["kv_out"]
-    # Every variant at 1b; at 8b the engine's (each lowering costs seconds on a 2-core CI machine).
-    splits, exchanges = ((None, 2, 8, (2, h // 64, 4)), ("l2", "dsmem")) if model == "llama-1b" else ((None,), ("l2",))
-    fns = bench.variant_fns(DecodeKernelMatmul(), shape, max_context=context, cluster_splits=splits,
-                            exchanges=exchanges)
+    # At 1b each exchange and each form of --cluster-splits once (the engine's, a forced split, a forced split, tile
+    # and ring depth); at 8b the engine's. Each lowering costs ~7 s on the 2-core CI machine.
+    forms = ([((None, 8), "l2"), (((2, h // 64, 4),), "dsmem")] if model == "llama-1b" else [((None,), "l2")])
+    fns = {}
+    for splits, exchange in forms:
+        fns.update(bench.variant_fns(DecodeKernelMatmul(), shape, max_context=context, cluster_splits=splits,
+                                     exchanges=(exchange,)))
     for variant, fn in fns.items():
         text = fn.trace(x, pending, weights, pools, step).lower(lowering_platforms=("cuda",)).as_text()
         counts[variant] = kernel_calls(text)
@@ -64,8 +67,7 @@ def test_the_folded_program_lowers_for_cuda_with_one_kernel_fewer(bench, model):
             for name in (f"decode_matmul_normed_{qkv}x{h}", f"decode_matmul_residual_{h}x{h}",
                          f"decode_gated_matmul_normed_{i}x{h}", f"decode_matmul_residual_{h}x{i}"):
                 assert name in text
-    want = ({f"fold{e}{s}" for e in ("", "_dsmem") for s in ("", "_s2", "_s8", f"_s2x{h // 64}_st4")}
-            if model == "llama-1b" else {"fold"})
+    want = {"fold", "fold_s8", f"fold_dsmem_s2x{h // 64}_st4"} if model == "llama-1b" else {"fold"}
     assert counts == {"unfused": 8 * layers, **{name: 6 * layers for name in want}}
 
 
