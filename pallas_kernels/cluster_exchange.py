@@ -30,6 +30,19 @@ def fence_for_peers(async_proxy: bool = True) -> None:
     fence()
 
 
+# A TMA copy's shared-memory address must be 128-byte aligned (PTX cp.async.bulk.tensor); Pallas aligns each SMEM
+# allocation to 1 KB, but a row of a 2-D one starts at row * its length.
+TMA_SMEM_ALIGN_BYTES = 128
+
+
+def lse_row_floats(n_cols: int) -> int:
+    """The f32 row length of the merge's [S, row] lse scratch: n_cols rounded up so every split's row, a TMA
+    destination, starts 128-byte aligned (at N = 8 a [S, 8] tile put split 1's row 32 bytes in: the merged kernel
+    failed with CUDA_ERROR_MISALIGNED_ADDRESS on an H100, session 37)."""
+    per_align = TMA_SMEM_ALIGN_BYTES // 4
+    return -(-n_cols // per_align) * per_align
+
+
 def merge_attention_splits(*, parts_gmem, lse_gmem, out_gmem, part_rows, lse_blocks, out_row, col0, group: int,
                            is_first, part_smem, lse_smem, out_smem, cluster_barrier, load_barrier,
                            out_scale=None, bias_gmem=None, bias_smem=None, has_keys=None) -> None:
@@ -42,10 +55,14 @@ def merge_attention_splits(*, parts_gmem, lse_gmem, out_gmem, part_rows, lse_blo
 
     parts_gmem [rows, D] f32: split s's rows start at part_rows[s]; lse_gmem [..., N] f32: split s's columns are
     lse_gmem[lse_blocks[s]] (N of them, the group's from column col0, traced); out_gmem [rows, D]: the group's rows
-    from out_row. Scratch: part_smem [S, N, D] f32, lse_smem [S, N] f32, out_smem [N, D] out dtype, bias_smem [D]
-    f32 (with bias_gmem); cluster_barrier a ClusterBarrier over the split axis; load_barrier for 2 * S (+1 with the
-    bias) copies."""
+    from out_row. Scratch: part_smem [S, N, D] f32, lse_smem [S, lse_row_floats(N)] f32 (each row's first N
+    columns used), out_smem [N, D] out dtype, bias_smem [D] f32 (with bias_gmem); cluster_barrier a ClusterBarrier
+    over the split axis; load_barrier for 2 * S (+1 with the bias) copies."""
     splits = len(part_rows)
+    n_cols = lse_gmem.shape[-1]
+    if lse_smem.shape != (splits, lse_row_floats(n_cols)):
+        raise ValueError(f"lse_smem must be [splits, lse_row_floats(N)] = {(splits, lse_row_floats(n_cols))} so each "
+                         f"split's row is a 128-byte aligned TMA destination; got {lse_smem.shape}")
     fence_for_peers()
     plgpu.barrier_arrive(cluster_barrier)
     plgpu.barrier_wait(cluster_barrier)
@@ -56,7 +73,7 @@ def merge_attention_splits(*, parts_gmem, lse_gmem, out_gmem, part_rows, lse_blo
         for s in range(splits):
             plgpu.copy_gmem_to_smem(parts_gmem.at[pl.ds(part_rows[s], group)], part_smem.at[s, pl.ds(0, group)],
                                     load_barrier)
-            plgpu.copy_gmem_to_smem(lse_gmem.at[lse_blocks[s]], lse_smem.at[s], load_barrier)
+            plgpu.copy_gmem_to_smem(lse_gmem.at[lse_blocks[s]], lse_smem.at[s, pl.ds(0, n_cols)], load_barrier)
         if bias_gmem is not None:
             plgpu.copy_gmem_to_smem(bias_gmem, bias_smem, load_barrier)
         plgpu.barrier_wait(load_barrier)

@@ -92,7 +92,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
-from pallas_kernels.cluster_exchange import merge_attention_splits
+from pallas_kernels.cluster_exchange import lse_row_floats, merge_attention_splits
 from pallas_kernels.delta_attention import F16_SAFE_MAX, convert_to_f16, delta_ring_type
 from pallas_kernels.fp8_q_split import (HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_BLOCK as FP8_Q_SPLIT_ROWS, fp8_q_split,
                                          split_block_in_kernel)
@@ -287,7 +287,7 @@ class SwappedConfig:
             tile T * D * 2, P [N, T] 16-bit;
           - or the epilogue: out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32 and,
             with score_stats, 3 more [N] f32; with split_merge_in_kernel (split-K) also the merge's S partials
-            [S, N, D] f32, their lse [S, N] f32, the merged tile [N, D] (merged_itemsize) and the bias row [D] f32
+            [S, N, D] f32, their lse [S, lse_row_floats(N)] f32, the merged tile [N, D] (merged_itemsize) and the bias row [D] f32
             (used with an output map), and 2 more mbarriers.
         Without shared_smem the loop's and the epilogue's buffers add up instead. The lowered kernels' resource
         estimate is compared with this in tests/test_swapped_decode_attention.py."""
@@ -303,7 +303,8 @@ class SwappedConfig:
         barriers = 8 * (2 + 2 * S * (len(page_classes(T)) + 1))
         splits = self.num_splits or 1
         if self.split_merge_in_kernel and splits > 1:
-            epilogue += kb(splits * n * D * 4) + kb(splits * n * 4) + kb(n * D * merged_itemsize) + kb(D * 4)
+            epilogue += (kb(splits * n * D * 4) + kb(splits * lse_row_floats(n) * 4) + kb(n * D * merged_itemsize)
+                         + kb(D * 4))
             barriers += 16
         return whole + (max(loop, epilogue) if self.shared_smem else loop + epilogue) + barriers
 
@@ -662,7 +663,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     if score_stats:     # c, sum, sum of squares
         epilogue_types += [plgpu.SMEM((N,), jnp.float32) for _ in range(3)]
     if merge_in_kernel:     # the splits' rows and lse, the merged tile, the bias row (used with out_affine)
-        epilogue_types += [plgpu.SMEM((splits, N, D), jnp.float32), plgpu.SMEM((splits, N), jnp.float32),
+        epilogue_types += [plgpu.SMEM((splits, N, D), jnp.float32), plgpu.SMEM((splits, lse_row_floats(N)), jnp.float32),
                            plgpu.SMEM((N, D), out_dtype), plgpu.SMEM((D,), jnp.float32)]
     merge_barriers = [plgpu.ClusterBarrier(collective_axes=("k",), num_arrivals=1),
                       plgpu.Barrier(num_arrivals=2 * splits + bool(out_affine))] if merge_in_kernel else []
