@@ -15,13 +15,15 @@ if os.environ.get("STRATUM_PLAIN_INTERPRETER") != "1":
         print(f"[tests] the interpreter runs as jax ships it: {_why_not}")
 
 
-# The slowest test files on the 2-core CI machine (their summed durations, slowest first). CI runs 2 xdist
-# workers with --dist loadfile, which hands out whole files in collection order: alphabetical order left
-# the slowest files (test_tensor_parallel.py: ~2 min of set-up, test_serving*.py) for the end, where one worker
-# ran them while the other sat idle. Handing the long ones out first shortens that tail.
-SLOWEST_FILES_FIRST = ("test_host_tier.py", "test_tensor_parallel.py", "test_paged_attention.py", "test_engine.py",
-                       "test_engine_kernel.py", "test_engine_dmlp.py", "test_serving.py", "test_delta_attention.py",
-                       "test_dmlp_trainer.py", "test_hf_parity.py")
+# The slowest test files on the 2-core CI machine (their summed durations, slowest first, session 37). CI runs 2
+# xdist workers with --dist loadfile, which hands out whole files in collection order: alphabetical order left the
+# slowest files (test_tensor_parallel.py: ~1 min of set-up, test_serving*.py) for the end, where one worker ran
+# them while the other sat idle. Handing the long ones out first shortens that tail.
+SLOWEST_FILES_FIRST = ("test_swapped_decode_attention.py", "test_l2_prefetch.py", "test_paged_attention.py",
+                       "test_engine_kernel.py", "test_host_tier.py", "test_norm_fold_bench.py",
+                       "test_tensor_parallel.py", "test_attention_bound_bench.py", "test_delta_attention.py",
+                       "test_gpu_preflight.py", "test_residual_rmsnorm.py", "test_fold_norms.py", "test_engine.py",
+                       "test_norm_fold.py")
 
 
 def pytest_collection_modifyitems(config, items):
