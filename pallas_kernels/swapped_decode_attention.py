@@ -253,7 +253,7 @@ class SwappedConfig:
         them (`cluster_exchange.merge_attention_splits`: `combine_splits`' fp32 operations) and writes the output in
         its dtype, so no XLA kernel follows the attention kernel's (with `out_affine_in_kernel`, nor for the
         output map). The exchange goes through global memory (L2): the interpreter has no peer SMEM. Off in the
-        defaults: built in session 36, not yet timed.
+        defaults: on an H200 the fp8 fold with it was no faster than with XLA's merge (BENCHMARKS.md #12 session 37).
     """
 
     block_kv: int = 128

@@ -324,10 +324,12 @@ def test_float8_q_parts_carry_the_precision(monkeypatch):
         config = SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=terms)
         out = np.asarray(swapped_paged_attention(**case, config=config, interpret=True), np.float32)
         errs[terms] = float(np.abs(out - want).max())
-        # the parts as one MMA (the default at N = 8) or one MMA each: the same scores up to fp32 summation order
-        apart = swapped_paged_attention(**case, config=dataclasses.replace(config, fp8_q_stacked=False),
-                                        interpret=True)
-        np.testing.assert_allclose(out, np.asarray(apart, np.float32), rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        if terms == 2:      # (the interpreter's seconds: one term count; the stacking itself is tested below)
+            # the parts as one MMA (the default at N = 8) or one MMA each: the same scores up to fp32 summation order
+            apart = swapped_paged_attention(**case, config=dataclasses.replace(config, fp8_q_stacked=False),
+                                            interpret=True)
+            np.testing.assert_allclose(out, np.asarray(apart, np.float32), rtol=1e-4,
+                                       atol=1e-4 * np.abs(want).max())
     assert errs[1] > 4 * errs[2] > 4 * 4 * errs[3], errs
     assert errs[1] > BF16_TOL and errs[2] <= BF16_TOL, errs
     with pytest.raises(ValueError, match="fp8_q_terms"):
