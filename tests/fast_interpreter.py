@@ -1,17 +1,19 @@
 """The Mosaic GPU interpreter without its per-callback device_put: the same kernels, run ~3x faster in tests.
 
 jax's Pallas Mosaic GPU interpreter runs a kernel as Python callbacks (`io_callback`), one per memory access,
-barrier and thread step: tens of thousands for one small attention call. jax 0.11.2's `io_callback_impl` first
-`jax.device_put`s every callback argument (mostly scalar indices) to the CPU device, ~1 ms a callback, which was
-two thirds of an interpreted kernel's time on the 2-core CI machine (cProfile of the engine's interpreted step:
-91 s of 139 s in device_put). The interpreter only reads those arguments: it copies values into its own buffers
-(`np.array(value)`) and turns ids into ints (`shared_memory._to_int`, which accepts jax arrays and Python ints).
+barrier and thread step: thousands to tens of thousands for one small attention call. jax 0.11.2's
+`io_callback_impl` first `jax.device_put`s every callback argument (mostly scalar indices) to the CPU device, ~1 ms
+a callback, which was two thirds of an interpreted kernel's time on the 2-core CI machine (cProfile of the engine's
+interpreted step: 91 s of 139 s in device_put). The interpreter only reads those arguments: it copies values into
+its own buffers (`np.array(value)`) and turns ids into ints (`shared_memory._to_int`, which accepts jax arrays and
+Python ints).
 
 `install()` hands the interpreter's callbacks (and only those: any other io_callback keeps jax's path) numpy
-copies of their arguments, and lets `_to_int` take numpy integers. Nothing the kernel computes changes:
-`tests/test_fast_interpreter.py` runs kernels both ways and compares the bits. It is installed for the test suite
-by conftest.py; `STRATUM_PLAIN_INTERPRETER=1` runs the suite on the interpreter as jax ships it. On a jax whose
-internals differ from what it patches, `install()` does nothing and says why (the suite is then only slower).
+copies of their arguments, and lets `_to_int` take numpy scalars as it takes jax ones (`.item()`). Nothing the
+kernel computes changes: `tests/test_fast_interpreter.py` runs kernels both ways and compares the bits. It is
+installed for the test suite by conftest.py; `STRATUM_PLAIN_INTERPRETER=1` runs the suite on the interpreter as jax
+ships it. On a jax whose internals differ from what it patches, `install()` does nothing and says why (the suite is
+then only slower).
 """
 from __future__ import annotations
 
@@ -73,9 +75,9 @@ def install() -> str | None:
             # copies: XLA may lend the callback views of its own buffers
             return tree_util.tree_map(np.asarray, callback(*(np.array(a) for a in args)))
 
-    def to_int(x):
-        if isinstance(x, (np.ndarray, np.generic)) and np.issubdtype(x.dtype, np.integer) and x.size == 1:
-            return int(x)
+    def to_int(x):     # what jax's _to_int does for a jax array, for its numpy copy
+        if isinstance(x, (np.ndarray, np.generic)):
+            return x.item()
         return jax_to_int(x)
 
     _JAX_ORIGINALS.update(io_callback_impl=jax_io_callback_impl, to_int=jax_to_int)
