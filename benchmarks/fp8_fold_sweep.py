@@ -145,7 +145,8 @@ def main(argv=None) -> dict:
                              f"T{c['block_kv']} S{c['num_stages']} k{c['num_splits'] or 'auto'} "
                              f"q{c['fp8_q_terms']}{'' if c['fp8_q_stacked'] else 'x'}{' sh' if c['shared_smem'] else ''}"
                              f"{' R' if c['refill_under_pv'] else ''}{' Qk' if c['fp8_q_kernel'] else ''}"
-                             f"{' Qi' if c['fp8_q_in_kernel'] else ''}{' Ak' if c['out_affine_in_kernel'] else ''}",
+                             f"{' Qi' if c['fp8_q_in_kernel'] else ''}{' Ak' if c['out_affine_in_kernel'] else ''}"
+                             f"{' L%d' % c['split_first_percent'] if c.get('split_first_percent') else ''}",
                              r.get("ms", float("nan")), r.get("x_paged", float("nan")), r.get("pct_read", float("nan")),
                              (r.get("gpu_clocks") or {}).get("sm_mhz_median")))
     print(f"{meta['device']}  jax {meta['jax']}  B={B} Hq={Hq} Hkv={Hkv} D={D}  read {read:.2f} TB/s")

@@ -102,7 +102,7 @@ from pallas_kernels.split_k import combine_splits, score_variance_from_partials,
 
 _LOG2E = math.log2(math.e)
 _Q_ROWS = 64          # WGMMA M: the q tile has 64 rows, the first q_per_kv of which are real.
-_NUM_SMS_H100 = 132   # for the split heuristic only; H100 SXM and H200 both have 132 SMs.
+NUM_SMS_H100 = 132   # for the split heuristics only; H100 SXM and H200 both have 132 SMs.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +160,9 @@ def default_config(head_dim: int) -> TuningConfig:
 def default_num_splits(batch: int, num_kv_heads: int) -> int:
     """Split-K factor: enough CTAs to fill about two waves of the GPU's SMs."""
     ctas = batch * num_kv_heads
-    if ctas >= _NUM_SMS_H100:
+    if ctas >= NUM_SMS_H100:
         return 1
-    return int(min(16, -(-2 * _NUM_SMS_H100 // ctas)))
+    return int(min(16, -(-2 * NUM_SMS_H100 // ctas)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,10 +27,10 @@ def check_tile_pipeline(block_kv: int, num_stages: int, num_splits: int | None) 
         raise ValueError(f"num_splits must be None or an int in [1, 64], got {num_splits!r}")
 
 
-def flat_table(page_starts, splits: int, block_kv: int):
+def flat_table(page_starts, splits: int, block_kv: int, first_split_percent: int | None = None):
     """page_starts [batch, max_pages] -> the flat int32 table the kernel bulk-copies a CTA's window of
-    (16-byte aligned), padded so the last window is in bounds."""
-    window = table_window(page_starts.shape[1], splits, block_kv)
+    (16-byte aligned), padded so the last window is in bounds (`table_window`'s arguments)."""
+    window = table_window(page_starts.shape[1], splits, block_kv, first_split_percent)
     table = page_starts.reshape(-1)
     if table.shape[0] % 4 or table.shape[0] < window:
         table = jnp.pad(table, (0, (-table.shape[0]) % 4 + max(0, window - table.shape[0])))
@@ -78,14 +78,26 @@ def issue_tile_copies(t0, *, log2_p, page, n_pages, page_entry, small_classes, b
             after(-1)
 
 
-def split_tile_range(n_tiles, k_split, splits: int):
-    """In a kernel: (tile_lo, tile_hi), the tiles [lo, hi) of a sequence of n_tiles that split k_split of
-    `splits` covers (ceil(n_tiles / splits) each, the last ones short or empty); all of them unsplit."""
+def split_tile_range(n_tiles, k_split, splits: int, first_split_percent: int | None = None):
+    """(tile_lo, tile_hi): the tiles [lo, hi) of a sequence of n_tiles that split k_split of `splits` covers; all
+    of them unsplit. Even splits: ceil(n_tiles / splits) each, the last ones short or empty. With
+    first_split_percent (`SwappedConfig.split_first_percent`): split 0 covers ceil(n_tiles * percent / 100) tiles
+    and the others share the rest evenly (ceil each). In a kernel (int32 scalars) or outside one on arrays of one
+    shape (`split_k.split_key_counts`): the same partition."""
+    scalar = jnp.ndim(n_tiles) == 0
     if splits == 1:
-        return jnp.int32(0), n_tiles
-    per_split = lax.div(n_tiles + (splits - 1), jnp.int32(splits))
-    tile_lo = jnp.minimum(k_split * per_split, n_tiles)
-    return tile_lo, jnp.minimum(tile_lo + per_split, n_tiles)
+        return (jnp.int32(0) if scalar else jnp.zeros_like(n_tiles)), n_tiles
+    # lax.div (C division, as the kernel lowers it) takes operands of one shape
+    ints = lambda v: jnp.int32(v) if scalar else jnp.full(jnp.shape(n_tiles), v, jnp.int32)
+    if first_split_percent is None:
+        per_split = lax.div(n_tiles + (splits - 1), ints(splits))
+        tile_lo = jnp.minimum(k_split * per_split, n_tiles)
+        return tile_lo, jnp.minimum(tile_lo + per_split, n_tiles)
+    first = lax.div(n_tiles * first_split_percent + 99, ints(100))
+    per_rest = lax.div(n_tiles - first + (splits - 2), ints(splits - 1))
+    rest_lo = jnp.minimum(first + (k_split - 1) * per_rest, n_tiles)
+    tile_lo = jnp.where(k_split == 0, 0, rest_lo)
+    return tile_lo, jnp.where(k_split == 0, first, jnp.minimum(rest_lo + per_rest, n_tiles))
 
 
 def table_window_start(b, tile_lo, log2_p, *, max_pages: int, block_kv: int, table_len: int, window: int):
@@ -97,14 +109,19 @@ def table_window_start(b, tile_lo, log2_p, *, max_pages: int, block_kv: int, tab
     return pl.multiple_of(jnp.minimum(first - lax.rem(first, 4), table_len - window), 4)
 
 
-def table_window(max_pages: int, num_splits: int, block_kv: int) -> int:
+def table_window(max_pages: int, num_splits: int, block_kv: int, first_split_percent: int | None = None) -> int:
     """Page-table entries one CTA copies to SMEM (static bound, multiple of 32 = 128 bytes).
 
-    A split covers ceil(n_tiles / S) tiles, i.e. at most max_pages / S + 2 * T / 8 + 2 page entries
-    (rounding at both ends), plus 3 for aligning the bulk copy's start to 16 bytes.
+    A split covers ceil(n_tiles / S) tiles (with first_split_percent, `split_tile_range`: the first split
+    ceil(n_tiles * percent / 100), the others ceil of an even share of the rest), i.e. at most its share of
+    max_pages + 2 * T / 8 + 2 page entries (rounding at both ends), plus 3 for aligning the bulk copy's start
+    to 16 bytes.
     """
-    need = -(-max_pages // num_splits) + block_kv // 4 + 5
-    need = min(need, max_pages + 3)
+    share = -(-max_pages // num_splits)
+    if first_split_percent is not None and num_splits > 1:
+        share = max(-(-max_pages * first_split_percent // 100),
+                    -(-max_pages * (100 - first_split_percent) // (100 * (num_splits - 1))))
+    need = min(share + block_kv // 4 + 5, max_pages + 3)
     return -(-need // 32) * 32
 
 

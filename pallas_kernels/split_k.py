@@ -8,19 +8,21 @@ import math
 
 import jax.numpy as jnp
 
+from pallas_kernels.paged_tiles import split_tile_range
+
 _LOG2E = math.log2(math.e)
 
 
-def split_key_counts(lengths, page_sizes, *, max_pages, block_kv, splits):
+def split_key_counts(lengths, page_sizes, *, max_pages, block_kv, splits, first_split_percent=None):
     """Valid keys each split of each sequence covers: [batch, splits] float32. The same length clamp
-    and tile partition as the kernel's prologue."""
+    and tile partition (`split_tile_range`) as the kernel's prologue."""
     log2_p = 3 + sum((page_sizes > (8 << c)).astype(jnp.int32) for c in range(5))
     length = jnp.clip(lengths, 0, max_pages * jnp.left_shift(1, log2_p))
     n_tiles = (length + block_kv - 1) // block_kv
-    per_split = (n_tiles + splits - 1) // splits
-    k = jnp.arange(splits, dtype=jnp.int32)[None, :]
-    tile_lo = jnp.minimum(k * per_split[:, None], n_tiles[:, None])
-    tile_hi = jnp.minimum(tile_lo + per_split[:, None], n_tiles[:, None])
+    shape = (lengths.shape[0], splits)
+    tile_lo, tile_hi = split_tile_range(jnp.broadcast_to(n_tiles[:, None], shape),
+                                        jnp.broadcast_to(jnp.arange(splits, dtype=jnp.int32)[None, :], shape),
+                                        splits, first_split_percent)
     n = jnp.minimum(length[:, None], tile_hi * block_kv) - tile_lo * block_kv
     return jnp.maximum(n, 0).astype(jnp.float32)
 

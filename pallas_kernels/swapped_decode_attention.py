@@ -98,8 +98,8 @@ from pallas_kernels.fp8_q_split import (HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_
                                          split_block_in_kernel)
 from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
 from pallas_kernels.paged_attention import (
-    BF16_PAGES, F16_PAGES, MMA_TRANSFORMS, Bf16Pages, TileContext, check_pools_and_tables, default_num_splits,
-    paged_attention_reference, q_row_blocks, zero_rows_past)
+    BF16_PAGES, F16_PAGES, MMA_TRANSFORMS, NUM_SMS_H100, Bf16Pages, TileContext, check_pools_and_tables,
+    default_num_splits, paged_attention_reference, q_row_blocks, zero_rows_past)
 from pallas_kernels.paged_tiles import (check_tile_pipeline, flat_table, issue_tile_copies, page_classes,
                                         sequence_scalars, split_tile_range, table_window, table_window_start,
                                         wait_page_class)
@@ -254,6 +254,15 @@ class SwappedConfig:
         its dtype, so no XLA kernel follows the attention kernel's (with `out_affine_in_kernel`, nor for the
         output map). The exchange goes through global memory (L2): the interpreter has no peer SMEM. Off in the
         defaults: on an H200 the fp8 fold with it was no faster than with XLA's merge (BENCHMARKS.md #12 session 37).
+      split_first_percent: with split-K (with split_merge_in_kernel, whose splits run as one cluster, it is set to
+        None), longest-first splits: every sequence's
+        first split covers this percent of its tiles (1..99) and the other splits share the rest evenly
+        (`paged_tiles.split_tile_range`), and the grid launches every first split before any later one (the
+        split axis outermost), so the long first splits fill the first waves and the short ones the tail. With
+        even splits (None) the hardware runs split-K 2's 1,024 CTAs at 4K as 2.59 waves of 3 CTAs an SM, whose
+        last, 0.59-full wave left the SMs idle 11% of the fp8 kernel (H100, ncu, session 36). The same output up
+        to the merge's rounding (the splits' partials differ). The float8 default (`FP8_FIRST_SPLIT_PERCENT`),
+        kept by the entry only where its split-K grid is more than one wave (`longest_first_pays`).
     """
 
     block_kv: int = 128
@@ -269,11 +278,18 @@ class SwappedConfig:
     fp8_q_in_kernel: bool = False
     out_affine_in_kernel: bool = False
     split_merge_in_kernel: bool = False
+    split_first_percent: int | None = None
 
     def __post_init__(self):
         check_tile_pipeline(self.block_kv, self.num_stages, self.num_splits)
         if self.fp8_q_terms not in (1, 2, 3, 4):
             raise ValueError(f"SwappedConfig: fp8_q_terms must be 1..4, got {self.fp8_q_terms}")
+        if self.split_first_percent is not None:
+            if not isinstance(self.split_first_percent, int) or not 1 <= self.split_first_percent <= 99:
+                raise ValueError("SwappedConfig: split_first_percent must be None or an int in 1..99, got "
+                                 f"{self.split_first_percent!r}")
+            if self.split_merge_in_kernel:     # a cluster's splits start together and wait for each other
+                object.__setattr__(self, "split_first_percent", None)
 
     def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2,
                    pool_dtype=jnp.bfloat16, score_stats: bool = False, merged_itemsize: int = 2) -> int:
@@ -287,8 +303,8 @@ class SwappedConfig:
             tile T * D * 2, P [N, T] 16-bit;
           - or the epilogue: out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32 and,
             with score_stats, 3 more [N] f32; with split_merge_in_kernel (split-K) also the merge's S partials
-            [S, N, D] f32, their lse [S, lse_row_floats(N)] f32, the merged tile [N, D] (merged_itemsize) and the bias row [D] f32
-            (used with an output map), and 2 more mbarriers.
+            [S, N, D] f32, their lse [S, lse_row_floats(N)] f32, the merged tile [N, D] (merged_itemsize) and the
+            bias row [D] f32 (used with an output map), and 2 more mbarriers.
         Without shared_smem the loop's and the epilogue's buffers add up instead. The lowered kernels' resource
         estimate is compared with this in tests/test_swapped_decode_attention.py."""
         n, T, D, S = query_columns(group), self.block_kv, head_dim, self.num_stages
@@ -296,7 +312,8 @@ class SwappedConfig:
         fp8 = jnp.dtype(pool_dtype) == _FP8
         itemsize = jnp.dtype(pool_dtype).itemsize
         q_in_kernel = fp8 and self.fp8_q_in_kernel and self.fp8_q_stacked and n == 8
-        whole = (kb(4 * (table_window(max_pages, self.num_splits or 1, T) + (n if q_in_kernel else 0)))
+        window = table_window(max_pages, self.num_splits or 1, T, self.split_first_percent)
+        whole = (kb(4 * (window + (n if q_in_kernel else 0)))
                  + kb((self.fp8_q_terms if fp8 else 2) * n * D) + reduction_scratch_bytes(n))
         loop = 2 * kb(S * T * D * itemsize) + (kb(T * D * 2) if fp8 else 0) + kb(n * T * 2)
         epilogue = kb(n * D * out_itemsize) + kb(n * 4) * (4 if score_stats else 1)
@@ -325,6 +342,10 @@ SHORT_CONTEXT_KEYS = 2048
 # grid size, and deeper until this many CTAs fit an SM.
 FP8_MIN_SPLITS = 2
 FP8_CTAS_PER_SM = 4
+# float8 pools: the first split's share of a sequence's tiles (`SwappedConfig.split_first_percent`) in the default
+# config: of 60, 65 and 70 the fastest (BENCHMARKS.md #12 session 38: the Pallas kernel 2.2-4.7% faster than with
+# even splits at 4K and 16K; three splits of 50/25/25 were no faster than even ones).
+FP8_FIRST_SPLIT_PERCENT = 70
 
 
 def fp8_default_splits(config: SwappedConfig, head_dim: int, max_pages: int, group: int, grid_splits: int) -> int:
@@ -339,6 +360,15 @@ def fp8_default_splits(config: SwappedConfig, head_dim: int, max_pages: int, gro
             head_dim, max_pages, group, out_itemsize=4, pool_dtype=_FP8) < FP8_CTAS_PER_SM:
         splits *= 2
     return splits
+
+
+def longest_first_pays(config: SwappedConfig, grid_ctas: int, head_dim: int, max_pages: int, group: int,
+                       pool_dtype) -> bool:
+    """Whether uneven, longest-first splits (`SwappedConfig.split_first_percent`) can shorten a grid of grid_ctas
+    CTAs: only where it is more than one wave (by SMEM, `ctas_per_sm`, on NUM_SMS_H100 SMs). In one wave every CTA
+    starts at once, so the kernel takes as long as its longest split: even splits are the shortest."""
+    return grid_ctas > NUM_SMS_H100 * config.ctas_per_sm(head_dim, max_pages, group, out_itemsize=4,
+                                                         pool_dtype=pool_dtype)
 
 
 def default_swapped_config(head_dim: int, max_context: int | None = None, pool_dtype=jnp.bfloat16) -> SwappedConfig:
@@ -362,9 +392,14 @@ def default_swapped_config(head_dim: int, max_context: int | None = None, pool_d
     (`refill_under_pv`): faster than after it in 11 of 12 pairs at 4K and 16K, pages 16/64/mixed (BENCHMARKS.md,
     session 23). q's fp8 split inside the attention kernel (`fp8_q_in_kernel`): the fold's device time 0.557-0.570x
     the paged kernel's at 4K against 0.570-0.608x with XLA's split, and no slower at 16K (H100, session 36,
-    BENCHMARKS.md). head_dim 64 fp8 was not timed: its bf16 default."""
+    BENCHMARKS.md). Longest-first splits (`split_first_percent` = FP8_FIRST_SPLIT_PERCENT; the entry keeps them where
+    the split-K grid is more than one wave, `longest_first_pays`): the Pallas kernel 2.2-4.7% faster than with even
+    splits at 4K and 16K, pages 16/64/mixed, and the fold 14-17% at batch 32 (1.3 waves) (H100, session 38,
+    BENCHMARKS.md).
+    head_dim 64 fp8 was not timed: its bf16 default."""
     if jnp.dtype(pool_dtype) == _FP8 and head_dim == 128:
-        return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2, refill_under_pv=True, fp8_q_in_kernel=True)
+        return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2, refill_under_pv=True, fp8_q_in_kernel=True,
+                             split_first_percent=FP8_FIRST_SPLIT_PERCENT)
     if head_dim == 64:
         if max_context is not None and max_context <= SHORT_CONTEXT_KEYS:
             return SwappedConfig(block_kv=64, num_stages=3)
@@ -480,6 +515,9 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
         if k_pool.dtype == _FP8:
             splits = fp8_default_splits(config, head_dim, page_starts.shape[1], group, splits)
         config = dataclasses.replace(config, num_splits=splits)
+        if config.split_first_percent is not None and not longest_first_pays(
+                config, batch * num_kv_heads * splits, head_dim, page_starts.shape[1], group, k_pool.dtype):
+            config = dataclasses.replace(config, split_first_percent=None)
     scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
     args = (q, k_pool, v_pool, lengths, page_starts, page_sizes)
     kw = dict(scale=scale, config=config)
@@ -555,7 +593,7 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
         q_mma = jnp.clip(q, -F16_SAFE_MAX, F16_SAFE_MAX) if mma_dtype == jnp.float16 else q
         q2, rows_per_b, rows_per_h, copy_rows = q_row_blocks(q_mma.astype(mma_dtype), num_kv_heads)
     max_pages = page_starts.shape[1]
-    table = flat_table(page_starts, splits, config.block_kv)
+    table = flat_table(page_starts, splits, config.block_kv, config.split_first_percent)
     kernel = _build_swapped_kernel(
         batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, group=group, max_pages=max_pages,
         table_len=table.shape[0], rows_per_b=rows_per_b, rows_per_h=rows_per_h, n_cols=copy_rows,
@@ -576,7 +614,8 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
 
     if score_stats:
         res, stats = res[:-3], res[-3:]
-        n = split_key_counts(lengths, page_sizes, max_pages=max_pages, block_kv=config.block_kv, splits=splits)
+        n = split_key_counts(lengths, page_sizes, max_pages=max_pages, block_kv=config.block_kv, splits=splits,
+                             first_split_percent=config.split_first_percent)
         score_var = score_variance_from_partials(*(group_cols(x) for x in stats), n[:, :, None, None])
         score_var = score_var.reshape(batch, num_q_heads)
     if splits == 1 or merge_in_kernel:     # (merged: res[1:3] are the splits' rows and lse, the kernel's exchange)
@@ -636,7 +675,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     [B * S, Hkv, n_cols] f32, the base-2 log-sum-exp of every column, -inf for an empty split)."""
     T, D, N = config.block_kv, head_dim, n_cols
     stages, splits = config.num_stages, config.num_splits
-    window = table_window(max_pages, splits, T)
+    window = table_window(max_pages, splits, T, config.split_first_percent)
     small_classes = page_classes(T)                                   # (log2 P, copies) for P < T
     arrivals = [n for _, n in small_classes] + [1]                    # one copy per page piece, K and V each
     qk_scale = scale * _LOG2E                                         # exp2 below
@@ -663,7 +702,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     if score_stats:     # c, sum, sum of squares
         epilogue_types += [plgpu.SMEM((N,), jnp.float32) for _ in range(3)]
     if merge_in_kernel:     # the splits' rows and lse, the merged tile, the bias row (used with out_affine)
-        epilogue_types += [plgpu.SMEM((splits, N, D), jnp.float32), plgpu.SMEM((splits, lse_row_floats(N)), jnp.float32),
+        epilogue_types += [plgpu.SMEM((splits, N, D), jnp.float32),
+                           plgpu.SMEM((splits, lse_row_floats(N)), jnp.float32),
                            plgpu.SMEM((N, D), out_dtype), plgpu.SMEM((D,), jnp.float32)]
     merge_barriers = [plgpu.ClusterBarrier(collective_axes=("k",), num_arrivals=1),
                       plgpu.Barrier(num_arrivals=2 * splits + bool(out_affine))] if merge_in_kernel else []
@@ -699,7 +739,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         # --- per-sequence scalars and this CTA's tiles ------------------------------------------
         log2_p, page, length, n_pages, n_tiles = sequence_scalars(psizes_ref[b], lengths_ref[b],
                                                                   max_pages=max_pages, block_kv=T)
-        tile_lo, tile_hi = split_tile_range(n_tiles, k_split, splits)
+        tile_lo, tile_hi = split_tile_range(n_tiles, k_split, splits, config.split_first_percent)
         num_steps = tile_hi - tile_lo
 
         # --- page-table window and q rows -> SMEM ------------------------------------------------
@@ -962,6 +1002,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     cluster = {}
     if merge_in_kernel:     # a (sequence, kv head)'s splits: one cluster
         cluster = dict(cluster=(splits,), cluster_names=("k",))
+    elif splits > 1 and config.split_first_percent is not None:    # the split axis outermost: launched last
+        grid, names = (splits, batch, num_kv_heads), ("k", "b", "h")
     elif splits > 1:
         grid, names = (batch, num_kv_heads, splits), ("b", "h", "k")
     return plgpu.kernel(

@@ -254,6 +254,37 @@ def test_split_merge_in_kernel_gives_xlas_merge():
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def test_longest_first_splits_match_float64():
+    """`split_first_percent`: every sequence's first split covers that percent of its tiles, the others share the
+    rest, and the grid runs the split axis outermost; the output (float8 pools through the engine's fold: q's
+    split in the kernel, refill under P V; bf16 pools with split-K 3 and the score statistics, whose key counts
+    follow the same partition) matches float64 and the even splits' output up to the merge's rounding, with
+    sequences whose first split takes every tile (the others empty) and a sequence of length 0."""
+    case = random_paged_case(29, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    f8 = {**case, "k_pool": case["k_pool"].astype(jnp.float8_e4m3fn),
+          "v_pool": case["v_pool"].astype(jnp.float8_e4m3fn)}
+    fold = SwappedConfig(block_kv=64, num_stages=2, num_splits=2, fp8_q_terms=2, refill_under_pv=True,
+                         fp8_q_in_kernel=True)
+    plain = SwappedConfig(block_kv=64, num_stages=2, num_splits=3)
+    for c, config, percent in ((f8, fold, 65), (case, plain, 50)):
+        stats = config is plain
+        even = swapped_paged_attention(**c, config=config, interpret=True, return_score_stats=stats)
+        first = swapped_paged_attention(**c, config=dataclasses.replace(config, split_first_percent=percent),
+                                        interpret=True, return_score_stats=stats)
+        even, first = (jax.tree.leaves(x) for x in (even, first))
+        got = check(first[0], float64_attention(c))
+        np.testing.assert_allclose(got, np.asarray(even[0], np.float32), atol=1e-2)
+        assert np.all(got[LENGTHS.index(0)] == 0.0)
+        if stats:
+            check_var(np.asarray(first[1]), float64_score_variance(c))
+    trace = str(jax.make_jaxpr(lambda c: swapped_paged_attention(
+        **c, config=dataclasses.replace(plain, split_first_percent=50)))(case))
+    assert "grid_names=('k', 'b', 'h')" in trace, "the split axis is not the grid's outermost"
+    with pytest.raises(ValueError, match="split_first_percent must be"):
+        SwappedConfig(split_first_percent=100)
+    assert SwappedConfig(split_first_percent=60, split_merge_in_kernel=True).split_first_percent is None
+
+
 def test_out_affine_entry_checks():
     case = random_paged_case(0, lengths=[5], page_sizes=[8], num_q_heads=4, num_kv_heads=1, head_dim=64)
     with pytest.raises(ValueError, match=r"out_scale must be \[1\] float32"):
@@ -304,6 +335,14 @@ def test_float8_refill_under_pv_lowers_to_mosaic_gpu():
     """llama-8b's decode shape with the copies issued under the P V MMA: the ring refill inside the MMA's scope
     lowers (TMA issue between the WGMMA and its wait)."""
     config = SwappedConfig(block_kv=64, num_stages=2, num_splits=2, fp8_q_terms=2, refill_under_pv=True)
+    assert "mosaic_gpu" in _lowered_text(64, 128, config=config, pool_dtype=jnp.float8_e4m3fn)
+
+
+def test_float8_longest_first_splits_lower_to_mosaic_gpu():
+    """The fp8 default at llama-8b's decode shape with longest-first splits (`split_first_percent`): the split
+    axis outermost and the uneven tile range lower for CUDA."""
+    config = dataclasses.replace(default_swapped_config(128, 4096, jnp.float8_e4m3fn), num_splits=2,
+                                 split_first_percent=65)
     assert "mosaic_gpu" in _lowered_text(64, 128, config=config, pool_dtype=jnp.float8_e4m3fn)
 
 
@@ -408,9 +447,10 @@ def test_split_rows_fp8_unscale_is_the_row_reduction():
 
 def test_float8_pools_default_config_and_min_splits(monkeypatch):
     """float8 pools at head_dim 128 default to 64-token tiles, 2 stages, 2 q parts split in the attention kernel
-    (the fastest timed, BENCHMARKS.md) and split-K of at least FP8_MIN_SPLITS even where the grid rule says 1; with shared_smem
-    (not a default yet) deeper where the page table's window would leave fewer than FP8_CTAS_PER_SM CTAs an SM
-    (16K context: 4); bf16 pools keep their default. head_dim 64 fp8 keeps the bf16 default tiles (not timed)."""
+    (the fastest timed, BENCHMARKS.md) and split-K of at least FP8_MIN_SPLITS even where the grid rule says 1,
+    longest-first where that grid is more than one wave; with shared_smem (not a default yet) deeper where the page
+    table's window would leave fewer than FP8_CTAS_PER_SM CTAs an SM (16K context: 4); bf16 pools keep their
+    default. head_dim 64 fp8 keeps the bf16 default tiles (not timed)."""
     fp8 = jnp.float8_e4m3fn
     cfg = swapped_module.default_swapped_config(128, pool_dtype=fp8)
     assert (cfg.block_kv, cfg.num_stages, cfg.fp8_q_terms, cfg.num_splits, cfg.shared_smem, cfg.refill_under_pv,
@@ -433,13 +473,22 @@ def test_float8_pools_default_config_and_min_splits(monkeypatch):
     assert seen[1] == SwappedConfig(block_kv=64, num_stages=3, num_splits=1)
     # Without shared_smem, FP8_MIN_SPLITS (or the grid's); with it, deep enough for FP8_CTAS_PER_SM CTAs an SM.
     splits = lambda c, pages, grid=1: swapped_module.fp8_default_splits(c, 128, pages, 4, grid)
-    shared = dataclasses.replace(cfg, shared_smem=True)
+    shared = dataclasses.replace(cfg, shared_smem=True, split_first_percent=None)    # (timed with even splits)
     assert (splits(cfg, 4096 // 8), splits(cfg, 16384 // 8), splits(cfg, 4096 // 8, grid=8)) == (2, 2, 8)
     assert (splits(shared, 4096 // 8), splits(shared, 16384 // 8), splits(shared, 4096 // 8, grid=8)) == (2, 4, 8)
     for pages in (4096 // 8, 16384 // 8):
         fits = dataclasses.replace(shared, num_splits=splits(shared, pages))
         assert fits.ctas_per_sm(128, pages, out_itemsize=4, pool_dtype=fp8) >= swapped_module.FP8_CTAS_PER_SM
     assert dataclasses.replace(cfg, num_splits=2).ctas_per_sm(128, 4096 // 8, out_itemsize=4, pool_dtype=fp8) == 3
+    # Longest-first splits only where the split-K grid is more than one wave (3 CTAs an SM x 132 SMs): llama-8b's
+    # B=64 (1,024 CTAs) keeps FP8_FIRST_SPLIT_PERCENT, B=24 (384) and the small case above (4 CTAs) run even splits.
+    assert cfg.split_first_percent == swapped_module.FP8_FIRST_SPLIT_PERCENT and seen[0].split_first_percent is None
+    shape = lambda *s, dt=jnp.int32: jax.ShapeDtypeStruct(s, dt)
+    for batch, want in ((64, swapped_module.FP8_FIRST_SPLIT_PERCENT), (24, None)):
+        jax.jit(lambda *a: swapped_paged_attention(*a)).trace(
+            shape(batch, 32, 128, dt=jnp.bfloat16), shape(8, 1 << 16, 128, dt=fp8), shape(8, 1 << 16, 128, dt=fp8),
+            shape(batch), shape(batch, 4096 // 8), shape(batch))
+        assert (seen[-1].num_splits, seen[-1].split_first_percent) == (2, want), batch
 
 
 SHARED_FP8 = SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2, shared_smem=True)   # splits: the fp8 rule
@@ -449,6 +498,9 @@ ONE_LAUNCH_FP8 = dataclasses.replace(SHARED_FP8, num_splits=1, refill_under_pv=T
 # The fp8 default (split-K 2, q split in the kernel) with the split merge and the output map in the kernel
 MERGED_FP8 = dataclasses.replace(default_swapped_config(128, 4096, jnp.float8_e4m3fn), num_splits=2,
                                  split_merge_in_kernel=True, out_affine_in_kernel=True)
+# The fp8 default with longest-first splits (the first split's table window is the larger)
+FIRST_FP8 = dataclasses.replace(default_swapped_config(128, 4096, jnp.float8_e4m3fn), num_splits=2,
+                                split_first_percent=65)
 
 
 @pytest.mark.parametrize("head_dim, context, pool_dtype, batch, kw", [
@@ -459,9 +511,11 @@ MERGED_FP8 = dataclasses.replace(default_swapped_config(128, 4096, jnp.float8_e4
     (128, 4096, jnp.bfloat16, 64, {"config": SwappedConfig(block_kv=64, num_stages=3, shared_smem=True)}),
     (128, 4096, jnp.float8_e4m3fn, 64, {"config": ONE_LAUNCH_FP8}),
     (128, 16384, jnp.float8_e4m3fn, 64, {"config": ONE_LAUNCH_FP8}),
-    (128, 4096, jnp.float8_e4m3fn, 64, {"config": MERGED_FP8})],
-    ids=["fp8-128-4k", "fp8-128-4k-shared", "fp8-128-16k-shared-stats", "fp8-64-4k", "bf16-128-4k", "f16-64-1k", "bf16-128-16k-b4",
-         "bf16-128-4k-shared", "fp8-128-4k-one-launch", "fp8-128-16k-one-launch", "fp8-128-4k-merged"])
+    (128, 4096, jnp.float8_e4m3fn, 64, {"config": MERGED_FP8}),
+    (128, 16384, jnp.float8_e4m3fn, 64, {"config": FIRST_FP8})],
+    ids=["fp8-128-4k", "fp8-128-4k-shared", "fp8-128-16k-shared-stats", "fp8-64-4k", "bf16-128-4k", "f16-64-1k",
+         "bf16-128-16k-b4", "bf16-128-4k-shared", "fp8-128-4k-one-launch", "fp8-128-16k-one-launch",
+         "fp8-128-4k-merged", "fp8-128-16k-longest-first"])
 def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype, batch, kw):
     """`SwappedConfig.smem_bytes` (what the default configs and fp8's split rule are chosen by) against the SMEM
     scratch Pallas' lowering sizes for the kernel (its resource estimate, read by wrapping the private
@@ -495,6 +549,8 @@ def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype
         # window (2,048 entries for 8-token pages) leaves room for 3.
         want_ctas = 4 if context == 4096 else 3
         assert cfg.ctas_per_sm(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype) == want_ctas
+    if cfg.split_first_percent is not None:     # the larger first window leaves the fp8 default's 3 CTAs an SM
+        assert cfg.ctas_per_sm(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype) == 3
     if cfg.split_merge_in_kernel:     # the merge's tiles leave the fp8 default's 3 CTAs an SM at 4K
         assert cfg.ctas_per_sm(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype,
                                merged_itemsize=2) == 3
