@@ -254,15 +254,15 @@ class SwappedConfig:
         its dtype, so no XLA kernel follows the attention kernel's (with `out_affine_in_kernel`, nor for the
         output map). The exchange goes through global memory (L2): the interpreter has no peer SMEM. Off in the
         defaults: on an H200 the fp8 fold with it was no faster than with XLA's merge (BENCHMARKS.md #12 session 37).
-      split_first_percent: with split-K (with split_merge_in_kernel, whose splits run as one cluster, it is set to
-        None), longest-first splits: every sequence's
-        first split covers this percent of its tiles (1..99) and the other splits share the rest evenly
-        (`paged_tiles.split_tile_range`), and the grid launches every first split before any later one (the
-        split axis outermost), so the long first splits fill the first waves and the short ones the tail. With
-        even splits (None) the hardware runs split-K 2's 1,024 CTAs at 4K as 2.59 waves of 3 CTAs an SM, whose
-        last, 0.59-full wave left the SMs idle 11% of the fp8 kernel (H100, ncu, session 36). The same output up
-        to the merge's rounding (the splits' partials differ). The float8 default (`FP8_FIRST_SPLIT_PERCENT`),
-        kept by the entry only where its split-K grid is more than one wave (`longest_first_pays`).
+      split_first_percent: with split-K, longest-first splits: every sequence's first split covers this percent of
+        its tiles (1..99) and the other splits share the rest evenly (`paged_tiles.split_tile_range`), and the grid
+        launches every first split before any later one (the split axis outermost), so the long first splits fill
+        the first waves and the short ones the tail (with split_merge_in_kernel, whose splits run as one cluster,
+        it is set to None). With even splits (None) the hardware runs split-K 2's 1,024 CTAs at 4K as 2.59 waves
+        of 3 CTAs an SM, whose last, 0.59-full wave left the SMs idle 11% of the fp8 kernel (H100, ncu, session
+        36). The same output up to the merge's rounding (the splits' partials differ). The float8 default
+        (`FP8_FIRST_SPLIT_PERCENT`), kept by the entry only where its split-K grid is more than one wave
+        (`longest_first_pays`).
     """
 
     block_kv: int = 128
@@ -395,8 +395,7 @@ def default_swapped_config(head_dim: int, max_context: int | None = None, pool_d
     BENCHMARKS.md). Longest-first splits (`split_first_percent` = FP8_FIRST_SPLIT_PERCENT; the entry keeps them where
     the split-K grid is more than one wave, `longest_first_pays`): the Pallas kernel 2.2-4.7% faster than with even
     splits at 4K and 16K, pages 16/64/mixed, and the fold 14-17% at batch 32 (1.3 waves) (H100, session 38,
-    BENCHMARKS.md).
-    head_dim 64 fp8 was not timed: its bf16 default."""
+    BENCHMARKS.md). head_dim 64 fp8 was not timed: its bf16 default."""
     if jnp.dtype(pool_dtype) == _FP8 and head_dim == 128:
         return SwappedConfig(block_kv=64, num_stages=2, fp8_q_terms=2, refill_under_pv=True, fp8_q_in_kernel=True,
                              split_first_percent=FP8_FIRST_SPLIT_PERCENT)
@@ -459,7 +458,8 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
       sm_scale: score scale, default 1/sqrt(head_dim).
       soft_cap: if set (> 0), scores become soft_cap * tanh(scores / soft_cap).
       config: SwappedConfig; None gives `default_swapped_config(head_dim, max_context, k_pool.dtype)` with
-        split-K from the grid size (float8 pools: `fp8_default_splits`).
+        split-K from the grid size (float8 pools: `fp8_default_splits`). Where num_splits is None, its
+        split_first_percent is kept only for a grid of more than one wave (`longest_first_pays`).
       max_context: a bound on every row's keys (lengths), when the caller has one (the engine's
         --max-context); it only picks the default config.
       interpret: run the kernel in the Mosaic GPU interpreter on CPU (tests).
