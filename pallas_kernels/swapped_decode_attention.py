@@ -344,7 +344,7 @@ FP8_MIN_SPLITS = 2
 FP8_CTAS_PER_SM = 4
 # float8 pools: the first split's share of a sequence's tiles (`SwappedConfig.split_first_percent`) in the default
 # config: of 60, 65 and 70 the fastest (BENCHMARKS.md #12 session 38: the Pallas kernel 2.2-4.7% faster than with
-# even splits at 4K and 16K; three splits of 50/25/25 were no faster than even ones).
+# even splits at 4K and 16K; three splits of 50/25/25 took -1.6 to +2.5% against even ones).
 FP8_FIRST_SPLIT_PERCENT = 70
 
 
