@@ -17,6 +17,16 @@
 #     4K, bf16 vs fp8-delta (#12's two bars).
 #   STEP=lpt (~450 s; session 38): kernels.py --delta at 4K and 16K with the fp8 default (longest-first splits)
 #     and even splits beside it, then fp8_fold_sweep.py at batches 32 and 48 (4K, mixed pages), the two alternating.
+#   STEP=chain (~150 s; session 39): the timing methods themselves at 4K (PAGES, default 16): kernels.py --delta fp8 with
+#     the default chains (8, 40) and 5 calls a host sample, then chains of 40 and 80 (the profile then traces 40
+#     calls) and 20 calls a host sample: whether the per-call time outside the Pallas kernel (host and device figures
+#     minus the traced kernels) depends on the chain length and the host sample size.
+#   STEP=chaincb (~300 s; session 39): benchmarks/chain_overhead.py (chains of 8/40/80 calls of the bar's two kernels
+#     at 4K: wall vs the traced GPU span, the host's lead) as is and with XLA's command buffers off, then the chain
+#     step's first kernels.py run with command buffers off.
+#   STEP=verdict (~300 s; session 39): #12's two delta kernel bars in one kernels.py --delta run (fp16-delta <= 1.1x,
+#     fp8-delta <= 0.6x of the bf16 paged kernel at 4K and 16K, pages 16/64/mixed), judged on device time (the
+#     default --timing both for --delta), host and Pallas-kernel figures beside.
 #   STEP=ncu (~360 s): ncu on the bar's two kernels at 4K (benchmarks/ncu_fp8_attention.py): summary sections for the
 #     bf16 paged kernel and the fp8 kernel at pages 16 / 64 / mixed (real clocks), the ONE and MERGED folds' kernels
 #     at page 16 (registers: the merge's epilogue must keep <= 168 a thread for 3 CTAs an SM), then the full set with
@@ -65,6 +75,29 @@ case "${STEP:-sweep}" in
         --out "$OUT/fp8_fold_sweep_lpt_b${b}_${TAG:-s38}.json" > "$OUT/sweep_b$b.log" 2>&1
       echo "batch $b: exit $?"; grep -A6 "^ *ctx" "$OUT/sweep_b$b.log"
     done ;;
+  chain)   # session 39: how each timing method's per-call figure depends on its chain length and host sample size
+    for spec in "8,40 5" "40,80 20"; do set -- $spec
+      timeout ${T1:-200} python3 benchmarks/kernels.py --delta --precisions fp8-delta --anchor-lens 1 --quick \
+        --timing both --profile-kernels --contexts 4096 --pages ${PAGES:-16} --chain $1 --inner $2 \
+        --out "$OUT/delta_kernels_fp8_chain${1/,/_}_inner${2}_${TAG:-s39}.json" > "$OUT/chain_$2.log" 2>&1
+      echo "chain $1 inner $2: exit $?"; grep -v ptxas "$OUT/chain_$2.log" | grep -E "^target|fold .*ms x"
+    done ;;
+  chaincb)   # session 39: is the chain slope's excess over the traced kernels the command buffer's host work?
+    for cb in default off; do
+      flags=${XLA_FLAGS:-}; [ $cb = off ] && flags="$flags --xla_gpu_enable_command_buffer="
+      XLA_FLAGS="$flags" timeout ${T1:-200} python3 benchmarks/chain_overhead.py --page ${PAGES:-16} \
+        --out "$OUT/chain_overhead_cb_${cb}_${TAG:-s39}.json" > "$OUT/chain_cb_$cb.log" 2>&1
+      echo "command buffers $cb: exit $?"; grep -vE "ptxas|^\s*$" "$OUT/chain_cb_$cb.log" | tail -14
+    done
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout ${T2:-200} python3 benchmarks/kernels.py --delta \
+      --precisions fp8-delta --anchor-lens 1 --quick --timing both --profile-kernels --contexts 4096 --pages ${PAGES:-16} \
+      --out "$OUT/delta_kernels_fp8_cb_off_${TAG:-s39}.json" > "$OUT/kernels_cb_off.log" 2>&1
+    echo "kernels.py, command buffers off: exit $?"; grep -v ptxas "$OUT/kernels_cb_off.log" | grep -E "^target" ;;
+  verdict)   # session 39: both delta bars in one run, judged on device time
+    timeout ${T1:-540} python3 benchmarks/kernels.py --delta --precisions fp16-delta,fp8-delta --anchor-lens 1 --quick \
+      --profile-kernels --contexts ${CONTEXTS:-4096,16384} --pages 16,64,mixed \
+      --out "$OUT/delta_kernels_verdict_${TAG:-s39}.json" > "$OUT/verdict.log" 2>&1
+    echo "verdict: exit $?"; grep -v ptxas "$OUT/verdict.log" | grep -E "^target|^ +[0-9]+ +[0-9m]+ \| +[0-9.]+ +[0-9.]+% \|" ;;
   ncu)
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats"

@@ -15,7 +15,7 @@ Bandwidth counts the bytes a decode step must move: the K and V of every live to
 and the output. Before the sweep, small ragged cases (every page size, GQA 1/4/8, D 64/128, soft cap,
 split-K, NaN in free slots, zero-length rows) are checked against float64 numpy.
 
-Timing (`--timing`, default `host`, which the published figures used):
+Timing (`--timing`, default `host`, which the published figures used; `both` with --delta):
   - host: 3 warm-up calls, then the best of `--rounds` medians, each over `--reps` samples of `--inner`
     back-to-back calls of one jitted kernel, closed by block_until_ready. Each call is one host dispatch,
     so a short kernel's figure includes what the host adds per call (a call with every length 0 took
@@ -242,9 +242,10 @@ def main(argv=None):
                     help="with --kernels ...swapped: SwappedConfigs, ';'-separated, each 'default' "
                          "(default_swapped_config(head_dim)) or field=value overrides, e.g. "
                          "'default;block_kv=64,num_stages=3'")
-    ap.add_argument("--timing", default="host", choices=["host", "device", "both"],
-                    help="host: one kernel per jitted call (the published figures); device: chains of kernel "
-                         "calls in one executable, dispatch cancelled (see the module docstring)")
+    ap.add_argument("--timing", default=None, choices=["host", "device", "both"],
+                    help="host: one kernel per jitted call (the published figures; the default, except --delta's: "
+                         "both, since its bars are judged on device time); device: chains of kernel calls in one "
+                         "executable, dispatch cancelled (see the module docstring)")
     ap.add_argument("--chain", default="8,40", help="with --timing device/both: the short and long chain lengths")
     ap.add_argument("--profile-kernels", action="store_true",
                     help="with --timing device/both: also each launched kernel's device time per call, from a "
@@ -266,6 +267,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_h200.json, "
                                                 "or delta_kernels_h200.json with --delta)")
     a = ap.parse_args(argv)
+    if a.timing is None:     # the interpreter's dry run stays host-timed: chains of interpreted calls take minutes
+        a.timing = "both" if a.delta and not a.dry_run else "host"
     try:
         chain_short, chain_long = (int(x) for x in a.chain.split(","))
     except ValueError:

@@ -48,6 +48,21 @@ def shapes(small: bool) -> dict:
     return dict(batch=64, q_heads=32, kv_heads=8, head_dim=128, context=4096)
 
 
+def bar_inputs(B: int, Hq: int, Hkv: int, D: int, context: int, page: str):
+    """The bar's operands: q [B, Hq, D] f32, the K and V pools [Hkv, slots, D] float8_e4m3fn (normal * 8, so
+    e4m3 -> bf16 gives the paged kernel the same values), and (lengths [B], page_starts [B, pages], page_sizes
+    [B]) int32 with every row at `context` keys in pages of `page` (a size or "mixed"), placed as
+    benchmarks/paged_layout.py places them."""
+    sizes = batch_page_sizes(B, page)
+    starts, num_slots = page_layout(np.random.default_rng(1), B, context, sizes, context // 8)
+    keys = jax.random.split(jax.random.key(0), 3)
+    k8 = (jax.random.normal(keys[0], (Hkv, num_slots, D), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
+    v8 = (jax.random.normal(keys[1], (Hkv, num_slots, D), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
+    q = jax.random.normal(keys[2], (B, Hq, D), jnp.float32) * 0.05
+    tables = (jnp.full((B,), context, jnp.int32), jnp.asarray(starts), jnp.asarray(sizes, jnp.int32))
+    return q, k8, v8, tables
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernel", choices=("paged", "fp8"), default="fp8")
@@ -68,13 +83,7 @@ def main(argv=None) -> int:
         ap.error("--fold is a way to run the fp8 kernel: add --kernel fp8")
     if ctx % 256:
         ap.error(f"--context must be a multiple of 256 (the layout's block), got {ctx}")
-    sizes = batch_page_sizes(B, args.page)
-    starts, num_slots = page_layout(np.random.default_rng(1), B, ctx, sizes, ctx // 8)
-    keys = jax.random.split(jax.random.key(0), 3)
-    k8 = (jax.random.normal(keys[0], (Hkv, num_slots, D), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
-    v8 = (jax.random.normal(keys[1], (Hkv, num_slots, D), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
-    q = jax.random.normal(keys[2], (B, Hq, D), jnp.float32) * 0.05
-    tables = (jnp.full((B,), ctx, jnp.int32), jnp.asarray(starts), jnp.asarray(sizes, jnp.int32))
+    q, k8, v8, tables = bar_inputs(B, Hq, Hkv, D, ctx, args.page)
     paged = jax.jit(lambda *x: paged_attention(*x, interpret=args.interpret))
     fold = {}
     if args.fold is not None:     # unit scales and a zero anchor: the plain call's values, through the fold's path

@@ -98,3 +98,31 @@ def test_delta_dry_run_times_the_fold_configs_beside_the_default(tmp_path, monke
     assert extra["ok"] and extra["engine_default"] is False and extra["swapped_config"]["num_splits"] == 1
     assert by_config["fold"]["ok"] and "engine_default" not in by_config["fold"]
     assert delta["best"]["config"] != extra["config"]
+
+
+def test_device_time_is_the_verdict_where_a_run_has_it():
+    """The bars are judged on device time (delta_kernels.VERDICT_TIMING: the chain slope, the kernel's time); the
+    host-timed headline decides only a run without device figures, and the other methods are shown beside."""
+    shapes = [_shape(4096, fp8_delta=[_run(0.63, device=0.59, pallas=56.0)]),
+              _shape(16384, fp8_delta=[_run(0.58)])]          # host-timed only at 16K
+    targets = delta_kernels.verdict_targets(
+        [t for m in delta_kernels.TIMINGS for t in delta_targets(shapes, m)])
+    verdicts = {(t["context"], t["timing"]): (t["met"], t["verdict"]) for t in targets}
+    assert verdicts == {(4096, "headline"): (False, False), (4096, "device"): (True, True),
+                        (4096, "pallas"): (True, False), (16384, "headline"): (True, True)}
+    # exactly one verdict per bar
+    assert sorted(t["context"] for t in targets if t["verdict"]) == [4096, 16384]
+
+
+def test_delta_times_both_ways_unless_told(monkeypatch):
+    """kernels.py --delta defaults to --timing both (its bars need device time); the interpreter's dry run stays
+    host-timed, and a given --timing is kept."""
+    seen = []
+
+    def fake_run_delta(a):
+        seen.append(a.timing)
+        return 0
+    monkeypatch.setattr(kernels, "run_delta", fake_run_delta)
+    for argv in (["--delta"], ["--delta", "--dry-run"], ["--delta", "--timing", "device"]):
+        assert kernels.main(argv) == 0
+    assert seen == ["both", "host", "device"]
