@@ -1,23 +1,22 @@
 """What a chain of kernel calls in one executable costs beyond its kernels: the check behind kernels.py's "device"
 timing (#12's bar is judged on it beside the traced kernels).
 
-kernels.py's device time is the slope between two chains of calls (kernel_timing.device_time). On an H100 (session
-39, BENCHMARKS.md #12) that slope sat 11-27 us a call above the traced kernel time, although the trace of a chain
-shows the kernels back to back: either the GPU idles where the trace does not show it, or the host does work a
-call before the GPU starts, which the executable's wall time pays and the trace's GPU span does not. This script
-separates the two, for the bar's two kernels (B=64, Hq=32, Hkv=8, D=128, 4K keys, pages --page;
-ncu_fp8_attention.bar_inputs): for each chain length N it times the executable (wall, best of medians as `bench`),
-then traces one run of each and reports the GPU's span (first kernel start to last kernel end), the host's lead
-(the jitted call's start to the first kernel's start), its tail (the call's return minus the last kernel's end:
-negative when the dispatch returns while the GPU still runs, positive when the host finishes after the GPU),
-and the host events by summed time. Run it twice, once as is
-and once with command buffers off (XLA_FLAGS=--xla_gpu_enable_command_buffer=), to see whether the per-call excess
-goes with them:
+kernels.py's device time is the slope between two chains of calls (kernel_timing.device_time). Where that slope sits
+above the traced kernel time although the trace shows the kernels back to back, either the GPU idles where the trace
+does not show it, or the host does work a call before the GPU starts, which the executable's wall time pays and the
+trace's GPU span does not (what it found: BENCHMARKS.md #12, session 39). This script separates the two, for the
+bar's two kernels (B=64, Hq=32, Hkv=8, D=128, 4K keys, pages --page; ncu_fp8_attention.bar_inputs): for each chain
+length N it times the executable (wall, best of medians as `bench`), then traces one run of each and reports the
+GPU's span (first kernel start to last kernel end), the host's lead (the jitted call's start to the first kernel's
+start), its tail (the call's return minus the last kernel's end: negative when the dispatch returns while the GPU
+still runs, positive when the host finishes after the GPU), and the host events by summed time. Run it twice, once
+as is and once with command buffers off (XLA_FLAGS=--xla_gpu_enable_command_buffer=), to see whether the per-call
+excess goes with them:
 
     python benchmarks/chain_overhead.py --out /tmp/chain_default.json
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/chain_overhead.py --out /tmp/chain_nocb.json
 
---interpret --small runs it at small shapes in the Mosaic GPU interpreter (CPU; the test).
+--interpret --small runs it at small shapes in the Mosaic GPU interpreter (CPU; the figures then mean nothing).
 """
 from __future__ import annotations
 

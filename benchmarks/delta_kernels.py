@@ -67,9 +67,9 @@ DELTA_BARS = {"fp8-delta": 0.6, "fp16-delta": 1.1}     # #12: delta kernel time 
 
 TIMINGS = ("headline", "device", "pallas")     # `delta_targets`' methods
 # The method whose figures decide a bar (`verdict_targets`). #12's bars are on the kernel's time, and the chain slope
-# is that time: on an H200 it matched the traced GPU span of the chain within 0.6-5 us a call (session 39,
-# chain_overhead.py), while the host-timed figure of one fold call moved from 154 to 220 us across four runs of one
-# loan (device time 146.8-149.3 us) because it carries the host's dispatch. Host and Pallas figures are shown beside.
+# is that time: it follows the traced GPU span of the chain (benchmarks/chain_overhead.py), while a host-timed call
+# also carries the host's dispatch and sync, which moves from run to run by more than the kernels differ
+# (BENCHMARKS.md #12, session 39). Host and Pallas figures are shown beside.
 VERDICT_TIMING = "device"
 
 
