@@ -26,7 +26,6 @@ import json
 import os
 import pathlib
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +33,8 @@ import jax.numpy as jnp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from device_trace import kernels, load_events, newest_trace, top_kernels, union_us  # noqa: E402
-from kernel_timing import bench, chained  # noqa: E402
+from device_trace import kernels, top_kernels, union_us  # noqa: E402
+from kernel_timing import bench, chained, traced_events  # noqa: E402
 from ncu_fp8_attention import bar_inputs, shapes  # noqa: E402
 from pallas_kernels.paged_attention import paged_attention  # noqa: E402
 from pallas_kernels.swapped_decode_attention import swapped_paged_attention  # noqa: E402
@@ -44,11 +43,7 @@ from pallas_kernels.swapped_decode_attention import swapped_paged_attention  # n
 def traced_chain(run, args, device: str) -> dict:
     """One run of the jitted chain `run` under jax.profiler: the device kernels' span and busy time, the host
     events' lead before the first kernel and tail after the last, and the top host events (us summed)."""
-    jax.block_until_ready(run(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            jax.block_until_ready(run(*args))
-        events = load_events(newest_trace(d))
+    events = traced_events(run, args)
     device_ks = kernels(events, device, xla_ops_only=device != "GPU")
     host = kernels(events, "/host")
     if not device_ks or not host:

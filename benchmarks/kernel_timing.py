@@ -70,14 +70,19 @@ def kernel_profile(fn, args, *, calls: int) -> dict:
     {calls, kernels: {name: us per call}, pallas_us (the Pallas kernels' sum), busy_us (the union of every
     kernel's interval / calls: wrapper kernels included, launch gaps not), span_us (first start to last end /
     calls: gaps included)}. On a CPU backend the trace's XLA ops stand in for kernels."""
-    run = chained(fn, calls)
-    jax.block_until_ready(run(*args))
     on_gpu = jax.default_backend() == "gpu"
+    events = traced_events(chained(fn, calls), args)
+    return kernel_breakdown(kernels(events, "GPU" if on_gpu else "/host:CPU", xla_ops_only=not on_gpu), calls)
+
+
+def traced_events(run, args) -> list[dict]:
+    """The events of one call run(*args) under jax.profiler (perfetto), after one untraced call that compiles and
+    warms it."""
+    jax.block_until_ready(run(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             jax.block_until_ready(run(*args))
-        ks = kernels(load_events(newest_trace(d)), "GPU" if on_gpu else "/host:CPU", xla_ops_only=not on_gpu)
-    return kernel_breakdown(ks, calls)
+        return load_events(newest_trace(d))
 
 
 def kernel_breakdown(ks, calls: int) -> dict:
@@ -107,14 +112,8 @@ def paired_profile(base_fn, base_args, fn, args, *, calls: int) -> dict:
     def pair(x, *rest):
         y = base_fn(x, *rest[:n_base]).astype(x.dtype)
         return fn(y, *rest[n_base:]).astype(x.dtype)
-    run = chained(pair, calls)
     inputs = (args[0], *base_args[1:], *args[1:])
-    jax.block_until_ready(run(*inputs))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            jax.block_until_ready(run(*inputs))
-        ks = kernels(load_events(newest_trace(d)), "GPU")
-    return pair_breakdown(ks, calls)
+    return pair_breakdown(kernels(traced_events(chained(pair, calls), inputs), "GPU"), calls)
 
 
 def pair_breakdown(ks, calls: int) -> dict:
