@@ -5,8 +5,10 @@ deltas (a mean anchor, i.e. the folded path unless $STRATUM_DKVC_FOLD_MEAN_ANCHO
 position-aligned anchor, the rebuild path; a few configs that fit SMEM, best kept) beside
 the bf16 paged kernel's default config on the same page layout, and a read-only ceiling measured in
 the same run (a large bf16 sum). Each delta output is checked against XLA dense attention over the
-K/V rebuilt in fp32. Reported: time, the delta/paged time ratio (#12 asks fp8 <= 0.6x and fp16 <= 1.1x at 4K and
-16K), bytes/s over the bytes each kernel must read, and the paged kernel's % of the read ceiling (#12 asks >= 80% at
+K/V rebuilt in fp32. With a mean anchor the engine's decode path is timed too (`measure_fold`: the swapped kernel on
+the deltas, "fold": fp16's unit scales or fp8's per-granule scales, what `--kv-precision` runs by default; for fp8 also
+"fold head", the fixed per-head scales of `--fp8-scale head`, shown beside the bar and not counted). Reported: time,
+the delta/paged time ratio (#12 asks fp8 <= 0.6x and fp16 <= 1.1x at 4K and 16K), bytes/s over the bytes each kernel must read, and the paged kernel's % of the read ceiling (#12 asks >= 80% at
 1K for every page size). JSON: --out (default benchmarks/results/delta_kernels_h200.json). `--timing` applies here
 too (`seconds_per_call`; --delta's default is `both`): with `device` both sides of each ratio are device times per
 call (the chain slope), as a decoder layer inside the engine's step sees them; host timing can carry the host's
@@ -184,36 +186,41 @@ def delta_truth(q, ak, av, k_scale, v_scale, kd, vd, slot, lengths, scale) -> np
 
 
 def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, paged_ms, a, *, io, interpret,
-                 label, head_scales=None, baseline=None, config=None, overrides: str = "") -> dict:
-    """The engine's folded decode path (stratum_jax/attention.py `_head_scale_fold`: the swapped kernel on the
-    deltas, then the mean anchor's V added) on a DeltaKV with the unit scales an fp16-delta cache keeps, or with
-    head_scales ((k, v) [Hkv] f32) an fp8-delta cache's fixed per-head scales (`--fp8-scale head`: s_k into q,
-    s_v onto the output), checked against XLA attention over anchor + scale x delta. Its run is marked config
-    "fold"; with config (a `SwappedConfig` for decode_attention's swapped_config, from --fold-configs' overrides)
-    "fold <overrides>" and engine_default False: shown beside the bar, not counted for it (`delta_targets`)."""
+                 label, head_scales=None, granule_scales=None, baseline=None, config=None,
+                 overrides: str = "") -> dict:
+    """The engine's folded decode path (stratum_jax/attention.py `_swapped_fold`: the swapped kernel on the
+    deltas, then the mean anchor's V added) on a DeltaKV with the unit scales an fp16-delta cache keeps; with
+    granule_scales ((k, v) [Hkv, S // 8] f32) an fp8-delta cache's per-granule scales (the default, `--fp8-scale
+    granule`: the kernel reads them with the pages); or with head_scales ((k, v) [Hkv] f32) an fp8-delta cache's
+    fixed per-head scales (`--fp8-scale head`: s_k into q, s_v onto the output). Checked against XLA attention over
+    anchor + scale x delta. Its run is marked config "fold" (unit or granule scales: what the engine runs by
+    default, counted for the bars) or "fold head" (engine_default False: shown beside the bar, not counted for
+    it, `delta_targets`); with config (a `SwappedConfig` for decode_attention's swapped_config, from
+    --fold-configs' overrides) "fold <overrides>", also engine_default False."""
     from stratum_jax.attention import RowTables, decode_attention
     from stratum_jax.kv.delta_cache import DeltaKV
     fixed = head_scales is not None
-    if not fixed:
-        head_scales = (jnp.ones((kd.shape[0],), jnp.float32),) * 2
-
-    def granule_scales(k_floor, v_floor):     # what the cache holds: every granule its head's scale
-        return (jnp.broadcast_to(f[:, None], (kd.shape[0], kd.shape[1] // 8)) for f in (k_floor, v_floor))
-    ref = delta_truth(q, ak, av, *granule_scales(*head_scales), kd, vd, slot, lengths, scale)
+    if granule_scales is None:
+        floors = head_scales if fixed else (jnp.ones((kd.shape[0],), jnp.float32),) * 2
+        # what the cache holds: every granule its head's scale
+        granule_scales = tuple(jnp.broadcast_to(f[:, None], (kd.shape[0], kd.shape[1] // 8)) for f in floors)
+    else:
+        floors = (jnp.ones((kd.shape[0],), jnp.float32),) * 2      # a granule cache's floors: not read in decode
+    ref = delta_truth(q, ak, av, *granule_scales, kd, vd, slot, lengths, scale)
 
     # The scales are arguments, not closure constants: the jit is kept for every context of the run.
-    def fold(q, kd, vd, ak, av, lengths, starts, psz, k_floor, v_floor):
-        k_scale, v_scale = granule_scales(k_floor, v_floor)
+    def fold(q, kd, vd, ak, av, lengths, starts, psz, k_floor, v_floor, k_scale, v_scale):
         cache = DeltaKV(anchor_k=ak, anchor_v=av, k_delta=kd, v_delta=vd, k_scale=k_scale, v_scale=v_scale,
                         k_floor=k_floor, v_floor=v_floor, fixed_scales=fixed)
         return decode_attention(q, lengths - 1, RowTables(lengths, starts, psz), cache, None, backend="kernel",
                                 interpret=interpret, max_context=starts.shape[1] * 8, swapped_config=config)
-    r = measure_variant(lambda: jitted(("fold", kd.dtype, config), fold),
-                        (q, kd, vd, ak, av, lengths, starts, psz, *head_scales), ref, paged_ms, a, label=label,
-                        io_bytes=io, baseline=baseline)
+    r = measure_variant(lambda: jitted(("fold", kd.dtype, fixed, config), fold),
+                        (q, kd, vd, ak, av, lengths, starts, psz, *floors, *granule_scales), ref, paged_ms, a,
+                        label=label, io_bytes=io, baseline=baseline)
+    name = "fold head" if fixed else "fold"
     if config is None:
-        return dict(config="fold", **r)
-    return dict(config=f"fold {overrides}", engine_default=False, swapped_config=dataclasses.asdict(config), **r)
+        return dict(config=name, **r) if not fixed else dict(config=name, engine_default=False, **r)
+    return dict(config=f"{name} {overrides}", engine_default=False, swapped_config=dataclasses.asdict(config), **r)
 
 
 def print_pallas_table(shapes) -> None:
@@ -318,12 +325,18 @@ def run_delta(a):
                             args, ref, rec["paged"]["ms"], a, io_bytes=io, baseline=baseline,
                             label=f"ctx={ctx} page={page} {prec} A={A} {cfg}"))
                         runs.append(r)
-                    if A == 1:   # fp16: unit scales; fp8: one fixed scale per head (--fp8-scale head)
-                        head_scales = None if prec == "fp16-delta" else (scales[0][:, 0], scales[1][:, 0])
-                        fold_kw = dict(io=io, interpret=interpret, head_scales=head_scales, baseline=baseline)
+                    if A == 1:   # fp16: unit scales; fp8: per-granule scales (the default) and fixed per-head ones
+                        fp8 = prec == "fp8-delta"
+                        fold_kw = dict(io=io, interpret=interpret, baseline=baseline,
+                                       granule_scales=(scales[0], scales[1]) if fp8 else None)
                         runs.append(measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale,
                                                  rec["paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} A={A} "
                                                  "fold", **fold_kw))
+                        if fp8:     # --fp8-scale head, beside the bar
+                            runs.append(measure_fold(
+                                jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, rec["paged"]["ms"], a,
+                                label=f"ctx={ctx} page={page} {prec} A={A} fold head", io=io, interpret=interpret,
+                                baseline=baseline, head_scales=(scales[0][:, 0], scales[1][:, 0])))
                         for overrides, cfg in fold_configs(a, D, ctx, dt):
                             runs.append(measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale,
                                                      rec["paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} "

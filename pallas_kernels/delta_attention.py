@@ -341,16 +341,20 @@ def scale_index(tile, j: int, *, log2_p, n_pages, page_entry, block_kv: int):
     return SCALE_AREA * piece + offset + within
 
 
-def granule_columns(k_scale_of, v_scale_of, n_valid, block_kv: int) -> TileColumns:
+def granule_columns(k_scale_of, v_scale_of, n_valid, block_kv: int, *, layout=_COL_LAYOUT) -> TileColumns:
     """In a kernel: the folded path's per-key factors of a tile of T = block_kv keys (TileColumns, [T] f32 in
-    the WGMMA column layout) from its T / 8 granule scales, read as scalars by k_scale_of(j) / v_scale_of(j)
+    `layout`: the WGMMA column layout for the keys of S [64, T], or the row layout (WGMMA.reduce(1)) for the keys of
+    the swapped kernel's S^T [T, N]) from its T / 8 granule scales, read as scalars by k_scale_of(j) / v_scale_of(j)
     (granule j: keys 8j..8j+7). Granules with no live key (j * 8 >= n_valid; NaN scales are allowed there) get
     score scale 0 and value scale 1 (finite, and P is 0 there anyway)."""
     # In the column layout each thread holds 2 adjacent columns of every 8-column group, so the
     # granule of each of its registers is a compile-time constant (col >> 3 of a register is its
-    # group index): the selects below reduce to one move per register once that folds.
-    granule = lax.shift_right_logical(plgpu.broadcasted_iota(jnp.int32, (block_kv,), 0, layout=_COL_LAYOUT), 3)
-    zero = plgpu.layout_cast(jnp.zeros((block_kv,), jnp.float32), _COL_LAYOUT)
+    # group index): the selects below reduce to one move per register once that folds. In the row layout a
+    # thread holds 2 rows of each 64-row group (its warp's 16 rows: granules 2 * warp and 2 * warp + 1), so the
+    # selects stay, but on 2 registers per 64 rows; log2 then runs on those registers instead of on T / 8 scalars.
+    row_layout = layout != _COL_LAYOUT
+    granule = lax.shift_right_logical(plgpu.broadcasted_iota(jnp.int32, (block_kv,), 0, layout=layout), 3)
+    zero = plgpu.layout_cast(jnp.zeros((block_kv,), jnp.float32), layout)
     ks, vs, lvs = zero, zero, zero
     for j in range(block_kv // GRANULE):
         live = GRANULE * j < n_valid
@@ -360,7 +364,10 @@ def granule_columns(k_scale_of, v_scale_of, n_valid, block_kv: int) -> TileColum
         here = granule == j
         ks = jnp.where(here, sk, ks)
         vs = jnp.where(here, sv, vs)
-        lvs = jnp.where(here, jnp.log2(sv), lvs)
+        if not row_layout:
+            lvs = jnp.where(here, jnp.log2(sv), lvs)
+    if row_layout:
+        lvs = jnp.log2(vs)
     return TileColumns(score_scale=ks, value_scale=vs, log2_value_scale=lvs)
 
 

@@ -22,7 +22,8 @@ T/2 and D/2 for the 64-row tiles, so the register file no longer limits CTAs per
 
 Pools: bf16 (the engine's bf16 KV); float16 (`F16_PAGES`, a DKVC fp16-delta cache on the folded path); or
 float8_e4m3fn (`F8Pages`, an fp8-delta cache with fixed per-head scales on the same path: the caller folds the
-scales into q and the output). Hopper's fp8 WGMMA needs both operands fp8 and K-major. S^T = K q^T meets that
+scales into q and the output; or `F8GranulePages`, the default fp8-delta cache with a scale per 8-slot granule: the
+kernel copies the scales with the pages and applies them per key, to the scores and to P). Hopper's fp8 WGMMA needs both operands fp8 and K-major. S^T = K q^T meets that
 as it stands (A = the K ring slot, B = q^T with q's rows contiguous along D), so q is split into e4m3 parts
 (`split_rows_fp8`: a power-of-two row scale, then each part the rounding residual of the ones before) and
 S^T is the parts' fp8 products straight from the K ring (at N = 8 one MMA over the parts side by side, so the
@@ -93,13 +94,16 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.cluster_exchange import lse_row_floats, merge_attention_splits
-from pallas_kernels.delta_attention import F16_SAFE_MAX, convert_to_f16, delta_ring_type
+from pallas_kernels.delta_attention import (F16_SAFE_MAX, GRANULE, convert_to_f16, delta_ring_type,
+                                            fetch_scale_granules, granule_columns, rebuild_reference,
+                                            scale_areas_type, scale_index)
 from pallas_kernels.fp8_q_split import (HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_BLOCK as FP8_Q_SPLIT_ROWS, fp8_q_split,
                                          split_block_in_kernel)
 from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
 from pallas_kernels.paged_attention import (
     BF16_PAGES, F16_PAGES, MMA_TRANSFORMS, NUM_SMS_H100, Bf16Pages, TileContext, check_pools_and_tables,
-    default_num_splits, paged_attention_reference, q_row_blocks, zero_rows_past)
+    TileColumns, default_num_splits, paged_attention_reference, q_row_blocks, reference_attend,
+    reference_token_slots, zero_rows_past)
 from pallas_kernels.paged_tiles import (check_tile_pipeline, flat_table, issue_tile_copies, page_classes,
                                         sequence_scalars, split_tile_range, table_window, table_window_start,
                                         wait_page_class)
@@ -108,7 +112,7 @@ from pallas_kernels.split_k import combine_splits, score_variance_from_partials,
 _LOG2E = math.log2(math.e)
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)     # [N] vectors: one value per column (query head) of S^T / O^T
-_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)     # [D] vectors: one value per row (head dim) of O^T
+_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)     # [D] / [T] vectors: one value per row of O^T (head dim) / S^T (key)
 _SMEM_PER_SM = 228 * 1024                      # H100/H200: shared memory per SM ...
 _SMEM_PER_CTA_RESERVED = 1024                  # ... of which the driver reserves 1 KB per resident CTA
 
@@ -206,6 +210,49 @@ F8_PAGES = F8Pages()
 
 
 @dataclasses.dataclass(frozen=True)
+class F8GranulePages(F8Pages):
+    """float8 e4m3 pools with a scale per 8-slot granule per kv head beside them (a DKVC fp8-delta cache as it is
+    written by default, `--fp8-scale granule`): k_scale, v_scale [Hkv, S // 8] f32, the key in slot s of kv head h
+    being k_scale[h, s // 8] * k_pool[h, s] (V likewise). F8Pages' MMAs as they are (q in e4m3 parts, V converted
+    to f16), plus:
+    - per page piece one more TMA copy per side, of the piece's scale granules into a 128-byte area of the slot's
+      scale buffer (delta_attention's `fetch_scale_granules`: copies_per_page 2, so each stage barrier counts both);
+    - the tile's T per-key scales as [T] row vectors of S^T (`granule_columns` in the WGMMA row layout, built while
+      the score MMA runs; a granule with no live key gets score scale 0 and value scale 1: stale scales may be NaN);
+    - the scores times the K scales; the column max taken over s + log2(V scale) and P^T's rows times the V
+      scales before P V, so the P the f16 MMA reads is <= 1 with its largest entry 1 and f16's smallest normal is
+      never the bound (scales of fp8 deltas are ~amax / 448); l sums P without the V scale, in fp32. The same
+      rule as the delta kernel's per-key `TileColumns`, on S^T's rows instead of S's columns.
+    inputs: k_pool, v_pool, k_scale, v_scale; scratch_types: [k ring, v ring, v staging, k scales, v scales]."""
+    num_inputs: int = 4
+    copies_per_page: int = 2
+
+    def scratch_types(self, *, stages, block_kv, head_dim):
+        areas = scale_areas_type(stages, block_kv)
+        return super().scratch_types(stages=stages, block_kv=block_kv, head_dim=head_dim) + [areas, areas]
+
+    def fetch_page(self, ctx, src, row, n, slot, k_bar, v_bar):
+        k_ref, v_ref, k_scale_ref, v_scale_ref = ctx.inputs
+        k_ring, v_ring, k_areas, v_areas = ctx.smem
+        dst = (slot, pl.ds(row, n)) if n < ctx.block_kv else (slot,)
+        plgpu.copy_gmem_to_smem(k_ref.at[ctx.h, pl.ds(src, n)], k_ring.at[dst], k_bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[ctx.h, pl.ds(src, n)], v_ring.at[dst], v_bar)
+        fetch_scale_granules(k_scale_ref.at[ctx.h], src, row, n, k_areas.at[slot], k_bar)
+        fetch_scale_granules(v_scale_ref.at[ctx.h], src, row, n, v_areas.at[slot], v_bar)
+
+    def key_scales(self, ctx, slot, tile, n_valid) -> TileColumns:
+        """The tile's per-key factors as [T] f32 vectors in the row layout of S^T (after both waits of the slot)."""
+        k_areas, v_areas = ctx.smem[2:]
+        idx = functools.cache(lambda j: scale_index(tile, j, log2_p=ctx.log2_p, n_pages=ctx.n_pages,
+                                                    page_entry=ctx.page_entry, block_kv=ctx.block_kv))
+        return granule_columns(lambda j: k_areas[slot, idx(j)], lambda j: v_areas[slot, idx(j)], n_valid,
+                               ctx.block_kv, layout=_ROW_LAYOUT)
+
+
+F8_GRANULE_PAGES = F8GranulePages()
+
+
+@dataclasses.dataclass(frozen=True)
 class SwappedConfig:
     """Static knobs of the swapped kernel (each distinct config compiles its own kernel).
 
@@ -292,7 +339,8 @@ class SwappedConfig:
                 object.__setattr__(self, "split_first_percent", None)
 
     def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2,
-                   pool_dtype=jnp.bfloat16, score_stats: bool = False, merged_itemsize: int = 2) -> int:
+                   pool_dtype=jnp.bfloat16, score_stats: bool = False, merged_itemsize: int = 2,
+                   granule_scales: bool = False) -> int:
         """SMEM of one CTA in bytes, as Pallas sizes it (each allocation rounded up to 1 KB; with shared_smem, two
         run_scoped regions in sequence take the larger) plus the mbarriers (8 bytes each):
           - for the whole kernel: the page-table window (4 bytes an entry; with fp8_q_in_kernel N entries more, q's
@@ -300,7 +348,8 @@ class SwappedConfig:
             them), q (bf16/f16 [N, D], or fp8_q_terms e4m3 parts [N, D] for float8 pools), the cross-warp
             reduction scratch;
           - the loop: the K and V rings stages * T * D each (itemsize of the pools), float8 pools' f16 V staging
-            tile T * D * 2, P [N, T] 16-bit;
+            tile T * D * 2, P [N, T] 16-bit, with granule_scales (`F8GranulePages`) two scale buffers of
+            stages * (T / 8) 128-byte areas;
           - or the epilogue: out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32 and,
             with score_stats, 3 more [N] f32; with split_merge_in_kernel (split-K) also the merge's S partials
             [S, N, D] f32, their lse [S, lse_row_floats(N)] f32, the merged tile [N, D] (merged_itemsize) and the
@@ -316,6 +365,8 @@ class SwappedConfig:
         whole = (kb(4 * (window + (n if q_in_kernel else 0)))
                  + kb((self.fp8_q_terms if fp8 else 2) * n * D) + reduction_scratch_bytes(n))
         loop = 2 * kb(S * T * D * itemsize) + (kb(T * D * 2) if fp8 else 0) + kb(n * T * 2)
+        if fp8 and granule_scales:
+            loop += 2 * kb(S * (T // GRANULE) * 128)
         epilogue = kb(n * D * out_itemsize) + kb(n * 4) * (4 if score_stats else 1)
         barriers = 8 * (2 + 2 * S * (len(page_classes(T)) + 1))
         splits = self.num_splits or 1
@@ -326,12 +377,13 @@ class SwappedConfig:
         return whole + (max(loop, epilogue) if self.shared_smem else loop + epilogue) + barriers
 
     def ctas_per_sm(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2,
-                    pool_dtype=jnp.bfloat16, merged_itemsize: int = 2) -> int:
+                    pool_dtype=jnp.bfloat16, merged_itemsize: int = 2, granule_scales: bool = False) -> int:
         """CTAs of this config an H200 SM holds by SMEM alone. Registers can bound it lower: the float8 default's
         kernel takes 153 registers a thread (ncu, session 36), which allows 3 CTAs of 128 threads an SM, so
         4 by SMEM (shared_smem) still runs 3."""
         return _SMEM_PER_SM // (self.smem_bytes(head_dim, max_pages, group, out_itemsize, pool_dtype,
-                                                merged_itemsize=merged_itemsize) + _SMEM_PER_CTA_RESERVED)
+                                                merged_itemsize=merged_itemsize, granule_scales=granule_scales)
+                                + _SMEM_PER_CTA_RESERVED)
 
 
 # At head_dim 64, contexts up to this many keys take 64-token tiles with 3 stages (`default_swapped_config`).
@@ -348,7 +400,8 @@ FP8_CTAS_PER_SM = 4
 FP8_FIRST_SPLIT_PERCENT = 70
 
 
-def fp8_default_splits(config: SwappedConfig, head_dim: int, max_pages: int, group: int, grid_splits: int) -> int:
+def fp8_default_splits(config: SwappedConfig, head_dim: int, max_pages: int, group: int, grid_splits: int,
+                       granule_scales: bool = False) -> int:
     """split-K for float8 pools when the caller gives none: the grid rule's `grid_splits`, at least
     FP8_MIN_SPLITS; with config.shared_smem then doubled (16 at most) until FP8_CTAS_PER_SM CTAs fit an SM by
     SMEM. With half a bf16 tile's bytes, a CTA's chain of MMAs, softmax and V conversion per tile is what bounds
@@ -357,18 +410,19 @@ def fp8_default_splits(config: SwappedConfig, head_dim: int, max_pages: int, gro
     page-table window (16K context: k2 holds 3 CTAs, k4 4)."""
     splits = max(grid_splits, FP8_MIN_SPLITS)
     while config.shared_smem and splits < 16 and dataclasses.replace(config, num_splits=splits).ctas_per_sm(
-            head_dim, max_pages, group, out_itemsize=4, pool_dtype=_FP8) < FP8_CTAS_PER_SM:
+            head_dim, max_pages, group, out_itemsize=4, pool_dtype=_FP8,
+            granule_scales=granule_scales) < FP8_CTAS_PER_SM:
         splits *= 2
     return splits
 
 
 def longest_first_pays(config: SwappedConfig, grid_ctas: int, head_dim: int, max_pages: int, group: int,
-                       pool_dtype) -> bool:
+                       pool_dtype, granule_scales: bool = False) -> bool:
     """Whether uneven, longest-first splits (`SwappedConfig.split_first_percent`) can shorten a grid of grid_ctas
     CTAs: only where it is more than one wave (by SMEM, `ctas_per_sm`, on NUM_SMS_H100 SMs). In one wave every CTA
     starts at once, so the kernel takes as long as its longest split: even splits are the shortest."""
     return grid_ctas > NUM_SMS_H100 * config.ctas_per_sm(head_dim, max_pages, group, out_itemsize=4,
-                                                         pool_dtype=pool_dtype)
+                                                         pool_dtype=pool_dtype, granule_scales=granule_scales)
 
 
 def default_swapped_config(head_dim: int, max_context: int | None = None, pool_dtype=jnp.bfloat16) -> SwappedConfig:
@@ -423,12 +477,36 @@ def reduction_scratch_bytes(n: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def swapped_paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, sm_scale=None,
-                                      soft_cap=None, return_score_stats: bool = False):
+                                      soft_cap=None, return_score_stats: bool = False, k_scale=None, v_scale=None):
     """Pure-jnp fp32 decode attention with `swapped_paged_attention`'s contract (it is `paged_attention`'s:
-    the swap changes how the kernel computes, not what). q [B, Hq, D] -> [B, Hq, D] in q.dtype (and score_var
-    [B, Hq] float32 with return_score_stats)."""
-    return paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, page_sizes, sm_scale=sm_scale,
-                                     soft_cap=soft_cap, return_score_stats=return_score_stats)
+    the swap changes how the kernel computes, not what; with k_scale / v_scale [Hkv, S // 8] each key and value
+    is its granule's scale times the pool's row). q [B, Hq, D] -> [B, Hq, D] in q.dtype (and score_var [B, Hq]
+    float32 with return_score_stats)."""
+    if k_scale is None:
+        return paged_attention_reference(q, k_pool, v_pool, lengths, page_starts, page_sizes, sm_scale=sm_scale,
+                                         soft_cap=soft_cap, return_score_stats=return_score_stats)
+    check_granule_scales("swapped_paged_attention_reference", k_pool, k_scale, v_scale)
+    t, slot, valid = reference_token_slots(lengths, page_starts, page_sizes, k_pool.shape[1])
+    no_anchor = jnp.zeros((k_pool.shape[0], 1, k_pool.shape[2]), jnp.float32)
+    k = rebuild_reference(no_anchor, k_scale, k_pool, slot, t)
+    v = rebuild_reference(no_anchor, v_scale, v_pool, slot, t)
+    return reference_attend(q, k, v, valid, sm_scale=sm_scale, soft_cap=soft_cap,
+                            return_score_stats=return_score_stats)
+
+
+def check_granule_scales(name: str, k_pool, k_scale, v_scale) -> None:
+    """The entry checks of per-granule scales: both or neither, float8_e4m3fn pools, [Hkv, S // 8] float32."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError(f"{name}: give k_scale and v_scale together (or neither)")
+    if k_scale is None:
+        return
+    if k_pool.dtype != _FP8:
+        raise ValueError(f"{name}: k_scale / v_scale are for float8_e4m3fn pools, got {k_pool.dtype} pools")
+    want = (k_pool.shape[0], k_pool.shape[1] // GRANULE)
+    for side, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if x.shape != want or x.dtype != jnp.float32:
+            raise ValueError(f"{name}: {side} must be [num_kv_heads, num_slots // {GRANULE}] = {list(want)} float32 "
+                             f"(one scale per {GRANULE}-slot granule per kv head), got {list(x.shape)} {x.dtype}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,8 +518,9 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
                             max_context: int | None = None, interpret: bool = False,
                             return_score_stats: bool = False, q_scale: jax.Array | None = None,
                             out_dtype=None, out_scale: jax.Array | None = None, out_bias: jax.Array | None = None,
-                            prefetch_weight: jax.Array | None = None,
-                            prefetch: L2Prefetch | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                            prefetch_weight: jax.Array | None = None, prefetch: L2Prefetch | None = None,
+                            k_scale: jax.Array | None = None,
+                            v_scale: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention over a paged KV pool with per-sequence page sizes, keys on WGMMA's M (module docstring).
 
     Args:
@@ -449,8 +528,8 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
         pools |q| is first clipped to F16_SAFE_MAX).
       k_pool, v_pool: [num_kv_heads, num_slots, head_dim] bf16, or both float16 (a DKVC fp16-delta pool on the
         folded mean-anchor path: stratum_jax/attention.py adds the anchor), or both float8_e4m3fn (an fp8-delta
-        pool with fixed per-head scales, the same path: the caller scales q and the output); num_slots a
-        multiple of 256.
+        pool on the same path: with fixed per-head scales the caller scales q and the output; with per-granule
+        scales the kernel takes them as k_scale / v_scale); num_slots a multiple of 256.
       lengths: [batch] int32 context length per sequence; 0 gives zeros. Slots past a length may hold NaN.
       page_starts: [batch, max_pages] int32 first slot of each page; entries past a sequence's last page are
         never read.
@@ -476,6 +555,10 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
       prefetch_weight, prefetch: the next GEMM's bf16 weight (the o projection's) and an `L2Prefetch` plan of it:
         each CTA, once its keys are streamed, prefetches its share into L2 (pallas_kernels/l2_prefetch.py; no value
         changes); both or neither.
+      k_scale, v_scale: float8 pools only, both or neither: [num_kv_heads, num_slots // 8] float32, one scale per
+        8-slot granule (`F8GranulePages`): the key in slot s of kv head h is k_scale[h, s // 8] * k_pool[h, s], the
+        value likewise (a DKVC fp8-delta cache with per-granule scales on the folded mean-anchor path:
+        stratum_jax/attention.py adds the anchor with out_bias). Scales of granules with no live key may be NaN.
 
     Returns [batch, num_q_heads, head_dim] in out_dtype; q head j uses kv head j // (num_q_heads // num_kv_heads).
     With return_score_stats: `(out, score_var)`, score_var float32 [batch, num_q_heads], the population
@@ -488,6 +571,8 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
     if k_pool.dtype not in (jnp.bfloat16, jnp.float16, _FP8) or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"swapped_paged_attention: k_pool/v_pool must both be bfloat16, both float16 or both "
                          f"float8_e4m3fn, got {k_pool.dtype}/{v_pool.dtype}")
+    check_granule_scales("swapped_paged_attention", k_pool, k_scale, v_scale)
+    granule_scales = k_scale is not None
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
     if head_dim not in (64, 128):
@@ -513,10 +598,11 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
     if config.num_splits is None:
         splits = default_num_splits(batch, num_kv_heads)
         if k_pool.dtype == _FP8:
-            splits = fp8_default_splits(config, head_dim, page_starts.shape[1], group, splits)
+            splits = fp8_default_splits(config, head_dim, page_starts.shape[1], group, splits, granule_scales)
         config = dataclasses.replace(config, num_splits=splits)
         if config.split_first_percent is not None and not longest_first_pays(
-                config, batch * num_kv_heads * splits, head_dim, page_starts.shape[1], group, k_pool.dtype):
+                config, batch * num_kv_heads * splits, head_dim, page_starts.shape[1], group, k_pool.dtype,
+                granule_scales):
             config = dataclasses.replace(config, split_first_percent=None)
     scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
     args = (q, k_pool, v_pool, lengths, page_starts, page_sizes)
@@ -535,6 +621,8 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
     check_prefetch_args("swapped_paged_attention", prefetch_weight, prefetch)
     if prefetch is not None:
         kw.update(prefetch_weight=prefetch_weight, prefetch=prefetch)
+    if granule_scales:
+        kw["granule_scales"] = (k_scale, v_scale)
     if interpret:
         with mosaic_gpu_interpret():
             return _swapped_paged_attention(*args, **kw, interpreted=True)
@@ -546,10 +634,11 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
                                              "out_dtype", "prefetch"))
 def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, scale, config, interpreted,
                              soft_cap=None, score_stats=False, q_scale=None, out_dtype=None, out_affine=None,
-                             prefetch_weight=None, prefetch=None):
+                             prefetch_weight=None, prefetch=None, granule_scales=None):
     """The wrapper traced inside a jit: q row blocks (float8 pools: q's fp8 parts), flat page table, the kernel,
     split-K merge (of the output and, with score_stats, of the score sums), the output's affine map out_affine =
-    (scale [Hkv] or None, bias [Hkv, D] or None) where the kernel does not apply it. Returns out [B, Hq, D] in
+    (scale [Hkv] or None, bias [Hkv, D] or None) where the kernel does not apply it. granule_scales: float8 pools'
+    (k_scale, v_scale) [Hkv, S // 8] f32 (`F8GranulePages`) or None. Returns out [B, Hq, D] in
     out_dtype (default q.dtype) (and score_var [B, Hq] f32)."""
     del interpreted
     out_dtype = q.dtype if out_dtype is None else out_dtype
@@ -569,6 +658,8 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     kernel_out_dtype = (out_dtype if (splits == 1 or merge_in_kernel) and (out_affine is None or affine_in_kernel)
                         else jnp.float32)
     kv_format = {jnp.dtype(jnp.float16): F16_PAGES, _FP8: F8_PAGES}.get(jnp.dtype(k_pool.dtype), BF16_PAGES)
+    if granule_scales is not None:
+        kv_format = F8_GRANULE_PAGES
     mma_dtype = jnp.dtype(kv_format.mma_dtype)
     extra = ()
     q_in_kernel = False
@@ -601,7 +692,7 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
         score_stats=score_stats, config=config, kv_format=kv_format, prefetch=prefetch,
         out_affine=affine_in_kernel, q_split_in_kernel=q_in_kernel, num_q_heads=num_q_heads,
         merge_in_kernel=merge_in_kernel)
-    res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool, *extra, *extra_after_q,
+    res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool, *(granule_scales or ()), *extra, *extra_after_q,
                  *(() if prefetch is None else (prefetch_weight,)))
 
     def group_cols(x):
@@ -677,7 +768,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     stages, splits = config.num_stages, config.num_splits
     window = table_window(max_pages, splits, T, config.split_first_percent)
     small_classes = page_classes(T)                                   # (log2 P, copies) for P < T
-    arrivals = [n for _, n in small_classes] + [1]                    # one copy per page piece, K and V each
+    # per page piece `copies_per_page` copies on each side's barrier (the rows; with granule scales their scales too)
+    arrivals = [n * kv_format.copies_per_page for _, n in small_classes] + [kv_format.copies_per_page]
     qk_scale = scale * _LOG2E                                         # exp2 below
     wgmma_layout = plgpu.Layout.WGMMA
     mma_dtype = jnp.dtype(kv_format.mma_dtype)
@@ -687,6 +779,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         return lax.broadcast_in_dim(x, shape, [1])
 
     fp8_scores = isinstance(kv_format, F8Pages)       # q parts [terms, rows, D] e4m3 + q_unscale [rows] f32
+    granule_scales = isinstance(kv_format, F8GranulePages)    # + k_scale, v_scale [Hkv, S // 8] f32 after the pools
     q_stacked = fp8_scores and stacks_q_parts(config, N)     # ... or [rows * terms, D] (`stack_q_parts`)
     terms = config.fp8_q_terms
     if merge_in_kernel and splits == 1:
@@ -710,6 +803,9 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
 
     def body(lengths_ref, psizes_ref, table_ref, q_ref, k_ref, v_ref, *rest):
         q_unscale_ref = next_weight_ref = None
+        scale_refs = ()
+        if granule_scales:
+            scale_refs, rest = rest[:2], rest[2:]
         if fp8_scores:
             q_unscale_ref, rest = rest[0], rest[1:]
         if out_affine:
@@ -770,7 +866,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         # takes the larger): a CTA needs the loop's bytes, not both (`SwappedConfig.smem_bytes`).
         def pipeline(kv_smem, p_smem):
             nonlocal q_unscale
-            kv_smem, staging = kv_smem[:2], kv_smem[2:]       # staging: F8Pages' f16 V tile, else none
+            # staging: F8Pages' f16 V tile, else none; scale_areas: F8GranulePages' K and V scale buffers
+            kv_smem, staging, scale_areas = kv_smem[:2], kv_smem[2:3], kv_smem[3:]
 
             def page_entry(p):   # slot of page p of this sequence (p inside this CTA's window)
                 return table_smem[b * max_pages + p - win_start]
@@ -778,7 +875,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
             def wait(bars, slot):
                 wait_page_class(bars, slot, log2_p, small_classes, T)
 
-            ctx = TileContext(h=h, inputs=(k_ref, v_ref), smem=kv_smem, block_kv=T, head_dim=D, log2_p=log2_p,
+            ctx = TileContext(h=h, inputs=(k_ref, v_ref, *scale_refs), smem=(*kv_smem, *scale_areas), block_kv=T,
+                              head_dim=D, log2_p=log2_p,
                               n_pages=n_pages, page_entry=page_entry, small_classes=tuple(small_classes),
                               wait_k=functools.partial(wait, k_bars), wait_v=functools.partial(wait, v_bars))
 
@@ -790,12 +888,13 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                         ctx, src, off, size, slot, k_bars[gi].at[slot], v_bars[gi].at[slot]))
 
             # --- one tile: S^T, column softmax, O^T += V^T P^T ----------------------------------------
-            def attend(carry, slot, n_valid, refill_under_pv=None):
+            def attend(carry, slot, tile, n_valid, refill_under_pv=None):
                 """carry: acc [D, N] f32 (O^T, unnormalised), m [N] f32 column max (base 2), l [T, N] f32
                 per-row partial column sums (with score_stats also the shift c [N] and the per-row partial sums
                 of (s - c) and (s - c)^2, [T, N] each). K is awaited before S^T, V only before P V (its copy may
                 still land while S^T and the softmax run). refill_under_pv: issues the ring slot's next copies
-                (`SwappedConfig.refill_under_pv`, staging formats only), called while the P V MMA runs."""
+                (`SwappedConfig.refill_under_pv`, staging formats only), called while the P V MMA runs. tile: the
+                sequence's tile index (where granule scales sit in the slot's scale buffers)."""
                 acc, m_i, l_tile, *stats = carry
                 k_ring, v_ring = kv_smem
                 k_tile, v_tile = k_ring.at[slot], v_ring.at[slot]
@@ -811,6 +910,11 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                         plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))
                     if staging:     # while the MMAs run: fp8 V rows -> the f16 tile the P V MMA reads, rows past
                         ctx.wait_v(slot)        # the length as zeros.
+                        if granule_scales:
+                            # Both sides' scales have landed (wait_k, wait_v): their [T] vectors are built here,
+                            # under the MMAs and before the conversion (faster than after it: BENCHMARKS.md #12
+                            # session 40).
+                            key = kv_format.key_scales(ctx, slot, tile, n_valid)
                         # The last tile's P V MMA read this staging tile, and a warp's wgmma wait covers only its
                         # own share: without a warpgroup barrier here a warp that is ahead overwrites V rows
                         # another warp's MMA still reads (nothing else syncs the warps between that MMA and this
@@ -823,12 +927,17 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                         convert = functools.partial(convert_to_f16, v_ring.at[slot], staging[0], wide_loads=True)
                         pl.when(n_valid >= T)(lambda: convert())
                         pl.when(n_valid < T)(lambda: convert(valid_rows=n_valid))
-                    return acc_ref[...]
-                s = pl.run_scoped(qk, plgpu.ACC((T, N * terms if q_stacked else N), jnp.float32))
+                    if granule_scales:
+                        return acc_ref[...], (key.score_scale, key.value_scale, key.log2_value_scale)
+                    return acc_ref[...], None
+                s, key_scales = pl.run_scoped(qk, plgpu.ACC((T, N * terms if q_stacked else N), jnp.float32))
                 if q_stacked:   # the parts' column blocks, added in registers (WGMMA tiles are 8 columns wide)
                     s = sum((s[:, t * N:(t + 1) * N] for t in range(1, terms)), s[:, :N])
                 if fp8_scores:
                     s = s * q_unscale
+                if key_scales is not None:    # [T] per-key factors (F8GranulePages): on S^T's rows
+                    k_scale, v_scale, log2_v_scale = (lax.broadcast_in_dim(x, s.shape, [0]) for x in key_scales)
+                    s = s * k_scale
                 if soft_cap is None:
                     s = s * qk_scale
                 else:   # cap in natural units, then to base 2 (exp2 below)
@@ -838,7 +947,10 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                 rows = plgpu.broadcasted_iota(jnp.int32, (T, N), 0, layout=wgmma_layout)
                 valid = rows < n_valid
                 s = jnp.where(valid, s, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=0))
+                if key_scales is None:
+                    m_new = jnp.maximum(m_i, s.max(axis=0))
+                else:       # the max of s + log2(V scale): P * v_scale below is <= 1, its largest entry 1
+                    m_new = jnp.maximum(m_i, (s + log2_v_scale).max(axis=0))
                 if score_stats:
                     stats = accumulate_stats(stats, s, valid, m_i, m_new)
                 alpha = jnp.exp2(m_i - m_new)                              # 0 on the first tile (m_i = -inf)
@@ -847,7 +959,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                 # P^T leaves registers transposed (stmatrix.trans) into P [N, T]; WGMMA reads it back as the
                 # K-major B operand P^T. Every warp's store must land before the MMA reads: commit_smem is a
                 # proxy fence plus a warpgroup barrier.
-                p_smem.transpose((1, 0))[...] = p.astype(mma_dtype)
+                p_smem.transpose((1, 0))[...] = (p if key_scales is None else p * v_scale).astype(mma_dtype)
                 if staging:      # V was converted while S^T's MMAs ran
                     v_tile = staging[0]
                 else:
@@ -903,8 +1015,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                             plgpu.commit_smem()
                         fetch(tile + stages, slot)
                 if refill_early:    # attend() has synced the warpgroup before its P V MMA
-                    return attend(carry, slot, n_valid, functools.partial(refill, False))
-                carry = attend(carry, slot, n_valid)
+                    return attend(carry, slot, tile, n_valid, functools.partial(refill, False))
+                carry = attend(carry, slot, tile, n_valid)
                 # attend() awaited its WGMMAs (each warp its share), so after one warpgroup sync the slot is free.
                 refill(config.no_auto_barriers)
                 return carry

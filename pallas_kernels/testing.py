@@ -74,6 +74,24 @@ def ragged_decode_case(batch, head_dim, context, seed=0, page_sizes=None) -> dic
     return random_paged_case(seed, lengths=lengths, page_sizes=sizes, num_q_heads=32, num_kv_heads=8,
                              head_dim=head_dim)
 
+def fp8_granule_case(case, seed=0, *, scale_range=(0.002, 0.02)) -> tuple[dict, dict]:
+    """A paged case's pools as fp8 e4m3 with a scale per 8-slot granule per kv head (`swapped_paged_attention`'s
+    k_scale / v_scale): returns (the case with k_pool / v_pool e4m3 (the rows * 40, spanning e4m3's range) plus
+    k_scale, v_scale [Hkv, S // 8] f32 uniform in scale_range, NaN where a granule has no live key (the pools'
+    NaN slots); the float64 truth's case, its pools the e4m3 values times their granule's scale)."""
+    rng = np.random.default_rng(seed + 2000)
+    out, truth = dict(case), dict(case)
+    for side in ("k", "v"):
+        pool = case[f"{side}_pool"]
+        f8 = (pool.astype(jnp.float32) * 40.0).astype(jnp.float8_e4m3fn)
+        live = ~np.isnan(np.asarray(pool[0, :, 0].astype(jnp.float32)))
+        scale = rng.uniform(*scale_range, (pool.shape[0], pool.shape[1] // 8))
+        scale[:, ~live.reshape(-1, 8).any(axis=1)] = np.nan
+        out[f"{side}_pool"], out[f"{side}_scale"] = f8, jnp.asarray(scale, jnp.float32)
+        truth[f"{side}_pool"] = _float64(f8) * np.repeat(scale.astype(np.float32), 8, axis=1)[..., None]
+    return out, truth
+
+
 def _float64(x) -> np.ndarray:
     """A jax array's values (bf16/fp16/fp8 included) or a numpy array, as float64."""
     if isinstance(x, np.ndarray) and x.dtype == np.float64:

@@ -261,15 +261,17 @@ def _folds_in_ws_kernel(delta: DeltaKV) -> bool:
     return delta.anchor_k.shape[1] == 1 and default_fold_mean_anchor()
 
 
-def _head_scale_fold(delta: DeltaKV) -> bool:
-    """Whether a DeltaKV's decode runs on the swapped kernel with its deltas as the pools: `_unit_scale_fold`'s
-    fp16 deltas, or fp8 deltas with one fixed scale per layer and KV head (`DeltaKV.fixed_scales`). Then
-    K = a_k + s_k d_k and V = a_v + s_v d_v with s_k, s_v per kv head: q . K = q . a_k + (s_k q) . d_k, so the
-    kernel attends with s_k q over the fp8 deltas (fp8 score MMAs on q in e4m3 parts, V converted to f16 in the
-    kernel: pallas_kernels/swapped_decode_attention.py `F8Pages`) and the output is
-    a_v + s_v (attention over d_v)."""
-    return _unit_scale_fold(delta) or (delta.fixed_scales and delta.k_delta.dtype == jnp.float8_e4m3fn
-                                       and _folds_in_ws_kernel(delta))
+def _swapped_fold(delta: DeltaKV) -> bool:
+    """Whether a DeltaKV's decode runs on the swapped kernel with its deltas as the pools (a mean anchor on the
+    folded path): `_unit_scale_fold`'s fp16 deltas, or fp8 deltas. With K = a_k + s_k d_k and V = a_v + s_v d_v,
+    q . K = q . a_k + s_k (q . d_k), and q . a_k is one value per query, which the softmax cancels, so the kernel
+    attends over the fp8 deltas (fp8 score MMAs on q in e4m3 parts, V converted to f16 in the kernel:
+    pallas_kernels/swapped_decode_attention.py `F8Pages`) and the output is a_v + (attention over s_v d_v):
+      - fixed scales (`DeltaKV.fixed_scales`, one per layer and KV head): s_k goes into q (the kernel's q_scale)
+        and s_v into the output (out_scale);
+      - per-granule scales (the default): the kernel takes them beside the pools (`F8GranulePages`: s_k on the
+        scores of each key, s_v on P's entries)."""
+    return _unit_scale_fold(delta) or (delta.k_delta.dtype == jnp.float8_e4m3fn and _folds_in_ws_kernel(delta))
 
 
 def _per_q_head(x, num_q_heads: int):
@@ -304,9 +306,8 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
     decode token this step). The row's keys are positions 0..position (its context after the write).
     backend "kernel": a Pallas Mosaic GPU kernel: for bf16 pools kernel_variant "swapped"
     (`swapped_paged_attention`: keys on WGMMA's M, the GQA group on N) or "paged" (`paged_attention`: 64-row
-    q blocks); for a DKVC DeltaKV (v_pool then None) the delta-KV kernel, except fp16 deltas, or fp8 deltas with
-    fixed per-head scales, with a mean anchor under "swapped": the swapped kernel on the deltas plus the anchor
-    (`_head_scale_fold`). "reference":
+    q blocks); for a DKVC DeltaKV (v_pool then None) with a mean anchor under "swapped" the swapped kernel on the
+    deltas (and their scales) plus the anchor (`_swapped_fold`), otherwise the delta-KV kernel. "reference":
     the tiled jnp path with one-token tiles.
     prefetch: the next GEMM's weight and plan (the o projection's), which the bf16 swapped kernel prefetches into L2
     as its CTAs finish (pallas_kernels/l2_prefetch.py); the other paths ignore it.
@@ -320,18 +321,22 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
     rows = q.shape[0]
     lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
     if (backend == "kernel" and kernel_variant == "swapped" and isinstance(k_pool, DeltaKV)
-            and _head_scale_fold(k_pool)):
+            and _swapped_fold(k_pool)):
         # The deltas as the pools of the swapped kernel; its output's affine map (out_scale, out_bias) adds the
         # anchor's V (and with fixed fp8 scales multiplies by s_v first) in fp32 before the one rounding to q's
-        # dtype. Fixed fp8 scales: s_k into q too (the kernel's q_scale, applied before q's fp8 split).
+        # dtype. Fixed fp8 scales: s_k into q too (the kernel's q_scale, applied before q's fp8 split);
+        # per-granule fp8 scales: the kernel reads them with the pages (k_scale, v_scale).
         from pallas_kernels.swapped_decode_attention import swapped_paged_attention
-        fixed = k_pool.fixed_scales       # fp8 deltas only (DeltaKV)
+        fp8 = k_pool.k_delta.dtype == jnp.float8_e4m3fn
+        fixed = fp8 and k_pool.fixed_scales
+        granules = fp8 and not fixed
         return swapped_paged_attention(
-            q if fixed else q.astype(jnp.float32), k_pool.k_delta, k_pool.v_delta, lengths, tables.page_starts,
+            q if fp8 else q.astype(jnp.float32), k_pool.k_delta, k_pool.v_delta, lengths, tables.page_starts,
             tables.page_sizes, max_context=max_context, interpret=interpret, return_score_stats=return_score_stats,
             q_scale=_per_q_head(k_pool.k_floor, q.shape[1]) if fixed else None, out_dtype=q.dtype,
             out_scale=k_pool.v_floor.astype(jnp.float32) if fixed else None,
-            out_bias=k_pool.anchor_v[:, 0].astype(jnp.float32), config=swapped_config)
+            out_bias=k_pool.anchor_v[:, 0].astype(jnp.float32), config=swapped_config,
+            k_scale=k_pool.k_scale if granules else None, v_scale=k_pool.v_scale if granules else None)
     if backend == "kernel" and isinstance(k_pool, DeltaKV):      # DKVC: the delta-KV kernel
         from pallas_kernels.delta_attention import delta_attention
         d = k_pool

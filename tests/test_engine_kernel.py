@@ -70,17 +70,19 @@ def test_engine_kernel_interpret_matches_reference(monkeypatch, two_splits, deco
     assert got == _run(model, "reference", False, prompts, **kw)
 
 
-@pytest.mark.parametrize("precision,fp8_scale,decode_kernel", [("fp8-delta", "granule", "delta_attention"),
-                                                               ("fp8-delta", "head", "swapped_paged_attention"),
-                                                               ("fp16-delta", "granule", "swapped_paged_attention")])
-def test_engine_delta_kernels_interpret_match_reference(monkeypatch, two_splits, precision, fp8_scale, decode_kernel):
+@pytest.mark.parametrize("precision,fp8_scale,variant,decode_kernel", [
+    ("fp8-delta", "granule", "swapped", "swapped_paged_attention"),
+    ("fp8-delta", "granule", "paged", "delta_attention"),
+    ("fp8-delta", "head", "swapped", "swapped_paged_attention"),
+    ("fp16-delta", "granule", "swapped", "swapped_paged_attention")])
+def test_engine_delta_kernels_interpret_match_reference(monkeypatch, two_splits, precision, fp8_scale, variant,
+                                                        decode_kernel):
     """--kv-precision fp8-delta / fp16-delta: prefill blocks through the delta prefill kernel and decode rows
-    through the delta-KV decode kernel (fp8), or through the swapped kernel on the deltas plus the anchor
-    (fp16, and fp8 with --fp8-scale head: the fold, stratum_jax/attention.py `_head_scale_fold`), all in the
-    interpreter, give the greedy
-    tokens of the tiled jnp path over the same delta cache. The kernels are counted as they are traced, so a
-    fall-back to the tiled path fails here. prefill_chunk 32 (one 32-token block per prompt with GQA 2) keeps
-    the interpreted CTAs few."""
+    through the swapped kernel on the deltas plus the anchor (the fold, stratum_jax/attention.py `_swapped_fold`:
+    fp16; fp8 with its per-granule scales, the default, or with --fp8-scale head), or, with --decode-kernel paged,
+    through the delta-KV decode kernel, all in the interpreter, give the greedy tokens of the tiled jnp path over
+    the same delta cache. The kernels are counted as they are traced, so a fall-back to the tiled path fails here.
+    prefill_chunk 32 (one 32-token block per prompt with GQA 2) keeps the interpreted CTAs few."""
     import pallas_kernels.delta_attention as delta_module
     import pallas_kernels.swapped_decode_attention as swapped_module
     traced = _count_traces(monkeypatch, delta_module, ["delta_prefill_attention", "delta_attention"])
@@ -88,7 +90,7 @@ def test_engine_delta_kernels_interpret_match_reference(monkeypatch, two_splits,
     model = _tiny_d64()
     prompts = [[5, 6, 7], list(range(20, 37))]
     kw = dict(page_size=16, max_tokens=2, max_batch_size=2, decode_steps=1, kv_precision=precision,
-              prefill_chunk=32, fp8_scale=fp8_scale)
+              prefill_chunk=32, fp8_scale=fp8_scale, decode_kernel=variant)
     got = _run(model, "kernel", True, prompts, **kw)
     assert traced["delta_prefill_attention"] > 0 and traced[decode_kernel] > 0, traced
     other = {"delta_attention", "swapped_paged_attention"} - {decode_kernel}

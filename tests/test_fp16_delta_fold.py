@@ -128,7 +128,9 @@ def test_prefill_fold_matches_float64():
 @pytest.mark.parametrize("name,kw,want", [
     ("fp16 mean anchor, swapped", dict(), "swapped_paged_attention"),
     ("fp16 mean anchor, paged variant", dict(kernel_variant="paged"), "delta_attention"),
-    ("fp8 deltas", dict(fp8=True), "delta_attention"),
+    ("fp8 deltas, granule scales", dict(fp8=True), "swapped_paged_attention"),
+    ("fp8 deltas, granule scales, paged variant", dict(fp8=True, kernel_variant="paged"), "delta_attention"),
+    ("fp8 deltas, granule scales, position-aligned anchor", dict(fp8=True, anchor_len=256), "delta_attention"),
     ("fp8 deltas, fixed per-head scales", dict(fp8=True, fixed=True), "swapped_paged_attention"),
     ("fp8 deltas, fixed scales, paged variant", dict(fp8=True, fixed=True, kernel_variant="paged"), "delta_attention"),
     ("position-aligned anchor", dict(anchor_len=256), "delta_attention"),
@@ -143,6 +145,9 @@ def test_decode_routing(monkeypatch, name, kw, want):
     def recorder(fn_name):
         def fake(q, *a, return_score_stats=False, **k):
             calls.append(fn_name)
+            if fn_name == "swapped_paged_attention":     # per-granule scales go to the kernel, fixed ones do not
+                granules = kw.get("fp8") and not kw.get("fixed")
+                assert (k.get("k_scale") is not None) == bool(granules), k.keys()
             return jnp.zeros(q.shape, q.dtype)
         return fake
     monkeypatch.setattr(delta_module, "delta_attention", recorder("delta_attention"))

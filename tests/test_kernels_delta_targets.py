@@ -81,9 +81,11 @@ def test_fold_configs_parse_over_the_folds_default(tmp_path):
 
 
 def test_delta_dry_run_times_the_fold_configs_beside_the_default(tmp_path, monkeypatch):
-    """kernels.py --delta --fold-configs in the interpreter: the override runs the engine's fold path with that
-    config (checked against the same truth), is recorded as not the engine's default, and is not the best. (The
-    granule-scale delta kernel's runs are left out here: other tests interpret it.)"""
+    """kernels.py --delta --fold-configs in the interpreter: the engine's fp8 fold with per-granule scales (the
+    default, "fold", counted for the bar), the fixed per-head scales' fold ("fold head", `--fp8-scale head`: shown
+    beside, not counted) and the override (the fold path with that config: not the default, not the best), each
+    checked against the same truth over its own scales. (The delta kernel's runs are left out here: other tests
+    interpret it.)"""
     import json
     monkeypatch.setattr(delta_kernels, "delta_configs", lambda *a, **k: [])
     spec = "num_splits=1,shared_smem=True,out_affine_in_kernel=True"
@@ -93,11 +95,12 @@ def test_delta_dry_run_times_the_fold_configs_beside_the_default(tmp_path, monke
     (shape,) = json.loads(out.read_text())["shapes"]
     (delta,) = shape["delta"]
     by_config = {r["config"]: r for r in delta["runs"]}
-    assert set(by_config) == {"fold", f"fold {spec}"}
+    assert set(by_config) == {"fold", "fold head", f"fold {spec}"}
     extra = by_config[f"fold {spec}"]
     assert extra["ok"] and extra["engine_default"] is False and extra["swapped_config"]["num_splits"] == 1
     assert by_config["fold"]["ok"] and "engine_default" not in by_config["fold"]
-    assert delta["best"]["config"] != extra["config"]
+    assert by_config["fold head"]["ok"] and by_config["fold head"]["engine_default"] is False
+    assert delta["best"]["config"] == "fold"
 
 
 def test_device_time_is_the_verdict_where_a_run_has_it():

@@ -20,7 +20,7 @@ import pallas_kernels.swapped_decode_attention as swapped_module
 from pallas_kernels.swapped_decode_attention import (
     SHORT_CONTEXT_KEYS, SwappedConfig, default_swapped_config, query_columns, swapped_paged_attention,
     swapped_paged_attention_reference)
-from pallas_kernels.testing import (float64_attention, float64_score_variance, ragged_decode_case,
+from pallas_kernels.testing import (float64_attention, float64_score_variance, fp8_granule_case, ragged_decode_case,
                                     random_paged_case)
 
 BF16_TOL = 2e-2
@@ -148,6 +148,65 @@ def test_float8_pools_match_float64():
     check_var(np.asarray(var), float64_score_variance(case), rtol=2e-3)
     with pytest.raises(ValueError, match="both float8_e4m3fn"):
         swapped_paged_attention(**{**case, "v_pool": case["v_pool"].astype(jnp.bfloat16)}, interpret=True)
+
+
+@pytest.mark.parametrize("config, stats", [
+    (SwappedConfig(block_kv=64, num_stages=2, num_splits=2, fp8_q_terms=2, refill_under_pv=True,
+                   fp8_q_in_kernel=True, split_first_percent=70), True),
+    (SwappedConfig(block_kv=128, num_stages=2, num_splits=1, fp8_q_terms=3, fp8_q_stacked=False,
+                   shared_smem=True), False)], ids=["fp8-default-split2-stats", "block128-unstacked"])
+def test_float8_granule_scales_match_float64(config, stats):
+    """float8 pools with a scale per 8-slot granule per kv head (`F8GranulePages`, the default fp8-delta cache's
+    decode kernel): each page piece's scale granules copied beside its rows, the keys' scales on S^T's rows, the
+    values' on P; every page size in one batch (a tile holds 8 / 4 / 2 whole pages, one, or a piece of one: every
+    place a granule can sit in the scale buffers), scales differing 10x between granules (a neighbour's scale is
+    caught), NaN in every stale slot and in every granule with no live key, a length-0 row; GQA 4 over 2 kv heads.
+    Against float64 of scale x e4m3 value; the score variance too."""
+    case = random_paged_case(11, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    f8, truth = fp8_granule_case(case, seed=11)
+    res = swapped_paged_attention(**f8, config=config, interpret=True, return_score_stats=stats)
+    out, var = res if stats else (res, None)
+    got = check(out, float64_attention(truth))
+    assert np.all(got[LENGTHS.index(0)] == 0.0)
+    if stats:
+        check_var(np.asarray(var), float64_score_variance(truth), rtol=2e-3)
+    # the reference takes the same scales
+    ref = swapped_paged_attention_reference(**{**f8, "q": f8["q"].astype(jnp.float32)})
+    check(ref, float64_attention(truth), tol=1e-4)
+
+
+def test_float8_granule_value_scales_tiny_and_zero():
+    """Value scales of ~1e-9 (each V term ~4e-8, under f16's smallest normal: P * v_scale rounded to f16 without
+    the softmax max's log2(v_scale) shift would lose every digit), one live granule with value scale 0 and one
+    with key scale 0 (their keys add nothing / score 0)."""
+    case = random_paged_case(12, lengths=[40, 100, 24], page_sizes=[8, 32, 16], num_q_heads=4, num_kv_heads=1,
+                             head_dim=64)
+    f8, truth = fp8_granule_case(case, seed=12, scale_range=(1e-9, 1e-8))
+    starts = np.asarray(case["page_starts"])
+    k_scale, v_scale = np.array(f8["k_scale"]) * 1e6, np.array(f8["v_scale"])
+    v_scale[0, starts[1, 0] // 8] = 0.0          # sequence 1, tokens 0-7
+    k_scale[0, starts[1, 1] // 8 + 1] = 0.0      # sequence 1, tokens 40-47
+    f8.update(k_scale=jnp.asarray(k_scale), v_scale=jnp.asarray(v_scale))
+    for side, scale in (("k", k_scale), ("v", v_scale)):
+        truth[f"{side}_pool"] = (np.asarray(f8[f"{side}_pool"].astype(jnp.float32), np.float64)
+                                 * np.repeat(scale, 8, axis=1)[..., None])
+    out = np.asarray(swapped_paged_attention(**f8, config=SwappedConfig(block_kv=64, num_stages=2, num_splits=1,
+                                                                        fp8_q_terms=2),
+                                             interpret=True, out_dtype=jnp.float32))
+    want = float64_attention(truth)
+    assert 0 < np.abs(want).max() < 1e-6      # the whole output is tiny
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-2 * np.abs(want).max())
+
+
+def test_float8_granule_scales_entry_checks():
+    case = random_paged_case(13, lengths=[5], page_sizes=[8], num_q_heads=4, num_kv_heads=1, head_dim=64)
+    f8, _ = fp8_granule_case(case)
+    with pytest.raises(ValueError, match="k_scale and v_scale together"):
+        swapped_paged_attention(**{**f8, "v_scale": None}, interpret=True)
+    with pytest.raises(ValueError, match=r"k_scale must be \[num_kv_heads, num_slots // 8\]"):
+        swapped_paged_attention(**{**f8, "k_scale": f8["k_scale"][:, :-1]}, interpret=True)
+    with pytest.raises(ValueError, match="for float8_e4m3fn pools"):
+        swapped_paged_attention(**{**case, "k_scale": f8["k_scale"], "v_scale": f8["v_scale"]}, interpret=True)
 
 
 def test_float8_refill_under_pv_gives_the_same_output():
@@ -498,6 +557,9 @@ ONE_LAUNCH_FP8 = dataclasses.replace(SHARED_FP8, num_splits=1, refill_under_pv=T
 # The fp8 default (split-K 2, q split in the kernel) with the split merge and the output map in the kernel
 MERGED_FP8 = dataclasses.replace(default_swapped_config(128, 4096, jnp.float8_e4m3fn), num_splits=2,
                                  split_merge_in_kernel=True, out_affine_in_kernel=True)
+# Per-granule scales beside fp8 pools of 1 << 16 slots, 8 kv heads (`F8GranulePages`)
+GRANULE_SCALES = {"k_scale": jnp.ones((8, (1 << 16) // 8), jnp.float32),
+                  "v_scale": jnp.ones((8, (1 << 16) // 8), jnp.float32)}
 # The fp8 default with longest-first splits (the first split's table window is the larger)
 FIRST_FP8 = dataclasses.replace(default_swapped_config(128, 4096, jnp.float8_e4m3fn), num_splits=2,
                                 split_first_percent=65)
@@ -512,10 +574,11 @@ FIRST_FP8 = dataclasses.replace(default_swapped_config(128, 4096, jnp.float8_e4m
     (128, 4096, jnp.float8_e4m3fn, 64, {"config": ONE_LAUNCH_FP8}),
     (128, 16384, jnp.float8_e4m3fn, 64, {"config": ONE_LAUNCH_FP8}),
     (128, 4096, jnp.float8_e4m3fn, 64, {"config": MERGED_FP8}),
-    (128, 16384, jnp.float8_e4m3fn, 64, {"config": FIRST_FP8})],
+    (128, 16384, jnp.float8_e4m3fn, 64, {"config": FIRST_FP8}),
+    (128, 4096, jnp.float8_e4m3fn, 64, GRANULE_SCALES), (128, 16384, jnp.float8_e4m3fn, 64, GRANULE_SCALES)],
     ids=["fp8-128-4k", "fp8-128-4k-shared", "fp8-128-16k-shared-stats", "fp8-64-4k", "bf16-128-4k", "f16-64-1k",
          "bf16-128-16k-b4", "bf16-128-4k-shared", "fp8-128-4k-one-launch", "fp8-128-16k-one-launch",
-         "fp8-128-4k-merged", "fp8-128-16k-longest-first"])
+         "fp8-128-4k-merged", "fp8-128-16k-longest-first", "fp8-128-4k-granules", "fp8-128-16k-granules"])
 def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype, batch, kw):
     """`SwappedConfig.smem_bytes` (what the default configs and fp8's split rule are chosen by) against the SMEM
     scratch Pallas' lowering sizes for the kernel (its resource estimate, read by wrapping the private
@@ -539,8 +602,9 @@ def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype
         mp.setattr(swapped_module, "_build_swapped_kernel", lambda **k: captured.update(k) or real_build(**k))
         jax.jit(lambda *a: swapped_paged_attention(*a, **kw)).trace(*args).lower(lowering_platforms=("cuda",))
     cfg = captured["config"]
+    granules = "k_scale" in kw
     want = cfg.smem_bytes(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype,
-                          score_stats=bool(kw.get("return_score_stats")), merged_itemsize=4)
+                          score_stats=bool(kw.get("return_score_stats")), merged_itemsize=4, granule_scales=granules)
     barriers = 8 * (2 + 2 * cfg.num_stages * (len(swapped_module.page_classes(cfg.block_kv)) + 1))
     barriers += 16 if cfg.split_merge_in_kernel else 0      # the cluster's and the merge loads'
     assert seen[-1] + barriers == want, (seen[-1], barriers, want, cfg)
@@ -550,7 +614,8 @@ def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype
         want_ctas = 4 if context == 4096 else 3
         assert cfg.ctas_per_sm(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype) == want_ctas
     if cfg.split_first_percent is not None:     # the larger first window leaves the fp8 default's 3 CTAs an SM
-        assert cfg.ctas_per_sm(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype) == 3
+        assert cfg.ctas_per_sm(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype,
+                               granule_scales=granules) == 3
     if cfg.split_merge_in_kernel:     # the merge's tiles leave the fp8 default's 3 CTAs an SM at 4K
         assert cfg.ctas_per_sm(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype,
                                merged_itemsize=2) == 3
@@ -655,6 +720,16 @@ def _lowered_text(batch, head_dim, config=None, pool_dtype=jnp.bfloat16, q_dtype
 def test_default_config_lowers_to_mosaic_gpu(head_dim):
     """llama-1b (D 64) and llama-8b (D 128) decode shapes, B=64, Hq=32, Hkv=8: the default config, no split."""
     assert "mosaic_gpu" in _lowered_text(64, head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_float8_granule_scales_lower_to_mosaic_gpu(head_dim):
+    """The default fp8-delta cache's decode kernel (per-granule scales beside the fp8 pools, `F8GranulePages`) at
+    llama-1b's and llama-8b's decode shapes, default config, with score statistics: the scale copies beside each
+    page piece's, the [T] row vectors of S^T and the scaled P lower for CUDA."""
+    scales = {k: jnp.ones((8, (1 << 16) // 8), jnp.float32) for k in ("k_scale", "v_scale")}
+    assert "mosaic_gpu" in _lowered_text(64, head_dim, pool_dtype=jnp.float8_e4m3fn, return_score_stats=True,
+                                         out_bias=jnp.zeros((8, head_dim), jnp.float32), **scales)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -766,6 +841,20 @@ def test_gpu_reduced_pools_match_float64(pool_dtype, head_dim):
     out, var = swapped_paged_attention(**small, return_score_stats=True)
     check(out, float64_attention(small))
     check_var(var, float64_score_variance(small), rtol=10 * VAR_RTOL, atol=10 * VAR_ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_float8_granule_scales_match_float64(head_dim):
+    """float8 pools with per-granule scales (the default fp8-delta cache's decode kernel), compiled: B=64 at ~1K
+    with every page size (the default config), and B=4 (split-K) with score statistics, against float64 of scale
+    x e4m3 value; NaN in every stale slot and dead granule."""
+    f8, truth = fp8_granule_case(ragged_decode_case(64, head_dim, 1024, seed=8), seed=8)
+    check(swapped_paged_attention(**f8), float64_attention(truth))
+    f8, truth = fp8_granule_case(ragged_decode_case(4, head_dim, 1024, seed=9), seed=9)
+    out, var = swapped_paged_attention(**f8, return_score_stats=True)
+    check(out, float64_attention(truth))
+    check_var(var, float64_score_variance(truth), rtol=10 * VAR_RTOL, atol=10 * VAR_ATOL)
 
 
 @pytest.mark.gpu
