@@ -79,7 +79,8 @@ pipeline unchanged. Default config: PREFILL_KERNEL_CONFIG (128-token tiles) wher
 tiles (`default_delta_prefill_config`; not yet swept on a GPU). The folded path also runs in the warp-specialised
 prefill kernel (`prefill_attention.ws_delta_prefill_attention`, 128-row CTAs, what the engine's "ws" variant uses
 without score statistics); the format's in-kernel pieces both kernels use are the module-level functions below
-(`fetch_scale_granules`, `scale_index`, `granule_columns`, `convert_to_f16`, `add_anchor_v`).
+(`fetch_scale_granules`, `scale_index`, `granule_columns`, `convert_to_f16`, `add_anchor_v`; with the swapped
+decode kernel's `F8GranulePages`: `fetch_rows_and_granules`, `tile_granule_columns`).
 
 SMEM per CTA (`delta_smem_bytes`; 227 KB at most; two CTAs per SM below ~113 KB) at D=128, 2 stages,
 B=64 (no split), 4K-16K contexts, T=64: folded fp16 103-109 KB, the bf16 paged kernel's 99-105 KB plus
@@ -182,13 +183,7 @@ class DeltaPages:
         return None
 
     def fetch_page(self, ctx: TileContext, src, row, n, slot, k_bar, v_bar):
-        kd, vd, ks, vs, _, _ = ctx.inputs
-        k_ring, v_ring, k_sc, v_sc = ctx.smem[:4]
-        dst = (slot, pl.ds(row, n)) if n < ctx.block_kv else (slot,)
-        plgpu.copy_gmem_to_smem(kd.at[ctx.h, pl.ds(src, n)], k_ring.at[dst], k_bar)
-        plgpu.copy_gmem_to_smem(vd.at[ctx.h, pl.ds(src, n)], v_ring.at[dst], v_bar)
-        fetch_scale_granules(ks.at[ctx.h], src, row, n, k_sc.at[slot], k_bar)
-        fetch_scale_granules(vs.at[ctx.h], src, row, n, v_sc.at[slot], v_bar)
+        fetch_rows_and_granules(ctx, src, row, n, slot, k_bar, v_bar)
 
     def fetch_tile(self, ctx: TileContext, t0, slot, k_bar, v_bar):
         if self.fold:
@@ -243,9 +238,7 @@ class DeltaPages:
         there) get score scale 0 and value scale 1 (finite, and P is 0 there anyway)."""
         if not self.fold:
             return None
-        k_sc, v_sc = ctx.smem[2:4]
-        idx = functools.cache(lambda j: self._scale_index(ctx, tile, j))     # once per granule, for both sides
-        return granule_columns(lambda j: k_sc[slot, idx(j)], lambda j: v_sc[slot, idx(j)], n_valid, ctx.block_kv)
+        return tile_granule_columns(ctx, slot, tile, n_valid)
 
     def finish(self, ctx: TileContext, state, o, l):
         """Folded: out = anchor_v + (sum_j P_j sv_j dv_j) / l for the rows that saw a key (l > 0); rows
@@ -339,6 +332,32 @@ def scale_index(tile, j: int, *, log2_p, n_pages, page_entry, block_kv: int):
     # 8/16-token pages: their granules sit at their place in the aligned group of 4 that was copied.
     offset = jnp.where(log2_p <= 4, lax.shift_right_logical(entry, 3) & 3, 0)
     return SCALE_AREA * piece + offset + within
+
+
+def fetch_rows_and_granules(ctx: TileContext, src, row: int, n: int, slot, k_bar, v_bar) -> None:
+    """In a kernel, a KV format's fetch_page for delta rows with per-granule scales (`DeltaPages`, the swapped
+    kernel's `F8GranulePages`): ctx.inputs start with (k rows, v rows, k_scale, v_scale) [Hkv, S(, D)] and ctx.smem
+    with (k ring, v ring, k scale buffer, v scale buffer); the n rows [src, src + n) land in rows [row, row + n) of
+    ring slot `slot` and their granules in the slot's scale buffers (`fetch_scale_granules`), K's copies arriving on
+    k_bar and V's on v_bar (2 each: copies_per_page 2)."""
+    kd, vd, ks, vs = ctx.inputs[:4]
+    k_ring, v_ring, k_sc, v_sc = ctx.smem[:4]
+    dst = (slot, pl.ds(row, n)) if n < ctx.block_kv else (slot,)
+    plgpu.copy_gmem_to_smem(kd.at[ctx.h, pl.ds(src, n)], k_ring.at[dst], k_bar)
+    plgpu.copy_gmem_to_smem(vd.at[ctx.h, pl.ds(src, n)], v_ring.at[dst], v_bar)
+    fetch_scale_granules(ks.at[ctx.h], src, row, n, k_sc.at[slot], k_bar)
+    fetch_scale_granules(vs.at[ctx.h], src, row, n, v_sc.at[slot], v_bar)
+
+
+def tile_granule_columns(ctx: TileContext, slot, tile, n_valid, *, layout=_COL_LAYOUT) -> TileColumns:
+    """In a kernel: the per-key factors of tile `tile` (`granule_columns` in `layout`) from the scale buffers
+    `fetch_rows_and_granules` filled in ring slot `slot` (ctx.smem[2:4]); each granule's place found once for both
+    sides (`scale_index`)."""
+    k_sc, v_sc = ctx.smem[2:4]
+    idx = functools.cache(lambda j: scale_index(tile, j, log2_p=ctx.log2_p, n_pages=ctx.n_pages,
+                                                page_entry=ctx.page_entry, block_kv=ctx.block_kv))
+    return granule_columns(lambda j: k_sc[slot, idx(j)], lambda j: v_sc[slot, idx(j)], n_valid, ctx.block_kv,
+                           layout=layout)
 
 
 def granule_columns(k_scale_of, v_scale_of, n_valid, block_kv: int, *, layout=_COL_LAYOUT) -> TileColumns:

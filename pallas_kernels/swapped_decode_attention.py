@@ -94,9 +94,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.cluster_exchange import lse_row_floats, merge_attention_splits
-from pallas_kernels.delta_attention import (F16_SAFE_MAX, GRANULE, convert_to_f16, delta_ring_type,
-                                            fetch_scale_granules, granule_columns, rebuild_reference,
-                                            scale_areas_type, scale_index)
+from pallas_kernels.delta_attention import (F16_SAFE_MAX, GRANULE, SCALE_AREA, convert_to_f16, delta_ring_type,
+                                            fetch_rows_and_granules, rebuild_reference, scale_areas_type,
+                                            tile_granule_columns)
 from pallas_kernels.fp8_q_split import (HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_BLOCK as FP8_Q_SPLIT_ROWS, fp8_q_split,
                                          split_block_in_kernel)
 from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
@@ -232,21 +232,11 @@ class F8GranulePages(F8Pages):
         return super().scratch_types(stages=stages, block_kv=block_kv, head_dim=head_dim) + [areas, areas]
 
     def fetch_page(self, ctx, src, row, n, slot, k_bar, v_bar):
-        k_ref, v_ref, k_scale_ref, v_scale_ref = ctx.inputs
-        k_ring, v_ring, k_areas, v_areas = ctx.smem
-        dst = (slot, pl.ds(row, n)) if n < ctx.block_kv else (slot,)
-        plgpu.copy_gmem_to_smem(k_ref.at[ctx.h, pl.ds(src, n)], k_ring.at[dst], k_bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[ctx.h, pl.ds(src, n)], v_ring.at[dst], v_bar)
-        fetch_scale_granules(k_scale_ref.at[ctx.h], src, row, n, k_areas.at[slot], k_bar)
-        fetch_scale_granules(v_scale_ref.at[ctx.h], src, row, n, v_areas.at[slot], v_bar)
+        fetch_rows_and_granules(ctx, src, row, n, slot, k_bar, v_bar)
 
     def key_scales(self, ctx, slot, tile, n_valid) -> TileColumns:
         """The tile's per-key factors as [T] f32 vectors in the row layout of S^T (after both waits of the slot)."""
-        k_areas, v_areas = ctx.smem[2:]
-        idx = functools.cache(lambda j: scale_index(tile, j, log2_p=ctx.log2_p, n_pages=ctx.n_pages,
-                                                    page_entry=ctx.page_entry, block_kv=ctx.block_kv))
-        return granule_columns(lambda j: k_areas[slot, idx(j)], lambda j: v_areas[slot, idx(j)], n_valid,
-                               ctx.block_kv, layout=_ROW_LAYOUT)
+        return tile_granule_columns(ctx, slot, tile, n_valid, layout=_ROW_LAYOUT)
 
 
 F8_GRANULE_PAGES = F8GranulePages()
@@ -366,7 +356,7 @@ class SwappedConfig:
                  + kb((self.fp8_q_terms if fp8 else 2) * n * D) + reduction_scratch_bytes(n))
         loop = 2 * kb(S * T * D * itemsize) + (kb(T * D * 2) if fp8 else 0) + kb(n * T * 2)
         if fp8 and granule_scales:
-            loop += 2 * kb(S * (T // GRANULE) * 128)
+            loop += 2 * kb(S * (T // GRANULE) * SCALE_AREA * 4)     # `scale_areas_type`, K and V
         epilogue = kb(n * D * out_itemsize) + kb(n * 4) * (4 if score_stats else 1)
         barriers = 8 * (2 + 2 * S * (len(page_classes(T)) + 1))
         splits = self.num_splits or 1
