@@ -187,7 +187,7 @@ def delta_truth(q, ak, av, k_scale, v_scale, kd, vd, slot, lengths, scale) -> np
 
 def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, paged_ms, a, *, io, interpret,
                  label, head_scales=None, granule_scales=None, baseline=None, config=None,
-                 overrides: str = "") -> dict:
+                 overrides: str = "", packed: bool = False) -> dict:
     """The engine's folded decode path (stratum_jax/attention.py `_swapped_fold`: the swapped kernel on the
     deltas, then the mean anchor's V added) on a DeltaKV with the unit scales an fp16-delta cache keeps; with
     granule_scales ((k, v) [Hkv, S // 8] f32) an fp8-delta cache's per-granule scales (the default, `--fp8-scale
@@ -196,7 +196,9 @@ def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, p
     anchor + scale x delta. Its run is marked config "fold" (unit or granule scales: what the engine runs by
     default, counted for the bars) or "fold head" (engine_default False: shown beside the bar, not counted for
     it, `delta_targets`); with config (a `SwappedConfig` for decode_attention's swapped_config, from
-    --fold-configs' overrides) "fold <overrides>", also engine_default False."""
+    --fold-configs' overrides) "fold <overrides>", also engine_default False. packed (with granule_scales): the
+    same call with both sides' scales packed per granule (`swapped_paged_attention(packed_scales=)`, packed before
+    the timed call, as a cache storing them would hold them): "fold packed", engine_default False."""
     from stratum_jax.attention import RowTables, decode_attention
     from stratum_jax.kv.delta_cache import DeltaKV
     fixed = head_scales is not None
@@ -214,9 +216,20 @@ def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, p
                         k_floor=k_floor, v_floor=v_floor, fixed_scales=fixed)
         return decode_attention(q, lengths - 1, RowTables(lengths, starts, psz), cache, None, backend="kernel",
                                 interpret=interpret, max_context=starts.shape[1] * 8, swapped_config=config)
-    r = measure_variant(lambda: jitted(("fold", kd.dtype, fixed, config), fold),
-                        (q, kd, vd, ak, av, lengths, starts, psz, *floors, *granule_scales), ref, paged_ms, a,
-                        label=label, io_bytes=io, baseline=baseline)
+    fold_args = (q, kd, vd, ak, av, lengths, starts, psz, *floors, *granule_scales)
+    if packed:      # decode_attention's granule call (stratum_jax/attention.py), the scales packed
+        from pallas_kernels.delta_attention import pack_granule_scales
+        from pallas_kernels.swapped_decode_attention import swapped_paged_attention
+
+        def fold(q, kd, vd, ak, av, lengths, starts, psz, packed_scales):
+            return swapped_paged_attention(q, kd, vd, lengths, starts, psz, max_context=starts.shape[1] * 8,
+                                           interpret=interpret, out_dtype=q.dtype,
+                                           out_bias=av[:, 0].astype(jnp.float32), packed_scales=packed_scales)
+        fold_args = (*fold_args[:8], pack_granule_scales(*granule_scales))
+    r = measure_variant(lambda: jitted(("fold", kd.dtype, fixed, config, packed), fold), fold_args, ref, paged_ms,
+                        a, label=label, io_bytes=io, baseline=baseline)
+    if packed:
+        return dict(config="fold packed", engine_default=False, **r)
     name = "fold head" if fixed else "fold"
     if config is None:
         return dict(config=name, **r) if not fixed else dict(config=name, engine_default=False, **r)
@@ -332,6 +345,10 @@ def run_delta(a):
                         runs.append(measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale,
                                                  rec["paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} A={A} "
                                                  "fold", **fold_kw))
+                        if fp8:     # the granule scales packed (not yet the cache's storage), beside the bar
+                            runs.append(measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale,
+                                                     rec["paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} "
+                                                     f"A={A} fold packed", packed=True, **fold_kw))
                         if fp8:     # --fp8-scale head, beside the bar
                             runs.append(measure_fold(
                                 jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, rec["paged"]["ms"], a,

@@ -349,6 +349,52 @@ def fetch_rows_and_granules(ctx: TileContext, src, row: int, n: int, slot, k_bar
     fetch_scale_granules(vs.at[ctx.h], src, row, n, v_sc.at[slot], v_bar)
 
 
+PACKED_SCALE_FLOATS = 4    # floats per granule in packed scales: K scale, V scale, 2 unused (16 bytes, TMA's unit)
+
+
+def pack_granule_scales(k_scale, v_scale):
+    """k_scale, v_scale [Hkv, S // 8] f32 -> packed scales [Hkv, S // 8, 4] f32 (K, V, 0, 0 per granule): each
+    granule's scales on a 16-byte boundary, so a page piece's scales are one TMA copy whose granules land at
+    static places (`fetch_packed_granules`)."""
+    zeros = jnp.zeros_like(k_scale)
+    return jnp.stack([k_scale, v_scale, zeros, zeros], axis=-1)
+
+
+def packed_area_floats(n: int) -> int:
+    """Floats of a ring slot's packed scale buffer given to a page piece of n rows: its n / 8 granules' 4 floats
+    each, at least 128 bytes (a TMA destination's alignment)."""
+    return max(SCALE_AREA, n // GRANULE * PACKED_SCALE_FLOATS)
+
+
+def packed_scale_areas_type(stages: int, block_kv: int):
+    """SMEM of packed scale granules [stages, (T / 8) * SCALE_AREA] f32: room for T / 8 pieces of 8 rows (one
+    128-byte area each), which also holds any other piece size's areas (`packed_area_floats`)."""
+    return plgpu.SMEM((stages, (block_kv // GRANULE) * SCALE_AREA), jnp.float32)
+
+
+def fetch_packed_granules(scale_row, src, row: int, n: int, areas, bar) -> None:
+    """In a kernel: the one TMA copy of both sides' scales of the page piece of n slots [src, src + n) (src a
+    multiple of 8) that lands in rows [row, row + n) of a tile. scale_row: one kv head's packed scales
+    [S // 8 * 4] f32 (GMEM, `pack_granule_scales` flattened); areas: one ring slot's buffer
+    (`packed_scale_areas_type`); the copy arrives on `bar`. Granule j of the piece lands at floats
+    [4j, 4j + 4) of the piece's area, whatever the page's slot."""
+    first = pl.multiple_of(lax.shift_right_logical(src, 3) * PACKED_SCALE_FLOATS, PACKED_SCALE_FLOATS)
+    count = n // GRANULE * PACKED_SCALE_FLOATS
+    plgpu.copy_gmem_to_smem(scale_row.at[pl.ds(first, count)],
+                            areas.at[pl.ds(packed_area_floats(n) * (row // n), count)], bar)
+
+
+def packed_scale_index(j: int, log2_p, block_kv: int):
+    """In a kernel: where granule j (rows 8j..8j+7) of a tile sits in a ring slot's packed scale buffer filled by
+    `fetch_packed_granules`, for a sequence with pages of 2^log2_p tokens: the K scale's float (the V scale's is
+    the next). The same for every tile of the sequence (no page-table read)."""
+    log2_n = jnp.minimum(log2_p, block_kv.bit_length() - 1)      # rows per piece: min(P, T)
+    piece = lax.shift_right_logical(jnp.int32(GRANULE * j), log2_n)
+    within = jnp.int32(j) & (lax.shift_left(jnp.int32(1), log2_n - 3) - 1)
+    area = jnp.maximum(jnp.int32(SCALE_AREA), lax.shift_left(jnp.int32(1), log2_n - 1))    # packed_area_floats
+    return area * piece + PACKED_SCALE_FLOATS * within
+
+
 def tile_granule_columns(ctx: TileContext, slot, tile, n_valid, *, layout=_COL_LAYOUT) -> TileColumns:
     """In a kernel: the per-key factors of tile `tile` (`granule_columns` in `layout`) from the scale buffers
     `fetch_rows_and_granules` filled in ring slot `slot` (ctx.smem[2:4]); each granule's place found once for both

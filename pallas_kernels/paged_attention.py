@@ -712,8 +712,14 @@ class Bf16Pages:
     def prologue_wait(self, ctx):
         return None
 
+    @property
+    def copies_per_side(self) -> tuple[int, int]:
+        """Copies per page piece on the (K, V) stage barriers (the swapped kernel's; the paged kernel counts
+        copies_per_page on both)."""
+        return self.copies_per_page, self.copies_per_page
+
     def fetch_page(self, ctx, src, row, n, slot, k_bar, v_bar):
-        (k_ref, v_ref), (k_ring, v_ring) = ctx.inputs, ctx.smem
+        (k_ref, v_ref), (k_ring, v_ring) = ctx.inputs[:2], ctx.smem[:2]
         dst = (slot, pl.ds(row, n)) if n < ctx.block_kv else (slot,)
         plgpu.copy_gmem_to_smem(k_ref.at[ctx.h, pl.ds(src, n)], k_ring.at[dst], k_bar)
         plgpu.copy_gmem_to_smem(v_ref.at[ctx.h, pl.ds(src, n)], v_ring.at[dst], v_bar)

@@ -95,8 +95,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.cluster_exchange import lse_row_floats, merge_attention_splits
 from pallas_kernels.delta_attention import (F16_SAFE_MAX, GRANULE, SCALE_AREA, convert_to_f16, delta_ring_type,
-                                            fetch_rows_and_granules, rebuild_reference, scale_areas_type,
-                                            tile_granule_columns)
+                                            fetch_packed_granules, fetch_rows_and_granules, granule_columns,
+                                            packed_scale_areas_type, packed_scale_index, rebuild_reference,
+                                            scale_areas_type, tile_granule_columns)
 from pallas_kernels.fp8_q_split import (HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_BLOCK as FP8_Q_SPLIT_ROWS, fp8_q_split,
                                          split_block_in_kernel)
 from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
@@ -243,6 +244,40 @@ F8_GRANULE_PAGES = F8GranulePages()
 
 
 @dataclasses.dataclass(frozen=True)
+class F8PackedGranulePages(F8Pages):
+    """`F8GranulePages` with both sides' scales packed per granule (`pack_granule_scales`: [Hkv, S // 8, 4] f32,
+    K scale, V scale and 2 unused floats, so every granule starts on a 16-byte boundary): per page piece one
+    scale copy instead of two (on the V barrier: the scales are read after the V wait), landing each granule at a
+    static place of the piece's area, so the tile's scale vectors need no page-table read (`packed_scale_index`).
+    inputs: k_pool, v_pool, packed scales [Hkv, S // 8 * 4]; scratch_types: [k ring, v ring, v staging, scales]."""
+    num_inputs: int = 3
+    copies_per_page: int = 1
+
+    @property
+    def copies_per_side(self) -> tuple[int, int]:
+        return 1, 2
+
+    def scratch_types(self, *, stages, block_kv, head_dim):
+        return (super().scratch_types(stages=stages, block_kv=block_kv, head_dim=head_dim)
+                + [packed_scale_areas_type(stages, block_kv)])
+
+    def fetch_page(self, ctx, src, row, n, slot, k_bar, v_bar):
+        BF16_PAGES.fetch_page(ctx, src, row, n, slot, k_bar, v_bar)     # the rows (ctx's first 2 inputs / rings)
+        fetch_packed_granules(ctx.inputs[2].at[ctx.h], src, row, n, ctx.smem[2].at[slot], v_bar)
+
+    def key_scales(self, ctx, slot, tile, n_valid) -> TileColumns:
+        """The tile's per-key factors as [T] f32 vectors in the row layout of S^T (after both waits of the slot)."""
+        del tile      # a granule's place is the same in every tile
+        buf = ctx.smem[2]
+        idx = functools.cache(lambda j: packed_scale_index(j, ctx.log2_p, ctx.block_kv))
+        return granule_columns(lambda j: buf[slot, idx(j)], lambda j: buf[slot, idx(j) + 1], n_valid,
+                               ctx.block_kv, layout=_ROW_LAYOUT)
+
+
+F8_PACKED_GRANULE_PAGES = F8PackedGranulePages()
+
+
+@dataclasses.dataclass(frozen=True)
 class SwappedConfig:
     """Static knobs of the swapped kernel (each distinct config compiles its own kernel).
 
@@ -330,7 +365,7 @@ class SwappedConfig:
 
     def smem_bytes(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2,
                    pool_dtype=jnp.bfloat16, score_stats: bool = False, merged_itemsize: int = 2,
-                   granule_scales: bool = False) -> int:
+                   scale_buffers: int = 0) -> int:
         """SMEM of one CTA in bytes, as Pallas sizes it (each allocation rounded up to 1 KB; with shared_smem, two
         run_scoped regions in sequence take the larger) plus the mbarriers (8 bytes each):
           - for the whole kernel: the page-table window (4 bytes an entry; with fp8_q_in_kernel N entries more, q's
@@ -338,8 +373,8 @@ class SwappedConfig:
             them), q (bf16/f16 [N, D], or fp8_q_terms e4m3 parts [N, D] for float8 pools), the cross-warp
             reduction scratch;
           - the loop: the K and V rings stages * T * D each (itemsize of the pools), float8 pools' f16 V staging
-            tile T * D * 2, P [N, T] 16-bit, with granule_scales (`F8GranulePages`) two scale buffers of
-            stages * (T / 8) 128-byte areas;
+            tile T * D * 2, P [N, T] 16-bit, and `scale_buffers` buffers of stages * (T / 8) 128-byte areas of
+            granule scales (2 for `F8GranulePages`, K and V; 1 for `F8PackedGranulePages`);
           - or the epilogue: out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32 and,
             with score_stats, 3 more [N] f32; with split_merge_in_kernel (split-K) also the merge's S partials
             [S, N, D] f32, their lse [S, lse_row_floats(N)] f32, the merged tile [N, D] (merged_itemsize) and the
@@ -355,8 +390,8 @@ class SwappedConfig:
         whole = (kb(4 * (window + (n if q_in_kernel else 0)))
                  + kb((self.fp8_q_terms if fp8 else 2) * n * D) + reduction_scratch_bytes(n))
         loop = 2 * kb(S * T * D * itemsize) + (kb(T * D * 2) if fp8 else 0) + kb(n * T * 2)
-        if fp8 and granule_scales:
-            loop += 2 * kb(S * (T // GRANULE) * SCALE_AREA * 4)     # `scale_areas_type`, K and V
+        if fp8:     # `scale_areas_type` / `packed_scale_areas_type`
+            loop += scale_buffers * kb(S * (T // GRANULE) * SCALE_AREA * 4)
         epilogue = kb(n * D * out_itemsize) + kb(n * 4) * (4 if score_stats else 1)
         barriers = 8 * (2 + 2 * S * (len(page_classes(T)) + 1))
         splits = self.num_splits or 1
@@ -367,12 +402,12 @@ class SwappedConfig:
         return whole + (max(loop, epilogue) if self.shared_smem else loop + epilogue) + barriers
 
     def ctas_per_sm(self, head_dim: int, max_pages: int, group: int = 4, out_itemsize: int = 2,
-                    pool_dtype=jnp.bfloat16, merged_itemsize: int = 2, granule_scales: bool = False) -> int:
+                    pool_dtype=jnp.bfloat16, merged_itemsize: int = 2, scale_buffers: int = 0) -> int:
         """CTAs of this config an H200 SM holds by SMEM alone. Registers can bound it lower: the float8 default's
         kernel takes 153 registers a thread (ncu, session 36), which allows 3 CTAs of 128 threads an SM, so
         4 by SMEM (shared_smem) still runs 3."""
         return _SMEM_PER_SM // (self.smem_bytes(head_dim, max_pages, group, out_itemsize, pool_dtype,
-                                                merged_itemsize=merged_itemsize, granule_scales=granule_scales)
+                                                merged_itemsize=merged_itemsize, scale_buffers=scale_buffers)
                                 + _SMEM_PER_CTA_RESERVED)
 
 
@@ -391,7 +426,7 @@ FP8_FIRST_SPLIT_PERCENT = 70
 
 
 def fp8_default_splits(config: SwappedConfig, head_dim: int, max_pages: int, group: int, grid_splits: int,
-                       granule_scales: bool = False) -> int:
+                       scale_buffers: int = 0) -> int:
     """split-K for float8 pools when the caller gives none: the grid rule's `grid_splits`, at least
     FP8_MIN_SPLITS; with config.shared_smem then doubled (16 at most) until FP8_CTAS_PER_SM CTAs fit an SM by
     SMEM. With half a bf16 tile's bytes, a CTA's chain of MMAs, softmax and V conversion per tile is what bounds
@@ -401,18 +436,18 @@ def fp8_default_splits(config: SwappedConfig, head_dim: int, max_pages: int, gro
     splits = max(grid_splits, FP8_MIN_SPLITS)
     while config.shared_smem and splits < 16 and dataclasses.replace(config, num_splits=splits).ctas_per_sm(
             head_dim, max_pages, group, out_itemsize=4, pool_dtype=_FP8,
-            granule_scales=granule_scales) < FP8_CTAS_PER_SM:
+            scale_buffers=scale_buffers) < FP8_CTAS_PER_SM:
         splits *= 2
     return splits
 
 
 def longest_first_pays(config: SwappedConfig, grid_ctas: int, head_dim: int, max_pages: int, group: int,
-                       pool_dtype, granule_scales: bool = False) -> bool:
+                       pool_dtype, scale_buffers: int = 0) -> bool:
     """Whether uneven, longest-first splits (`SwappedConfig.split_first_percent`) can shorten a grid of grid_ctas
     CTAs: only where it is more than one wave (by SMEM, `ctas_per_sm`, on NUM_SMS_H100 SMs). In one wave every CTA
     starts at once, so the kernel takes as long as its longest split: even splits are the shortest."""
     return grid_ctas > NUM_SMS_H100 * config.ctas_per_sm(head_dim, max_pages, group, out_itemsize=4,
-                                                         pool_dtype=pool_dtype, granule_scales=granule_scales)
+                                                         pool_dtype=pool_dtype, scale_buffers=scale_buffers)
 
 
 def default_swapped_config(head_dim: int, max_context: int | None = None, pool_dtype=jnp.bfloat16) -> SwappedConfig:
@@ -510,7 +545,8 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
                             out_dtype=None, out_scale: jax.Array | None = None, out_bias: jax.Array | None = None,
                             prefetch_weight: jax.Array | None = None, prefetch: L2Prefetch | None = None,
                             k_scale: jax.Array | None = None,
-                            v_scale: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                            v_scale: jax.Array | None = None,
+                            packed_scales: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention over a paged KV pool with per-sequence page sizes, keys on WGMMA's M (module docstring).
 
     Args:
@@ -549,6 +585,9 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
         8-slot granule (`F8GranulePages`): the key in slot s of kv head h is k_scale[h, s // 8] * k_pool[h, s], the
         value likewise (a DKVC fp8-delta cache with per-granule scales on the folded mean-anchor path:
         stratum_jax/attention.py adds the anchor with out_bias). Scales of granules with no live key may be NaN.
+      packed_scales: float8 pools only, instead of k_scale / v_scale: [num_kv_heads, num_slots // 8, 4] float32,
+        granule g's K and V scales at [h, g, 0] and [h, g, 1] (`pack_granule_scales`; the last two unused), read with
+        one TMA copy a page piece at static places (`F8PackedGranulePages`). The same output as k_scale / v_scale.
 
     Returns [batch, num_q_heads, head_dim] in out_dtype; q head j uses kv head j // (num_q_heads // num_kv_heads).
     With return_score_stats: `(out, score_var)`, score_var float32 [batch, num_q_heads], the population
@@ -562,7 +601,12 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
         raise ValueError(f"swapped_paged_attention: k_pool/v_pool must both be bfloat16, both float16 or both "
                          f"float8_e4m3fn, got {k_pool.dtype}/{v_pool.dtype}")
     check_granule_scales("swapped_paged_attention", k_pool, k_scale, v_scale)
-    granule_scales = k_scale is not None
+    if packed_scales is not None:
+        want = (k_pool.shape[0], k_pool.shape[1] // GRANULE, 4)
+        if k_scale is not None or k_pool.dtype != _FP8 or packed_scales.shape != want or packed_scales.dtype != jnp.float32:
+            raise ValueError(f"swapped_paged_attention: packed_scales are for float8_e4m3fn pools without k_scale / "
+                             f"v_scale, as {list(want)} float32; got {list(packed_scales.shape)} {packed_scales.dtype}")
+    scale_buffers = 2 if k_scale is not None else 1 if packed_scales is not None else 0
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
     if head_dim not in (64, 128):
@@ -588,11 +632,11 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
     if config.num_splits is None:
         splits = default_num_splits(batch, num_kv_heads)
         if k_pool.dtype == _FP8:
-            splits = fp8_default_splits(config, head_dim, page_starts.shape[1], group, splits, granule_scales)
+            splits = fp8_default_splits(config, head_dim, page_starts.shape[1], group, splits, scale_buffers)
         config = dataclasses.replace(config, num_splits=splits)
         if config.split_first_percent is not None and not longest_first_pays(
                 config, batch * num_kv_heads * splits, head_dim, page_starts.shape[1], group, k_pool.dtype,
-                granule_scales):
+                scale_buffers):
             config = dataclasses.replace(config, split_first_percent=None)
     scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
     args = (q, k_pool, v_pool, lengths, page_starts, page_sizes)
@@ -611,8 +655,10 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
     check_prefetch_args("swapped_paged_attention", prefetch_weight, prefetch)
     if prefetch is not None:
         kw.update(prefetch_weight=prefetch_weight, prefetch=prefetch)
-    if granule_scales:
+    if k_scale is not None:
         kw["granule_scales"] = (k_scale, v_scale)
+    elif packed_scales is not None:
+        kw["granule_scales"] = (packed_scales.reshape(num_kv_heads, -1),)
     if interpret:
         with mosaic_gpu_interpret():
             return _swapped_paged_attention(*args, **kw, interpreted=True)
@@ -649,7 +695,7 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
                         else jnp.float32)
     kv_format = {jnp.dtype(jnp.float16): F16_PAGES, _FP8: F8_PAGES}.get(jnp.dtype(k_pool.dtype), BF16_PAGES)
     if granule_scales is not None:
-        kv_format = F8_GRANULE_PAGES
+        kv_format = F8_GRANULE_PAGES if len(granule_scales) == 2 else F8_PACKED_GRANULE_PAGES
     mma_dtype = jnp.dtype(kv_format.mma_dtype)
     extra = ()
     q_in_kernel = False
@@ -759,7 +805,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     window = table_window(max_pages, splits, T, config.split_first_percent)
     small_classes = page_classes(T)                                   # (log2 P, copies) for P < T
     # per page piece `copies_per_page` copies on each side's barrier (the rows; with granule scales their scales too)
-    arrivals = [n * kv_format.copies_per_page for _, n in small_classes] + [kv_format.copies_per_page]
+    arrivals = [[n * c for _, n in small_classes] + [c] for c in kv_format.copies_per_side]     # K, V
     qk_scale = scale * _LOG2E                                         # exp2 below
     wgmma_layout = plgpu.Layout.WGMMA
     mma_dtype = jnp.dtype(kv_format.mma_dtype)
@@ -769,7 +815,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         return lax.broadcast_in_dim(x, shape, [1])
 
     fp8_scores = isinstance(kv_format, F8Pages)       # q parts [terms, rows, D] e4m3 + q_unscale [rows] f32
-    granule_scales = isinstance(kv_format, F8GranulePages)    # + k_scale, v_scale [Hkv, S // 8] f32 after the pools
+    # + k_scale, v_scale [Hkv, S // 8] f32 after the pools (or packed scales [Hkv, S // 8 * 4])
+    granule_scales = isinstance(kv_format, (F8GranulePages, F8PackedGranulePages))
     q_stacked = fp8_scores and stacks_q_parts(config, N)     # ... or [rows * terms, D] (`stack_q_parts`)
     terms = config.fp8_q_terms
     if merge_in_kernel and splits == 1:
@@ -795,7 +842,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         q_unscale_ref = next_weight_ref = None
         scale_refs = ()
         if granule_scales:
-            scale_refs, rest = rest[:2], rest[2:]
+            scale_refs, rest = rest[:kv_format.num_inputs - 2], rest[kv_format.num_inputs - 2:]
         if fp8_scores:
             q_unscale_ref, rest = rest[0], rest[1:]
         if out_affine:
@@ -1093,8 +1140,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         else plgpu.SMEM((N, D), mma_dtype, transforms=MMA_TRANSFORMS)]
     barriers = [
         plgpu.Barrier(num_barriers=2),
-        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
-        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
+        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals[0]],
+        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals[1]],
     ]
     if config.shared_smem:
         scratch = table_and_q + barriers + merge_barriers

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels.swapped_decode_attention as swapped_module
+from pallas_kernels.delta_attention import pack_granule_scales
 from pallas_kernels.swapped_decode_attention import (
     SHORT_CONTEXT_KEYS, SwappedConfig, default_swapped_config, query_columns, swapped_paged_attention,
     swapped_paged_attention_reference)
@@ -155,16 +156,21 @@ def test_float8_pools_match_float64():
                    fp8_q_in_kernel=True, split_first_percent=70), True),
     (SwappedConfig(block_kv=128, num_stages=2, num_splits=1, fp8_q_terms=3, fp8_q_stacked=False,
                    shared_smem=True), False)], ids=["fp8-default-split2-stats", "block128-unstacked"])
-def test_float8_granule_scales_match_float64(config, stats):
+@pytest.mark.parametrize("packed", [False, True], ids=["two-arrays", "packed"])
+def test_float8_granule_scales_match_float64(config, stats, packed):
     """float8 pools with a scale per 8-slot granule per kv head (`F8GranulePages`, the default fp8-delta cache's
     decode kernel): each page piece's scale granules copied beside its rows, the keys' scales on S^T's rows, the
     values' on P; every page size in one batch (a tile holds 8 / 4 / 2 whole pages, one, or a piece of one: every
     place a granule can sit in the scale buffers), scales differing 10x between granules (a neighbour's scale is
     caught), NaN in every stale slot and in every granule with no live key, a length-0 row; GQA 4 over 2 kv heads.
-    Against float64 of scale x e4m3 value; the score variance too."""
+    Against float64 of scale x e4m3 value; the score variance too. packed: both sides' scales in one array
+    (`F8PackedGranulePages`: one scale copy a piece, granules at static places)."""
     case = random_paged_case(11, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=8, num_kv_heads=2, head_dim=64)
     f8, truth = fp8_granule_case(case, seed=11)
-    res = swapped_paged_attention(**f8, config=config, interpret=True, return_score_stats=stats)
+    kernel_args = dict(f8)
+    if packed:
+        kernel_args["packed_scales"] = pack_granule_scales(kernel_args.pop("k_scale"), kernel_args.pop("v_scale"))
+    res = swapped_paged_attention(**kernel_args, config=config, interpret=True, return_score_stats=stats)
     out, var = res if stats else (res, None)
     got = check(out, float64_attention(truth))
     assert np.all(got[LENGTHS.index(0)] == 0.0)
@@ -207,6 +213,12 @@ def test_float8_granule_scales_entry_checks():
         swapped_paged_attention(**{**f8, "k_scale": f8["k_scale"][:, :-1]}, interpret=True)
     with pytest.raises(ValueError, match="for float8_e4m3fn pools"):
         swapped_paged_attention(**{**case, "k_scale": f8["k_scale"], "v_scale": f8["v_scale"]}, interpret=True)
+    packed = pack_granule_scales(f8["k_scale"], f8["v_scale"])
+    for bad in ({**f8, "packed_scales": packed},                                         # and k_scale / v_scale
+                {**case, "packed_scales": packed},                                       # bf16 pools
+                {**f8, "k_scale": None, "v_scale": None, "packed_scales": packed[:, :, :2]}):     # not [.., 4]
+        with pytest.raises(ValueError, match=r"packed_scales are for float8_e4m3fn pools without k_scale"):
+            swapped_paged_attention(**bad, interpret=True)
 
 
 def test_float8_refill_under_pv_gives_the_same_output():
@@ -560,6 +572,8 @@ MERGED_FP8 = dataclasses.replace(default_swapped_config(128, 4096, jnp.float8_e4
 # Per-granule scales beside fp8 pools of 1 << 16 slots, 8 kv heads (`F8GranulePages`)
 GRANULE_SCALES = {"k_scale": jnp.ones((8, (1 << 16) // 8), jnp.float32),
                   "v_scale": jnp.ones((8, (1 << 16) // 8), jnp.float32)}
+# Both sides' granule scales packed (`F8PackedGranulePages`)
+PACKED_SCALES = {"packed_scales": jnp.ones((8, (1 << 16) // 8, 4), jnp.float32)}
 # The fp8 default with longest-first splits (the first split's table window is the larger)
 FIRST_FP8 = dataclasses.replace(default_swapped_config(128, 4096, jnp.float8_e4m3fn), num_splits=2,
                                 split_first_percent=65)
@@ -575,10 +589,12 @@ FIRST_FP8 = dataclasses.replace(default_swapped_config(128, 4096, jnp.float8_e4m
     (128, 16384, jnp.float8_e4m3fn, 64, {"config": ONE_LAUNCH_FP8}),
     (128, 4096, jnp.float8_e4m3fn, 64, {"config": MERGED_FP8}),
     (128, 16384, jnp.float8_e4m3fn, 64, {"config": FIRST_FP8}),
-    (128, 4096, jnp.float8_e4m3fn, 64, GRANULE_SCALES), (128, 16384, jnp.float8_e4m3fn, 64, GRANULE_SCALES)],
+    (128, 4096, jnp.float8_e4m3fn, 64, GRANULE_SCALES), (128, 16384, jnp.float8_e4m3fn, 64, GRANULE_SCALES),
+    (128, 4096, jnp.float8_e4m3fn, 64, PACKED_SCALES)],
     ids=["fp8-128-4k", "fp8-128-4k-shared", "fp8-128-16k-shared-stats", "fp8-64-4k", "bf16-128-4k", "f16-64-1k",
          "bf16-128-16k-b4", "bf16-128-4k-shared", "fp8-128-4k-one-launch", "fp8-128-16k-one-launch",
-         "fp8-128-4k-merged", "fp8-128-16k-longest-first", "fp8-128-4k-granules", "fp8-128-16k-granules"])
+         "fp8-128-4k-merged", "fp8-128-16k-longest-first", "fp8-128-4k-granules", "fp8-128-16k-granules",
+         "fp8-128-4k-packed"])
 def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype, batch, kw):
     """`SwappedConfig.smem_bytes` (what the default configs and fp8's split rule are chosen by) against the SMEM
     scratch Pallas' lowering sizes for the kernel (its resource estimate, read by wrapping the private
@@ -602,9 +618,9 @@ def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype
         mp.setattr(swapped_module, "_build_swapped_kernel", lambda **k: captured.update(k) or real_build(**k))
         jax.jit(lambda *a: swapped_paged_attention(*a, **kw)).trace(*args).lower(lowering_platforms=("cuda",))
     cfg = captured["config"]
-    granules = "k_scale" in kw
+    granules = 2 if "k_scale" in kw else 1 if "packed_scales" in kw else 0      # scale buffers
     want = cfg.smem_bytes(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype,
-                          score_stats=bool(kw.get("return_score_stats")), merged_itemsize=4, granule_scales=granules)
+                          score_stats=bool(kw.get("return_score_stats")), merged_itemsize=4, scale_buffers=granules)
     barriers = 8 * (2 + 2 * cfg.num_stages * (len(swapped_module.page_classes(cfg.block_kv)) + 1))
     barriers += 16 if cfg.split_merge_in_kernel else 0      # the cluster's and the merge loads'
     assert seen[-1] + barriers == want, (seen[-1], barriers, want, cfg)
@@ -615,7 +631,7 @@ def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype
         assert cfg.ctas_per_sm(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype) == want_ctas
     if cfg.split_first_percent is not None:     # the larger first window leaves the fp8 default's 3 CTAs an SM
         assert cfg.ctas_per_sm(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype,
-                               granule_scales=granules) == 3
+                               scale_buffers=granules) == 3
     if cfg.split_merge_in_kernel:     # the merge's tiles leave the fp8 default's 3 CTAs an SM at 4K
         assert cfg.ctas_per_sm(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype,
                                merged_itemsize=2) == 3
@@ -726,10 +742,11 @@ def test_default_config_lowers_to_mosaic_gpu(head_dim):
 def test_float8_granule_scales_lower_to_mosaic_gpu(head_dim):
     """The default fp8-delta cache's decode kernel (per-granule scales beside the fp8 pools, `F8GranulePages`) at
     llama-1b's and llama-8b's decode shapes, default config, with score statistics: the scale copies beside each
-    page piece's, the [T] row vectors of S^T and the scaled P lower for CUDA."""
-    scales = {k: jnp.ones((8, (1 << 16) // 8), jnp.float32) for k in ("k_scale", "v_scale")}
-    assert "mosaic_gpu" in _lowered_text(64, head_dim, pool_dtype=jnp.float8_e4m3fn, return_score_stats=True,
-                                         out_bias=jnp.zeros((8, head_dim), jnp.float32), **scales)
+    page piece's, the [T] row vectors of S^T and the scaled P lower for CUDA; so does the packed scales' variant
+    (`F8PackedGranulePages`: one scale copy a piece, on the V barrier)."""
+    for scales in (GRANULE_SCALES, PACKED_SCALES):
+        assert "mosaic_gpu" in _lowered_text(64, head_dim, pool_dtype=jnp.float8_e4m3fn, return_score_stats=True,
+                                             out_bias=jnp.zeros((8, head_dim), jnp.float32), **scales)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
