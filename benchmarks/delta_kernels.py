@@ -187,18 +187,20 @@ def delta_truth(q, ak, av, k_scale, v_scale, kd, vd, slot, lengths, scale) -> np
 
 def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, paged_ms, a, *, io, interpret,
                  label, head_scales=None, granule_scales=None, baseline=None, config=None,
-                 overrides: str = "", packed: bool = False) -> dict:
+                 overrides: str = "", two_arrays: bool = False) -> dict:
     """The engine's folded decode path (stratum_jax/attention.py `_swapped_fold`: the swapped kernel on the
     deltas, then the mean anchor's V added) on a DeltaKV with the unit scales an fp16-delta cache keeps; with
     granule_scales ((k, v) [Hkv, S // 8] f32) an fp8-delta cache's per-granule scales (the default, `--fp8-scale
-    granule`: the kernel reads them with the pages); or with head_scales ((k, v) [Hkv] f32) an fp8-delta cache's
-    fixed per-head scales (`--fp8-scale head`: s_k into q, s_v onto the output). Checked against XLA attention over
-    anchor + scale x delta. Its run is marked config "fold" (unit or granule scales: what the engine runs by
-    default, counted for the bars) or "fold head" (engine_default False: shown beside the bar, not counted for
-    it, `delta_targets`); with config (a `SwappedConfig` for decode_attention's swapped_config, from
-    --fold-configs' overrides) "fold <overrides>", also engine_default False. packed (with granule_scales): the
-    same call with both sides' scales packed per granule (`swapped_paged_attention(packed_scales=)`, packed before
-    the timed call, as a cache storing them would hold them): "fold packed", engine_default False."""
+    granule`: the kernel reads them, packed as the cache stores them, with the pages); or with head_scales ((k, v)
+    [Hkv] f32) an fp8-delta cache's fixed per-head scales (`--fp8-scale head`: s_k into q, s_v onto the output).
+    Checked against XLA attention over anchor + scale x delta. Its run is marked config "fold" (unit or granule
+    scales: what the engine runs by default, counted for the bars) or "fold head" (engine_default False: shown
+    beside the bar, not counted for it, `delta_targets`); with config (a `SwappedConfig` for decode_attention's
+    swapped_config, from --fold-configs' overrides) "fold <overrides>", also engine_default False. two_arrays (with
+    granule_scales): the same kernel call with K's and V's scales as two arrays (`swapped_paged_attention(k_scale=,
+    v_scale=)`, `F8GranulePages`: two scale copies a page piece, the cache's storage before session 41): "fold two
+    arrays", engine_default False."""
+    from pallas_kernels.delta_attention import pack_granule_scales
     from stratum_jax.attention import RowTables, decode_attention
     from stratum_jax.kv.delta_cache import DeltaKV
     fixed = head_scales is not None
@@ -210,26 +212,26 @@ def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, p
         floors = (jnp.ones((kd.shape[0],), jnp.float32),) * 2      # a granule cache's floors: not read in decode
     ref = delta_truth(q, ak, av, *granule_scales, kd, vd, slot, lengths, scale)
 
-    # The scales are arguments, not closure constants: the jit is kept for every context of the run.
-    def fold(q, kd, vd, ak, av, lengths, starts, psz, k_floor, v_floor, k_scale, v_scale):
-        cache = DeltaKV(anchor_k=ak, anchor_v=av, k_delta=kd, v_delta=vd, k_scale=k_scale, v_scale=v_scale,
-                        k_floor=k_floor, v_floor=v_floor, fixed_scales=fixed)
+    # The scales are arguments, not closure constants: the jit is kept for every context of the run. They are
+    # packed before the timed call, as the cache stores them.
+    def fold(q, kd, vd, ak, av, lengths, starts, psz, k_floor, v_floor, scales):
+        cache = DeltaKV(anchor_k=ak, anchor_v=av, k_delta=kd, v_delta=vd, scales=scales, k_floor=k_floor,
+                        v_floor=v_floor, fixed_scales=fixed)
         return decode_attention(q, lengths - 1, RowTables(lengths, starts, psz), cache, None, backend="kernel",
                                 interpret=interpret, max_context=starts.shape[1] * 8, swapped_config=config)
-    fold_args = (q, kd, vd, ak, av, lengths, starts, psz, *floors, *granule_scales)
-    if packed:      # decode_attention's granule call (stratum_jax/attention.py), the scales packed
-        from pallas_kernels.delta_attention import pack_granule_scales
+    fold_args = (q, kd, vd, ak, av, lengths, starts, psz, *floors, pack_granule_scales(*granule_scales))
+    if two_arrays:      # decode_attention's granule call (stratum_jax/attention.py), the scales as two arrays
         from pallas_kernels.swapped_decode_attention import swapped_paged_attention
 
-        def fold(q, kd, vd, ak, av, lengths, starts, psz, packed_scales):
+        def fold(q, kd, vd, ak, av, lengths, starts, psz, k_scale, v_scale):
             return swapped_paged_attention(q, kd, vd, lengths, starts, psz, max_context=starts.shape[1] * 8,
                                            interpret=interpret, out_dtype=q.dtype,
-                                           out_bias=av[:, 0].astype(jnp.float32), packed_scales=packed_scales)
-        fold_args = (*fold_args[:8], pack_granule_scales(*granule_scales))
-    r = measure_variant(lambda: jitted(("fold", kd.dtype, fixed, config, packed), fold), fold_args, ref, paged_ms,
-                        a, label=label, io_bytes=io, baseline=baseline)
-    if packed:
-        return dict(config="fold packed", engine_default=False, **r)
+                                           out_bias=av[:, 0].astype(jnp.float32), k_scale=k_scale, v_scale=v_scale)
+        fold_args = (*fold_args[:8], *granule_scales)
+    r = measure_variant(lambda: jitted(("fold", kd.dtype, fixed, config, two_arrays), fold), fold_args, ref,
+                        paged_ms, a, label=label, io_bytes=io, baseline=baseline)
+    if two_arrays:
+        return dict(config="fold two arrays", engine_default=False, **r)
     name = "fold head" if fixed else "fold"
     if config is None:
         return dict(config=name, **r) if not fixed else dict(config=name, engine_default=False, **r)
@@ -345,10 +347,10 @@ def run_delta(a):
                         runs.append(measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale,
                                                  rec["paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} A={A} "
                                                  "fold", **fold_kw))
-                        if fp8:     # the granule scales packed (not yet the cache's storage), beside the bar
+                        if fp8:     # the granule scales as two arrays (the storage before session 41), beside
                             runs.append(measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale,
                                                      rec["paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} "
-                                                     f"A={A} fold packed", packed=True, **fold_kw))
+                                                     f"A={A} fold two arrays", two_arrays=True, **fold_kw))
                         if fp8:     # --fp8-scale head, beside the bar
                             runs.append(measure_fold(
                                 jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, rec["paged"]["ms"], a,

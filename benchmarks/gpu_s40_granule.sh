@@ -6,9 +6,9 @@
 #     split-K with score statistics), the float8 GPU tests already on main, and the engine's compiled bf16 kernel tests.
 #   STEP=bar (~450 s): kernels.py --delta on fp8 at CONTEXTS (default 4K and 16K), pages PAGES (default 16,64,mixed):
 #     the engine's default fold (granule scales: "fold", counted for the 0.6x bar), the fixed per-head scales' fold
-#     beside it ("fold head", --fp8-scale head), the granule scales packed per granule ("fold packed", session 41's
-#     `F8PackedGranulePages`: one scale copy a page piece, no page-table read for the scale vectors; not yet the
-#     cache's storage) and the delta kernel (--kernel-variant paged's path), device, host and paired Pallas timing.
+#     beside it ("fold head", --fp8-scale head), the granule scales as two arrays ("fold two arrays": the storage
+#     before session 41, `F8GranulePages`; the cache now packs them, `F8PackedGranulePages`) and the delta kernel
+#     (--kernel-variant paged's path), device, host and paired Pallas timing.
 #   STEP=e2e (~300 s): e2e_decode.py llama-8b B=64 4K, bf16 vs fp8-delta with its default granule scales (#12's
 #     1.25x bar).
 set -uo pipefail

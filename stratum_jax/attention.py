@@ -269,8 +269,8 @@ def _swapped_fold(delta: DeltaKV) -> bool:
     pallas_kernels/swapped_decode_attention.py `F8Pages`) and the output is a_v + (attention over s_v d_v):
       - fixed scales (`DeltaKV.fixed_scales`, one per layer and KV head): s_k goes into q (the kernel's q_scale)
         and s_v into the output (out_scale);
-      - per-granule scales (the default): the kernel takes them beside the pools (`F8GranulePages`: s_k on the
-        scores of each key, s_v on P's entries)."""
+      - per-granule scales (the default): the kernel takes them beside the pools, as the cache packs them
+        (`F8PackedGranulePages`: s_k on the scores of each key, s_v on P's entries)."""
     return _unit_scale_fold(delta) or (delta.k_delta.dtype == jnp.float8_e4m3fn and _folds_in_ws_kernel(delta))
 
 
@@ -325,7 +325,7 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
         # The deltas as the pools of the swapped kernel; its output's affine map (out_scale, out_bias) adds the
         # anchor's V (and with fixed fp8 scales multiplies by s_v first) in fp32 before the one rounding to q's
         # dtype. Fixed fp8 scales: s_k into q too (the kernel's q_scale, applied before q's fp8 split);
-        # per-granule fp8 scales: the kernel reads them with the pages (k_scale, v_scale).
+        # per-granule fp8 scales: the kernel reads them with the pages (the cache's packed scales).
         from pallas_kernels.swapped_decode_attention import swapped_paged_attention
         fp8 = k_pool.k_delta.dtype == jnp.float8_e4m3fn
         fixed = fp8 and k_pool.fixed_scales
@@ -336,7 +336,7 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
             q_scale=_per_q_head(k_pool.k_floor, q.shape[1]) if fixed else None, out_dtype=q.dtype,
             out_scale=k_pool.v_floor.astype(jnp.float32) if fixed else None,
             out_bias=k_pool.anchor_v[:, 0].astype(jnp.float32), config=swapped_config,
-            k_scale=k_pool.k_scale if granules else None, v_scale=k_pool.v_scale if granules else None)
+            packed_scales=k_pool.scales if granules else None)
     if backend == "kernel" and isinstance(k_pool, DeltaKV):      # DKVC: the delta-KV kernel
         from pallas_kernels.delta_attention import delta_attention
         d = k_pool

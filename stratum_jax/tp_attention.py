@@ -23,8 +23,8 @@ from stratum_jax.tensor_parallel import AXIS, TensorParallel
 
 _POOL = P(AXIS, None, None)            # [kv_heads, slots, head_dim]
 # A DKVC layer (stratum_jax/kv/delta_cache.py): every array split over its leading kv-head axis.
-_DELTA = DeltaKV(anchor_k=_POOL, anchor_v=_POOL, k_delta=_POOL, v_delta=_POOL, k_scale=P(AXIS, None),
-                 v_scale=P(AXIS, None), k_floor=P(AXIS), v_floor=P(AXIS))
+_DELTA = DeltaKV(anchor_k=_POOL, anchor_v=_POOL, k_delta=_POOL, v_delta=_POOL, scales=P(AXIS, None, None),
+                 k_floor=P(AXIS), v_floor=P(AXIS))
 
 
 def _pool_specs(k_pool, v_pool):

@@ -13,7 +13,7 @@ import pytest
 
 import jax.numpy as jnp
 
-from pallas_kernels.delta_attention import FOLD_MEAN_ANCHOR_ENV
+from pallas_kernels.delta_attention import FOLD_MEAN_ANCHOR_ENV, pack_granule_scales
 from pallas_kernels.prefill_attention import ws_prefill_block_tokens
 from pallas_kernels.testing import float64_attention, float64_delta_pools, float64_score_variance, random_delta_case
 from stratum_jax.attention import RowTables, decode_attention, prefill_attention
@@ -34,7 +34,7 @@ def fp16_delta(seed, *, anchor_len=1, lengths=LENGTHS, sizes=SIZES, num_q_heads=
         case[f"{side}_scale"] = jnp.ones_like(case[f"{side}_scale"])
     ones = jnp.ones((num_kv_heads,), jnp.float32)
     delta = DeltaKV(anchor_k=case["anchor_k"], anchor_v=case["anchor_v"], k_delta=case["k_delta"],
-                    v_delta=case["v_delta"], k_scale=case["k_scale"], v_scale=case["v_scale"], k_floor=ones,
+                    v_delta=case["v_delta"], scales=pack_granule_scales(case["k_scale"], case["v_scale"]), k_floor=ones,
                     v_floor=ones)
     return case, delta
 
@@ -80,7 +80,8 @@ def fp8_fixed_delta(seed, **kw):
         case[f"{side}_delta"] = jnp.clip(d, -448, 448).astype(jnp.float8_e4m3fn)
         case[f"{side}_scale"] = jnp.broadcast_to(floor[:, None], case[f"{side}_scale"].shape)
     delta = DeltaKV(anchor_k=case["anchor_k"], anchor_v=case["anchor_v"], k_delta=case["k_delta"],
-                    v_delta=case["v_delta"], k_scale=case["k_scale"], v_scale=case["v_scale"], k_floor=k_floor,
+                    v_delta=case["v_delta"], scales=pack_granule_scales(case["k_scale"], case["v_scale"]),
+                    k_floor=k_floor,
                     v_floor=v_floor, fixed_scales=True)
     return case, delta
 
@@ -147,7 +148,7 @@ def test_decode_routing(monkeypatch, name, kw, want):
             calls.append(fn_name)
             if fn_name == "swapped_paged_attention":     # per-granule scales go to the kernel, fixed ones do not
                 granules = kw.get("fp8") and not kw.get("fixed")
-                assert (k.get("k_scale") is not None) == bool(granules), k.keys()
+                assert (k.get("packed_scales") is not None) == bool(granules), k.keys()
             return jnp.zeros(q.shape, q.dtype)
         return fake
     monkeypatch.setattr(delta_module, "delta_attention", recorder("delta_attention"))

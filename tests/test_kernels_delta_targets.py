@@ -83,8 +83,9 @@ def test_fold_configs_parse_over_the_folds_default(tmp_path):
 def test_delta_dry_run_times_the_fold_configs_beside_the_default(tmp_path, monkeypatch):
     """kernels.py --delta --fold-configs in the interpreter: the engine's fp8 fold with per-granule scales (the
     default, "fold", counted for the bar), the fixed per-head scales' fold ("fold head", `--fp8-scale head`: shown
-    beside, not counted) and the override (the fold path with that config: not the default, not the best), each
-    checked against the same truth over its own scales. (The delta kernel's runs are left out here: other tests
+    beside, not counted), the granule scales as two arrays ("fold two arrays", shown beside) and the override (the
+    fold path with that config: not the default, not the best), each checked against the same truth over its own
+    scales. (The delta kernel's runs are left out here: other tests
     interpret it.)"""
     import json
     monkeypatch.setattr(delta_kernels, "delta_configs", lambda *a, **k: [])
@@ -95,11 +96,14 @@ def test_delta_dry_run_times_the_fold_configs_beside_the_default(tmp_path, monke
     (shape,) = json.loads(out.read_text())["shapes"]
     (delta,) = shape["delta"]
     by_config = {r["config"]: r for r in delta["runs"]}
-    assert set(by_config) == {"fold", "fold head", f"fold {spec}"}
+    assert set(by_config) == {"fold", "fold head", "fold two arrays", f"fold {spec}"}
     extra = by_config[f"fold {spec}"]
     assert extra["ok"] and extra["engine_default"] is False and extra["swapped_config"]["num_splits"] == 1
     assert by_config["fold"]["ok"] and "engine_default" not in by_config["fold"]
     assert by_config["fold head"]["ok"] and by_config["fold head"]["engine_default"] is False
+    # the granule scales as two arrays (the storage before the packed scales): the same output, shown beside
+    assert by_config["fold two arrays"]["ok"] and by_config["fold two arrays"]["engine_default"] is False
+    assert by_config["fold two arrays"]["max_abs_err"] == by_config["fold"]["max_abs_err"]
     assert delta["best"]["config"] == "fold"
 
 

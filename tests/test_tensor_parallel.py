@@ -96,7 +96,7 @@ def test_delta_kv_cache_splits_over_devices_and_matches_one_device(results):
     layout = cases["layout"]["tiny_fp8_tp2"]
     assert layout["precision"] == "fp8-delta"
     assert layout["k_delta"] == [[1, 4096, 32]] * 2
-    assert layout["k_scale"] == [[1, 4096 // 8]] * 2 and layout["k_floor"] == [[1]] * 2
+    assert layout["scales"] == [[1, 4096 // 8, 4]] * 2 and layout["k_floor"] == [[1]] * 2
     assert layout["anchor_k"][0][0] == 1 and len(layout["anchor_k"]) == 2
 
 

@@ -216,7 +216,7 @@ def test_engine_prefill_routes_dkvc_to_the_ws_kernel(monkeypatch, anchor_len, st
     delta = DeltaKV(anchor_k=jnp.zeros((hkv, anchor_len, d), jnp.bfloat16),
                     anchor_v=jnp.zeros((hkv, anchor_len, d), jnp.bfloat16),
                     k_delta=jnp.zeros((hkv, slots, d), FP8), v_delta=jnp.zeros((hkv, slots, d), FP8),
-                    k_scale=jnp.ones((hkv, slots // 8), jnp.float32), v_scale=jnp.ones((hkv, slots // 8), jnp.float32),
+                    scales=jnp.ones((hkv, slots // 8, 4), jnp.float32),
                     k_floor=jnp.ones((hkv,), jnp.float32), v_floor=jnp.ones((hkv,), jnp.float32))
     tables = RowTables(context_lens=jnp.array([100, 0], jnp.int32), page_starts=jnp.zeros((2, 32), jnp.int32),
                        page_sizes=jnp.array([16, 16], jnp.int32))

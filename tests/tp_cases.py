@@ -75,7 +75,7 @@ def delta_layout(engine) -> dict:
     layer = engine.kv_cache[0]
     return {"precision": engine.kv_precision,
             **{k: [list(s.data.shape) for s in getattr(layer, k).addressable_shards]
-               for k in ("anchor_k", "k_delta", "k_scale", "k_floor")}}
+               for k in ("anchor_k", "k_delta", "scales", "k_floor")}}
 
 
 def kernel_under_shard_map() -> dict:

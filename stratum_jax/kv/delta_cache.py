@@ -6,11 +6,17 @@ The storage contract, per layer (pallas_kernels/delta_attention.py reads the sam
         (a mean anchor) or a multiple of 256 (position-aligned anchor blocks; stratum_jax/kv/anchor.py).
     k_delta, v_delta:   [num_kv_heads, num_slots, head_dim], float16 ("fp16-delta") or float8_e4m3fn
         ("fp8-delta"); the same slots and page tables as the bf16 pools.
-    k_scale, v_scale:   [num_kv_heads, num_slots // 8] float32, one per 8-slot granule per KV head.
+    scales:             [num_kv_heads, num_slots // 8, 4] float32: granule g's K scale at [:, g, 0] and its V
+        scale at [:, g, 1] (`k_scale` / `v_scale`), one per 8-slot granule per KV head; [:, g, 2:] unused. Packed
+        so that each granule's pair starts on a 16-byte boundary: the swapped decode kernel reads a page piece's
+        scales with one TMA copy and finds each granule at a static place (pallas_kernels/swapped_decode_attention.py
+        `F8PackedGranulePages`; BENCHMARKS.md #12 session 41).
 
 The K (or V) of the token at absolute position t in slot s is
 
     anchor[:, t % anchor_len] + scale[:, s // 8] * delta[:, s]        (float32, cast to the anchor's dtype)
+
+with scale = scales[..., 0] for K and scales[..., 1] for V.
 
 fp16 deltas keep unit scales (fp16's range holds any delta of a bf16 model's K/V, and its 11-bit mantissa
 is finer than bf16's 8, so the rebuild is the bf16 value or one rounding away: not always exact, since a
@@ -64,7 +70,8 @@ class DeltaKV:
     """One layer's delta cache (a registered pytree; module docstring for the contract).
 
     anchor_k, anchor_v: [Hkv, anchor_len, D] model dtype; k_delta, v_delta: [Hkv, num_slots, D] float16 or
-    float8_e4m3fn; k_scale, v_scale: [Hkv, num_slots // 8] float32; k_floor, v_floor: [Hkv] float32, the
+    float8_e4m3fn; scales: [Hkv, num_slots // 8, 4] float32 (K, V, 2 unused per granule: `k_scale` and `v_scale`
+    are its first two); k_floor, v_floor: [Hkv] float32, the
     smallest scale a granule is given (fp16: ones, unused). fixed_scales (static, fp8 only): every granule's
     scale is its head's floor, never rewritten (module docstring).
     """
@@ -73,8 +80,7 @@ class DeltaKV:
     anchor_v: jax.Array
     k_delta: jax.Array
     v_delta: jax.Array
-    k_scale: jax.Array
-    v_scale: jax.Array
+    scales: jax.Array
     k_floor: jax.Array
     v_floor: jax.Array
     fixed_scales: bool = False
@@ -88,6 +94,16 @@ class DeltaKV:
         return self.k_delta.shape[0]
 
     @property
+    def k_scale(self) -> jax.Array:
+        """[Hkv, num_slots // 8] float32: each granule's K scale."""
+        return self.scales[..., 0]
+
+    @property
+    def v_scale(self) -> jax.Array:
+        """[Hkv, num_slots // 8] float32: each granule's V scale."""
+        return self.scales[..., 1]
+
+    @property
     def dtype(self):
         """The dtype K/V are rebuilt in (the anchor's: the model's)."""
         return self.anchor_k.dtype
@@ -96,9 +112,9 @@ class DeltaKV:
         """Stores the deltas of k, v [T, Hkv, D] (tokens at absolute `positions` [T] int32) at `slots` [T]
         int32; slots >= num_slots are padding and dropped. Returns the updated cache (inside the jit step)."""
         fixed = self.fixed_scales
-        k_delta, k_scale = _write(self.anchor_k, self.k_delta, self.k_scale, self.k_floor, k, positions, slots, fixed)
-        v_delta, v_scale = _write(self.anchor_v, self.v_delta, self.v_scale, self.v_floor, v, positions, slots, fixed)
-        return dataclasses.replace(self, k_delta=k_delta, v_delta=v_delta, k_scale=k_scale, v_scale=v_scale)
+        k_delta, scales = _write(self.anchor_k, self.k_delta, self.scales, 0, self.k_floor, k, positions, slots, fixed)
+        v_delta, scales = _write(self.anchor_v, self.v_delta, scales, 1, self.v_floor, v, positions, slots, fixed)
+        return dataclasses.replace(self, k_delta=k_delta, v_delta=v_delta, scales=scales)
 
     def gather(self, slots: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """K and V rebuilt at slots [N, K] int32 holding absolute positions [K] int32 (the same positions for
@@ -113,27 +129,28 @@ jax.tree_util.register_dataclass(DeltaKV, data_fields=[f.name for f in dataclass
                                  meta_fields=["fixed_scales"])
 
 
-def _write(anchor, delta, scale, floor, x, positions, slots, fixed_scales=False):
-    """One of K/V: x [T, Hkv, D] -> (delta, scale) updated (module docstring for the scale rule; with
-    fixed_scales the scale is the floor and stays as it is)."""
+def _write(anchor, delta, scales, side: int, floor, x, positions, slots, fixed_scales=False):
+    """One of K/V (side 0 / 1 of the packed scales [Hkv, G, 4]): x [T, Hkv, D] -> (delta, scales) updated (module
+    docstring for the scale rule; with fixed_scales the scale is the floor and stays as it is). The scale updates
+    are scatters into the granules written, not a rewrite of the whole array."""
     a = anchor[:, positions % anchor.shape[1]].astype(jnp.float32)                   # [Hkv, T, D]
     d = x.transpose(1, 0, 2).astype(jnp.float32) - a
     if delta.dtype == jnp.float16:
-        return write_slot_rows(delta, slots, d.astype(jnp.float16)), scale
+        return write_slot_rows(delta, slots, d.astype(jnp.float16)), scales
     if fixed_scales:
         q = jnp.clip(d / floor[:, None, None], -FP8_MAX, FP8_MAX).astype(delta.dtype)
-        return write_slot_rows(delta, slots, q), scale
-    granules = scale.shape[1]
+        return write_slot_rows(delta, slots, q), scales
+    granules = scales.shape[1]
     g = slots // GRANULE                                                             # padding: >= granules
     first = jnp.where(slots % GRANULE == 0, g, granules)                             # granules restarted
     fresh = jnp.zeros((granules,), jnp.bool_).at[first].set(True, mode="drop")
     in_fresh = jnp.where(fresh.at[g].get(mode="fill", fill_value=False), g, granules)
-    scale = scale.at[:, first].set(jnp.broadcast_to(floor[:, None], (floor.shape[0], first.shape[0])),
-                                   mode="drop")
-    scale = scale.at[:, in_fresh].max(jnp.max(jnp.abs(d), axis=-1) / FP8_MAX, mode="drop")
-    s = scale.at[:, g].get(mode="fill", fill_value=1.0)                              # [Hkv, T]
+    scales = scales.at[:, first, side].set(jnp.broadcast_to(floor[:, None], (floor.shape[0], first.shape[0])),
+                                           mode="drop")
+    scales = scales.at[:, in_fresh, side].max(jnp.max(jnp.abs(d), axis=-1) / FP8_MAX, mode="drop")
+    s = scales.at[:, g, side].get(mode="fill", fill_value=1.0)                       # [Hkv, T]
     q = jnp.clip(d / s[..., None], -FP8_MAX, FP8_MAX).astype(delta.dtype)
-    return write_slot_rows(delta, slots, q), scale
+    return write_slot_rows(delta, slots, q), scales
 
 
 def _rebuild(anchor, delta, scale, slots, positions):
@@ -145,10 +162,12 @@ def _rebuild(anchor, delta, scale, slots, positions):
     return (a + d).astype(anchor.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _filled_scales(floor: jax.Array, granules: int) -> jax.Array:
-    """floor [Hkv] -> [Hkv, granules] float32, row h all floor[h]: a new buffer, split over heads as floor is."""
-    return jnp.broadcast_to(floor[:, None], (floor.shape[0], granules))
+@functools.partial(jax.jit, static_argnums=2)
+def _filled_scales(k_floor: jax.Array, v_floor: jax.Array, granules: int) -> jax.Array:
+    """k_floor, v_floor [Hkv] -> packed scales [Hkv, granules, 4] float32, every granule of head h (k_floor[h],
+    v_floor[h], 0, 0): a new buffer, split over heads as the floors are."""
+    pair = jnp.stack([k_floor, v_floor, jnp.zeros_like(k_floor), jnp.zeros_like(k_floor)], axis=-1)   # [Hkv, 4]
+    return jnp.broadcast_to(pair[:, None], (pair.shape[0], granules, 4))
 
 
 def num_slots_of(layer_cache) -> int:
@@ -198,12 +217,12 @@ def init_delta_cache(anchors, floors, num_slots: int, precision: str, sharding=N
             anchor_k=jax.device_put(np.asarray(ak), s3), anchor_v=jax.device_put(np.asarray(av), s3),
             k_delta=jnp.zeros((heads, num_slots, dim), dtype, device=s3),
             v_delta=jnp.zeros((heads, num_slots, dim), dtype, device=s3),
-            k_scale=_filled_scales(k_floor, granules), v_scale=_filled_scales(v_floor, granules),
+            scales=_filled_scales(k_floor, v_floor, granules),
             k_floor=k_floor, v_floor=v_floor, fixed_scales=fixed_scales))
     jax.block_until_ready(cache)
     ak = anchors[0][0]
     pool_bytes = 2 * math.prod((ak.shape[0], num_slots, ak.shape[2])) * jnp.dtype(dtype).itemsize
-    scale_bytes = 2 * ak.shape[0] * (num_slots // GRANULE) * 4
+    scale_bytes = ak.shape[0] * (num_slots // GRANULE) * 4 * 4
     anchor_bytes = 2 * ak.size * ak.dtype.itemsize
     log.info("KV cache (%s%s): %d layers x (2 x %s %s deltas + scales + anchor of %d positions) = %.3f GiB "
              "allocated in %.2f s", precision, ", fixed per-head scales" if fixed_scales else "", len(cache),

@@ -60,7 +60,7 @@ def kv_bytes_per_slot(kv_cache) -> int:
     their granule's scales (DKVC); the resident anchor is not per slot and not counted."""
     total = 0.0
     for layer in kv_cache:
-        arrays = ((layer.k_delta, layer.v_delta, layer.k_scale, layer.v_scale) if isinstance(layer, DeltaKV)
+        arrays = ((layer.k_delta, layer.v_delta, layer.scales) if isinstance(layer, DeltaKV)
                   else tuple(layer))
         total += sum(a.nbytes / num_slots_of(layer) for a in arrays)
     return round(total)

@@ -121,7 +121,7 @@ def _gather_deltas(cache, slots):
     d = jnp.stack([jnp.stack([c.k_delta[:, slots], c.v_delta[:, slots]]) for c in cache])  # [L, 2, H, n, D]
     d = jax.lax.bitcast_convert_type(jnp.transpose(d, (3, 0, 1, 2, 4)), jnp.uint8).reshape(n, -1)
     g = slots // GRANULE
-    s = jnp.stack([jnp.stack([c.k_scale[:, g], c.v_scale[:, g]]) for c in cache])          # [L, 2, H, n]
+    s = jnp.stack([jnp.moveaxis(c.scales[:, g, :2], -1, 0) for c in cache])                 # [L, 2, H, n]
     s = jax.lax.bitcast_convert_type(jnp.transpose(s, (3, 0, 1, 2)), jnp.uint8).reshape(n, GRANULE, -1)
     piece = jnp.take_along_axis(s, (slots % GRANULE)[:, None, None], axis=1)[:, 0]          # [n, L * H]
     return jnp.concatenate([d, piece], axis=1)
@@ -139,8 +139,7 @@ def _scatter_deltas(cache, slots, data):
     g = slots[::GRANULE] // GRANULE                         # padding rows point past the pool: dropped
     return [dataclasses.replace(c, k_delta=c.k_delta.at[:, slots].set(d[i, 0], mode="drop"),
                                 v_delta=c.v_delta.at[:, slots].set(d[i, 1], mode="drop"),
-                                k_scale=c.k_scale.at[:, g].set(s[i, 0], mode="drop"),
-                                v_scale=c.v_scale.at[:, g].set(s[i, 1], mode="drop"))
+                                scales=c.scales.at[:, g, :2].set(jnp.moveaxis(s[i], 0, -1), mode="drop"))
             for i, c in enumerate(cache)]
 
 
