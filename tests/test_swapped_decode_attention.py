@@ -862,14 +862,21 @@ def test_gpu_reduced_pools_match_float64(pool_dtype, head_dim):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_float8_granule_scales_match_float64(head_dim):
-    """float8 pools with per-granule scales (the default fp8-delta cache's decode kernel), compiled: B=64 at ~1K
-    with every page size (the default config), and B=4 (split-K) with score statistics, against float64 of scale
-    x e4m3 value; NaN in every stale slot and dead granule."""
+@pytest.mark.parametrize("packed", [False, True], ids=["two-arrays", "packed"])
+def test_gpu_float8_granule_scales_match_float64(head_dim, packed):
+    """float8 pools with per-granule scales (the default fp8-delta cache's decode kernel: packed, as the cache
+    stores them; and as two arrays), compiled: B=64 at ~1K with every page size (the default config), and B=4
+    (split-K) with score statistics, against float64 of scale x e4m3 value; NaN in every stale slot and dead
+    granule."""
+    def kernel_args(f8):
+        if not packed:
+            return f8
+        rest = {k: v for k, v in f8.items() if k not in ("k_scale", "v_scale")}
+        return {**rest, "packed_scales": pack_granule_scales(f8["k_scale"], f8["v_scale"])}
     f8, truth = fp8_granule_case(ragged_decode_case(64, head_dim, 1024, seed=8), seed=8)
-    check(swapped_paged_attention(**f8), float64_attention(truth))
+    check(swapped_paged_attention(**kernel_args(f8)), float64_attention(truth))
     f8, truth = fp8_granule_case(ragged_decode_case(4, head_dim, 1024, seed=9), seed=9)
-    out, var = swapped_paged_attention(**f8, return_score_stats=True)
+    out, var = swapped_paged_attention(**kernel_args(f8), return_score_stats=True)
     check(out, float64_attention(truth))
     check_var(var, float64_score_variance(truth), rtol=10 * VAR_RTOL, atol=10 * VAR_ATOL)
 
