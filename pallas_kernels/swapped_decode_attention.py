@@ -262,7 +262,7 @@ class F8PackedGranulePages(F8Pages):
                 + [packed_scale_areas_type(stages, block_kv)])
 
     def fetch_page(self, ctx, src, row, n, slot, k_bar, v_bar):
-        BF16_PAGES.fetch_page(ctx, src, row, n, slot, k_bar, v_bar)     # the rows (ctx's first 2 inputs / rings)
+        super().fetch_page(ctx, src, row, n, slot, k_bar, v_bar)     # the rows (ctx's first 2 inputs / rings)
         fetch_packed_granules(ctx.inputs[2].at[ctx.h], src, row, n, ctx.smem[2].at[slot], v_bar)
 
     def key_scales(self, ctx, slot, tile, n_valid) -> TileColumns:
