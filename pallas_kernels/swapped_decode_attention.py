@@ -22,8 +22,10 @@ T/2 and D/2 for the 64-row tiles, so the register file no longer limits CTAs per
 
 Pools: bf16 (the engine's bf16 KV); float16 (`F16_PAGES`, a DKVC fp16-delta cache on the folded path); or
 float8_e4m3fn (`F8Pages`, an fp8-delta cache with fixed per-head scales on the same path: the caller folds the
-scales into q and the output; or `F8GranulePages`, the default fp8-delta cache with a scale per 8-slot granule: the
-kernel copies the scales with the pages and applies them per key, to the scores and to P). Hopper's fp8 WGMMA needs both operands fp8 and K-major. S^T = K q^T meets that
+scales into q and the output; or an fp8-delta cache with a scale per 8-slot granule, the default: the kernel
+copies the scales with the pages and applies them per key, to the scores and to P; `F8PackedGranulePages` for the
+cache's packed scales, one copy a page piece, `F8GranulePages` for K's and V's as two arrays). Hopper's fp8 WGMMA
+needs both operands fp8 and K-major. S^T = K q^T meets that
 as it stands (A = the K ring slot, B = q^T with q's rows contiguous along D), so q is split into e4m3 parts
 (`split_rows_fp8`: a power-of-two row scale, then each part the rounding residual of the ones before) and
 S^T is the parts' fp8 products straight from the K ring (at N = 8 one MMA over the parts side by side, so the
@@ -674,7 +676,8 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     """The wrapper traced inside a jit: q row blocks (float8 pools: q's fp8 parts), flat page table, the kernel,
     split-K merge (of the output and, with score_stats, of the score sums), the output's affine map out_affine =
     (scale [Hkv] or None, bias [Hkv, D] or None) where the kernel does not apply it. granule_scales: float8 pools'
-    (k_scale, v_scale) [Hkv, S // 8] f32 (`F8GranulePages`) or None. Returns out [B, Hq, D] in
+    (k_scale, v_scale) [Hkv, S // 8] f32 (`F8GranulePages`), or (packed scales [Hkv, S // 8 * 4] f32,)
+    (`F8PackedGranulePages`), or None. Returns out [B, Hq, D] in
     out_dtype (default q.dtype) (and score_var [B, Hq] f32)."""
     del interpreted
     out_dtype = q.dtype if out_dtype is None else out_dtype
@@ -804,7 +807,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
     stages, splits = config.num_stages, config.num_splits
     window = table_window(max_pages, splits, T, config.split_first_percent)
     small_classes = page_classes(T)                                   # (log2 P, copies) for P < T
-    # per page piece `copies_per_page` copies on each side's barrier (the rows; with granule scales their scales too)
+    # per page piece `copies_per_side` copies on the K and the V barrier (the rows; with granule scales theirs too)
     arrivals = [[n * c for _, n in small_classes] + [c] for c in kv_format.copies_per_side]     # K, V
     qk_scale = scale * _LOG2E                                         # exp2 below
     wgmma_layout = plgpu.Layout.WGMMA
@@ -903,7 +906,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         # takes the larger): a CTA needs the loop's bytes, not both (`SwappedConfig.smem_bytes`).
         def pipeline(kv_smem, p_smem):
             nonlocal q_unscale
-            # staging: F8Pages' f16 V tile, else none; scale_areas: F8GranulePages' K and V scale buffers
+            # staging: F8Pages' f16 V tile, else none; scale_areas: the granule formats' scale buffers (K and V
+            # for F8GranulePages, one packed for F8PackedGranulePages)
             kv_smem, staging, scale_areas = kv_smem[:2], kv_smem[2:3], kv_smem[3:]
 
             def page_entry(p):   # slot of page p of this sequence (p inside this CTA's window)
@@ -972,7 +976,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
                     s = sum((s[:, t * N:(t + 1) * N] for t in range(1, terms)), s[:, :N])
                 if fp8_scores:
                     s = s * q_unscale
-                if key_scales is not None:    # [T] per-key factors (F8GranulePages): on S^T's rows
+                if key_scales is not None:    # [T] per-key factors (the granule formats): on S^T's rows
                     k_scale, v_scale, log2_v_scale = (lax.broadcast_in_dim(x, s.shape, [0]) for x in key_scales)
                     s = s * k_scale
                 if soft_cap is None:
