@@ -9,7 +9,8 @@ K/V rebuilt in fp32. With a mean anchor the engine's decode path is timed too (`
 the deltas, "fold": fp16's unit scales or fp8's per-granule scales, what `--kv-precision` runs by default; for fp8 also
 "fold head", the fixed per-head scales of `--fp8-scale head`, shown beside the bar and not counted). Reported: time,
 the delta/paged time ratio (#12 asks fp8 <= 0.6x and fp16 <= 1.1x at 4K and 16K), bytes/s over the bytes each kernel must read, and the paged kernel's % of the read ceiling (#12 asks >= 80% at
-1K for every page size). JSON: --out (default benchmarks/results/delta_kernels_h200.json). `--timing` applies here
+1K for every page size). The delta kernels take the scales packed, as the engine's cache stores and passes them
+(`with_packed_scales`). JSON: --out (default benchmarks/results/delta_kernels_h200.json). `--timing` applies here
 too (`seconds_per_call`; --delta's default is `both`): with `device` both sides of each ratio are device times per
 call (the chain slope), as a decoder layer inside the engine's step sees them; host timing can carry the host's
 per-call dispatch (a call with every length 0 takes 45-62 us), which, wherever it is not hidden behind the kernels,
@@ -50,7 +51,7 @@ from pallas_kernels.paged_attention import (
     PREFILL_KERNEL_CONFIG, TuningConfig, paged_attention, paged_prefill_attention, prefill_block_tokens)
 from pallas_kernels.delta_attention import (
     DELTA_DTYPES, default_fold_mean_anchor, delta_attention, delta_prefill_attention, delta_smem_bytes,
-    rebuild_reference)
+    pack_granule_scales, rebuild_reference)
 from pallas_kernels.prefill_attention import ws_delta_prefill_attention, ws_prefill_attention, ws_prefill_block_tokens
 from pallas_kernels.swapped_decode_attention import default_swapped_config
 
@@ -185,6 +186,16 @@ def delta_truth(q, ak, av, k_scale, v_scale, kd, vd, slot, lengths, scale) -> np
     return np.asarray(xla_decode_attention(q.astype(jnp.float32), kr, vr, lengths, scale=scale))
 
 
+def with_packed_scales(kernel, **kw):
+    """kernel (`delta_attention`, `delta_prefill_attention`, `ws_delta_prefill_attention`) called as the engine calls
+    it (stratum_jax/attention.py): args (q, k_delta, v_delta, packed scales [Hkv, S // 8, 4], *rest) -> kernel(q,
+    k_delta, v_delta, None, None, *rest, packed_scales=..., **kw). The scales are packed once, outside the timed
+    call, as the cache stores them; two arrays would be packed inside it."""
+    def call(q, k_delta, v_delta, packed, *rest):
+        return kernel(q, k_delta, v_delta, None, None, *rest, packed_scales=packed, **kw)
+    return call
+
+
 def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, paged_ms, a, *, io, interpret,
                  label, head_scales=None, granule_scales=None, baseline=None, config=None,
                  overrides: str = "", two_arrays: bool = False) -> dict:
@@ -200,7 +211,6 @@ def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, p
     granule_scales): the same kernel call with K's and V's scales as two arrays (`swapped_paged_attention(k_scale=,
     v_scale=)`, `F8GranulePages`: two scale copies a page piece, the cache's storage before session 41): "fold two
     arrays", engine_default False."""
-    from pallas_kernels.delta_attention import pack_granule_scales
     from stratum_jax.attention import RowTables, decode_attention
     from stratum_jax.kv.delta_cache import DeltaKV
     fixed = head_scales is not None
@@ -305,6 +315,7 @@ def run_delta(a):
     for ctx in contexts:
         table_width = ctx // 8
         key, keys, shape, k_pool, v_pool, scales, anchors = delta_context(key, B * ctx, Hkv, D, anchor_lens)
+        packed = pack_granule_scales(*scales)      # the delta kernels' scales, as the cache stores them
         q = jax.random.normal(keys[3], (B, Hq, D), jnp.bfloat16)
         lengths = jnp.full((B,), ctx, jnp.int32)
         paged_io = 2 * B * Hkv * ctx * D * 2 + 2 * q.nbytes
@@ -326,17 +337,18 @@ def run_delta(a):
                 dt = DELTA_DTYPES[prec]
                 kd = (jax.random.normal(keys[8], shape, jnp.bfloat16) * 8).astype(dt)
                 vd = (jax.random.normal(keys[9], shape, jnp.bfloat16) * 8).astype(dt)
-                # Bytes it must read: the deltas and scale granules of every live token, q, the output.
-                io = 2 * B * Hkv * ctx * D * dt.itemsize + 2 * B * Hkv * (ctx // 8) * 4 + 2 * q.nbytes
+                # Bytes it must read: the deltas and packed scale granules (16 bytes each) of every live token,
+                # q, the output.
+                io = 2 * B * Hkv * ctx * D * dt.itemsize + B * Hkv * (ctx // 8) * 16 + 2 * q.nbytes
                 for A in anchor_lens:
                     ak, av = anchors[A]
-                    args = (q, kd, vd, scales[0], scales[1], ak, av, lengths, starts, psz)
+                    args = (q, kd, vd, packed, ak, av, lengths, starts, psz)
                     ref = delta_truth(q, ak, av, scales[0], scales[1], kd, vd, slot, lengths, scale)
                     runs = []
                     for cfg in delta_configs(D, dt, A, table_width, a.quick):
                         r = dict(config=dataclasses.asdict(cfg), **measure_variant(
-                            lambda: jitted((prec, A, cfg), functools.partial(delta_attention, config=cfg,
-                                                                             interpret=interpret)),
+                            lambda: jitted((prec, A, cfg), with_packed_scales(delta_attention, config=cfg,
+                                                                              interpret=interpret)),
                             args, ref, rec["paged"]["ms"], a, io_bytes=io, baseline=baseline,
                             label=f"ctx={ctx} page={page} {prec} A={A} {cfg}"))
                         runs.append(r)
@@ -435,6 +447,7 @@ def run_delta_prefill(a):
     for ctx in contexts:
         table_width = ctx // 8
         key, keys, shape, k_pool, v_pool, scales, anchors = delta_context(key, B * ctx, Hkv, D, anchor_lens)
+        packed = pack_granule_scales(*scales)      # the delta kernels' scales, as the cache stores them
         q = jax.random.normal(keys[3], (B * per_seq, tokens, Hq, D), jnp.bfloat16)
         q_starts = jnp.asarray(np.tile(ctx - n_q + tokens * np.arange(per_seq), B), jnp.int32)
         lengths = q_starts + tokens
@@ -465,7 +478,7 @@ def run_delta_prefill(a):
                 vd = (jax.random.normal(keys[9], shape, jnp.bfloat16) * 8).astype(dt)
                 for A in anchor_lens:
                     ak, av = anchors[A]
-                    args = (q, kd, vd, scales[0], scales[1], ak, av, q_starts, lengths, starts, psz)
+                    args = (q, kd, vd, packed, ak, av, q_starts, lengths, starts, psz)
                     # Check: the bf16 paged prefill kernel over the same K/V rebuilt (fp32, then bf16).
                     pools = []
                     for anc, sc, dl in ((ak, scales[0], kd), (av, scales[1], vd)):
@@ -475,12 +488,12 @@ def run_delta_prefill(a):
                     ref = np.asarray(paged(q, *pools, q_starts, lengths, starts, psz).astype(jnp.float32))
                     del pools
                     r = measure_variant(
-                        lambda: jitted((prec, A), functools.partial(delta_prefill_attention, interpret=interpret)),
+                        lambda: jitted((prec, A), with_packed_scales(delta_prefill_attention, interpret=interpret)),
                         args, ref, rec["paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} A={A}")
                     if A == 1:      # the WS delta kernel (folded mean anchor only), output back in q's blocks
-                        ws_args = (ws_blocks[0], kd, vd, scales[0], scales[1], ak, av, *ws_blocks[1:])
+                        ws_args = (ws_blocks[0], kd, vd, packed, ak, av, *ws_blocks[1:])
                         r["ws"] = measure_variant(
-                            lambda: _as_blocks(jitted(("ws", prec), functools.partial(
+                            lambda: _as_blocks(jitted(("ws", prec), with_packed_scales(
                                 ws_delta_prefill_attention, interpret=interpret)), q.shape),
                             ws_args, ref, rec["ws_paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} A=1 ws")
                         if "x_paged" in r["ws"]:

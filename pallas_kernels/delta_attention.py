@@ -5,7 +5,9 @@ Storage (one layer; the engine writes it, this kernel reads it):
       is 1 (a mean anchor, broadcast over positions) or a multiple of 256 (position-aligned blocks).
   k_delta, v_delta [num_kv_heads, num_slots, head_dim] float16 ("fp16-delta") or float8_e4m3fn
       ("fp8-delta"): the same slot pool, page tables and lengths as `paged_attention`.
-  k_scale, v_scale [num_kv_heads, num_slots // 8] float32: one scale per 8-slot granule per kv head.
+  k_scale, v_scale [num_kv_heads, num_slots // 8] float32: one scale per 8-slot granule per kv head,
+      stored packed (`pack_granule_scales`: scales [num_kv_heads, num_slots // 8, 4], K scale, V scale and 2
+      unused floats per granule, the engine cache's layout); the entries take either form (`packed_scales=`).
 The key of sequence b at absolute position t, in slot s = page_starts[b, t // P] + t % P, is
     K = anchor_k[h, t % anchor_len] + k_scale[h, s // 8] * float(k_delta[h, s])     (same for V).
 The folded path (mean anchor) attends over these exact values (f16 deltas, fp32 scales); the rebuild
@@ -15,11 +17,11 @@ Design
 ------
 The kernel is `paged_attention`'s pipeline (`_build_kernel`: grid, page-table window, SMEM ring,
 split-K, online softmax, score statistics) with another `KVFormat` (`DeltaPages` below). Per page
-piece it fetches one TMA copy of the delta rows (1 or 2 bytes per element) and one of the piece's
-scale granules. TMA moves multiples of 16 bytes from 16-byte-aligned addresses, i.e. 4 granules: a
-page of 32+ tokens brings exactly its P / 8 granules (P / 8 is then a multiple of 4 and the page start
-a multiple of 32 slots); an 8- or 16-token page brings the aligned group of 4 granules holding its 1
-or 2, into its own 128-byte area of the slot's scale buffer. Then one of two paths:
+piece it fetches one TMA copy of the K and one of the V delta rows (1 or 2 bytes per element) and one
+of the piece's packed scales (both sides', 16 bytes a granule: TMA's unit, so any page's granules are
+one aligned copy), on K's barrier, into the piece's own 128-byte area of the slot's scale buffer, where
+granule j of the piece sits at floats [4j, 4j + 4) whatever the page's slot (`fetch_packed_granules`,
+`packed_scale_index`: no page-table read). Then one of two paths:
 
 *Folded (a mean anchor, anchor_len 1; the default).* The anchor needs no rebuild at all. With one
 vector a_k per kv head, the score of key j is q . (a_k + sk_j dk_j) = q . a_k + sk_j (q . dk_j), and
@@ -46,9 +48,9 @@ rounding of P never sees subnormals (scales of fp8 deltas are ~amax / 448, so P 
   no live key are replaced (score scale 0, value scale 1) before they reach any vector, K rows' NaN
   scores are masked to -inf, and the V rows past the end are zeroed in SMEM (last tile only), since
   P = 0 there but 0 * NaN = NaN inside the P @ V MMA.
-  The scales are read as T / 8 scalars per side (the granules of 8/16-token pages sit at runtime
-  offsets in their TMA areas, so no single vector read covers every page size) and put into the
-  column vectors with one select per granule; in the WGMMA column layout every register of a thread
+  The scales are read as T / 8 scalars per side (a piece's area depends on the page size, a runtime
+  value, so no single vector read covers every page size) and put into the column vectors with one
+  select per granule; in the WGMMA column layout every register of a thread
   belongs to one static granule, so those selects fold to moves (an assumption about the compiler
   that only a GPU profile confirms).
 
@@ -79,12 +81,13 @@ pipeline unchanged. Default config: PREFILL_KERNEL_CONFIG (128-token tiles) wher
 tiles (`default_delta_prefill_config`; not yet swept on a GPU). The folded path also runs in the warp-specialised
 prefill kernel (`prefill_attention.ws_delta_prefill_attention`, 128-row CTAs, what the engine's "ws" variant uses
 without score statistics); the format's in-kernel pieces both kernels use are the module-level functions below
-(`fetch_scale_granules`, `scale_index`, `granule_columns`, `convert_to_f16`, `add_anchor_v`; with the swapped
-decode kernel's `F8GranulePages`: `fetch_rows_and_granules`, `tile_granule_columns`).
+(`fetch_packed_granules`, `packed_tile_columns`, `granule_columns`, `convert_to_f16`, `add_anchor_v`; the
+swapped decode kernel's `F8PackedGranulePages` reads the packed scales the same way, its `F8GranulePages` reads
+two arrays: `fetch_scale_granules`, `scale_index`, `fetch_rows_and_granules`, `tile_granule_columns`).
 
 SMEM per CTA (`delta_smem_bytes`; 227 KB at most; two CTAs per SM below ~113 KB) at D=128, 2 stages,
-B=64 (no split), 4K-16K contexts, T=64: folded fp16 103-109 KB, the bf16 paged kernel's 99-105 KB plus
-4 KB of scales; folded fp8 the same (half the ring, plus two f16 tiles); the rebuild path adds the
+B=64 (no split), 4K-16K contexts, T=64: folded fp16 101-107 KB, the bf16 paged kernel's 99-105 KB plus
+2 KB of packed scales; folded fp8 the same (half the ring, plus two f16 tiles); the rebuild path adds the
 anchor ring (32 KB more with fp8, 64 KB with fp16: one CTA per SM). With T=128 the folded paths take
 171-177 KB and the rebuild path does not fit at D=128 (refused at the entry with a message); at D=64
 every combination fits.
@@ -141,13 +144,15 @@ def default_fold_mean_anchor() -> bool:
 @dataclasses.dataclass(frozen=True)
 class DeltaPages:
     """KV format of the delta kernel (see the module docstring). Inputs, in order: k_delta, v_delta
-    [Hkv, S, D] delta dtype; k_scale, v_scale [Hkv, S // 8] f32; anchor_k, anchor_v [Hkv, A, D] bf16.
-    fold=True: a mean anchor (A = 1) folded out of the loop (only anchor_v is read, in `finish`);
+    [Hkv, S, D] delta dtype; packed scales [Hkv, S // 8 * 4] f32 (`pack_granule_scales`, flattened); anchor_k,
+    anchor_v [Hkv, A, D] bf16. Per page piece the K barrier counts the K rows and the piece's scales (both
+    sides': the rebuild path reads K's after the K wait, the folded path both after both waits), the V barrier
+    the V rows. fold=True: a mean anchor (A = 1) folded out of the loop (only anchor_v is read, in `finish`);
     fold=False: the rebuild path over an anchor ring (A a multiple of 256)."""
     delta_dtype: str              # "float16" or "float8_e4m3fn" (a string: static and hashable)
     fold: bool
-    num_inputs: int = 6
-    copies_per_page: int = 2      # delta rows + scale granules
+    num_inputs: int = 5
+    copies_per_side: tuple[int, int] = (2, 1)     # (K rows + packed scales, V rows) per page piece
 
     @property
     def copies_per_tile(self) -> int:
@@ -165,8 +170,7 @@ class DeltaPages:
 
     def scratch_types(self, *, stages, block_kv, head_dim):
         ring = delta_ring_type(stages, block_kv, head_dim, self.delta_dtype)
-        scales = scale_areas_type(stages, block_kv)
-        out = [ring, ring, scales, scales]
+        out = [ring, ring, packed_scale_areas_type(stages, block_kv)]
         if self.fold:
             if self._fp8:   # the f16 copies of the fp8 slot that WGMMA reads (module docstring)
                 tile = plgpu.SMEM((block_kv, head_dim), jnp.float16, transforms=MMA_TRANSFORMS)
@@ -183,29 +187,29 @@ class DeltaPages:
         return None
 
     def fetch_page(self, ctx: TileContext, src, row, n, slot, k_bar, v_bar):
-        fetch_rows_and_granules(ctx, src, row, n, slot, k_bar, v_bar)
+        kd, vd, scales = ctx.inputs[:3]
+        k_ring, v_ring, areas = ctx.smem[:3]
+        dst = (slot, pl.ds(row, n)) if n < ctx.block_kv else (slot,)
+        plgpu.copy_gmem_to_smem(kd.at[ctx.h, pl.ds(src, n)], k_ring.at[dst], k_bar)
+        plgpu.copy_gmem_to_smem(vd.at[ctx.h, pl.ds(src, n)], v_ring.at[dst], v_bar)
+        fetch_packed_granules(scales.at[ctx.h], src, row, n, areas.at[slot], k_bar)
 
     def fetch_tile(self, ctx: TileContext, t0, slot, k_bar, v_bar):
         if self.fold:
             return
-        _, _, _, _, ak, av = ctx.inputs
-        k_anc, v_anc = ctx.smem[4:6]
+        ak, av = ctx.inputs[3:5]
+        k_anc, v_anc = ctx.smem[3:5]
         a0 = pl.multiple_of(lax.rem(t0, ak.shape[1]), ctx.block_kv)
         plgpu.copy_gmem_to_smem(ak.at[ctx.h, pl.ds(a0, ctx.block_kv)], k_anc.at[slot], k_bar)
         plgpu.copy_gmem_to_smem(av.at[ctx.h, pl.ds(a0, ctx.block_kv)], v_anc.at[slot], v_bar)
 
-    def _scale_index(self, ctx: TileContext, tile, j):
-        """Index in a slot's scale buffer of the tile's granule j (rows 8j..8j+7), as fetch_page put it."""
-        return scale_index(tile, j, log2_p=ctx.log2_p, n_pages=ctx.n_pages, page_entry=ctx.page_entry,
-                           block_kv=ctx.block_kv)
-
     def materialize(self, ctx: TileContext, state, slot, tile, n_valid):
         if not self.fold:
-            return self._rebuild(ctx, slot, tile, n_valid)
+            return self._rebuild(ctx, slot, n_valid)
         T, D = ctx.block_kv, ctx.head_dim
         k_ring, v_ring = ctx.smem[:2]
         if self._fp8:
-            k_out, v_out = ctx.smem[4:6]
+            k_out, v_out = ctx.smem[3:5]
             # The f16 tiles were the previous tile's WGMMA operands: every warp must be past its reads
             # before any thread overwrites them (commit_smem syncs the warpgroup).
             plgpu.commit_smem()
@@ -238,30 +242,30 @@ class DeltaPages:
         there) get score scale 0 and value scale 1 (finite, and P is 0 there anyway)."""
         if not self.fold:
             return None
-        return tile_granule_columns(ctx, slot, tile, n_valid)
+        return packed_tile_columns(ctx.smem[2], slot, ctx.log2_p, n_valid, ctx.block_kv)
 
     def finish(self, ctx: TileContext, state, o, l):
         """Folded: out = anchor_v + (sum_j P_j sv_j dv_j) / l for the rows that saw a key (l > 0); rows
         with no key (length 0, an empty split) stay 0."""
         if not self.fold:
             return o
-        return add_anchor_v(ctx.inputs[5].at[ctx.h, 0], o, l)
+        return add_anchor_v(ctx.inputs[4].at[ctx.h, 0], o, l)
 
-    def _rebuild(self, ctx: TileContext, slot, tile, n_valid):
+    def _rebuild(self, ctx: TileContext, slot, n_valid):
         """The rebuild path: K/V = anchor + scale * delta in fp32 registers, rounded to bf16 in place of
         the anchor tiles (their ring slot is refilled next round anyway)."""
         T, D = ctx.block_kv, ctx.head_dim
-        k_ring, v_ring, k_sc, v_sc, k_anc, v_anc = ctx.smem
+        k_ring, v_ring, areas, k_anc, v_anc = ctx.smem
         k_out, v_out = k_anc.at[slot], v_anc.at[slot]
-        idx = [self._scale_index(ctx, tile, j) for j in range(T // GRANULE)]
+        idx = [packed_scale_index(j, ctx.log2_p, T) for j in range(T // GRANULE)]
         granule_of_row = lax.shift_right_logical(
             plgpu.broadcasted_iota(jnp.int32, (_CHUNK,), 0, layout=_ROW_LAYOUT), 3)
         rows = plgpu.broadcasted_iota(jnp.int32, (_CHUNK, D), 0, layout=plgpu.Layout.WGMMA)
 
-        def rebuild(ring, sc, anc, out, r0, zero_past_end):
+        def rebuild(ring, side, anc, out, r0, zero_past_end):
             scale = plgpu.layout_cast(jnp.zeros((_CHUNK,), jnp.float32), _ROW_LAYOUT)
             for j in range(_CHUNK // GRANULE):
-                scale = jnp.where(granule_of_row == j, sc[slot, idx[r0 // GRANULE + j]], scale)
+                scale = jnp.where(granule_of_row == j, areas[slot, idx[r0 // GRANULE + j] + side], scale)
             delta = ring[slot, pl.ds(r0, _CHUNK)]
             if delta.dtype.itemsize == 1:
                 delta = delta.astype(jnp.float16)
@@ -271,19 +275,20 @@ class DeltaPages:
                 x = jnp.where(rows < n_valid - r0, x, 0.0)
             out[pl.ds(r0, _CHUNK)] = x.astype(jnp.bfloat16)
 
-        ctx.wait_k(slot)
+        ctx.wait_k(slot)            # the K rows and both sides' scales
         for r0 in range(0, T, _CHUNK):
-            rebuild(k_ring, k_sc, k_anc, k_out, r0, False)   # K rows past the end: their scores are masked
+            rebuild(k_ring, 0, k_anc, k_out, r0, False)   # K rows past the end: their scores are masked
         ctx.wait_v(slot)
         for r0 in range(0, T, _CHUNK):
-            rebuild(v_ring, v_sc, v_anc, v_out, r0, True)
+            rebuild(v_ring, 1, v_anc, v_out, r0, True)
         plgpu.commit_smem()     # make the stores visible to the async proxy (WGMMA)
         return k_out, v_out
 
 
 # ---------------------------------------------------------------------------------------------
-# The format's in-kernel pieces, shared by DeltaPages (the single-warpgroup pipeline) and the
-# warp-specialised prefill kernel (pallas_kernels/prefill_attention.py)
+# The format's in-kernel pieces, shared by DeltaPages (the single-warpgroup pipeline), the
+# warp-specialised prefill kernel (pallas_kernels/prefill_attention.py) and the swapped decode kernel's
+# fp8 granule formats (the two-array ones, `fetch_scale_granules` / `scale_index`, only by the latter)
 # ---------------------------------------------------------------------------------------------
 
 def delta_ring_type(stages: int, block_kv: int, head_dim: int, delta_dtype):
@@ -335,11 +340,11 @@ def scale_index(tile, j: int, *, log2_p, n_pages, page_entry, block_kv: int):
 
 
 def fetch_rows_and_granules(ctx: TileContext, src, row: int, n: int, slot, k_bar, v_bar) -> None:
-    """In a kernel, a KV format's fetch_page for delta rows with per-granule scales (`DeltaPages`, the swapped
+    """In a kernel, a KV format's fetch_page for delta rows with per-granule scales as two arrays (the swapped
     kernel's `F8GranulePages`): ctx.inputs start with (k rows, v rows, k_scale, v_scale) [Hkv, S(, D)] and ctx.smem
     with (k ring, v ring, k scale buffer, v scale buffer); the n rows [src, src + n) land in rows [row, row + n) of
     ring slot `slot` and their granules in the slot's scale buffers (`fetch_scale_granules`), K's copies arriving on
-    k_bar and V's on v_bar (2 each: copies_per_page 2)."""
+    k_bar and V's on v_bar (2 each)."""
     kd, vd, ks, vs = ctx.inputs[:4]
     k_ring, v_ring, k_sc, v_sc = ctx.smem[:4]
     dst = (slot, pl.ds(row, n)) if n < ctx.block_kv else (slot,)
@@ -393,6 +398,15 @@ def packed_scale_index(j: int, log2_p, block_kv: int):
     within = jnp.int32(j) & (lax.shift_left(jnp.int32(1), log2_n - 3) - 1)
     area = jnp.maximum(jnp.int32(SCALE_AREA), lax.shift_left(jnp.int32(1), log2_n - 1))    # packed_area_floats
     return area * piece + PACKED_SCALE_FLOATS * within
+
+
+def packed_tile_columns(areas, slot, log2_p, n_valid, block_kv: int, *, layout=_COL_LAYOUT) -> TileColumns:
+    """In a kernel: the per-key factors of a tile (`granule_columns` in `layout`) from the packed scales
+    `fetch_packed_granules` landed in ring slot `slot` of `areas` (`packed_scale_areas_type`), for a sequence with
+    pages of 2^log2_p tokens; each granule's place found once for both sides (`packed_scale_index`)."""
+    idx = functools.cache(lambda j: packed_scale_index(j, log2_p, block_kv))
+    return granule_columns(lambda j: areas[slot, idx(j)], lambda j: areas[slot, idx(j) + 1], n_valid, block_kv,
+                           layout=layout)
 
 
 def tile_granule_columns(ctx: TileContext, slot, tile, n_valid, *, layout=_COL_LAYOUT) -> TileColumns:
@@ -477,7 +491,7 @@ def delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, *, fold: 
     T, S = config.block_kv, config.num_stages
     rest = config.smem_bytes(head_dim, max_pages, out_itemsize) - 2 * S * T * head_dim * 2   # minus the bf16 ring
     itemsize = jnp.dtype(delta_dtype).itemsize
-    ring = 2 * S * T * head_dim * itemsize + 2 * S * (T // GRANULE) * SCALE_AREA * 4
+    ring = 2 * S * T * head_dim * itemsize + S * (T // GRANULE) * SCALE_AREA * 4     # rows + packed scale areas
     if fold:
         tiles = 2 * T * head_dim * 2 if itemsize == 1 else 0
     else:
@@ -490,7 +504,9 @@ def delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, *, fold: 
 # ---------------------------------------------------------------------------------------------
 
 def check_delta_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes,
-                  name="delta_attention"):
+                       name="delta_attention", packed_scales=None):
+    """Entry checks of the delta kernels; the scales are k_scale and v_scale [Hkv, S // 8] f32, or (both None)
+    packed_scales [Hkv, S // 8, 4] f32."""
     def fail(msg):
         raise ValueError(f"{name}: {msg}")
     check_pools_and_tables(name, q, ("k_delta", k_delta), ("v_delta", v_delta), lengths,
@@ -500,10 +516,18 @@ def check_delta_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v
              f"{k_delta.dtype}/{v_delta.dtype}")
     num_kv_heads, num_slots, head_dim = k_delta.shape
     want = (num_kv_heads, num_slots // GRANULE)
-    for name, a in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if a.shape != want or a.dtype != jnp.float32:
+    if packed_scales is not None:
+        if k_scale is not None or v_scale is not None:
+            fail("pass the scales either as k_scale and v_scale or as packed_scales, not both")
+        packed = want + (PACKED_SCALE_FLOATS,)
+        if packed_scales.shape != packed or packed_scales.dtype != jnp.float32:
+            fail(f"packed_scales must be float32 [num_kv_heads, num_slots // 8, 4] = {list(packed)} (K scale, "
+                 f"V scale, 2 unused per 8-slot granule), got {packed_scales.dtype} {list(packed_scales.shape)}")
+    for name, a in (("k_scale", k_scale), ("v_scale", v_scale)) if packed_scales is None else ():
+        if a is None or a.shape != want or a.dtype != jnp.float32:
             fail(f"{name} must be float32 [num_kv_heads, num_slots // 8] = {list(want)} (one scale per "
-                 f"8-slot granule), got {a.dtype} {list(a.shape)}")
+                 f"8-slot granule), got {'None' if a is None else f'{a.dtype} {list(a.shape)}'} (or pass "
+                 "packed_scales)")
     for name, a in (("anchor_k", anchor_k), ("anchor_v", anchor_v)):
         if a.ndim != 3 or a.shape[0] != num_kv_heads or a.shape[2] != head_dim or a.dtype != jnp.bfloat16:
             fail(f"{name} must be bfloat16 [num_kv_heads={num_kv_heads}, anchor_len, head_dim={head_dim}], "
@@ -522,11 +546,22 @@ def rebuild_reference(anchor, scale, delta, slot, t):
     return a[:, None] + scale[:, slot // GRANULE][..., None] * delta[:, slot].astype(jnp.float32)
 
 
+def kernel_scales(k_scale, v_scale, packed_scales):
+    """The delta kernels' scale operand [Hkv, S // 8 * 4] f32 (`fetch_packed_granules`): packed_scales flattened, or
+    k_scale / v_scale packed (`pack_granule_scales`, an XLA op a call; the engine's cache stores them packed)."""
+    packed = pack_granule_scales(k_scale, v_scale) if packed_scales is None else packed_scales
+    return packed.reshape(packed.shape[0], -1)
+
+
 def delta_attention_reference(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts,
-                              page_sizes, *, sm_scale=None, soft_cap=None, return_score_stats: bool = False):
+                              page_sizes, *, sm_scale=None, soft_cap=None, return_score_stats: bool = False,
+                              packed_scales=None):
     """Pure-jnp delta decode attention, fp32 math, same contract as `delta_attention` (K/V rebuilt in fp32,
     not rounded to bf16). For tests and small shapes: it gathers a dense [Hkv, B, max_pages * 256, D] view."""
-    check_delta_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes)
+    check_delta_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes,
+                       packed_scales=packed_scales)
+    if packed_scales is not None:
+        k_scale, v_scale = packed_scales[..., 0], packed_scales[..., 1]
     t, slot, valid = reference_token_slots(lengths, page_starts, page_sizes, k_delta.shape[1])
     k = rebuild_reference(anchor_k, k_scale, k_delta, slot, t)
     v = rebuild_reference(anchor_v, v_scale, v_delta, slot, t)
@@ -541,8 +576,8 @@ def delta_attention_reference(q, k_delta, v_delta, k_scale, v_scale, anchor_k, a
 def delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes, *,
                     sm_scale: float | None = None, soft_cap: float | None = None,
                     config: TuningConfig | None = None, interpret: bool = False,
-                    return_score_stats: bool = False,
-                    fold_mean_anchor: bool | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                    return_score_stats: bool = False, fold_mean_anchor: bool | None = None,
+                    packed_scales: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention over a delta-KV pool (Mosaic GPU kernel): one query per sequence, keys at
     positions 0..lengths[b]-1 rebuilt as anchor + scale * delta (module docstring).
 
@@ -559,19 +594,24 @@ def delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, l
         path as a 256-row block (False); None: `default_fold_mean_anchor()`, and the rebuild path when
         soft_cap is set (the cap is not shift-invariant, so q . anchor_k can't be dropped). True needs
         anchor_len 1 and no soft_cap.
+      packed_scales: instead of k_scale / v_scale (both None then): [num_kv_heads, num_slots // 8, 4] float32
+        (`pack_granule_scales`: K scale, V scale, 2 unused per granule), the layout the kernel reads (one TMA copy
+        a page piece) and the engine's cache stores; two arrays are packed here (an XLA op a call).
 
     Returns:
       [batch, num_q_heads, head_dim] in q.dtype; with return_score_stats also score_var [batch,
       num_q_heads] float32 (as in `paged_attention`: over the keys the MMA sees, the rebuilt bf16 keys, or
       the exact keys on the folded path, whose dropped q . anchor_k shift leaves the variance unchanged).
     """
-    check_delta_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes)
+    check_delta_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes,
+                       packed_scales=packed_scales)
     config, scale, cap = kernel_static_args("delta_attention", q, k_delta.shape[0], sm_scale, soft_cap, config)
     anchor_k, anchor_v = _choose_path("delta_attention", q.shape[2], k_delta.dtype, anchor_k, anchor_v, soft_cap=cap,
                                       fold_mean_anchor=fold_mean_anchor, config=config, max_pages=page_starts.shape[1],
                                       out_itemsize=q.dtype.itemsize if config.num_splits == 1 else 4)
     kw = dict(scale=scale, soft_cap=cap, config=config, score_stats=bool(return_score_stats))
-    args = (q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes)
+    args = (q, k_delta, v_delta, kernel_scales(k_scale, v_scale, packed_scales), anchor_k, anchor_v, lengths,
+            page_starts, page_sizes)
     if interpret:
         with mosaic_gpu_interpret():
             return _delta_attention(*args, p_via_smem=True, **kw)
@@ -613,11 +653,11 @@ def _choose_path(name, head_dim, delta_dtype, anchor_k, anchor_v, *, soft_cap, f
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "config", "p_via_smem", "score_stats"))
-def _delta_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts, page_sizes, *,
+def _delta_attention(q, k_delta, v_delta, scales, anchor_k, anchor_v, lengths, page_starts, page_sizes, *,
                      scale, soft_cap, config, p_via_smem, score_stats):
     q, fmt = _format_and_query(q, k_delta, anchor_k)
     return decode_attention_pipeline(
-        q, (k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v), lengths, page_starts, page_sizes,
+        q, (k_delta, v_delta, scales, anchor_k, anchor_v), lengths, page_starts, page_sizes,
         kv_format=fmt, num_kv_heads=k_delta.shape[0], scale=scale, soft_cap=soft_cap, config=config,
         p_via_smem=p_via_smem, score_stats=score_stats)
 
@@ -647,20 +687,22 @@ def default_delta_prefill_config(head_dim: int, delta_dtype, *, fold: bool, max_
 
 
 def delta_prefill_attention_reference(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, q_starts, lengths,
-                                      page_starts, page_sizes, *, sm_scale=None, return_score_stats: bool = False):
+                                      page_starts, page_sizes, *, sm_scale=None, return_score_stats: bool = False,
+                                      packed_scales=None):
     """Pure-jnp causal attention of query blocks over the delta cache (same contract as
     `delta_prefill_attention`; K/V rebuilt in fp32), via the decode reference with one row per query
     token. For tests and small shapes."""
     rows = prefill_token_rows(q, q_starts, lengths, page_starts, page_sizes)
     res = delta_attention_reference(rows[0], k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, *rows[1:],
-                                    sm_scale=sm_scale, return_score_stats=return_score_stats)
+                                    sm_scale=sm_scale, return_score_stats=return_score_stats,
+                                    packed_scales=packed_scales)
     return prefill_rows_to_blocks(res, q.shape, return_score_stats)
 
 
 def delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, q_starts, lengths, page_starts,
                             page_sizes, *, sm_scale: float | None = None, config: TuningConfig | None = None,
                             interpret: bool = False, return_score_stats: bool = False,
-                            fold_mean_anchor: bool | None = None):
+                            fold_mean_anchor: bool | None = None, packed_scales: jax.Array | None = None):
     """Causal attention of blocks of consecutive query tokens over a delta-KV pool (the DKVC prefill path):
     `paged_prefill_attention`'s causal-block pipeline (a 64-row q tile of `tokens` tokens x the GQA group)
     with `delta_attention`'s KV format (anchor + scale * delta, folded or rebuilt as in the module docstring).
@@ -669,7 +711,7 @@ def delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anc
       q: [blocks, tokens, num_q_heads, head_dim] bf16/fp32, tokens <= prefill_block_tokens(num_q_heads,
         num_kv_heads) (64 // group; the group a power of 2). Token i of block b is at position q_starts[b] + i.
       k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v: the delta cache, as in `delta_attention`
-        (the block's own keys already written).
+        (the block's own keys already written); or packed_scales instead of k_scale / v_scale, as there.
       q_starts, lengths, page_starts, page_sizes: as in `paged_prefill_attention` (lengths[b] = min(q_starts[b]
         + tokens, context); 0 marks a padding block: zeros; slots, deltas and scales at or past a block's
         length are never used, even if NaN).
@@ -688,7 +730,7 @@ def delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anc
     if q.ndim != 4:
         raise ValueError(f"{name}: q must be [blocks, tokens, num_q_heads, head_dim], got {q.shape}")
     check_delta_inputs(q[:, 0], k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts,
-                       page_sizes, name=name)
+                       page_sizes, name=name, packed_scales=packed_scales)
     _, _, _, head_dim = check_prefill_query(
         name, q, k_delta.shape[0], q_starts, most_tokens=prefill_block_tokens(q.shape[2], k_delta.shape[0]),
         q_rows=_Q_ROWS)
@@ -700,7 +742,8 @@ def delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anc
                                       fold_mean_anchor=fold_mean_anchor, config=config, max_pages=page_starts.shape[1],
                                       out_itemsize=q.dtype.itemsize)
     kw = dict(scale=scale, config=config, score_stats=bool(return_score_stats))
-    args = (q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, q_starts, lengths, page_starts, page_sizes)
+    args = (q, k_delta, v_delta, kernel_scales(k_scale, v_scale, packed_scales), anchor_k, anchor_v, q_starts,
+            lengths, page_starts, page_sizes)
     if interpret:
         with mosaic_gpu_interpret():
             return _delta_prefill_attention(*args, p_via_smem=True, **kw)
@@ -708,10 +751,10 @@ def delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anc
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "p_via_smem", "score_stats"))
-def _delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, q_starts, lengths, page_starts,
+def _delta_prefill_attention(q, k_delta, v_delta, scales, anchor_k, anchor_v, q_starts, lengths, page_starts,
                              page_sizes, *, scale, config, p_via_smem, score_stats):
     q, fmt = _format_and_query(q, k_delta, anchor_k)
     return prefill_attention_pipeline(
-        q, (k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v), q_starts, lengths, page_starts, page_sizes,
+        q, (k_delta, v_delta, scales, anchor_k, anchor_v), q_starts, lengths, page_starts, page_sizes,
         kv_format=fmt, num_kv_heads=k_delta.shape[0], scale=scale, config=config, p_via_smem=p_via_smem,
         score_stats=score_stats)

@@ -649,7 +649,7 @@ class KVFormat(Protocol):
 
       fetch_page(ctx, src, row, n, slot, k_bar, v_bar): issue the async copies of the n slots
           [src, src + n) (n, row static; src a multiple of 8) into rows [row, row + n) of ring slot
-          `slot`, each arriving once on k_bar (K side) or v_bar (V side): `copies_per_page` each;
+          `slot`, each arriving once on k_bar (K side) or v_bar (V side): `copies_per_side` (K, V) of them;
       fetch_tile(ctx, t0, slot, k_bar, v_bar): copies once per tile whose first token is t0
           (`copies_per_tile` arrivals on each barrier; none for plain pages);
       materialize(ctx, state, slot, tile, n_valid) -> (k_ref, v_ref): await the slot (ctx.wait_k/wait_v)
@@ -666,7 +666,7 @@ class KVFormat(Protocol):
     Implementations are frozen dataclasses (they are static jit arguments)."""
 
     num_inputs: int
-    copies_per_page: int
+    copies_per_side: tuple[int, int]
     copies_per_tile: int
     mma_dtype: str
 
@@ -714,8 +714,7 @@ class Bf16Pages:
 
     @property
     def copies_per_side(self) -> tuple[int, int]:
-        """Copies per page piece on the (K, V) stage barriers (the swapped kernel's; the paged kernel counts
-        copies_per_page on both)."""
+        """Copies per page piece on the (K, V) stage barriers (`KVFormat`): copies_per_page on both."""
         return self.copies_per_page, self.copies_per_page
 
     def fetch_page(self, ctx, src, row, n, slot, k_bar, v_bar):
@@ -787,8 +786,8 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
     small_classes = page_classes(T)                                           # (log2 P, copies)
     groups = [n for _, n in small_classes] + [1]
     kv_format = BF16_PAGES if kv_format is None else kv_format
-    # Stage-barrier arrivals: every copy the format issues for a tile arrives once.
-    arrivals = [n * kv_format.copies_per_page + kv_format.copies_per_tile for n in groups]
+    # Stage-barrier arrivals (K, V): every copy the format issues for a tile arrives once.
+    k_arrivals, v_arrivals = ([n * c + kv_format.copies_per_tile for n in groups] for c in kv_format.copies_per_side)
     # S is computed as fp32 q.k; fold the softmax scale and log2(e) into one multiply (exp2 below).
     qk_scale = scale * _LOG2E
     mma_transforms = MMA_TRANSFORMS
@@ -1014,8 +1013,8 @@ def _build_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, table_len,
         plgpu.SMEM((_Q_ROWS, head_dim), out_dtype),
         plgpu.SMEM((_Q_ROWS,), jnp.float32),
         plgpu.Barrier(num_barriers=2),
-        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
-        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in arrivals],
+        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in k_arrivals],
+        [plgpu.Barrier(num_arrivals=n, num_barriers=stages) for n in v_arrivals],
     ]
     if score_stats:
         scratch += [plgpu.SMEM((_Q_ROWS,), jnp.float32) for _ in range(3)]

@@ -56,11 +56,12 @@ module's docstring has the math): q . anchor_k cancels in the softmax, so the MM
 to 65280) and the f16 deltas; per key, the granule's score scale multiplies the scores, the softmax max
 is taken over s + log2(value scale), P * value scale (<= 1) is the f16 A operand of P @ V, l sums P
 without it, and anchor_v is added in the epilogue to rows that saw a key. Per page piece the memory
-warpgroup copies the delta rows and the K and V scale granules (`fetch_scale_granules`, shared with
-`DeltaPages`), the V scales on K's barrier: the softmax needs them before P @ V, and both compute
-warpgroups read them (`granule_columns` at `scale_index`, through the page table they also wait for)
-before releasing K's slot, whose refill brings the next ones. Stale slots: NaN scores are masked to
--inf, granules with no live key get score scale 0 / value scale 1, V rows past the length are zeroed.
+warpgroup copies the delta rows and, in one more copy on K's barrier, both sides' scale granules (the
+packed scales, `fetch_packed_granules`, shared with `DeltaPages`): the softmax needs the V scales before
+P @ V, and both compute warpgroups read them (`packed_tile_columns`: each granule at a static place of
+its piece's area, no page-table read) before releasing K's slot, whose refill brings the next ones.
+Stale slots: NaN scores are masked to -inf, granules with no live key get score scale 0 / value scale 1,
+V rows past the length are zeroed.
   fp16 deltas: the ring slots are WGMMA's B operands as TMA lands them (the bf16 kernel's ring layout).
   fp8 deltas: WGMMA cannot take them with f16 q/P (delta_attention.py), so each tile is converted once
   to f16 tiles in SMEM that both compute warpgroups read: warpgroup 0 converts K, warpgroup 1 converts
@@ -70,9 +71,9 @@ before releasing K's slot, whose refill brings the next ones. Stale slots: NaN s
   refills a slot only once both compute warpgroups released it), so no barrier guards it.
   Each compute warpgroup writes its output through a bf16 tile of its own (its q tile is f16).
 SMEM per CTA (`ws_delta_smem_bytes`, 227 KB at most), 2 stages, a 16K-token table of 8-token pages
-(8 KB): fp16 T=128: D=128 209 KB (ring 128, q/o 64, scale areas 8), D=64 113 KB; fp16 T=64: D=128
-141 KB; fp8 T=64 (the fp8 default: T=128 would take 273 KB at D=128): D=128 173 KB (fp8 ring 32 KB
-plus the 64 KB f16 ring), D=64 93 KB. Defaults (`default_ws_delta_config`): fp16 128-token tiles
+(8 KB): fp16 T=128: D=128 205 KB (ring 128, q/o 64, scale areas 4), D=64 109 KB; fp16 T=64: D=128
+139 KB; fp8 T=64 (the fp8 default: T=128 would take 269 KB at D=128): D=128 171 KB (fp8 ring 32 KB
+plus the 64 KB f16 ring), D=64 91 KB. Defaults (`default_ws_delta_config`): fp16 128-token tiles
 where they fit, else 64; fp8 64. None of this is measured on a GPU yet: correctness is checked in the
 Mosaic GPU interpreter and the lowering on a CPU (tests/test_ws_delta_prefill_attention.py); register
 spills (the scale columns add T / 4 registers per vector per thread to the compute warpgroups) and
@@ -95,7 +96,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.delta_attention import (
     F16_SAFE_MAX, GRANULE, SCALE_AREA, add_anchor_v, check_delta_inputs, convert_to_f16, delta_ring_type,
-    fetch_scale_granules, granule_columns, scale_areas_type, scale_index)
+    fetch_packed_granules, kernel_scales, packed_scale_areas_type, packed_tile_columns)
 from pallas_kernels.paged_attention import MMA_TRANSFORMS, TuningConfig, check_prefill_blocks, check_prefill_query
 from pallas_kernels.paged_tiles import (flat_table, issue_tile_copies, page_classes, sequence_scalars, split_tile_range,
                                         table_window, wait_page_class)
@@ -265,7 +266,7 @@ def ws_delta_smem_bytes(config: TuningConfig, head_dim: int, delta_dtype, max_pa
     T, S = config.block_kv, config.num_stages
     itemsize = jnp.dtype(delta_dtype).itemsize
     ring = 2 * S * T * head_dim * itemsize
-    areas = 2 * S * (T // GRANULE) * SCALE_AREA * 4
+    areas = S * (T // GRANULE) * SCALE_AREA * 4           # packed scale areas (`packed_scale_areas_type`)
     q_o = 2 * _CTA_ROWS * head_dim * 2
     table = 4 * table_window(max_pages, 1, T)
     converted = (2 * S * T * head_dim * 2 + S * 2 * (T // GRANULE) * 4) if itemsize == 1 else 0
@@ -288,7 +289,8 @@ def default_ws_delta_config(head_dim: int, delta_dtype, max_pages: int, interpre
 
 def ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, q_starts, lengths,
                                page_starts, page_sizes, *, sm_scale: float | None = None,
-                               config: TuningConfig | None = None, interpret: bool = False):
+                               config: TuningConfig | None = None, interpret: bool = False,
+                               packed_scales: jax.Array | None = None):
     """Causal attention of blocks of consecutive query tokens over a delta-KV pool with a mean anchor, in the
     warp-specialised kernel (module docstring; the folded path of delta_attention.py's module docstring).
     Same contract as `delta_prefill_attention`, except: blocks hold up to 128 // group tokens (128 q rows),
@@ -297,7 +299,9 @@ def ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, 
     Args:
       q: [blocks, tokens, Hq, D] bf16/fp32, tokens <= ws_prefill_block_tokens(Hq, Hkv); rounded to f16 for the
         MMA (|q| clipped to 65280). Token i of block b is at position q_starts[b] + i.
-      k_delta, v_delta: [Hkv, S, D] float16 or float8_e4m3fn; k_scale, v_scale: [Hkv, S // 8] f32;
+      k_delta, v_delta: [Hkv, S, D] float16 or float8_e4m3fn; k_scale, v_scale: [Hkv, S // 8] f32, or (both
+        None) packed_scales [Hkv, S // 8, 4] f32 (`pack_granule_scales`: what the kernel reads and the engine's
+        cache stores; two arrays are packed here, an XLA op a call);
       anchor_k, anchor_v: [Hkv, 1, D] bf16 (anchor_k cancels in the softmax and is not read).
       q_starts, lengths, page_starts, page_sizes: as in `delta_prefill_attention` (length 0: a padding block,
         zeros; slots, deltas and scales at or past a block's length are never used, even if NaN).
@@ -312,7 +316,7 @@ def ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, 
     if q.ndim != 4:
         raise ValueError(f"{name}: q must be [blocks, tokens, num_q_heads, head_dim], got {q.shape}")
     check_delta_inputs(q[:, 0], k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v, lengths, page_starts,
-                       page_sizes, name=name)
+                       page_sizes, name=name, packed_scales=packed_scales)
     if anchor_k.shape[1] != 1:
         raise ValueError(f"{name}: takes a mean anchor (anchor_len 1), got anchor_len {anchor_k.shape[1]}; "
                          "position-aligned anchors go through delta_prefill_attention")
@@ -333,7 +337,8 @@ def ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, 
         raise ValueError(f"{name}: sm_scale must be > 0, got {sm_scale}")
     scale = (1.0 / math.sqrt(head_dim)) if sm_scale is None else float(sm_scale)
     config = dataclasses.replace(config, num_splits=config.num_splits or 1)
-    args = (q, k_delta, v_delta, k_scale, v_scale, anchor_v, q_starts, lengths, page_starts, page_sizes)
+    args = (q, k_delta, v_delta, kernel_scales(k_scale, v_scale, packed_scales), anchor_v, q_starts, lengths,
+            page_starts, page_sizes)
     if interpret:
         with mosaic_gpu_interpret():
             return _ws_delta_prefill_attention(*args, scale=scale, config=config, interpret=True)
@@ -341,7 +346,7 @@ def ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_k, 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
-def _ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_v, q_starts, lengths, page_starts,
+def _ws_delta_prefill_attention(q, k_delta, v_delta, scales, anchor_v, q_starts, lengths, page_starts,
                                 page_sizes, *, scale, config, interpret):
     blocks, tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_delta.shape[0]
@@ -353,7 +358,7 @@ def _ws_delta_prefill_attention(q, k_delta, v_delta, k_scale, v_scale, anchor_v,
                               table_len=table.shape[0], scale=scale, config=config, interpret=interpret,
                               delta_dtype=jnp.dtype(k_delta.dtype).name)
     out = kernel(lengths, page_sizes, jnp.maximum(q_starts, 0), table, q2.reshape(-1, head_dim), k_delta, v_delta,
-                 k_scale, v_scale, anchor_v)
+                 scales, anchor_v)
     out = _merge_split_rows(out, blocks=blocks, num_kv_heads=num_kv_heads, splits=config.num_splits)
     return _cta_rows_to_tokens(out, q.shape, num_kv_heads).astype(q.dtype)
 
@@ -363,8 +368,8 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
     """f(lengths, page_sizes, q_starts, table, q2 [blocks * Hkv * 128, D], *kv) -> o [blocks * Hkv * 128, D] bf16
     (row layout of q2). delta_dtype None: kv = (k_pool, v_pool) in pool_dtype (bf16, or float16: the fp16-delta
     fold), q2 in the same dtype. delta_dtype "float16" or
-    "float8_e4m3fn": the folded delta format (module docstring), kv = (k_delta, v_delta, k_scale, v_scale,
-    anchor_v [Hkv, 1, D] bf16), q2 f16.
+    "float8_e4m3fn": the folded delta format (module docstring), kv = (k_delta, v_delta, packed scales
+    [Hkv, S // 8 * 4] f32, anchor_v [Hkv, 1, D] bf16), q2 f16.
 
     Split-K (config.num_splits = S >= 2): grid (blocks, Hkv, S); split k of a block streams the tiles
     `split_tile_range` gives it (ceil(n_tiles / S) whole tiles each, the last ones short or empty) through the
@@ -389,9 +394,9 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
     fp8 = delta and jnp.dtype(delta_dtype).itemsize == 1
     mma_dtype = jnp.float16 if delta else jnp.dtype(pool_dtype)
     out_dtype = jnp.bfloat16 if delta else mma_dtype        # the output leaves through a tile of this dtype
-    # K-side arrivals per page piece: the K rows, and with deltas the K and the V scale granules (the V scales
-    # ride with K: the softmax needs them before P @ V, and they are read before K's slot is released).
-    k_copies = [n * (3 if delta else 1) for n in copies]
+    # K-side arrivals per page piece: the K rows, and with deltas the piece's packed scales (the V scales ride
+    # with K: the softmax needs them before P @ V, and they are read before K's slot is released).
+    k_copies = [n * (2 if delta else 1) for n in copies]
 
     n_out = 1 if splits == 1 else 2          # (o,) or (o_part, lse)
 
@@ -458,11 +463,6 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                 return table_smem[first + p - win_start]
             return first, win_start, page_entry
 
-        def granule_index(page_entry):
-            """granule_index(tile, j): where granule j of a tile sits in its slot's scale areas."""
-            return lambda tile, j: scale_index(tile, j, log2_p=log2_p, n_pages=n_pages, page_entry=page_entry,
-                                               block_kv=T)
-
         @pl.when(wg == _COMPUTE_WGS)
         def _memory_warpgroup():
             if not interpret:
@@ -472,19 +472,18 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                                     oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
             plgpu.barrier_wait(table_bar.at[0])
 
-            def fetch(src_ref, ring, bars, tile, slot, scales=()):
-                """Issue the TMA copies of one K or V tile into ring slot `slot` (and, per page piece, the
-                scale granules of `scales`: (GMEM scales, SMEM scale areas) pairs, on the same barrier)."""
+            def fetch(src_ref, ring, bars, tile, slot, with_scales=False):
+                """Issue the TMA copies of one K or V tile into ring slot `slot` (and, per page piece with
+                with_scales, its packed scale granules, on the same barrier)."""
                 def piece(gi, src, off, size):
                     plgpu.copy_gmem_to_smem(src_ref.at[h, pl.ds(src, size)], ring.at[slot, pl.ds(off, size)],
                                             bars[gi].at[slot])
-                    for scale_ref, areas in scales:
-                        fetch_scale_granules(scale_ref.at[h], src, off, size, areas.at[slot], bars[gi].at[slot])
+                    if with_scales:
+                        fetch_packed_granules(kv_refs[2].at[h], src, off, size, dsm.scales.at[slot],
+                                              bars[gi].at[slot])
                 issue_tile_copies(
                     tile * T, log2_p=log2_p, page=page, n_pages=n_pages, page_entry=page_entry,
                     small_classes=small_classes, block_kv=T, piece=piece)
-
-            k_scales = ((kv_refs[2], dsm.k_areas), (kv_refs[3], dsm.v_areas)) if delta else ()
 
             # One loop issues every tile (the first `stages` into empty slots), so each fetch is traced
             # once: the page-class branches unroll up to T / 8 copies per side, and Mosaic GPU lowering
@@ -495,7 +494,7 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                 @pl.when(i >= stages)
                 def _():
                     plgpu.barrier_wait(k_free.at[slot])
-                fetch(k_ref, k_ring, k_bars, tile_of(i), slot, k_scales)
+                fetch(k_ref, k_ring, k_bars, tile_of(i), slot, with_scales=delta)
 
                 @pl.when(i >= stages)
                 def _():
@@ -535,10 +534,8 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
                 k_mma, v_mma = k_ring, v_ring
                 wait_k = lambda slot, tile_of: wait(k_bars, slot)
                 wait_v = functools.partial(wait, v_bars)
-            if delta:   # granule offsets of 8/16-token pages in the scale areas come from the page table
-                _, _, page_entry = table_window()
-                plgpu.barrier_wait(table_bar.at[0])
-                columns = _columns_reader(dsm, index=granule_index(page_entry), block_kv=T, length=length)
+            if delta:   # each granule's scales sit at a static place of its piece's area (no page-table read)
+                columns = _columns_reader(dsm, log2_p=log2_p, block_kv=T, length=length)
 
             def schedule():
                 plgpu.barrier_arrive(schedule_bar)
@@ -639,7 +636,7 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
             o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
             if delta:   # + the mean anchor; through a bf16 tile of its own (q's tile is f16)
                 o_smem = dsm.o.at[wg]
-                o = add_anchor_v(kv_refs[4].at[h, 0], o, l_i)
+                o = add_anchor_v(kv_refs[3].at[h, 0], o, l_i)
             else:       # through this warpgroup's q tile (bf16, or f16 for the fp16-delta fold)
                 o_smem = q_smem
             o_smem[...] = o.astype(out_dtype)
@@ -671,13 +668,13 @@ def _build_ws_kernel(*, blocks, num_kv_heads, head_dim, group, max_pages, table_
 class _DeltaSmem(NamedTuple):
     """The delta format's SMEM beyond the bf16 kernel's (refs inside the kernel, SMEM types outside).
 
-    o: [2, 64, D] bf16, each compute warpgroup's output tile (its q tile is f16); k_areas, v_areas: [stages,
-    (T / 8) * SCALE_AREA] f32 scale granules as TMA lands them (`fetch_scale_granules`; both on K's barrier).
+    o: [2, 64, D] bf16, each compute warpgroup's output tile (its q tile is f16); scales: [stages,
+    (T / 8) * SCALE_AREA] f32, the packed scale granules as TMA lands them (`fetch_packed_granules`, on K's
+    barrier).
     fp8 only (None otherwise): k16, v16 [stages, T, D] f16, the converted tiles WGMMA reads; k_conv, v_conv:
     one arrival per converted K / V tile (warpgroup 0's / warpgroup 1's)."""
     o: object
-    k_areas: object
-    v_areas: object
+    scales: object
     k16: object = None
     v16: object = None
     k_conv: object = None
@@ -685,23 +682,21 @@ class _DeltaSmem(NamedTuple):
 
 
 def _delta_scratch(stages: int, block_kv: int, head_dim: int, fp8: bool) -> _DeltaSmem:
-    areas = scale_areas_type(stages, block_kv)
+    areas = packed_scale_areas_type(stages, block_kv)
     o = plgpu.SMEM((_COMPUTE_WGS, _WG_ROWS, head_dim), jnp.bfloat16)
     if not fp8:
-        return _DeltaSmem(o=o, k_areas=areas, v_areas=areas)
+        return _DeltaSmem(o=o, scales=areas)
     f16_ring = plgpu.SMEM((stages, block_kv, head_dim), jnp.float16, transforms=MMA_TRANSFORMS)
     converted = plgpu.Barrier(num_arrivals=1, num_barriers=stages)
-    return _DeltaSmem(o=o, k_areas=areas, v_areas=areas, k16=f16_ring, v16=f16_ring, k_conv=converted,
+    return _DeltaSmem(o=o, scales=areas, k16=f16_ring, v16=f16_ring, k_conv=converted,
                       v_conv=converted)
 
 
-def _columns_reader(dsm: _DeltaSmem, *, index, block_kv: int, length):
-    """columns(slot, tile) -> TileColumns of the tile in ring slot `slot`, from its landed scale areas (granule j
-    at index(tile, j))."""
+def _columns_reader(dsm: _DeltaSmem, *, log2_p, block_kv: int, length):
+    """columns(slot, tile) -> TileColumns of the tile in ring slot `slot`, from its landed packed scales
+    (`packed_tile_columns`; a sequence's granules sit at the same places in every tile)."""
     def columns(slot, tile):
-        idx = functools.cache(lambda j: index(tile, j))      # once per granule, for both sides
-        return granule_columns(lambda j: dsm.k_areas[slot, idx(j)], lambda j: dsm.v_areas[slot, idx(j)],
-                               length - tile * block_kv, block_kv)
+        return packed_tile_columns(dsm.scales, slot, log2_p, length - tile * block_kv, block_kv)
     return columns
 
 

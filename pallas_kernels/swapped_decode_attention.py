@@ -97,9 +97,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.cluster_exchange import lse_row_floats, merge_attention_splits
 from pallas_kernels.delta_attention import (F16_SAFE_MAX, GRANULE, SCALE_AREA, convert_to_f16, delta_ring_type,
-                                            fetch_packed_granules, fetch_rows_and_granules, granule_columns,
-                                            packed_scale_areas_type, packed_scale_index, rebuild_reference,
-                                            scale_areas_type, tile_granule_columns)
+                                            fetch_packed_granules, fetch_rows_and_granules, packed_scale_areas_type,
+                                            packed_tile_columns, rebuild_reference, scale_areas_type,
+                                            tile_granule_columns)
 from pallas_kernels.fp8_q_split import (HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_BLOCK as FP8_Q_SPLIT_ROWS, fp8_q_split,
                                          split_block_in_kernel)
 from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
@@ -270,10 +270,7 @@ class F8PackedGranulePages(F8Pages):
     def key_scales(self, ctx, slot, tile, n_valid) -> TileColumns:
         """The tile's per-key factors as [T] f32 vectors in the row layout of S^T (after both waits of the slot)."""
         del tile      # a granule's place is the same in every tile
-        buf = ctx.smem[2]
-        idx = functools.cache(lambda j: packed_scale_index(j, ctx.log2_p, ctx.block_kv))
-        return granule_columns(lambda j: buf[slot, idx(j)], lambda j: buf[slot, idx(j) + 1], n_valid,
-                               ctx.block_kv, layout=_ROW_LAYOUT)
+        return packed_tile_columns(ctx.smem[2], slot, ctx.log2_p, n_valid, ctx.block_kv, layout=_ROW_LAYOUT)
 
 
 F8_PACKED_GRANULE_PAGES = F8PackedGranulePages()

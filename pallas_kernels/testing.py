@@ -212,6 +212,14 @@ def random_delta_case(seed, *, lengths, page_sizes, num_q_heads, num_kv_heads, h
     return out
 
 
+def packed_delta_kwargs(case) -> dict:
+    """A `random_delta_case`'s arguments with its two scale arrays packed (`pack_granule_scales`: the engine
+    cache's layout) and passed as packed_scales (k_scale / v_scale None); float64 truths take the case itself."""
+    from pallas_kernels.delta_attention import pack_granule_scales
+    return {**case, "k_scale": None, "v_scale": None,
+            "packed_scales": pack_granule_scales(case["k_scale"], case["v_scale"])}
+
+
 def float64_delta_pools(case, *, mma_bf16=False) -> tuple[np.ndarray, np.ndarray]:
     """The rebuilt K and V pools [Hkv, S, D] float64 of a delta case: slot s holding token t of a
     sequence gets anchor[t % anchor_len] + scale[s // 8] * delta[s] (from the rounded stored values),

@@ -206,10 +206,10 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     if use_ws and delta is not None:
         from pallas_kernels.prefill_attention import ws_delta_prefill_attention
         out = ws_delta_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), delta.k_delta,
-                                         delta.v_delta, delta.k_scale, delta.v_scale, delta.anchor_k, delta.anchor_v,
+                                         delta.v_delta, None, None, delta.anchor_k, delta.anchor_v,
                                          jnp.maximum(starts, 0), lengths.astype(jnp.int32),
                                          tables.page_starts[safe_rows], tables.page_sizes[safe_rows],
-                                         interpret=interpret, config=kernel_config)
+                                         interpret=interpret, config=kernel_config, packed_scales=delta.scales)
         return out.reshape(q.shape)
     if use_ws:
         out = ws_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), k_pool, v_pool,
@@ -222,9 +222,9 @@ def prefill_attention(q, q_positions, tile_rows, tables: RowTables, k_pool, v_po
     if delta is not None:
         from pallas_kernels.delta_attention import delta_prefill_attention
         res = delta_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), delta.k_delta, delta.v_delta,
-                                      delta.k_scale, delta.v_scale, delta.anchor_k, delta.anchor_v, *block_args,
+                                      None, None, delta.anchor_k, delta.anchor_v, *block_args,
                                       interpret=interpret, config=kernel_config,
-                                      return_score_stats=return_score_stats)
+                                      return_score_stats=return_score_stats, packed_scales=delta.scales)
     else:
         res = paged_prefill_attention(q.reshape(blocks, per_block, num_heads, head_dim), k_pool, v_pool, *block_args,
                                       interpret=interpret, config=kernel_config or PREFILL_KERNEL_CONFIG,
@@ -340,9 +340,9 @@ def decode_attention(q, positions, tables: RowTables, k_pool, v_pool, *, backend
     if backend == "kernel" and isinstance(k_pool, DeltaKV):      # DKVC: the delta-KV kernel
         from pallas_kernels.delta_attention import delta_attention
         d = k_pool
-        return delta_attention(q, d.k_delta, d.v_delta, d.k_scale, d.v_scale, d.anchor_k, d.anchor_v, lengths,
+        return delta_attention(q, d.k_delta, d.v_delta, None, None, d.anchor_k, d.anchor_v, lengths,
                                tables.page_starts, tables.page_sizes, interpret=interpret,
-                               return_score_stats=return_score_stats)
+                               return_score_stats=return_score_stats, packed_scales=d.scales)
     if backend == "kernel" and kernel_variant == "swapped":
         from pallas_kernels.swapped_decode_attention import swapped_paged_attention
         return swapped_paged_attention(q, k_pool, v_pool, lengths, tables.page_starts, tables.page_sizes,

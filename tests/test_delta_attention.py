@@ -19,7 +19,8 @@ from pallas_kernels.delta_attention import (
     FOLD_MEAN_ANCHOR_ENV, default_fold_mean_anchor, delta_attention, delta_attention_reference,
     delta_prefill_attention, delta_smem_bytes)
 from pallas_kernels.paged_attention import TuningConfig, default_num_splits
-from pallas_kernels.testing import float64_delta_attention, float64_delta_score_variance, random_delta_case
+from pallas_kernels.testing import (float64_delta_attention, float64_delta_score_variance, packed_delta_kwargs,
+                                    random_delta_case)
 
 FP8, FP16 = jnp.float8_e4m3fn, jnp.float16
 # The rebuild path rounds the rebuilt K/V and the softmax probabilities to bf16 for its MMAs, and its
@@ -75,10 +76,11 @@ def test_kernel_fp8_mean_anchor_every_page_size():
     """The folded path with fp8 deltas (f16 tiles converted in SMEM), block_kv 64, GQA 4, every page size
     in one batch (the tile holds 8/4/2 whole pages, one page, or a piece of one: every place a granule
     scale can sit), lengths 1, P-1, P+1, ragged, a length-0 row (zeros, no anchor added), NaN in every
-    free slot and granule; the score variance (the dropped q . anchor_k shift must not change it)."""
+    free slot and granule; the score variance (the dropped q . anchor_k shift must not change it). The scales
+    come packed, as the engine's cache stores them."""
     case = random_delta_case(1, lengths=[1, 15, 33, 65, 0, 300], page_sizes=[8, 16, 32, 64, 128, 256],
                              num_q_heads=4, num_kv_heads=1, head_dim=64, delta_dtype=FP8, anchor_len=1)
-    out, var = delta_attention(**case, interpret=True, return_score_stats=True,
+    out, var = delta_attention(**packed_delta_kwargs(case), interpret=True, return_score_stats=True,
                                config=TuningConfig(block_kv=64, num_splits=1))
     out = check(out, case, folded=True)
     assert np.all(out[4] == 0)
@@ -124,10 +126,11 @@ def test_kernel_folded_value_scales_tiny_and_zero():
 def test_kernel_fp16_position_anchor_block128_split_stats():
     """fp16 deltas, a 256-row position-aligned anchor (a ring of anchor tiles; lengths past 256 wrap),
     block_kv 128 (16 copies per tile for 8-token pages), GQA 1, split-K over 2 CTAs (one empty for the
-    short rows), score statistics against float64."""
+    short rows), score statistics against float64; the scales packed (the rebuild path reads K's after the K
+    wait and V's after the V wait, both from the one copy on K's barrier)."""
     case = random_delta_case(2, lengths=[9, 290, 0, 129, 70], page_sizes=[8, 16, 32, 256, 64],
                              num_q_heads=1, num_kv_heads=1, head_dim=64, delta_dtype=FP16, anchor_len=256)
-    out, var = delta_attention(**case, interpret=True, return_score_stats=True,
+    out, var = delta_attention(**packed_delta_kwargs(case), interpret=True, return_score_stats=True,
                                config=TuningConfig(block_kv=128, num_splits=2))
     out = check(out, case)
     assert np.all(out[2] == 0)
@@ -200,11 +203,20 @@ def test_entry_point_errors():
         (dict(lengths=jnp.zeros((2,), jnp.int32)), "lengths and page_sizes"),
         (dict(page_sizes=case["page_sizes"].astype(jnp.float32)), "page_sizes must be int32"),
     ]
-    for override, msg in bad:
-        with pytest.raises(ValueError, match=msg):
-            delta_attention(**{**case, **override}, interpret=True)
-        with pytest.raises(ValueError, match=msg):
-            delta_attention_reference(**{**case, **override})
+    packed = packed_delta_kwargs(case)
+    bad_packed = [
+        (dict(k_scale=case["k_scale"]), "either as k_scale and v_scale or as packed_scales, not both"),
+        (dict(packed_scales=packed["packed_scales"][..., :2]), "packed_scales must be float32 \\[num_kv_heads, "
+         f"num_slots // 8, 4\\] = \\[2, {S // 8}, 4\\]"),
+        (dict(packed_scales=packed["packed_scales"].astype(jnp.bfloat16)), "packed_scales must be float32"),
+        (dict(packed_scales=None), "k_scale must be float32 .* got None \\(or pass packed_scales\\)"),
+    ]
+    for base, cases in ((case, bad), (packed, bad_packed)):
+        for override, msg in cases:
+            with pytest.raises(ValueError, match=msg):
+                delta_attention(**{**base, **override}, interpret=True)
+            with pytest.raises(ValueError, match=msg):
+                delta_attention_reference(**{**base, **override})
     with pytest.raises(ValueError, match="block_kv must be 64 or 128"):
         delta_attention(**case, config=TuningConfig(block_kv=256))
     with pytest.raises(ValueError, match="KB of shared memory per CTA"):

@@ -21,8 +21,8 @@ from pallas_kernels.delta_attention import (
     default_fold_mean_anchor, delta_prefill_attention, delta_prefill_attention_reference)
 from pallas_kernels.paged_attention import TuningConfig, prefill_block_tokens
 from pallas_kernels.testing import (
-    float64_delta_pools, float64_prefill_attention, float64_prefill_score_variance, prefill_blocks_case,
-    random_delta_case)
+    float64_delta_pools, float64_prefill_attention, float64_prefill_score_variance, packed_delta_kwargs,
+    prefill_blocks_case, random_delta_case)
 
 FP8, FP16 = jnp.float8_e4m3fn, jnp.float16
 # As in test_delta_attention.py: after the K/V rounding the kernel's MMAs see (none on the folded path,
@@ -67,12 +67,12 @@ def test_fp8_folded_every_page_class_gqa4_stats():
     """fp8 deltas, a mean anchor (the folded path: f16 tiles converted in SMEM, per-key scale columns, the
     anchor added in the epilogue), GQA 4 (16 tokens per block), block_kv 64 so pages of 8/16/32 tokens are
     several per tile and 256-token pages span tiles; the score variance (free from the shared pipeline)
-    and the jnp reference against float64 too."""
+    and the jnp reference against float64 too. The kernel takes the scales packed (the engine cache's layout)."""
     blocks = [(0, 140 - 16, 16), (1, 150, 16), (2, 70, 5), (3, 0, 9), (-1, 0, 0)]
     args, truth, valid = prefill_case(11, lengths=[140, 230, 75, 9], page_sizes=[8, 32, 256, 16], blocks=blocks,
                                       num_q_heads=4, num_kv_heads=1, head_dim=64, delta_dtype=FP8, anchor_len=1,
                                       mma_bf16=False)
-    out, var = delta_prefill_attention(**args, interpret=True, return_score_stats=True,
+    out, var = delta_prefill_attention(**packed_delta_kwargs(args), interpret=True, return_score_stats=True,
                                        config=TuningConfig(block_kv=64))
     check(out, truth, valid)
     np.testing.assert_allclose(np.asarray(var)[valid], float64_prefill_score_variance(truth)[valid],

@@ -27,7 +27,8 @@ from pallas_kernels.delta_attention import delta_prefill_attention_reference
 from pallas_kernels.paged_attention import TuningConfig
 from pallas_kernels.prefill_attention import (
     default_ws_delta_config, ws_delta_prefill_attention, ws_delta_smem_bytes, ws_prefill_block_tokens)
-from pallas_kernels.testing import float64_delta_pools, float64_prefill_attention, prefill_blocks_case, random_delta_case
+from pallas_kernels.testing import (float64_delta_pools, float64_prefill_attention, packed_delta_kwargs,
+                                    prefill_blocks_case, random_delta_case)
 
 FP8, FP16 = jnp.float8_e4m3fn, jnp.float16
 # The folded path's MMAs see the stored values exactly (f16 deltas, f16 q rounded from bf16 losslessly), so
@@ -65,25 +66,26 @@ def check(out, truth, valid):
 
 
 def test_fp8_d64_gqa4_every_small_page_class():
-    """fp8 deltas (converted to f16 tiles by the memory warpgroup, scales put in granule order), D=64, GQA 4
-    (32 tokens per block: 16 per compute warpgroup), the default config (64-token tiles): 8/16/32-token pages are
-    several copies per tile (8/16: scale granules at runtime offsets in their aligned groups of 4), 256-token
-    pages a piece of one page; the long block streams more tiles than the ring holds."""
+    """fp8 deltas (converted to f16 tiles by the compute warpgroups), D=64, GQA 4 (32 tokens per block: 16 per
+    compute warpgroup), the default config (64-token tiles): 8/16/32-token pages are several copies per tile
+    (each with its own packed scale copy), 256-token pages a piece of one page; the long block streams more tiles
+    than the ring holds. The scales come packed (the engine cache's layout); the jnp reference takes them too."""
     blocks = [(0, 140 - 32, 32), (1, 230 - 32 - 8, 32), (2, 70, 5), (3, 0, 9), (-1, 0, 0)]
     args, truth, valid = ws_case(21, lengths=[140, 230, 75, 9], page_sizes=[8, 32, 256, 16], blocks=blocks,
                                  num_q_heads=4, num_kv_heads=1, head_dim=64, delta_dtype=FP8)
     assert default_ws_delta_config(64, FP8, args["page_starts"].shape[1]).block_kv == 64
-    out = ws_delta_prefill_attention(**args, interpret=True)
+    packed = packed_delta_kwargs(args)
+    out = ws_delta_prefill_attention(**packed, interpret=True)
     assert out.shape == args["q"].shape and out.dtype == args["q"].dtype
     check(out, truth, valid)
-    ref = delta_prefill_attention_reference(**{**args, "q": args["q"].astype(jnp.float32)})
+    ref = delta_prefill_attention_reference(**{**packed, "q": args["q"].astype(jnp.float32)})
     np.testing.assert_allclose(np.asarray(ref)[valid], float64_prefill_attention(truth)[valid], atol=2e-5, rtol=0)
 
 
 def test_fp16_d128_gqa8_fp32_q():
-    """fp16 deltas (the ring slots are the WGMMA operands; the compute warpgroups read the scale areas through
-    the page table), D=128, GQA 8 (16 tokens per block), q in fp32 (output fp32), 64-token tiles with 3 stages,
-    pages of 16, 256, 64 and 128 tokens."""
+    """fp16 deltas (the ring slots are the WGMMA operands), two scale arrays (packed at the entry), D=128, GQA 8
+    (16 tokens per block), q in fp32 (output fp32), 64-token tiles with 3 stages, pages of 16, 256, 64 and 128
+    tokens."""
     blocks = [(0, 100, 16), (1, 250 - 16, 16), (2, 60, 3), (3, 0, 16), (-1, 0, 0)]
     args, truth, valid = ws_case(22, lengths=[130, 250, 63, 20], page_sizes=[16, 256, 64, 128], blocks=blocks,
                                  num_q_heads=8, num_kv_heads=1, head_dim=128, delta_dtype=FP16)
