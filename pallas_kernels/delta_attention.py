@@ -519,10 +519,7 @@ def check_delta_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v
     if packed_scales is not None:
         if k_scale is not None or v_scale is not None:
             fail("pass the scales either as k_scale and v_scale or as packed_scales, not both")
-        packed = want + (PACKED_SCALE_FLOATS,)
-        if packed_scales.shape != packed or packed_scales.dtype != jnp.float32:
-            fail(f"packed_scales must be float32 [num_kv_heads, num_slots // 8, 4] = {list(packed)} (K scale, "
-                 f"V scale, 2 unused per 8-slot granule), got {packed_scales.dtype} {list(packed_scales.shape)}")
+        check_packed_scales(name, k_delta, packed_scales)
     for name, a in (("k_scale", k_scale), ("v_scale", v_scale)) if packed_scales is None else ():
         if a is None or a.shape != want or a.dtype != jnp.float32:
             fail(f"{name} must be float32 [num_kv_heads, num_slots // 8] = {list(want)} (one scale per "
@@ -537,6 +534,16 @@ def check_delta_inputs(q, k_delta, v_delta, k_scale, v_scale, anchor_k, anchor_v
                  f"(position-aligned), got {a.shape[1]}")
     if anchor_v.shape != anchor_k.shape:
         fail(f"anchor_k and anchor_v must have the same shape, got {anchor_k.shape} and {anchor_v.shape}")
+
+
+def check_packed_scales(name: str, pool, packed_scales) -> None:
+    """The entry check of packed granule scales (`pack_granule_scales`) beside a pool [Hkv, S, D]: float32
+    [Hkv, S // 8, 4]."""
+    want = (pool.shape[0], pool.shape[1] // GRANULE, PACKED_SCALE_FLOATS)
+    if packed_scales.shape != want or packed_scales.dtype != jnp.float32:
+        raise ValueError(f"{name}: packed_scales must be float32 [num_kv_heads, num_slots // 8, 4] = {list(want)} (K "
+                         f"scale, V scale, 2 unused per 8-slot granule), got {packed_scales.dtype} "
+                         f"{list(packed_scales.shape)}")
 
 
 def rebuild_reference(anchor, scale, delta, slot, t):

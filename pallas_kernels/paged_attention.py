@@ -698,7 +698,7 @@ class Bf16Pages:
     kernel's pool; float16 (`F16_PAGES`, the swapped kernel only) is a DKVC fp16-delta pool read on the folded
     mean-anchor path (stratum_jax/attention.py: unit scales, so the deltas are the K/V up to a per-row shift)."""
     num_inputs: int = 2
-    copies_per_page: int = 1
+    copies_per_side: tuple[int, int] = (1, 1)     # (K, V) copies per page piece: the rows
     copies_per_tile: int = 0
     mma_dtype: str = "bfloat16"
 
@@ -711,11 +711,6 @@ class Bf16Pages:
 
     def prologue_wait(self, ctx):
         return None
-
-    @property
-    def copies_per_side(self) -> tuple[int, int]:
-        """Copies per page piece on the (K, V) stage barriers (`KVFormat`): copies_per_page on both."""
-        return self.copies_per_page, self.copies_per_page
 
     def fetch_page(self, ctx, src, row, n, slot, k_bar, v_bar):
         (k_ref, v_ref), (k_ring, v_ring) = ctx.inputs[:2], ctx.smem[:2]

@@ -96,10 +96,10 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.cluster_exchange import lse_row_floats, merge_attention_splits
-from pallas_kernels.delta_attention import (F16_SAFE_MAX, GRANULE, SCALE_AREA, convert_to_f16, delta_ring_type,
-                                            fetch_packed_granules, fetch_rows_and_granules, packed_scale_areas_type,
-                                            packed_tile_columns, rebuild_reference, scale_areas_type,
-                                            tile_granule_columns)
+from pallas_kernels.delta_attention import (F16_SAFE_MAX, GRANULE, SCALE_AREA, check_packed_scales, convert_to_f16,
+                                            delta_ring_type, fetch_packed_granules, fetch_rows_and_granules,
+                                            packed_scale_areas_type, packed_tile_columns, rebuild_reference,
+                                            scale_areas_type, tile_granule_columns)
 from pallas_kernels.fp8_q_split import (HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_BLOCK as FP8_Q_SPLIT_ROWS, fp8_q_split,
                                          split_block_in_kernel)
 from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
@@ -219,7 +219,8 @@ class F8GranulePages(F8Pages):
     being k_scale[h, s // 8] * k_pool[h, s] (V likewise). F8Pages' MMAs as they are (q in e4m3 parts, V converted
     to f16), plus:
     - per page piece one more TMA copy per side, of the piece's scale granules into a 128-byte area of the slot's
-      scale buffer (delta_attention's `fetch_scale_granules`: copies_per_page 2, so each stage barrier counts both);
+      scale buffer (delta_attention's `fetch_scale_granules`: copies_per_side (2, 2), so each stage barrier counts
+      both);
     - the tile's T per-key scales as [T] row vectors of S^T (`granule_columns` in the WGMMA row layout, built while
       the score MMA runs; a granule with no live key gets score scale 0 and value scale 1: stale scales may be NaN);
     - the scores times the K scales; the column max taken over s + log2(V scale) and P^T's rows times the V
@@ -228,7 +229,7 @@ class F8GranulePages(F8Pages):
       rule as the delta kernel's per-key `TileColumns`, on S^T's rows instead of S's columns.
     inputs: k_pool, v_pool, k_scale, v_scale; scratch_types: [k ring, v ring, v staging, k scales, v scales]."""
     num_inputs: int = 4
-    copies_per_page: int = 2
+    copies_per_side: tuple[int, int] = (2, 2)
 
     def scratch_types(self, *, stages, block_kv, head_dim):
         areas = scale_areas_type(stages, block_kv)
@@ -253,11 +254,7 @@ class F8PackedGranulePages(F8Pages):
     static place of the piece's area, so the tile's scale vectors need no page-table read (`packed_scale_index`).
     inputs: k_pool, v_pool, packed scales [Hkv, S // 8 * 4]; scratch_types: [k ring, v ring, v staging, scales]."""
     num_inputs: int = 3
-    copies_per_page: int = 1
-
-    @property
-    def copies_per_side(self) -> tuple[int, int]:
-        return 1, 2
+    copies_per_side: tuple[int, int] = (1, 2)     # K rows; V rows + the packed scales
 
     def scratch_types(self, *, stages, block_kv, head_dim):
         return (super().scratch_types(stages=stages, block_kv=block_kv, head_dim=head_dim)
@@ -601,10 +598,11 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
                          f"float8_e4m3fn, got {k_pool.dtype}/{v_pool.dtype}")
     check_granule_scales("swapped_paged_attention", k_pool, k_scale, v_scale)
     if packed_scales is not None:
-        want = (k_pool.shape[0], k_pool.shape[1] // GRANULE, 4)
-        if k_scale is not None or k_pool.dtype != _FP8 or packed_scales.shape != want or packed_scales.dtype != jnp.float32:
+        if k_scale is not None or k_pool.dtype != _FP8:
             raise ValueError(f"swapped_paged_attention: packed_scales are for float8_e4m3fn pools without k_scale / "
-                             f"v_scale, as {list(want)} float32; got {list(packed_scales.shape)} {packed_scales.dtype}")
+                             f"v_scale; got {k_pool.dtype} pools" + (" and k_scale / v_scale" if k_scale is not None
+                                                                      else ""))
+        check_packed_scales("swapped_paged_attention", k_pool, packed_scales)
     scale_buffers = 2 if k_scale is not None else 1 if packed_scales is not None else 0
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]

@@ -215,10 +215,12 @@ def test_float8_granule_scales_entry_checks():
         swapped_paged_attention(**{**case, "k_scale": f8["k_scale"], "v_scale": f8["v_scale"]}, interpret=True)
     packed = pack_granule_scales(f8["k_scale"], f8["v_scale"])
     for bad in ({**f8, "packed_scales": packed},                                         # and k_scale / v_scale
-                {**case, "packed_scales": packed},                                       # bf16 pools
-                {**f8, "k_scale": None, "v_scale": None, "packed_scales": packed[:, :, :2]}):     # not [.., 4]
+                {**case, "packed_scales": packed}):                                      # bf16 pools
         with pytest.raises(ValueError, match=r"packed_scales are for float8_e4m3fn pools without k_scale"):
             swapped_paged_attention(**bad, interpret=True)
+    with pytest.raises(ValueError, match=r"packed_scales must be float32 \[num_kv_heads, num_slots // 8, 4\]"):
+        swapped_paged_attention(**{**f8, "k_scale": None, "v_scale": None, "packed_scales": packed[:, :, :2]},
+                                interpret=True)
 
 
 def test_float8_refill_under_pv_gives_the_same_output():

@@ -56,11 +56,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.delta_attention import GRANULE, PACKED_SCALE_FLOATS, pack_granule_scales
 from stratum_jax.kv.slot_write import write_slot_rows
 
 log = logging.getLogger(__name__)
 
-GRANULE = 8                     # slots per scale entry (the smallest page)
 FP8_MAX = 448.0                 # the largest finite float8_e4m3fn
 DELTA_DTYPES = {"fp16-delta": jnp.float16, "fp8-delta": jnp.float8_e4m3fn}
 
@@ -166,8 +166,8 @@ def _rebuild(anchor, delta, scale, slots, positions):
 def _filled_scales(k_floor: jax.Array, v_floor: jax.Array, granules: int) -> jax.Array:
     """k_floor, v_floor [Hkv] -> packed scales [Hkv, granules, 4] float32, every granule of head h (k_floor[h],
     v_floor[h], 0, 0): a new buffer, split over heads as the floors are."""
-    pair = jnp.stack([k_floor, v_floor, jnp.zeros_like(k_floor), jnp.zeros_like(k_floor)], axis=-1)   # [Hkv, 4]
-    return jnp.broadcast_to(pair[:, None], (pair.shape[0], granules, 4))
+    shape = (k_floor.shape[0], granules)
+    return pack_granule_scales(jnp.broadcast_to(k_floor[:, None], shape), jnp.broadcast_to(v_floor[:, None], shape))
 
 
 def num_slots_of(layer_cache) -> int:
@@ -222,7 +222,7 @@ def init_delta_cache(anchors, floors, num_slots: int, precision: str, sharding=N
     jax.block_until_ready(cache)
     ak = anchors[0][0]
     pool_bytes = 2 * math.prod((ak.shape[0], num_slots, ak.shape[2])) * jnp.dtype(dtype).itemsize
-    scale_bytes = ak.shape[0] * (num_slots // GRANULE) * 4 * 4
+    scale_bytes = ak.shape[0] * (num_slots // GRANULE) * PACKED_SCALE_FLOATS * 4
     anchor_bytes = 2 * ak.size * ak.dtype.itemsize
     log.info("KV cache (%s%s): %d layers x (2 x %s %s deltas + scales + anchor of %d positions) = %.3f GiB "
              "allocated in %.2f s", precision, ", fixed per-head scales" if fixed_scales else "", len(cache),
