@@ -9,6 +9,7 @@
 #     beside it ("fold head", --fp8-scale head), the granule scales as two arrays ("fold two arrays": the storage
 #     before session 41, `F8GranulePages`; the cache now packs them, `F8PackedGranulePages`) and the delta kernel
 #     (--kernel-variant paged's path), device, host and paired Pallas timing.
+#   STEP=bars (#12's kernel bars in one run; duration first measured in session 43): kernels.py --delta --bars-only.
 #   STEP=e2e (~300 s): e2e_decode.py llama-8b B=64 4K, bf16 vs fp8-delta with its default granule scales (#12's
 #     1.25x bar).
 set -uo pipefail
@@ -24,6 +25,12 @@ case "${STEP:-tests}" in
       --profile-kernels --contexts ${CONTEXTS:-4096,16384} --pages ${PAGES:-16,64,mixed} \
       --out "$OUT/delta_kernels_fp8_granule_${TAG:-s40}.json" > "$OUT/bar.log" 2>&1
     echo "bar: exit $?"; grep -v ptxas "$OUT/bar.log" | grep -E "^target|paged:|fold.*ms x|{.*ms x" | tail -40 ;;
+  bars)      # #12's kernel bars in one kernels.py run (--bars-only): fp16/fp8 at 4K and 16K, paged at 1K, every page
+    timeout ${T1:-400} python3 benchmarks/kernels.py --delta --bars-only --precisions fp16-delta,fp8-delta \
+      --anchor-lens 1 --profile-kernels --contexts ${CONTEXTS:-4096,16384,1024} --pages ${PAGES:-mixed,16,64} \
+      --out "$OUT/delta_kernels_bars_${TAG:-s43}.json" > "$OUT/bars.log" 2>&1
+    echo "bars: exit $?"; grep -v ptxas "$OUT/bars.log" | grep -E "^target|read ceiling|^ +[0-9]+ +[0-9a-z]+ \|" \
+      | tail -40 ;;
   e2e)
     timeout ${T1:-560} python3 benchmarks/e2e_decode.py --model llama-8b --batch 64 --prompt-len 3968 --new-tokens 128 \
       --attention kernel --kv-precision bf16 fp8-delta \

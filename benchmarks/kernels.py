@@ -261,6 +261,10 @@ def main(argv=None):
                     help="with --delta-prefill: query tokens per sequence (its last positions)")
     ap.add_argument("--precisions", default="fp16-delta,fp8-delta", help="with --delta")
     ap.add_argument("--anchor-lens", default="1,256", help="with --delta: 1 (mean) and/or multiples of 256")
+    ap.add_argument("--bars-only", action="store_true",
+                    help="with --delta: only what #12's bars count (implies --quick): at 4K and more the engine's "
+                         "decode paths, not the fold's two-array or per-head-scale variants; below 4K the paged "
+                         "kernel alone on every page size (its >= 80%% of the read ceiling bar)")
     ap.add_argument("--fold-configs", default="",
                     help="with --delta: ';'-separated SwappedConfig overrides (field=value,...) of the fold's default "
                          "config, each also timed on the engine's fold path and shown, not counted for the bars")
@@ -286,7 +290,10 @@ def main(argv=None):
         if a.contexts == ap.get_default("contexts"):
             a.contexts = "4096,16384"
         return run_delta_prefill(a)
+    if a.bars_only and not a.delta:
+        ap.error("--bars-only is a --delta option (#12's bars): add --delta")
     if a.delta:
+        a.quick = a.quick or a.bars_only
         return run_delta(a)
 
     interpret = a.dry_run

@@ -133,3 +133,71 @@ def test_delta_times_both_ways_unless_told(monkeypatch):
     for argv in (["--delta"], ["--delta", "--dry-run"], ["--delta", "--timing", "device"]):
         assert kernels.main(argv) == 0
     assert seen == ["both", "host", "device"]
+
+
+def test_bars_only_dry_run_keeps_what_the_bars_count(tmp_path, monkeypatch):
+    """kernels.py --delta --bars-only in the interpreter: at a delta bar's context the engine's fp8 decode paths
+    (the delta kernel's default config and the fold), without the fold's two-array and per-head-scale runs shown
+    beside; the best run is one of those, and the bar is judged."""
+    import json
+    monkeypatch.setattr(delta_kernels, "DELTA_BAR_MIN_CONTEXT", 512)      # the dry run's context: a delta bar's
+    out = tmp_path / "d.json"
+    assert kernels.main(["--delta", "--bars-only", "--dry-run", "--precisions", "fp8-delta", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (shape,) = result["shapes"]
+    (delta,) = shape["delta"]
+    configs = [r["config"] for r in delta["runs"]]
+    assert len(configs) == 2 and "fold" in configs and all(isinstance(c, dict) for c in configs if c != "fold")
+    assert all(r["ok"] for r in delta["runs"]) and delta["best"] in delta["runs"]
+    assert [(t["context"], t["verdict"]) for t in result["targets"]] == [(512, True)]
+    assert result["paged_targets"] == []
+
+
+def test_bars_only_times_the_bf16_kernels_alone_below_4k(tmp_path, monkeypatch):
+    """--bars-only below DELTA_BAR_MIN_CONTEXT (the 1K bar): the paged kernel and the engine's swapped kernel alone
+    (the swapped one checked against the paged one), each one's % of the read ceiling judged against 80%
+    (`paged_targets`: the swapped kernel's is the verdict), no delta run and no delta target."""
+    import json
+    out = tmp_path / "d.json"
+    assert kernels.main(["--delta", "--bars-only", "--dry-run", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (shape,) = result["shapes"]
+    assert shape["context"] == 512 and shape["delta"] == [] and shape["paged"]["io_bytes"] > 0
+    assert shape["swapped"]["ok"] and shape["swapped"]["io_bytes"] == shape["paged"]["io_bytes"]
+    assert result["targets"] == []
+    # the dry run is host-timed: the headline decides, on the engine's kernel
+    by_kernel = {t["kernel"]: t for t in result["paged_targets"]}
+    assert set(by_kernel) == {"paged", "swapped"}
+    assert by_kernel["swapped"]["verdict"] and not by_kernel["paged"]["verdict"]
+    assert all(t["context"] == 512 and t["timing"] == "headline" and t["bar"] == 80.0 for t in by_kernel.values())
+    assert by_kernel["swapped"]["by_page"] == {"64": shape["swapped"]["pct_read"]}
+
+
+def test_paged_targets_take_the_worst_page_and_device_time_decides():
+    """`paged_targets`: per context below 4K and kernel, the worst page layout's % of the read ceiling, by host
+    and by device time; the verdict is the engine's swapped kernel by device time where the run has them, else the
+    paged kernel's; contexts of 4K and more are the delta bars'."""
+    def run(pct, device_s=None):
+        timing = {"device": {"seconds": device_s}} if device_s else {}
+        return dict(pct_read=pct, io_bytes=4e9, timing=timing)
+    shapes = [dict(context=1024, page=16, paged=run(83.0, device_s=1e-3), delta=[]),
+              dict(context=1024, page=256, paged=run(78.0, device_s=1.1e-3), delta=[]),
+              dict(context=4096, page=16, paged=run(50.0), delta=[])]
+    targets = delta_kernels.paged_targets(shapes, read_tbps=4.4)
+    by = {t["timing"]: t for t in targets}
+    assert set(by) == {"headline", "device"} and all(t["context"] == 1024 and t["kernel"] == "paged" for t in targets)
+    assert by["headline"]["worst_pct_read"] == 78.0 and not by["headline"]["met"] and not by["headline"]["verdict"]
+    # device: 4 GB in 1.1 ms = 3.64 TB/s = 82.6% of 4.4
+    assert by["device"]["worst_pct_read"] == pytest.approx(100 * 4e9 / 1.1e-3 / 1e12 / 4.4)
+    assert by["device"]["met"] and by["device"]["verdict"]
+    # with the swapped kernel timed, its device figure is the verdict, however the paged kernel does
+    for rec, pct in zip(shapes[:2], (70.0, 75.0)):
+        rec["swapped"] = run(pct, device_s=0.95e-3)
+    verdicts = [(t["kernel"], t["timing"]) for t in delta_kernels.paged_targets(shapes, read_tbps=4.4)
+                if t["verdict"]]
+    assert verdicts == [("swapped", "device")]
+
+
+def test_bars_only_needs_delta():
+    with pytest.raises(SystemExit):
+        kernels.main(["--bars-only"])
