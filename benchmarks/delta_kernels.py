@@ -11,8 +11,8 @@ the deltas, "fold": fp16's unit scales or fp8's per-granule scales, what `--kv-p
 the delta/paged time ratio (#12 asks fp8 <= 0.6x and fp16 <= 1.1x at 4K and 16K), bytes/s over the bytes each kernel
 must read, and the paged kernel's % of the read ceiling (#12 asks >= 80% at 1K for every page size:
 `paged_targets`). `--bars-only` keeps a run to what those bars count (one run for all of them, in as short a time as
-it can): at 4K and more the engine's decode paths (the delta kernel's default config and the fold; not "fold two
-arrays" or "fold head"), below 4K the bf16 kernels alone (the paged kernel and the engine's swapped kernel, which the
+it can): at 4K and more the engine's decode paths (the delta kernel's default config and the fold; not "fold
+head"), below 4K the bf16 kernels alone (the paged kernel and the engine's swapped kernel, which the
 bar judges), on every page size (`PAGED_BAR_PAGES`, whatever --pages says). The delta kernels take the scales packed, as the engine's cache stores and passes them
 (`with_packed_scales`). JSON: --out (default benchmarks/results/delta_kernels_h200.json). `--timing` applies here
 too (`seconds_per_call`; --delta's default is `both`): with `device` both sides of each ratio are device times per
@@ -237,7 +237,7 @@ def with_packed_scales(kernel, **kw):
 
 def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, paged_ms, a, *, io, interpret,
                  label, head_scales=None, granule_scales=None, baseline=None, config=None,
-                 overrides: str = "", two_arrays: bool = False) -> dict:
+                 overrides: str = "") -> dict:
     """The engine's folded decode path (stratum_jax/attention.py `_swapped_fold`: the swapped kernel on the
     deltas, then the mean anchor's V added) on a DeltaKV with the unit scales an fp16-delta cache keeps; with
     granule_scales ((k, v) [Hkv, S // 8] f32) an fp8-delta cache's per-granule scales (the default, `--fp8-scale
@@ -246,10 +246,7 @@ def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, p
     Checked against XLA attention over anchor + scale x delta. Its run is marked config "fold" (unit or granule
     scales: what the engine runs by default, counted for the bars) or "fold head" (engine_default False: shown
     beside the bar, not counted for it, `delta_targets`); with config (a `SwappedConfig` for decode_attention's
-    swapped_config, from --fold-configs' overrides) "fold <overrides>", also engine_default False. two_arrays (with
-    granule_scales): the same kernel call with K's and V's scales as two arrays (`swapped_paged_attention(k_scale=,
-    v_scale=)`, `F8GranulePages`: two scale copies a page piece, the cache's storage before session 41): "fold two
-    arrays", engine_default False."""
+    swapped_config, from --fold-configs' overrides) "fold <overrides>", also engine_default False."""
     from stratum_jax.attention import RowTables, decode_attention
     from stratum_jax.kv.delta_cache import DeltaKV
     fixed = head_scales is not None
@@ -269,18 +266,8 @@ def measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, p
         return decode_attention(q, lengths - 1, RowTables(lengths, starts, psz), cache, None, backend="kernel",
                                 interpret=interpret, max_context=starts.shape[1] * 8, swapped_config=config)
     fold_args = (q, kd, vd, ak, av, lengths, starts, psz, *floors, pack_granule_scales(*granule_scales))
-    if two_arrays:      # decode_attention's granule call (stratum_jax/attention.py), the scales as two arrays
-        from pallas_kernels.swapped_decode_attention import swapped_paged_attention
-
-        def fold(q, kd, vd, ak, av, lengths, starts, psz, k_scale, v_scale):
-            return swapped_paged_attention(q, kd, vd, lengths, starts, psz, max_context=starts.shape[1] * 8,
-                                           interpret=interpret, out_dtype=q.dtype,
-                                           out_bias=av[:, 0].astype(jnp.float32), k_scale=k_scale, v_scale=v_scale)
-        fold_args = (*fold_args[:8], *granule_scales)
-    r = measure_variant(lambda: jitted(("fold", kd.dtype, fixed, config, two_arrays), fold), fold_args, ref,
+    r = measure_variant(lambda: jitted(("fold", kd.dtype, fixed, config), fold), fold_args, ref,
                         paged_ms, a, label=label, io_bytes=io, baseline=baseline)
-    if two_arrays:
-        return dict(config="fold two arrays", engine_default=False, **r)
     name = "fold head" if fixed else "fold"
     if config is None:
         return dict(config=name, **r) if not fixed else dict(config=name, engine_default=False, **r)
@@ -414,10 +401,6 @@ def run_delta(a):
                         runs.append(measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale,
                                                  rec["paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} A={A} "
                                                  "fold", **fold_kw))
-                        if fp8 and not a.bars_only:     # the granule scales as two arrays (before session 41)
-                            runs.append(measure_fold(jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale,
-                                                     rec["paged"]["ms"], a, label=f"ctx={ctx} page={page} {prec} "
-                                                     f"A={A} fold two arrays", two_arrays=True, **fold_kw))
                         if fp8 and not a.bars_only:     # --fp8-scale head, beside the bar
                             runs.append(measure_fold(
                                 jitted, q, kd, vd, ak, av, lengths, starts, psz, slot, scale, rec["paged"]["ms"], a,

@@ -263,8 +263,8 @@ def main(argv=None):
     ap.add_argument("--anchor-lens", default="1,256", help="with --delta: 1 (mean) and/or multiples of 256")
     ap.add_argument("--bars-only", action="store_true",
                     help="with --delta: only what #12's bars count (implies --quick): at 4K and more the engine's "
-                         "decode paths, not the fold's two-array or per-head-scale variants; below 4K the paged "
-                         "kernel alone on every page size (its >= 80%% of the read ceiling bar)")
+                         "decode paths, not the fold's per-head-scale variant; below 4K the bf16 "
+                         "kernels alone on every page size (their >= 80%% of the read ceiling bar)")
     ap.add_argument("--fold-configs", default="",
                     help="with --delta: ';'-separated SwappedConfig overrides (field=value,...) of the fold's default "
                          "config, each also timed on the engine's fold path and shown, not counted for the bars")

@@ -82,8 +82,7 @@ tiles (`default_delta_prefill_config`; not yet swept on a GPU). The folded path 
 prefill kernel (`prefill_attention.ws_delta_prefill_attention`, 128-row CTAs, what the engine's "ws" variant uses
 without score statistics); the format's in-kernel pieces both kernels use are the module-level functions below
 (`fetch_packed_granules`, `packed_tile_columns`, `granule_columns`, `convert_to_f16`, `add_anchor_v`; the
-swapped decode kernel's `F8PackedGranulePages` reads the packed scales the same way, its `F8GranulePages` reads
-two arrays: `fetch_scale_granules`, `scale_index`, `fetch_rows_and_granules`, `tile_granule_columns`).
+swapped decode kernel's `F8PackedGranulePages` reads the packed scales the same way).
 
 SMEM per CTA (`delta_smem_bytes`; 227 KB at most; two CTAs per SM below ~113 KB) at D=128, 2 stages,
 B=64 (no split), 4K-16K contexts, T=64: folded fp16 101-107 KB, the bf16 paged kernel's 99-105 KB plus
@@ -288,7 +287,7 @@ class DeltaPages:
 # ---------------------------------------------------------------------------------------------
 # The format's in-kernel pieces, shared by DeltaPages (the single-warpgroup pipeline), the
 # warp-specialised prefill kernel (pallas_kernels/prefill_attention.py) and the swapped decode kernel's
-# fp8 granule formats (the two-array ones, `fetch_scale_granules` / `scale_index`, only by the latter)
+# fp8 granule format (`F8PackedGranulePages`)
 # ---------------------------------------------------------------------------------------------
 
 def delta_ring_type(stages: int, block_kv: int, head_dim: int, delta_dtype):
@@ -298,60 +297,6 @@ def delta_ring_type(stages: int, block_kv: int, head_dim: int, delta_dtype):
     swizzle = min(128, head_dim * dt.itemsize)
     return plgpu.SMEM((stages, block_kv, head_dim), dt,
                       transforms=(plgpu.TilingTransform((8, swizzle // dt.itemsize)), plgpu.SwizzleTransform(swizzle)))
-
-
-def scale_areas_type(stages: int, block_kv: int):
-    """SMEM of the scale granules [stages, (T / 8) * SCALE_AREA] f32: one 128-byte area (32 granules) per
-    page piece of a tile (T / 8 pieces at most, for 8-token pages), since a TMA copy into SMEM must land on a
-    128-byte boundary (a 16-byte one is not enough: CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
-    return plgpu.SMEM((stages, (block_kv // GRANULE) * SCALE_AREA), jnp.float32)
-
-
-def fetch_scale_granules(scale_row, src, row: int, n: int, areas, bar) -> None:
-    """In a kernel: the TMA copy of the scale granules of the page piece of n slots [src, src + n) (src a
-    multiple of 8) that lands in rows [row, row + n) of a tile. scale_row: one kv head's scales [S // 8]
-    (GMEM); areas: one ring slot's scale buffer [(T / 8) * SCALE_AREA] (SMEM); the copy arrives on `bar`.
-    TMA moves multiples of 16 bytes from 16-byte-aligned addresses, i.e. 4 granules: a piece of 32+ slots
-    brings exactly its n / 8 granules; an 8- or 16-slot page the aligned group of 4 holding its 1 or 2
-    (`scale_index` finds them there). Each piece gets its own 128-byte area."""
-    granule = lax.shift_right_logical(src, 3)
-    if n >= 32:     # n / 8 granules from a multiple of 4 (src is a multiple of 32)
-        g_src, count = granule, n // GRANULE
-    else:           # the 16-byte group of 4 granules holding this page's 1 or 2
-        g_src, count = granule - lax.rem(granule, 4), 4
-    g_src = pl.multiple_of(g_src, 4)
-    g_dst = SCALE_AREA * (row // n)      # the piece's own 128-byte area
-    plgpu.copy_gmem_to_smem(scale_row.at[pl.ds(g_src, count)], areas.at[pl.ds(g_dst, count)], bar)
-
-
-def scale_index(tile, j: int, *, log2_p, n_pages, page_entry, block_kv: int):
-    """In a kernel: index, in a ring slot's scale buffer filled by `fetch_scale_granules`, of granule j (rows
-    8j..8j+7) of tile `tile` of a sequence with pages of 2^log2_p tokens (n_pages of them; page_entry(p): the
-    slot of page p, read for 8/16-token pages, whose granules sit at runtime offsets in their areas)."""
-    log2_n = jnp.minimum(log2_p, block_kv.bit_length() - 1)     # rows per piece: min(P, T)
-    piece = lax.shift_right_logical(jnp.int32(GRANULE * j), log2_n)
-    within = jnp.int32(j) & (lax.shift_left(jnp.int32(1), log2_n - 3) - 1)   # granule within the piece
-    first_page = lax.shift_right_logical(tile * block_kv, log2_p)
-    # The same clamp as the fetch (copies past the last page re-read it).
-    entry = page_entry(jnp.minimum(first_page + piece, n_pages - 1))
-    # 8/16-token pages: their granules sit at their place in the aligned group of 4 that was copied.
-    offset = jnp.where(log2_p <= 4, lax.shift_right_logical(entry, 3) & 3, 0)
-    return SCALE_AREA * piece + offset + within
-
-
-def fetch_rows_and_granules(ctx: TileContext, src, row: int, n: int, slot, k_bar, v_bar) -> None:
-    """In a kernel, a KV format's fetch_page for delta rows with per-granule scales as two arrays (the swapped
-    kernel's `F8GranulePages`): ctx.inputs start with (k rows, v rows, k_scale, v_scale) [Hkv, S(, D)] and ctx.smem
-    with (k ring, v ring, k scale buffer, v scale buffer); the n rows [src, src + n) land in rows [row, row + n) of
-    ring slot `slot` and their granules in the slot's scale buffers (`fetch_scale_granules`), K's copies arriving on
-    k_bar and V's on v_bar (2 each)."""
-    kd, vd, ks, vs = ctx.inputs[:4]
-    k_ring, v_ring, k_sc, v_sc = ctx.smem[:4]
-    dst = (slot, pl.ds(row, n)) if n < ctx.block_kv else (slot,)
-    plgpu.copy_gmem_to_smem(kd.at[ctx.h, pl.ds(src, n)], k_ring.at[dst], k_bar)
-    plgpu.copy_gmem_to_smem(vd.at[ctx.h, pl.ds(src, n)], v_ring.at[dst], v_bar)
-    fetch_scale_granules(ks.at[ctx.h], src, row, n, k_sc.at[slot], k_bar)
-    fetch_scale_granules(vs.at[ctx.h], src, row, n, v_sc.at[slot], v_bar)
 
 
 PACKED_SCALE_FLOATS = 4    # floats per granule in packed scales: K scale, V scale, 2 unused (16 bytes, TMA's unit)
@@ -373,7 +318,9 @@ def packed_area_floats(n: int) -> int:
 
 def packed_scale_areas_type(stages: int, block_kv: int):
     """SMEM of packed scale granules [stages, (T / 8) * SCALE_AREA] f32: room for T / 8 pieces of 8 rows (one
-    128-byte area each), which also holds any other piece size's areas (`packed_area_floats`)."""
+    128-byte area each), which also holds any other piece size's areas (`packed_area_floats`). Each piece gets its
+    own area because a TMA copy into SMEM must land on a 128-byte boundary (a 16-byte one is not enough:
+    CUDA_ERROR_MISALIGNED_ADDRESS on the H200)."""
     return plgpu.SMEM((stages, (block_kv // GRANULE) * SCALE_AREA), jnp.float32)
 
 
@@ -406,17 +353,6 @@ def packed_tile_columns(areas, slot, log2_p, n_valid, block_kv: int, *, layout=_
     pages of 2^log2_p tokens; each granule's place found once for both sides (`packed_scale_index`)."""
     idx = functools.cache(lambda j: packed_scale_index(j, log2_p, block_kv))
     return granule_columns(lambda j: areas[slot, idx(j)], lambda j: areas[slot, idx(j) + 1], n_valid, block_kv,
-                           layout=layout)
-
-
-def tile_granule_columns(ctx: TileContext, slot, tile, n_valid, *, layout=_COL_LAYOUT) -> TileColumns:
-    """In a kernel: the per-key factors of tile `tile` (`granule_columns` in `layout`) from the scale buffers
-    `fetch_rows_and_granules` filled in ring slot `slot` (ctx.smem[2:4]); each granule's place found once for both
-    sides (`scale_index`)."""
-    k_sc, v_sc = ctx.smem[2:4]
-    idx = functools.cache(lambda j: scale_index(tile, j, log2_p=ctx.log2_p, n_pages=ctx.n_pages,
-                                                page_entry=ctx.page_entry, block_kv=ctx.block_kv))
-    return granule_columns(lambda j: k_sc[slot, idx(j)], lambda j: v_sc[slot, idx(j)], n_valid, ctx.block_kv,
                            layout=layout)
 
 

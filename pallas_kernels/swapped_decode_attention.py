@@ -23,8 +23,9 @@ T/2 and D/2 for the 64-row tiles, so the register file no longer limits CTAs per
 Pools: bf16 (the engine's bf16 KV); float16 (`F16_PAGES`, a DKVC fp16-delta cache on the folded path); or
 float8_e4m3fn (`F8Pages`, an fp8-delta cache with fixed per-head scales on the same path: the caller folds the
 scales into q and the output; or an fp8-delta cache with a scale per 8-slot granule, the default: the kernel
-copies the scales with the pages and applies them per key, to the scores and to P; `F8PackedGranulePages` for the
-cache's packed scales, one copy a page piece, `F8GranulePages` for K's and V's as two arrays). Hopper's fp8 WGMMA
+copies the scales with the pages and applies them per key, to the scores and to P: `F8PackedGranulePages`, the
+cache's packed scales, one copy a page piece; K's and V's scales given as two arrays are packed at the entry).
+Hopper's fp8 WGMMA
 needs both operands fp8 and K-major. S^T = K q^T meets that
 as it stands (A = the K ring slot, B = q^T with q's rows contiguous along D), so q is split into e4m3 parts
 (`split_rows_fp8`: a power-of-two row scale, then each part the rounding residual of the ones before) and
@@ -97,9 +98,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels._interpret import interpret_mode_active, mosaic_gpu_interpret
 from pallas_kernels.cluster_exchange import lse_row_floats, merge_attention_splits
 from pallas_kernels.delta_attention import (F16_SAFE_MAX, GRANULE, SCALE_AREA, check_packed_scales, convert_to_f16,
-                                            delta_ring_type, fetch_packed_granules, fetch_rows_and_granules,
-                                            packed_scale_areas_type, packed_tile_columns, rebuild_reference,
-                                            scale_areas_type, tile_granule_columns)
+                                            delta_ring_type, fetch_packed_granules, kernel_scales,
+                                            packed_scale_areas_type, packed_tile_columns, rebuild_reference)
 from pallas_kernels.fp8_q_split import (HEAD_DIMS as FP8_Q_SPLIT_HEAD_DIMS, ROW_BLOCK as FP8_Q_SPLIT_ROWS, fp8_q_split,
                                          split_block_in_kernel)
 from pallas_kernels.l2_prefetch import L2Prefetch, check_prefetch_args, issue_prefetch
@@ -213,45 +213,22 @@ F8_PAGES = F8Pages()
 
 
 @dataclasses.dataclass(frozen=True)
-class F8GranulePages(F8Pages):
+class F8PackedGranulePages(F8Pages):
     """float8 e4m3 pools with a scale per 8-slot granule per kv head beside them (a DKVC fp8-delta cache as it is
-    written by default, `--fp8-scale granule`): k_scale, v_scale [Hkv, S // 8] f32, the key in slot s of kv head h
-    being k_scale[h, s // 8] * k_pool[h, s] (V likewise). F8Pages' MMAs as they are (q in e4m3 parts, V converted
-    to f16), plus:
-    - per page piece one more TMA copy per side, of the piece's scale granules into a 128-byte area of the slot's
-      scale buffer (delta_attention's `fetch_scale_granules`: copies_per_side (2, 2), so each stage barrier counts
-      both);
-    - the tile's T per-key scales as [T] row vectors of S^T (`granule_columns` in the WGMMA row layout, built while
-      the score MMA runs; a granule with no live key gets score scale 0 and value scale 1: stale scales may be NaN);
+    written by default, `--fp8-scale granule`), both sides' scales packed per granule (`pack_granule_scales`:
+    [Hkv, S // 8, 4] f32, K scale, V scale and 2 unused floats, so every granule starts on a 16-byte boundary): the
+    key in slot s of kv head h is packed[h, s // 8, 0] * k_pool[h, s], the value packed[h, s // 8, 1] *
+    v_pool[h, s]. F8Pages' MMAs as they are (q in e4m3 parts, V converted to f16), plus:
+    - per page piece one more TMA copy, of the piece's scale granules (on the V barrier: the scales are read after
+      the V wait), each granule landing at a static place of the piece's area (`fetch_packed_granules`), so the
+      tile's scale vectors need no page-table read (`packed_scale_index`);
+    - the tile's T per-key scales as [T] row vectors of S^T (`packed_tile_columns` in the WGMMA row layout, built
+      while the score MMA runs; a granule with no live key gets score scale 0 and value scale 1: stale scales may
+      be NaN);
     - the scores times the K scales; the column max taken over s + log2(V scale) and P^T's rows times the V
       scales before P V, so the P the f16 MMA reads is <= 1 with its largest entry 1 and f16's smallest normal is
       never the bound (scales of fp8 deltas are ~amax / 448); l sums P without the V scale, in fp32. The same
       rule as the delta kernel's per-key `TileColumns`, on S^T's rows instead of S's columns.
-    inputs: k_pool, v_pool, k_scale, v_scale; scratch_types: [k ring, v ring, v staging, k scales, v scales]."""
-    num_inputs: int = 4
-    copies_per_side: tuple[int, int] = (2, 2)
-
-    def scratch_types(self, *, stages, block_kv, head_dim):
-        areas = scale_areas_type(stages, block_kv)
-        return super().scratch_types(stages=stages, block_kv=block_kv, head_dim=head_dim) + [areas, areas]
-
-    def fetch_page(self, ctx, src, row, n, slot, k_bar, v_bar):
-        fetch_rows_and_granules(ctx, src, row, n, slot, k_bar, v_bar)
-
-    def key_scales(self, ctx, slot, tile, n_valid) -> TileColumns:
-        """The tile's per-key factors as [T] f32 vectors in the row layout of S^T (after both waits of the slot)."""
-        return tile_granule_columns(ctx, slot, tile, n_valid, layout=_ROW_LAYOUT)
-
-
-F8_GRANULE_PAGES = F8GranulePages()
-
-
-@dataclasses.dataclass(frozen=True)
-class F8PackedGranulePages(F8Pages):
-    """`F8GranulePages` with both sides' scales packed per granule (`pack_granule_scales`: [Hkv, S // 8, 4] f32,
-    K scale, V scale and 2 unused floats, so every granule starts on a 16-byte boundary): per page piece one
-    scale copy instead of two (on the V barrier: the scales are read after the V wait), landing each granule at a
-    static place of the piece's area, so the tile's scale vectors need no page-table read (`packed_scale_index`).
     inputs: k_pool, v_pool, packed scales [Hkv, S // 8 * 4]; scratch_types: [k ring, v ring, v staging, scales]."""
     num_inputs: int = 3
     copies_per_side: tuple[int, int] = (1, 2)     # K rows; V rows + the packed scales
@@ -370,7 +347,7 @@ class SwappedConfig:
             reduction scratch;
           - the loop: the K and V rings stages * T * D each (itemsize of the pools), float8 pools' f16 V staging
             tile T * D * 2, P [N, T] 16-bit, and `scale_buffers` buffers of stages * (T / 8) 128-byte areas of
-            granule scales (2 for `F8GranulePages`, K and V; 1 for `F8PackedGranulePages`);
+            granule scales (1 for `F8PackedGranulePages`);
           - or the epilogue: out [N, D] (out_itemsize: 2 for bf16 q, 4 for fp32 q or split-K), lse [N] f32 and,
             with score_stats, 3 more [N] f32; with split_merge_in_kernel (split-K) also the merge's S partials
             [S, N, D] f32, their lse [S, lse_row_floats(N)] f32, the merged tile [N, D] (merged_itemsize) and the
@@ -386,7 +363,7 @@ class SwappedConfig:
         whole = (kb(4 * (window + (n if q_in_kernel else 0)))
                  + kb((self.fp8_q_terms if fp8 else 2) * n * D) + reduction_scratch_bytes(n))
         loop = 2 * kb(S * T * D * itemsize) + (kb(T * D * 2) if fp8 else 0) + kb(n * T * 2)
-        if fp8:     # `scale_areas_type` / `packed_scale_areas_type`
+        if fp8:     # `packed_scale_areas_type`
             loop += scale_buffers * kb(S * (T // GRANULE) * SCALE_AREA * 4)
         epilogue = kb(n * D * out_itemsize) + kb(n * 4) * (4 if score_stats else 1)
         barriers = 8 * (2 + 2 * S * (len(page_classes(T)) + 1))
@@ -577,13 +554,14 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
       prefetch_weight, prefetch: the next GEMM's bf16 weight (the o projection's) and an `L2Prefetch` plan of it:
         each CTA, once its keys are streamed, prefetches its share into L2 (pallas_kernels/l2_prefetch.py; no value
         changes); both or neither.
-      k_scale, v_scale: float8 pools only, both or neither: [num_kv_heads, num_slots // 8] float32, one scale per
-        8-slot granule (`F8GranulePages`): the key in slot s of kv head h is k_scale[h, s // 8] * k_pool[h, s], the
-        value likewise (a DKVC fp8-delta cache with per-granule scales on the folded mean-anchor path:
-        stratum_jax/attention.py adds the anchor with out_bias). Scales of granules with no live key may be NaN.
-      packed_scales: float8 pools only, instead of k_scale / v_scale: [num_kv_heads, num_slots // 8, 4] float32,
-        granule g's K and V scales at [h, g, 0] and [h, g, 1] (`pack_granule_scales`; the last two unused), read with
-        one TMA copy a page piece at static places (`F8PackedGranulePages`). The same output as k_scale / v_scale.
+      packed_scales: float8 pools only: [num_kv_heads, num_slots // 8, 4] float32, one scale per 8-slot granule
+        per side, granule g's K and V scales at [h, g, 0] and [h, g, 1] (`pack_granule_scales`; the last two
+        unused): the key in slot s of kv head h is packed_scales[h, s // 8, 0] * k_pool[h, s], the value likewise
+        with [.., 1] (a DKVC fp8-delta cache with per-granule scales on the folded mean-anchor path, as the cache
+        stores them: stratum_jax/attention.py adds the anchor with out_bias). Read with one TMA copy a page piece
+        at static places (`F8PackedGranulePages`). Scales of granules with no live key may be NaN.
+      k_scale, v_scale: instead of packed_scales, both or neither: [num_kv_heads, num_slots // 8] float32, K's and
+        V's granule scales as two arrays, packed here (`pack_granule_scales`, an XLA op a call); the same output.
 
     Returns [batch, num_q_heads, head_dim] in out_dtype; q head j uses kv head j // (num_q_heads // num_kv_heads).
     With return_score_stats: `(out, score_var)`, score_var float32 [batch, num_q_heads], the population
@@ -603,7 +581,7 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
                              f"v_scale; got {k_pool.dtype} pools" + (" and k_scale / v_scale" if k_scale is not None
                                                                       else ""))
         check_packed_scales("swapped_paged_attention", k_pool, packed_scales)
-    scale_buffers = 2 if k_scale is not None else 1 if packed_scales is not None else 0
+    scale_buffers = int(k_scale is not None or packed_scales is not None)     # one packed buffer
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
     if head_dim not in (64, 128):
@@ -652,10 +630,8 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
     check_prefetch_args("swapped_paged_attention", prefetch_weight, prefetch)
     if prefetch is not None:
         kw.update(prefetch_weight=prefetch_weight, prefetch=prefetch)
-    if k_scale is not None:
-        kw["granule_scales"] = (k_scale, v_scale)
-    elif packed_scales is not None:
-        kw["granule_scales"] = (packed_scales.reshape(num_kv_heads, -1),)
+    if scale_buffers:
+        kw["packed_scales"] = kernel_scales(k_scale, v_scale, packed_scales)
     if interpret:
         with mosaic_gpu_interpret():
             return _swapped_paged_attention(*args, **kw, interpreted=True)
@@ -667,12 +643,11 @@ def swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes,
                                              "out_dtype", "prefetch"))
 def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes, *, scale, config, interpreted,
                              soft_cap=None, score_stats=False, q_scale=None, out_dtype=None, out_affine=None,
-                             prefetch_weight=None, prefetch=None, granule_scales=None):
+                             prefetch_weight=None, prefetch=None, packed_scales=None):
     """The wrapper traced inside a jit: q row blocks (float8 pools: q's fp8 parts), flat page table, the kernel,
     split-K merge (of the output and, with score_stats, of the score sums), the output's affine map out_affine =
-    (scale [Hkv] or None, bias [Hkv, D] or None) where the kernel does not apply it. granule_scales: float8 pools'
-    (k_scale, v_scale) [Hkv, S // 8] f32 (`F8GranulePages`), or (packed scales [Hkv, S // 8 * 4] f32,)
-    (`F8PackedGranulePages`), or None. Returns out [B, Hq, D] in
+    (scale [Hkv] or None, bias [Hkv, D] or None) where the kernel does not apply it. packed_scales: float8 pools'
+    granule scales [Hkv, S // 8 * 4] f32 (`F8PackedGranulePages`), or None. Returns out [B, Hq, D] in
     out_dtype (default q.dtype) (and score_var [B, Hq] f32)."""
     del interpreted
     out_dtype = q.dtype if out_dtype is None else out_dtype
@@ -692,8 +667,8 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
     kernel_out_dtype = (out_dtype if (splits == 1 or merge_in_kernel) and (out_affine is None or affine_in_kernel)
                         else jnp.float32)
     kv_format = {jnp.dtype(jnp.float16): F16_PAGES, _FP8: F8_PAGES}.get(jnp.dtype(k_pool.dtype), BF16_PAGES)
-    if granule_scales is not None:
-        kv_format = F8_GRANULE_PAGES if len(granule_scales) == 2 else F8_PACKED_GRANULE_PAGES
+    if packed_scales is not None:
+        kv_format = F8_PACKED_GRANULE_PAGES
     mma_dtype = jnp.dtype(kv_format.mma_dtype)
     extra = ()
     q_in_kernel = False
@@ -726,7 +701,8 @@ def _swapped_paged_attention(q, k_pool, v_pool, lengths, page_starts, page_sizes
         score_stats=score_stats, config=config, kv_format=kv_format, prefetch=prefetch,
         out_affine=affine_in_kernel, q_split_in_kernel=q_in_kernel, num_q_heads=num_q_heads,
         merge_in_kernel=merge_in_kernel)
-    res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool, *(granule_scales or ()), *extra, *extra_after_q,
+    scale_inputs = () if packed_scales is None else (packed_scales,)
+    res = kernel(lengths, page_sizes, table, q2, k_pool, v_pool, *scale_inputs, *extra, *extra_after_q,
                  *(() if prefetch is None else (prefetch_weight,)))
 
     def group_cols(x):
@@ -813,8 +789,8 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         return lax.broadcast_in_dim(x, shape, [1])
 
     fp8_scores = isinstance(kv_format, F8Pages)       # q parts [terms, rows, D] e4m3 + q_unscale [rows] f32
-    # + k_scale, v_scale [Hkv, S // 8] f32 after the pools (or packed scales [Hkv, S // 8 * 4])
-    granule_scales = isinstance(kv_format, (F8GranulePages, F8PackedGranulePages))
+    # + packed granule scales [Hkv, S // 8 * 4] f32 after the pools
+    granule_scales = isinstance(kv_format, F8PackedGranulePages)
     q_stacked = fp8_scores and stacks_q_parts(config, N)     # ... or [rows * terms, D] (`stack_q_parts`)
     terms = config.fp8_q_terms
     if merge_in_kernel and splits == 1:
@@ -901,8 +877,7 @@ def _build_swapped_kernel(*, batch, num_kv_heads, head_dim, group, max_pages, ta
         # takes the larger): a CTA needs the loop's bytes, not both (`SwappedConfig.smem_bytes`).
         def pipeline(kv_smem, p_smem):
             nonlocal q_unscale
-            # staging: F8Pages' f16 V tile, else none; scale_areas: the granule formats' scale buffers (K and V
-            # for F8GranulePages, one packed for F8PackedGranulePages)
+            # staging: F8Pages' f16 V tile, else none; scale_areas: F8PackedGranulePages' scale buffer
             kv_smem, staging, scale_areas = kv_smem[:2], kv_smem[2:3], kv_smem[3:]
 
             def page_entry(p):   # slot of page p of this sequence (p inside this CTA's window)

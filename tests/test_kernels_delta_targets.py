@@ -83,7 +83,7 @@ def test_fold_configs_parse_over_the_folds_default(tmp_path):
 def test_delta_dry_run_times_the_fold_configs_beside_the_default(tmp_path, monkeypatch):
     """kernels.py --delta --fold-configs in the interpreter: the engine's fp8 fold with per-granule scales (the
     default, "fold", counted for the bar), the fixed per-head scales' fold ("fold head", `--fp8-scale head`: shown
-    beside, not counted), the granule scales as two arrays ("fold two arrays", shown beside) and the override (the
+    beside, not counted) and the override (the
     fold path with that config: not the default, not the best), each checked against the same truth over its own
     scales. (The delta kernel's runs are left out here: other tests
     interpret it.)"""
@@ -96,14 +96,11 @@ def test_delta_dry_run_times_the_fold_configs_beside_the_default(tmp_path, monke
     (shape,) = json.loads(out.read_text())["shapes"]
     (delta,) = shape["delta"]
     by_config = {r["config"]: r for r in delta["runs"]}
-    assert set(by_config) == {"fold", "fold head", "fold two arrays", f"fold {spec}"}
+    assert set(by_config) == {"fold", "fold head", f"fold {spec}"}
     extra = by_config[f"fold {spec}"]
     assert extra["ok"] and extra["engine_default"] is False and extra["swapped_config"]["num_splits"] == 1
     assert by_config["fold"]["ok"] and "engine_default" not in by_config["fold"]
     assert by_config["fold head"]["ok"] and by_config["fold head"]["engine_default"] is False
-    # the granule scales as two arrays (the storage before the packed scales): the same output, shown beside
-    assert by_config["fold two arrays"]["ok"] and by_config["fold two arrays"]["engine_default"] is False
-    assert by_config["fold two arrays"]["max_abs_err"] == by_config["fold"]["max_abs_err"]
     assert delta["best"]["config"] == "fold"
 
 
@@ -137,8 +134,7 @@ def test_delta_times_both_ways_unless_told(monkeypatch):
 
 def test_bars_only_dry_run_keeps_what_the_bars_count(tmp_path, monkeypatch):
     """kernels.py --delta --bars-only in the interpreter: at a delta bar's context the engine's fp8 decode paths
-    (the delta kernel's default config and the fold), without the fold's two-array and per-head-scale runs shown
-    beside; the best run is one of those, and the bar is judged."""
+    (the delta kernel's default config and the fold), without the fold's per-head-scale run shown beside; the best run is one of those, and the bar is judged."""
     import json
     monkeypatch.setattr(delta_kernels, "DELTA_BAR_MIN_CONTEXT", 512)      # the dry run's context: a delta bar's
     out = tmp_path / "d.json"

@@ -158,13 +158,13 @@ def test_float8_pools_match_float64():
                    shared_smem=True), False)], ids=["fp8-default-split2-stats", "block128-unstacked"])
 @pytest.mark.parametrize("packed", [False, True], ids=["two-arrays", "packed"])
 def test_float8_granule_scales_match_float64(config, stats, packed):
-    """float8 pools with a scale per 8-slot granule per kv head (`F8GranulePages`, the default fp8-delta cache's
-    decode kernel): each page piece's scale granules copied beside its rows, the keys' scales on S^T's rows, the
+    """float8 pools with a scale per 8-slot granule per kv head (`F8PackedGranulePages`, the default fp8-delta
+    cache's decode kernel): each page piece's scale granules copied beside its rows, the keys' scales on S^T's rows, the
     values' on P; every page size in one batch (a tile holds 8 / 4 / 2 whole pages, one, or a piece of one: every
     place a granule can sit in the scale buffers), scales differing 10x between granules (a neighbour's scale is
     caught), NaN in every stale slot and in every granule with no live key, a length-0 row; GQA 4 over 2 kv heads.
-    Against float64 of scale x e4m3 value; the score variance too. packed: both sides' scales in one array
-    (`F8PackedGranulePages`: one scale copy a piece, granules at static places)."""
+    Against float64 of scale x e4m3 value; the score variance too. packed: the scales as the cache stores them
+    (`pack_granule_scales`), else K's and V's as two arrays (packed at the entry)."""
     case = random_paged_case(11, lengths=LENGTHS, page_sizes=SIZES, num_q_heads=8, num_kv_heads=2, head_dim=64)
     f8, truth = fp8_granule_case(case, seed=11)
     kernel_args = dict(f8)
@@ -571,7 +571,7 @@ ONE_LAUNCH_FP8 = dataclasses.replace(SHARED_FP8, num_splits=1, refill_under_pv=T
 # The fp8 default (split-K 2, q split in the kernel) with the split merge and the output map in the kernel
 MERGED_FP8 = dataclasses.replace(default_swapped_config(128, 4096, jnp.float8_e4m3fn), num_splits=2,
                                  split_merge_in_kernel=True, out_affine_in_kernel=True)
-# Per-granule scales beside fp8 pools of 1 << 16 slots, 8 kv heads (`F8GranulePages`)
+# Per-granule scales beside fp8 pools of 1 << 16 slots, 8 kv heads, as two arrays (packed at the entry)
 GRANULE_SCALES = {"k_scale": jnp.ones((8, (1 << 16) // 8), jnp.float32),
                   "v_scale": jnp.ones((8, (1 << 16) // 8), jnp.float32)}
 # Both sides' granule scales packed (`F8PackedGranulePages`)
@@ -591,12 +591,10 @@ FIRST_FP8 = dataclasses.replace(default_swapped_config(128, 4096, jnp.float8_e4m
     (128, 16384, jnp.float8_e4m3fn, 64, {"config": ONE_LAUNCH_FP8}),
     (128, 4096, jnp.float8_e4m3fn, 64, {"config": MERGED_FP8}),
     (128, 16384, jnp.float8_e4m3fn, 64, {"config": FIRST_FP8}),
-    (128, 4096, jnp.float8_e4m3fn, 64, GRANULE_SCALES), (128, 16384, jnp.float8_e4m3fn, 64, GRANULE_SCALES),
-    (128, 4096, jnp.float8_e4m3fn, 64, PACKED_SCALES)],
+    (128, 16384, jnp.float8_e4m3fn, 64, GRANULE_SCALES), (128, 4096, jnp.float8_e4m3fn, 64, PACKED_SCALES)],
     ids=["fp8-128-4k", "fp8-128-4k-shared", "fp8-128-16k-shared-stats", "fp8-64-4k", "bf16-128-4k", "f16-64-1k",
          "bf16-128-16k-b4", "bf16-128-4k-shared", "fp8-128-4k-one-launch", "fp8-128-16k-one-launch",
-         "fp8-128-4k-merged", "fp8-128-16k-longest-first", "fp8-128-4k-granules", "fp8-128-16k-granules",
-         "fp8-128-4k-packed"])
+         "fp8-128-4k-merged", "fp8-128-16k-longest-first", "fp8-128-16k-two-arrays", "fp8-128-4k-packed"])
 def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype, batch, kw):
     """`SwappedConfig.smem_bytes` (what the default configs and fp8's split rule are chosen by) against the SMEM
     scratch Pallas' lowering sizes for the kernel (its resource estimate, read by wrapping the private
@@ -620,7 +618,7 @@ def test_smem_bytes_is_what_the_lowering_allocates(head_dim, context, pool_dtype
         mp.setattr(swapped_module, "_build_swapped_kernel", lambda **k: captured.update(k) or real_build(**k))
         jax.jit(lambda *a: swapped_paged_attention(*a, **kw)).trace(*args).lower(lowering_platforms=("cuda",))
     cfg = captured["config"]
-    granules = 2 if "k_scale" in kw else 1 if "packed_scales" in kw else 0      # scale buffers
+    granules = int("k_scale" in kw or "packed_scales" in kw)      # scale buffers: one, packed
     want = cfg.smem_bytes(head_dim, context // 8, out_itemsize=4, pool_dtype=pool_dtype,
                           score_stats=bool(kw.get("return_score_stats")), merged_itemsize=4, scale_buffers=granules)
     barriers = 8 * (2 + 2 * cfg.num_stages * (len(swapped_module.page_classes(cfg.block_kv)) + 1))
@@ -742,10 +740,10 @@ def test_default_config_lowers_to_mosaic_gpu(head_dim):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_float8_granule_scales_lower_to_mosaic_gpu(head_dim):
-    """The default fp8-delta cache's decode kernel (per-granule scales beside the fp8 pools, `F8GranulePages`) at
-    llama-1b's and llama-8b's decode shapes, default config, with score statistics: the scale copies beside each
-    page piece's, the [T] row vectors of S^T and the scaled P lower for CUDA; so does the packed scales' variant
-    (`F8PackedGranulePages`: one scale copy a piece, on the V barrier)."""
+    """The default fp8-delta cache's decode kernel (per-granule scales beside the fp8 pools,
+    `F8PackedGranulePages`) at llama-1b's and llama-8b's decode shapes, default config, with score statistics: the
+    scale copy beside each page piece's (on the V barrier), the [T] row vectors of S^T and the scaled P lower for
+    CUDA, with the scales packed and as two arrays (packed at the entry)."""
     for scales in (GRANULE_SCALES, PACKED_SCALES):
         assert "mosaic_gpu" in _lowered_text(64, head_dim, pool_dtype=jnp.float8_e4m3fn, return_score_stats=True,
                                              out_bias=jnp.zeros((8, head_dim), jnp.float32), **scales)
