@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# #12, session 40: fp8-delta's default cache (a scale per 8-slot granule per kv head) decoded by the swapped kernel
-# (`F8GranulePages`: the scales copied with each page piece, on S^T's rows and P) instead of the delta kernel.
+# #12: fp8-delta's default cache (a scale per 8-slot granule per kv head, packed: `F8PackedGranulePages`) decoded by
+# the swapped kernel (the scales copied with each page piece, on S^T's rows and P) instead of the delta kernel.
 # Device calls (repo root); each prints a short table and writes under $OUT.
 #   STEP=tests (~120 s): the compiled granule-scale kernel against float64 (D 64 / 128, B=64 every page size and B=4
 #     split-K with score statistics), the float8 GPU tests already on main, and the engine's compiled bf16 kernel tests.
 #   STEP=bar (~450 s): kernels.py --delta on fp8 at CONTEXTS (default 4K and 16K), pages PAGES (default 16,64,mixed):
 #     the engine's default fold (granule scales: "fold", counted for the 0.6x bar), the fixed per-head scales' fold
-#     beside it ("fold head", --fp8-scale head), the granule scales as two arrays ("fold two arrays": the storage
-#     before session 41, `F8GranulePages`; the cache now packs them, `F8PackedGranulePages`) and the delta kernel
-#     (--kernel-variant paged's path), device, host and paired Pallas timing.
-#   STEP=bars (#12's kernel bars in one run; duration first measured in session 43): kernels.py --delta --bars-only.
-#   STEP=e2e (~300 s): e2e_decode.py llama-8b B=64 4K, bf16 vs fp8-delta with its default granule scales (#12's
-#     1.25x bar).
+#     beside it ("fold head", --fp8-scale head) and the delta kernel (--decode-kernel paged's path), device, host and
+#     paired Pallas timing.
+#   STEP=bars: #12's kernel bars in one run, kernels.py --delta --bars-only (fp16 and fp8 at 4K and 16K, pages
+#     PAGES, default mixed,16,64; the bf16 kernels at 1K on every page size): ~450 s on an H100 (session 43).
+#   STEP=e2e (~100 s on an H100, session 43): e2e_decode.py llama-8b B=64 4K, bf16 vs fp8-delta with its default
+#     granule scales (#12's 1.25x bar).
 set -uo pipefail
 source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
