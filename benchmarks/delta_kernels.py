@@ -11,16 +11,16 @@ the deltas, "fold": fp16's unit scales or fp8's per-granule scales, what `--kv-p
 the delta/paged time ratio (#12 asks fp8 <= 0.6x and fp16 <= 1.1x at 4K and 16K), bytes/s over the bytes each kernel
 must read, and the paged kernel's % of the read ceiling (#12 asks >= 80% at 1K for every page size:
 `paged_targets`). `--bars-only` keeps a run to what those bars count (one run for all of them, in as short a time as
-it can): at 4K and more the engine's decode paths (the delta kernel's default config and the fold; not "fold
-head"), below 4K the bf16 kernels alone (the paged kernel and the engine's swapped kernel, which the
-bar judges), on every page size (`PAGED_BAR_PAGES`, whatever --pages says). The delta kernels take the scales packed, as the engine's cache stores and passes them
-(`with_packed_scales`). JSON: --out (default benchmarks/results/delta_kernels_h200.json). `--timing` applies here
-too (`seconds_per_call`; --delta's default is `both`): with `device` both sides of each ratio are device times per
-call (the chain slope), as a decoder layer inside the engine's step sees them; host timing can carry the host's
-per-call dispatch (a call with every length 0 takes 45-62 us), which, wherever it is not hidden behind the kernels,
-pulls a ratio toward 1 (most at 4K). The bars are judged on device time where the run has it (`VERDICT_TIMING`, why
-beside it); the host ("headline") and Pallas-kernel verdicts are printed and saved beside it, each target marked
-"verdict" true or false.
+it can): at 4K and more the engine's decode paths (the delta kernel's default config and the fold; not "fold head"),
+below 4K the bf16 kernels alone (the paged kernel and the engine's swapped kernel, which the bar judges), on every
+page size (`PAGED_BAR_PAGES`, whatever --pages says). The delta kernels take the scales packed, as the engine's
+cache stores and passes them (`with_packed_scales`). JSON: --out (default
+benchmarks/results/delta_kernels_h200.json). `--timing` applies here too (`seconds_per_call`; --delta's default is
+`both`): with `device` both sides of each ratio are device times per call (the chain slope), as a decoder layer
+inside the engine's step sees them; host timing can carry the host's per-call dispatch (a call with every length 0
+takes 45-62 us), which, wherever it is not hidden behind the kernels, pulls a ratio toward 1 (most at 4K). The bars
+are judged on device time where the run has it (`VERDICT_TIMING`, why beside it); the host ("headline") and
+Pallas-kernel verdicts are printed and saved beside it, each target marked "verdict" true or false.
 
 `--delta-prefill` times the causal-block prefill kernels instead: `delta_prefill_attention` (fp16/fp8
 deltas, --anchor-lens) beside `paged_prefill_attention` on bf16 pools (PREFILL_KERNEL_CONFIG, what the
@@ -122,14 +122,15 @@ def paged_targets(shapes, read_tbps: float) -> list[dict]:
     worst over the context's page layouts of the kernel's % of the read ceiling (read_tbps, measured in the same
     run), by the host-timed headline and by device time (the chain slope). One target per context is the verdict:
     the engine's kernel where the run timed it, by device time where the run has it (as `verdict_targets` judges
-    the delta bars); the others are shown beside. Per layout the figures are kept in "by_page"."""
+    the delta bars); the others are shown beside. Per layout the figures are kept in "by_page". A kernel whose
+    output failed its check (ok False) gives no figure."""
     by_key: dict[tuple[int, str, str], dict] = {}
     for rec in shapes:
         if rec["context"] >= DELTA_BAR_MIN_CONTEXT:
             continue
         for kernel in ("paged", "swapped"):
             run = rec.get(kernel)
-            if not run or "io_bytes" not in run:
+            if not run or "io_bytes" not in run or not run.get("ok", True):     # a wrong output is not timed
                 continue
             pcts = {"headline": run["pct_read"]}
             if device := run.get("timing", {}).get("device"):
@@ -449,7 +450,8 @@ def run_delta(a):
     result["paged_targets"] = paged_targets(result["shapes"], read)
     for t in result["paged_targets"]:
         print(f"target {t['kernel']} ctx={t['context']} ({t['timing']} timing"
-              f"{', the verdict' if t['verdict'] else ', shown'}): worst {t['worst_pct_read']:.1f}% of read over pages {','.join(t['by_page'])} "
+              f"{', the verdict' if t['verdict'] else ', shown'}): worst {t['worst_pct_read']:.1f}% of read over "
+              f"pages {','.join(t['by_page'])} "
               f"(bar >= {t['bar']:.0f}%): {'met' if t['met'] else 'MISSED'}")
     save()
     print(f"wrote {out_path}")

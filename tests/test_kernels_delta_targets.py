@@ -192,6 +192,10 @@ def test_paged_targets_take_the_worst_page_and_device_time_decides():
     verdicts = [(t["kernel"], t["timing"]) for t in delta_kernels.paged_targets(shapes, read_tbps=4.4)
                 if t["verdict"]]
     assert verdicts == [("swapped", "device")]
+    # a kernel whose output failed its check gives no figure for that layout
+    shapes[0]["swapped"]["ok"] = False
+    swapped = [t for t in delta_kernels.paged_targets(shapes, read_tbps=4.4) if t["kernel"] == "swapped"]
+    assert all(set(t["by_page"]) == {"256"} for t in swapped) and len(swapped) == 2
 
 
 def test_bars_only_needs_delta():
