@@ -22,17 +22,15 @@ T/2 and D/2 for the 64-row tiles, so the register file no longer limits CTAs per
 
 Pools: bf16 (the engine's bf16 KV); float16 (`F16_PAGES`, a DKVC fp16-delta cache on the folded path); or
 float8_e4m3fn (`F8Pages`, an fp8-delta cache with fixed per-head scales on the same path: the caller folds the
-scales into q and the output; or an fp8-delta cache with a scale per 8-slot granule, the default: the kernel
-copies the scales with the pages and applies them per key, to the scores and to P: `F8PackedGranulePages`, the
-cache's packed scales, one copy a page piece; K's and V's scales given as two arrays are packed at the entry).
-Hopper's fp8 WGMMA
-needs both operands fp8 and K-major. S^T = K q^T meets that
-as it stands (A = the K ring slot, B = q^T with q's rows contiguous along D), so q is split into e4m3 parts
-(`split_rows_fp8`: a power-of-two row scale, then each part the rounding residual of the ones before) and
-S^T is the parts' fp8 products straight from the K ring (at N = 8 one MMA over the parts side by side, so the
-K tile is read from SMEM once), times the row's unscale. V^T is not K-major (V's rows
-are contiguous along D), so each V tile is converted (e4m3 pairs -> f16x2, exact) into an f16 staging tile,
-rows past the length as zeros, while the S^T MMAs run, and P V is an f16 MMA.
+scales into q and the output; or an fp8-delta cache with a scale per 8-slot granule, the default: the kernel copies
+the scales with the pages and applies them per key, to the scores and to P: `F8PackedGranulePages`, the cache's
+packed scales, one copy a page piece; K's and V's scales given as two arrays are packed at the entry). Hopper's fp8
+WGMMA needs both operands fp8 and K-major. S^T = K q^T meets that as it stands (A = the K ring slot, B = q^T with
+q's rows contiguous along D), so q is split into e4m3 parts (`split_rows_fp8`: a power-of-two row scale, then each
+part the rounding residual of the ones before) and S^T is the parts' fp8 products straight from the K ring (at N = 8
+one MMA over the parts side by side, so the K tile is read from SMEM once), times the row's unscale. V^T is not
+K-major (V's rows are contiguous along D), so each V tile is converted (e4m3 pairs -> f16x2, exact) into an f16
+staging tile, rows past the length as zeros, while the S^T MMAs run, and P V is an f16 MMA.
 
 Mosaic GPU capabilities this rests on (jax 0.11.2; each verified by lowering to Mosaic GPU on a CPU and by the
 interpreter, see tests/test_swapped_decode_attention.py; ptxas and the hardware are the GPU tests' job):
