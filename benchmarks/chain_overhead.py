@@ -21,8 +21,6 @@ excess goes with them:
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import pathlib
 import sys
@@ -34,6 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from device_trace import kernels, top_kernels, union_us  # noqa: E402
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 from kernel_timing import bench, chained, traced_events  # noqa: E402
 from ncu_fp8_attention import bar_inputs, shapes  # noqa: E402
 from pallas_kernels.paged_attention import paged_attention  # noqa: E402
@@ -87,8 +86,7 @@ def main(argv=None) -> int:
                 (q, k8, v8, *tables)),
     }
     device = "GPU" if jax.default_backend() == "gpu" else "/host:CPU"
-    result = dict(meta=dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind,
-                            jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""), batch=B, q_heads=Hq,
+    result = dict(meta=dict(provenance("chain_overhead"), xla_flags=os.environ.get("XLA_FLAGS", ""), batch=B, q_heads=Hq,
                             kv_heads=Hkv, head_dim=D, context=ctx, page=a.page, reps=a.reps, rounds=a.rounds),
                   kernels={})
     print(f"{'kernel':6} {'N':>4} {'wall/N us':>10} {'span/N us':>10} {'busy/N us':>10} {'excess/N':>9} "
@@ -113,8 +111,7 @@ def main(argv=None) -> int:
             f"{h['name'][:48]} {h['us']:.0f} us x{h['launches']}" for h in rows[-1]["top_host"][:6]))
         result["kernels"][name] = rows
     if a.out:
-        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(a.out).write_text(json.dumps(result, indent=1))
+        save_json(a.out, result)
         print(f"wrote {a.out}")
     return 0
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import pathlib
 import sys
 import tempfile
@@ -33,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from config_flags import parse_overrides  # noqa: E402  (beside this script)
 from device_trace import kernels as trace_kernels, load_events, newest_trace  # noqa: E402  (beside this script)
 from kernel_timing import kernel_breakdown  # noqa: E402
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 from pallas_kernels.decode_matmul import (TuningConfig, decode_gated_matmul,  # noqa: E402
                                           decode_gated_matmul_reference, decode_matmul, decode_matmul_reference,
                                           default_k_splits, supports)
@@ -172,12 +171,9 @@ def main(argv=None) -> dict:
                                   else f"{name} {m['error'][:40]}" for name, m in row["methods"].items())
                 print(f"{model:9s} {part:8s} M={rows:3d} N={n:6d} K={k:5d}  {cells}", flush=True)
             del ws
-    out = dict(benchmark="decode_gemm", device=jax.devices()[0].device_kind, jax=jax.__version__,
-               date=datetime.date.today().isoformat(), command=" ".join(sys.argv), read_tbps=read_tbps,
-               calls=a.calls, weights_in_l2=a.weights_in_l2, results=results)
+    out = dict(provenance("decode_gemm"), read_tbps=read_tbps, calls=a.calls, weights_in_l2=a.weights_in_l2, results=results)
     if a.out:
-        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(a.out).write_text(json.dumps(out, indent=1))
+        save_json(a.out, out)
     return out
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import os
 import platform
@@ -27,6 +26,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 
 H = (10.0, 50.0, 100.0, 200.0, 500.0)
 
@@ -64,8 +65,6 @@ def main() -> int:
     a = ap.parse_args()
     if a.accesses < 1 or min(a.capacities) < 1 or a.repeats < 1:
         ap.error("--accesses, --capacities and --repeats must be >= 1")
-    import jax
-
     from stratum_jax.dmlp.features import FEATURE_NAMES
     from stratum_jax.dmlp.guard import ShadowLruGuard
     from stratum_jax.dmlp.model import DmlpConfig, Predictor, init_params
@@ -104,11 +103,8 @@ def main() -> int:
     out = {"what": "guard cost per block access (us), over a Python LRU cache loop (loop_us_per_access); "
                    "guard-only: shadow LRU, no ghost DMLP; mirror: + ghost DMLP mirroring (DMLP mode); "
                    "lru: + ghost DMLP ranking its own evictions (LRU mode, slack 1/64)",
-           "command": "python benchmarks/dmlp_ghost_cost.py " + " ".join(sys.argv[1:]), "runs": results,
-           "device": f"cpu ({os.cpu_count()} cores)", "jax": jax.__version__,
-           "date": datetime.date.today().isoformat(), "platform": platform.platform()}
-    with open(a.out, "w") as fh:
-        json.dump(out, fh, indent=1)
+           "runs": results, **provenance("dmlp_ghost_cost"), "platform": platform.platform()}
+    save_json(a.out, out)
     print(f"wrote {a.out}")
     return 0
 

@@ -10,7 +10,6 @@ benchmarks/results/dmlp_guard_wrong_checkpoint_cpu.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -22,6 +21,7 @@ sys.path.insert(0, ROOT)
 
 from stratum_jax.config import RuntimeConfig                                  # noqa: E402
 from training.wrong_checkpoint import hit_rate, prompts, wrong_checkpoint     # noqa: E402
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 
 
 def main() -> int:
@@ -32,7 +32,6 @@ def main() -> int:
     a = ap.parse_args()
     if min(a.requests) < 1 or a.window < 1:
         ap.error("--requests and --window must be >= 1")
-    import jax
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = wrong_checkpoint(os.path.join(tmp, "wrong"))
@@ -53,11 +52,8 @@ def main() -> int:
                    "PagePool, 16-token pages, 4 requests held at once) under --cache-policy lru, the deliberately "
                    f"wrong checkpoint without the guard, and with it (--dmlp-guard-window {a.window})",
            "guard": g.settings(),
-           "command": "python benchmarks/dmlp_guard_wrong_checkpoint.py " + " ".join(sys.argv[1:]),
-           "runs": runs, "device": f"cpu ({os.cpu_count()} cores)", "jax": jax.__version__,
-           "date": datetime.date.today().isoformat(), "platform": platform.platform()}
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
+           "runs": runs, **provenance("dmlp_guard_wrong_checkpoint"), "platform": platform.platform()}
+    save_json(a.out, out)
     print(f"wrote {a.out}")
     return 0
 

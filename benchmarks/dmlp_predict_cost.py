@@ -7,8 +7,6 @@ step in flight on a GPU).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import pathlib
 import statistics
@@ -20,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 
 from stratum_jax.dmlp.checkpoint import load_checkpoint  # noqa: E402
 from stratum_jax.dmlp.model import Predictor  # noqa: E402
@@ -58,12 +57,10 @@ def main(argv=None) -> dict:
             times.append(time.perf_counter() - t)
         results.append(dict(rows=n, ms_median=statistics.median(times) * 1e3, ms_min=min(times) * 1e3))
         print(f"{n:6d} rows: {results[-1]['ms_median']:8.2f} ms (min {results[-1]['ms_min']:.2f})", flush=True)
-    out = dict(benchmark="dmlp_predict_cost", device=str(device or jax.devices()[0]), jax=jax.__version__,
-               cpu_count=os.cpu_count(), date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
+    out = dict(provenance("dmlp_predict_cost", device=str(device or jax.devices()[0])), cpu_count=os.cpu_count(),
                hidden=list(ckpt.config.hidden), calls=a.calls, results=results)
     if a.out:
-        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(a.out).write_text(json.dumps(out, indent=1))
+        save_json(a.out, out)
     return out
 
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import pathlib
 import sys
 import tempfile
@@ -36,6 +34,7 @@ import jax.numpy as jnp                        # noqa: E402
 import numpy as np                             # noqa: E402
 
 from decode_gemm import L2_BYTES, device_us_per_call   # noqa: E402
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 from pallas_kernels.decode_matmul import (TuningConfig, decode_gated_matmul, decode_matmul_partials,  # noqa: E402
                                           decode_gated_matmul_reference, decode_matmul_reference)
 from stratum_jax.bandwidth import measure_read_bandwidth_gbps  # noqa: E402
@@ -153,12 +152,9 @@ def main(argv=None) -> dict:
             if fixed is not None:
                 print(f"{fam.name:12s} fit: fixed {fixed:5.2f} us, rate {rate:5.2f} TB/s "
                       f"({rate / read_tbps:.0%} of the read ceiling)", flush=True)
-        out = dict(benchmark="gemm_fixed_cost", device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   date=datetime.date.today().isoformat(), command=" ".join(sys.argv), rows_m=ROWS,
-                   read_tbps=read_tbps, calls=a.calls, families=rows)
+        out = dict(provenance("gemm_fixed_cost"), rows_m=ROWS, read_tbps=read_tbps, calls=a.calls, families=rows)
     if a.out:
-        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(a.out).write_text(json.dumps(out, indent=1))
+        save_json(a.out, out)
         print(f"wrote {a.out}")
     return out
 

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import pathlib
 import re
 import sys
@@ -54,6 +52,7 @@ from stratum_jax.model.projection import resolve_projections
 from stratum_jax.model.tokenizer import ByteTokenizer
 from stratum_jax.model_runner import ModelRunner, kv_layout_of
 from e2e_decode import build_parser as e2e_parser, engine_config, run_combinations  # noqa: E402  (benchmarks/)
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 
 SHAPE_KINDS = ("decode", "packed", "sample", "prompt_logprobs")
 MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"   # one a distinct kernel lowering
@@ -191,11 +190,8 @@ def main(argv=None) -> int:
     total = sum(len(run["programs"]) for run in runs)
     print(f"{total - failed} of {total} step programs lowered for CUDA" + (f"; {failed} FAILED" if failed else ""))
     if args.out:
-        out = dict(benchmark="gpu_preflight", model=args.model, layers=model.config.num_layers, batch=args.batch,
-                   jax=jax.__version__, date=datetime.date.today().isoformat(), command=" ".join(sys.argv),
-                   runs=runs)
-        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        save_json(args.out, dict(provenance("gpu_preflight"), model=args.model, layers=model.config.num_layers,
+                                 batch=args.batch, runs=runs))
     return 1 if failed else 0
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import json
 import os
 import sys
 import time
@@ -23,6 +21,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 
 
 def run(tier: str, steps: int, warmup: int) -> dict:
@@ -76,16 +76,13 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    import jax
     rows = [run(tier, args.steps, args.warmup) for tier in ("growing", "full")]
     for r in rows:
         print(f"{r['tier']:<8} {r['host_memory']} {r['ms_per_step']:6.2f} ms/step  "
               f"transfer {r['transfer_s']:.2f} s in {r['steps']} steps")
-    result = {"device": f"{jax.devices()[0].platform} ({os.cpu_count()} cores)", "jax": jax.__version__,
-              "date": datetime.date.today().isoformat(), "args": vars(args), "rows": rows}
+    result = dict(provenance("host_copy_profile"), args=vars(args), rows=rows)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        save_json(args.out, result)
         print(f"wrote {args.out}")
     return 0
 

@@ -30,8 +30,6 @@ Prints a table; JSON to --out (default benchmarks/results/l2_prefetch_h200.json)
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import pathlib
 import re
 import sys
@@ -48,6 +46,7 @@ import numpy as np                             # noqa: E402
 from device_trace import (PALLAS_KIND, kernel_kind, kernels as trace_kernels, load_events,  # noqa: E402
                           newest_trace)
 from pallas_kernels.decode_matmul import default_k_splits   # noqa: E402
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 from pallas_kernels.l2_prefetch import WeightPrefetch   # noqa: E402
 from pallas_kernels.paged_attention import PAGE_SIZES   # noqa: E402
 from pallas_kernels.testing import random_paged_case   # noqa: E402
@@ -347,11 +346,9 @@ def main(argv=None) -> dict:
                 print(f"{model:9s} prefetch {variant_label(*v):>14s}  busy {best['busy_us']:7.2f} us/layer  span "
                       f"{best['span_us']:7.2f}{gain}  | {cells}", flush=True)
             del weights, pools
-        out = dict(benchmark="l2_prefetch", device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   date=datetime.date.today().isoformat(), command=" ".join(sys.argv), rows=rows_out)
+        out = dict(provenance("l2_prefetch"), rows=rows_out)
     if a.out:
-        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(a.out).write_text(json.dumps(out, indent=1))
+        save_json(a.out, out)
     return out
 
 

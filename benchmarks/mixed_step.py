@@ -18,8 +18,6 @@ tokens at distinct slots. Prints a table and writes JSON (median of --reps sampl
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import pathlib
 import statistics
 import sys
@@ -43,6 +41,7 @@ from stratum_jax.sampling import SamplingArrays  # noqa: E402
 from stratum_jax.step_shapes import MAX_PREFILL_TILE  # noqa: E402
 from device_trace import by_kind_us, kernels, load_events, newest_trace  # noqa: E402  (beside this script)
 from device_trace import top_kernels as top_kernels_of  # noqa: E402
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 
 PAGE = 256
 
@@ -195,11 +194,8 @@ def main(argv=None):
                          prefill_tokens=int(batch.tile_rows.shape[0] * geo.prefill_tile),
                          ratio_to_decode=ms / decode_ms[dctx]))
         print(f"{name:42} {ms:8.2f} {ms / decode_ms[dctx]:9.2f}")
-    res = dict(benchmark="mixed_step", device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-               date=datetime.date.today().isoformat(), backend=backend, kv_precision=precision, args=vars(args),
-               rows=rows)
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(res, indent=1))
+    save_json(args.out, dict(provenance("mixed_step"), backend=backend, kv_precision=precision, args=vars(args),
+                             rows=rows))
 
 
 if __name__ == "__main__":

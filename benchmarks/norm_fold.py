@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import pathlib
 import re
 import sys
@@ -45,6 +43,7 @@ import numpy as np                             # noqa: E402
 from l2_prefetch import (DRY_SHAPE, EPS, LayerStep, inputs, layer_shapes, layers_fn,  # noqa: E402
                          make_pools, make_weights, profile_layers)
 from l2_prefetch import down_splits  # noqa: E402
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 from pallas_kernels.norm_fold import (EXCHANGES, decode_gated_matmul_normed, decode_matmul_partials_sumsq,  # noqa: E402
                                       decode_matmul_residual, fold_norm_weight)
 from pallas_kernels.rope_kv_write import RowNorm, rope_kv_write   # noqa: E402
@@ -235,11 +234,9 @@ def main(argv=None) -> dict:
                 print(f"{model:9s} {v:12s} busy {best['busy_us']:7.2f} us/layer  span {best['span_us']:7.2f} "
                       f"({delta:+.2f} vs unfused)  | {cells}", flush=True)
             del weights, pools
-        out = dict(benchmark="norm_fold", device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   date=datetime.date.today().isoformat(), command=" ".join(sys.argv), rows=rows_out)
+        out = dict(provenance("norm_fold"), rows=rows_out)
     if a.out:
-        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(a.out).write_text(json.dumps(out, indent=1))
+        save_json(a.out, out)
     return out
 
 

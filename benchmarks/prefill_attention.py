@@ -19,9 +19,7 @@ attention FLOP rate (4 * q_heads * head_dim per visible (query, key) pair).
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import pathlib
 import sys
 
@@ -33,6 +31,7 @@ import jax.numpy as jnp                        # noqa: E402
 import numpy as np                             # noqa: E402
 
 from benchmarks.score_stats_cost import timed                    # noqa: E402  (one timing loop for kernel benchmarks)
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 from pallas_kernels.paged_attention import TuningConfig           # noqa: E402
 from stratum_jax.attention import RowTables, prefill_attention   # noqa: E402
 
@@ -139,10 +138,7 @@ def main(argv=None):
             rows.append(row)
             print(f"{model:9} {ctx:6d} {t_k*1e3:10.3f} {t_r*1e3:9.3f} {t_r/t_k:8.1f} {row['kernel_tflops']:11.1f} "
                   f"{diff:10.2e}  " + " ".join(f"{c}={ms:.3f}" for c, ms in by_config.items()))
-    res = dict(benchmark="prefill_attention", device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-               date=datetime.date.today().isoformat(), args=vars(args), rows=rows)
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(res, indent=1))
+    save_json(args.out, dict(provenance("prefill_attention"), args=vars(args), rows=rows))
 
 
 if __name__ == "__main__":
