@@ -36,7 +36,6 @@ Prints a table; JSON to --out (default benchmarks/results/attention_bound_h200.j
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import pathlib
@@ -51,6 +50,7 @@ import numpy as np                             # noqa: E402
 
 from config_flags import parse_overrides       # noqa: E402  (beside this script)
 from kernel_timing import kernel_profile, paired_profile, read_ceiling   # noqa: E402
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 from pallas_kernels.decode_matmul import decode_matmul   # noqa: E402
 from pallas_kernels.swapped_decode_attention import (  # noqa: E402
     default_swapped_config, swapped_paged_attention, swapped_paged_attention_reference)
@@ -194,10 +194,8 @@ def main(argv=None):
     engine_page = tables["rows"][0]["page_size"] if tables else None
     if tables and engine_page not in pages:
         ap.error(f"--layouts engine: its tables are in {engine_page}-token pages; add {engine_page} to --pages")
-    dev = jax.devices()[0]
-    meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, jax=jax.__version__,
-                batch=a.batch, q_heads=a.q_heads, kv_heads=a.kv_heads, pages=pages, calls=a.calls,
-                dry_run=a.dry_run, engine_tables=a.engine_tables if tables else None)
+    meta = dict(provenance("attention_bound"), batch=a.batch, q_heads=a.q_heads, kv_heads=a.kv_heads, pages=pages,
+                calls=a.calls, dry_run=a.dry_run, engine_tables=a.engine_tables if tables else None)
     if not a.dry_run:
         meta["read_ceiling"] = read_ceiling(1 << 31, reps=10)
     read_tbps = meta.get("read_ceiling", {}).get("tbps")
@@ -251,11 +249,8 @@ def main(argv=None):
                              if getattr(config, k) is not None)
             print(f"{head_dim:>4} {context:>5} {page:>4} {short:<36} " + " ".join(f"{c:>15}" for c in cells),
                   flush=True)
-    out = pathlib.Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = dict(meta=meta, rows=rows)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {save_json(a.out, result)}")
     return result
 
 

@@ -86,8 +86,9 @@ def main(argv=None) -> int:
                 (q, k8, v8, *tables)),
     }
     device = "GPU" if jax.default_backend() == "gpu" else "/host:CPU"
-    result = dict(meta=dict(provenance("chain_overhead"), xla_flags=os.environ.get("XLA_FLAGS", ""), batch=B, q_heads=Hq,
-                            kv_heads=Hkv, head_dim=D, context=ctx, page=a.page, reps=a.reps, rounds=a.rounds),
+    result = dict(meta=dict(provenance("chain_overhead"), xla_flags=os.environ.get("XLA_FLAGS", ""), batch=B,
+                            q_heads=Hq, kv_heads=Hkv, head_dim=D, context=ctx, page=a.page, reps=a.reps,
+                            rounds=a.rounds),
                   kernels={})
     print(f"{'kernel':6} {'N':>4} {'wall/N us':>10} {'span/N us':>10} {'busy/N us':>10} {'excess/N':>9} "
           f"{'lead us':>9} {'tail us':>8}")

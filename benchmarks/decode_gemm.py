@@ -171,7 +171,8 @@ def main(argv=None) -> dict:
                                   else f"{name} {m['error'][:40]}" for name, m in row["methods"].items())
                 print(f"{model:9s} {part:8s} M={rows:3d} N={n:6d} K={k:5d}  {cells}", flush=True)
             del ws
-    out = dict(provenance("decode_gemm"), read_tbps=read_tbps, calls=a.calls, weights_in_l2=a.weights_in_l2, results=results)
+    out = dict(provenance("decode_gemm"), read_tbps=read_tbps, calls=a.calls, weights_in_l2=a.weights_in_l2,
+               results=results)
     if a.out:
         save_json(a.out, out)
     return out

@@ -37,7 +37,6 @@ against the same reference). JSON: --out (default benchmarks/results/delta_prefi
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import json
 import math
@@ -50,6 +49,7 @@ import numpy as np
 
 from config_flags import parse_overrides
 from kernel_timing import bench, copy_ceiling, paired_profile, read_ceiling, seconds_per_call
+from run_record import provenance, save_json
 from paged_layout import MIXED, batch_page_sizes, page_layout, xla_decode_attention
 from pallas_kernels.paged_attention import (
     PREFILL_KERNEL_CONFIG, TuningConfig, paged_attention, paged_prefill_attention, prefill_block_tokens)
@@ -310,18 +310,16 @@ def run_delta(a):
     precisions = a.precisions.split(",")
     anchor_lens = [int(x) for x in a.anchor_lens.split(",")]
     dev = jax.devices()[0]
-    meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, platform=dev.platform,
-                jax=jax.__version__, batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D, reps=a.reps, inner=a.inner,
-                rounds=a.rounds, dry_run=a.dry_run, mode="delta", timing=a.timing,
+    meta = dict(provenance("kernels"), platform=dev.platform, batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D,
+                reps=a.reps, inner=a.inner, rounds=a.rounds, dry_run=a.dry_run, mode="delta", timing=a.timing,
                 chain=list(a.chain_lengths) if a.timing != "host" else None,
                 fold_mean_anchor=default_fold_mean_anchor())
     print(json.dumps(meta), flush=True)
     out_path = pathlib.Path(a.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     result = dict(meta=meta, read=None, copy=None, shapes=[])
 
     def save():
-        out_path.write_text(json.dumps(result, indent=1))
+        save_json(out_path, result)
 
     result["read"] = read_ceiling(64 << 20 if a.dry_run else 4 << 30, reps=a.reps, rounds=a.rounds)
     result["copy"] = copy_ceiling(64 << 20 if a.dry_run else 2 << 30, reps=a.reps, rounds=a.rounds)
@@ -475,16 +473,15 @@ def run_delta_prefill(a):
     pages = [p if p == MIXED else int(p) for p in a.pages.split(",")]
     precisions, anchor_lens = a.precisions.split(","), [int(x) for x in a.anchor_lens.split(",")]
     dev = jax.devices()[0]
-    meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, platform=dev.platform,
-                jax=jax.__version__, batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D, prefill_tokens=n_q,
+    meta = dict(provenance("kernels"), platform=dev.platform, batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D,
+                prefill_tokens=n_q,
                 block_tokens=tokens, reps=a.reps, inner=a.inner, rounds=a.rounds, dry_run=a.dry_run,
                 mode="delta-prefill", fold_mean_anchor=default_fold_mean_anchor(),
                 paged_config=dataclasses.asdict(PREFILL_KERNEL_CONFIG))
     print(json.dumps(meta), flush=True)
     out_path = pathlib.Path(a.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     result = dict(meta=meta, shapes=[])
-    save = lambda: out_path.write_text(json.dumps(result, indent=1))
+    save = lambda: save_json(out_path, result)
     jits = {}     # one jit per kernel variant (page sizes are data: one compile per context)
     jitted = lambda name, f: jits.setdefault(name, jax.jit(f))
     rng = np.random.default_rng(2)

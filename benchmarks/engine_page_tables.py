@@ -21,14 +21,12 @@ at once, a pool with room for all) three runs here under different load gave ide
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import pathlib
-import sys
 
 import numpy as np
 
 import e2e_decode  # noqa: E402  (beside this script)
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 from stratum_jax.engine import Engine
 from stratum_jax.request import SamplingParams
 
@@ -74,9 +72,9 @@ def dump_tables(args) -> dict:
     # length: the keys the cache holds (num_computed: K/V written), which the pages cover.
     rows = [dict(length=int(s.num_computed), page_size=int(s.blocks.page_size),
                  page_starts=[int(x) for x in s.blocks.page_starts()]) for s in seqs]
-    return dict(benchmark="engine_page_tables", num_slots=int(config.kv_pool_slots), batch=args.batch,
+    return dict(provenance("engine_page_tables"), num_slots=int(config.kv_pool_slots), batch=args.batch,
                 prompt_len=args.prompt_len, new_tokens=args.new_tokens, context=args.context,
-                date=datetime.date.today().isoformat(), command=" ".join(sys.argv), rows=rows)
+                rows=rows)
 
 
 def main(argv=None) -> dict:
@@ -93,9 +91,7 @@ def main(argv=None) -> dict:
           f"slots; a row's next page follows its last in the pool {np.mean(runs):.0%} of the time")
     path = pathlib.Path(args.out or pathlib.Path(__file__).resolve().parent / "results" /
                         f"engine_page_tables_b{args.batch}_p{args.prompt_len}_c{args.context}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {save_json(path, out, indent=None)}")
     return out
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import pathlib
 import sys
@@ -36,6 +35,7 @@ import numpy as np                             # noqa: E402
 from config_flags import parse_overrides       # noqa: E402  (beside this script)
 from gpu_clocks import ClockSampler            # noqa: E402
 from kernel_timing import bench, read_ceiling   # noqa: E402
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 from paged_layout import MIXED, batch_page_sizes, page_layout   # noqa: E402
 from pallas_kernels.paged_attention import paged_attention   # noqa: E402
 from pallas_kernels.swapped_decode_attention import (   # noqa: E402
@@ -63,10 +63,8 @@ def main(argv=None) -> dict:
         a.batch, a.q_heads, a.kv_heads, a.head_dim = 2, 4, 1, 64
         a.contexts, a.pages, a.reps, a.inner, a.rounds = "512", "64", 1, 1, 1
     B, Hq, Hkv, D = a.batch, a.q_heads, a.kv_heads, a.head_dim
-    dev = jax.devices()[0]
-    meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, jax=jax.__version__, batch=B,
-                q_heads=Hq, kv_heads=Hkv, head_dim=D, reps=a.reps, inner=a.inner, rounds=a.rounds,
-                dry_run=a.dry_run, fold=a.fold)
+    meta = dict(provenance("fp8_fold_sweep"), batch=B, q_heads=Hq, kv_heads=Hkv, head_dim=D, reps=a.reps,
+                inner=a.inner, rounds=a.rounds, dry_run=a.dry_run, fold=a.fold)
     print(json.dumps(meta), flush=True)
     out_path = pathlib.Path(a.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +136,7 @@ def main(argv=None) -> dict:
                       + (f"{r['ms']:.3f} ms x{r['x_paged']:.2f} err {r['max_abs_err_vs_bf16']:.2g}"
                          if "ms" in r else r.get("error", "")[:200]), flush=True)
             result["shapes"].append(rec)
-            out_path.write_text(json.dumps(result, indent=1))
+            save_json(out_path, result)
             for r in rec["runs"]:
                 c = r["config"]
                 rows.append((ctx, page, rec["paged"]["ms"], rec["paged"]["pct_read"], rec["swapped_bf16"]["ms"],

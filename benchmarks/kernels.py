@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import math
@@ -70,6 +69,7 @@ import numpy as np                             # noqa: E402
 
 from config_flags import parse_overrides       # noqa: E402  (beside this script)
 from kernel_timing import copy_ceiling, read_ceiling, seconds_per_call   # noqa: E402
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 from paged_layout import MIXED, batch_page_sizes, dense_from_pages, page_layout, xla_decode_attention   # noqa: E402
 from delta_kernels import run_delta, run_delta_prefill   # noqa: E402  (beside this script)
 from pallas_kernels.testing import float64_attention, random_paged_case   # noqa: E402
@@ -305,17 +305,15 @@ def main(argv=None):
     contexts = [int(c) for c in a.contexts.split(",")]
     pages = [p if p == MIXED else int(p) for p in a.pages.split(",")]
     dev = jax.devices()[0]
-    meta = dict(date=datetime.date.today().isoformat(), device=dev.device_kind, platform=dev.platform,
-                jax=jax.__version__, batch=a.batch, q_heads=a.q_heads, kv_heads=a.kv_heads,
-                head_dim=a.head_dim, reps=a.reps, inner=a.inner, rounds=a.rounds, dry_run=a.dry_run,
-                timing=a.timing, chain=a.chain, kernels=list(kernel_names))
+    meta = dict(provenance("kernels"), platform=dev.platform, batch=a.batch, q_heads=a.q_heads,
+                kv_heads=a.kv_heads, head_dim=a.head_dim, reps=a.reps, inner=a.inner, rounds=a.rounds,
+                dry_run=a.dry_run, timing=a.timing, chain=a.chain, kernels=list(kernel_names))
     print(json.dumps(meta), flush=True)
     out_path = pathlib.Path(a.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     result = dict(meta=meta, checks=[], copy=None, shapes=[])
 
     def save():
-        out_path.write_text(json.dumps(result, indent=1))
+        save_json(out_path, result)
 
     if not a.no_check:
         check_cfgs = [TuningConfig(num_splits=1), TuningConfig(block_kv=128, num_stages=2, num_splits=2),

@@ -15,9 +15,7 @@ runs the kernel in the Mosaic GPU interpreter, so the script can be tried on a C
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import pathlib
 import statistics
 import sys
@@ -31,6 +29,7 @@ import jax.numpy as jnp                        # noqa: E402
 import numpy as np                             # noqa: E402
 
 from pallas_kernels.paged_attention import PAGE_SIZES, paged_attention   # noqa: E402
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 
 MIXED = "mixed"
 
@@ -155,13 +154,9 @@ def main(argv=None):
         print(f"{r['context']:>8} {r['layout']:>6} {r['ms_plain']:>10.3f} {r['ms_stats']:>10.3f} "
               f"{r['pct_slower']:>+7.1f}%")
     result = dict(
-        benchmark="score_stats_cost", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=dev.device_kind, platform=dev.platform, jax=jax.__version__, interpret=args.interpret,
+        provenance("score_stats_cost"), platform=dev.platform, interpret=args.interpret,
         shape=shape, config="TuningConfig() (default)", reps=reps, inner=inner, rounds=args.rounds, rows=rows)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {save_json(args.out, result, indent=2)}")
     bad = [r for r in rows if not r["out_identical"] or not r["var_max_rel_err_vs_dense"] <= 1e-2]
     return 1 if bad else 0
 

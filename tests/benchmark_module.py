@@ -12,7 +12,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # benchmarks/<name>.py that other scripts import by bare name, loaded in this order (a helper imports only helpers
 # listed before it: run_record imports none; kernel_timing imports device_trace and gpu_clocks; delta_kernels
-# config_flags, kernel_timing and paged_layout; norm_fold imports l2_prefetch, which imports device_trace;
+# config_flags, kernel_timing, paged_layout and run_record; norm_fold imports l2_prefetch, which imports device_trace;
 # gemm_fixed_cost imports decode_gemm, which imports config_flags, device_trace and kernel_timing).
 SHARED_HELPERS = ("run_record", "device_trace", "config_flags", "gpu_clocks", "kernel_timing", "paged_layout",
                   "delta_kernels", "l2_prefetch", "decode_gemm")
