@@ -150,9 +150,17 @@ class PagePool(HostTierMoves):
             return None
         return Page(start_slot=start * BASE_PAGE_TOKENS, page_size=page_size, ref_count=1)
 
-    def can_allocate(self, page_size: int, count: int) -> bool:
-        """Conservative check that `count` pages of `page_size` fit (counts slots, ignores buddy splits)."""
-        return count * page_size <= self.free_slots
+    def can_admit(self, prefix: Sequence[Page | HostPage], page_size: int, new_pages: int) -> bool:
+        """Whether a request fits once it takes `prefix` (match_prefix's pages) and `new_pages` fresh pages
+        of `page_size`: counts slots, ignores buddy splits.
+
+        The prefix's host-tier pages need fresh HBM pages to be recalled into. Its unowned cached pages count
+        in `free_slots` now but stop counting once the request holds them, so they are not room for its new
+        pages: counting them let a request whose tail did not fit be admitted, preempt itself at its first
+        chunk and be admitted again the next step, recalling its host pages every time."""
+        recalls = sum(not isinstance(p, Page) for p in prefix)
+        taken_back = sum(p.page_size for p in prefix if isinstance(p, Page) and p.ref_count == 0)
+        return (new_pages + recalls) * page_size <= self.free_slots - taken_back
 
     def release(self, page: Page) -> None:
         """Drops one reference. An unowned hashed page stays cached; an unhashed one is freed."""

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from stratum_jax.config import PAGE_SIZE_CLASSES, RuntimeConfig
 from stratum_jax.kv.block_table import BlockTable
-from stratum_jax.kv.page_pool import Page, PagePool
+from stratum_jax.kv.page_pool import PagePool
 from stratum_jax.kv.prefix_hash import token_array
 from stratum_jax.page_size import FixedPageSize, PageSizeHints, PageSizeRule, VarianceScale
 from stratum_jax.phase_times import PhaseTimes
@@ -166,8 +166,7 @@ class FcfsScheduler:
             page_size = self.pool.policy.page_size_for(
                 PageSizeHints(expected_tokens=expected, attention_score_variance=variance), (), self.pool.clock())
         first_chunk = min(len(tokens) - len(best_hit) * page_size, self.config.prefill_chunk, budget)
-        recalls = sum(not isinstance(p, Page) for p in best_hit)      # host-tier pages need HBM room too
-        if not self.pool.can_allocate(page_size, -(-first_chunk // page_size) + 1 + recalls):
+        if not self.pool.can_admit(best_hit, page_size, -(-first_chunk // page_size) + 1):
             return False
         blocks = BlockTable(self.pool, page_size)
         seq.blocks = blocks              # before the access: its features read the page size
