@@ -73,6 +73,7 @@ def run_condition(model, args, name: str, host_tokens: int, prefetch_pages: int)
                            kv_host_tokens=host_tokens, kv_prefetch_pages=prefetch_pages,
                            attention=args.attention)
     engine = Engine(config, model=model)
+    engine.pool.recall_choice.always_recall = args.recall == "always"
     engine.warmup()
     vocab = engine.model_config.vocab_size
     rng = random.Random(args.seed)                     # the same tokens in every condition
@@ -122,6 +123,8 @@ def run_condition(model, args, name: str, host_tokens: int, prefetch_pages: int)
         "offloaded_gb": ts.offloaded_bytes / 1e9, "recalled_gb": ts.recalled_bytes / 1e9,
         "transfer_s": ts.seconds, "transfer_device_get_s": ts.device_get_s, "transfer_upload_s": ts.upload_s,
         "preemptions": st.preemptions - s0.preemptions,
+        "recall_choices": st.kv_recall_choices - s0.kv_recall_choices,
+        "recompute_choices": st.kv_recompute_choices - s0.kv_recompute_choices,
         "final_answers_digest": hash(tuple(tuple(h[-args.answer_len:]) for h in history)) & 0xFFFFFFFF,
     }
 
@@ -283,6 +286,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-host-tokens", type=int, default=8192, help="host tier, in tokens")
     ap.add_argument("--prefetch-pages", type=int, default=64)
     ap.add_argument("--conditions", default="no-host,host,host+prefetch")
+    ap.add_argument("--recall", default="measured", choices=["measured", "always"],
+                    help="host pages of a matched prefix: recall or recompute by measured cost (the engine's "
+                         "choice), or always recall (a CPU run, whose prefill is cheap, then schedules like a GPU "
+                         "run that recalls)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2,
                     help="run every condition this many times and report the last (the first ones compile)")
@@ -385,7 +392,7 @@ def print_row(r: dict) -> None:
               f"{r['prompt_tokens_cached']:>8}  TTFT p50 {r['ttft_ms_p50_later_turns']:8.1f} ms  p90 "
               f"{r['ttft_ms_p90_later_turns']:8.1f}  host hits {r['host_hit_pages']:>6}  prefetched "
               f"{r['prefetched_pages']:>6}  copies {r['offloaded_gb']:.2f}/{r['recalled_gb']:.2f} GB "
-              f"in {r['transfer_s']:.2f} s", flush=True)
+              f"in {r['transfer_s']:.2f} s  preemptions {r['preemptions']}", flush=True)
 
 
 if __name__ == "__main__":

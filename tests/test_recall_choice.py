@@ -33,6 +33,10 @@ def test_choice_by_measured_copy_and_prefill_rates_both_ways(caplog):
     # Bandwidth is total bytes over total time of the recent batches.
     choice.observe_copy(nbytes=3_000_000, tokens=3000, seconds=0.001)
     assert choice.copy_bandwidth() == pytest.approx(2e9)
+    # always_recall (benchmarks/host_tier.py --recall always) recalls where the estimates say recompute.
+    assert not choice.should_recall(100, 10)               # copy 100 tokens: 50 us; recompute 10: 10 us
+    choice.always_recall = True
+    assert choice.should_recall(100, 10) and (choice.recalled, choice.recomputed) == (5, 3)
 
 
 def _prefix_half_on_host(pool, cache):

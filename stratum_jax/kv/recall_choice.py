@@ -23,8 +23,12 @@ log = logging.getLogger(__name__)
 class RecallChoice:
     """prefill_tokens_per_s: the engine's measured prefill throughput now (None while unmeasured)."""
 
-    def __init__(self, prefill_tokens_per_s: Callable[[], float | None], window: int = 16):
+    def __init__(self, prefill_tokens_per_s: Callable[[], float | None], window: int = 16,
+                 always_recall: bool = False):
         self.prefill_tokens_per_s = prefill_tokens_per_s
+        # Recall whatever the estimates say (still counted and logged): benchmarks/host_tier.py --recall always,
+        # so that a CPU run, whose cheap prefill makes the measured choice recompute, schedules like a GPU run.
+        self.always_recall = always_recall
         self._copies: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=window)
         self.recalled = 0          # choices made, each way
         self.recomputed = 0
@@ -57,7 +61,7 @@ class RecallChoice:
         """recall_tokens: tokens of the prefix's host pages (what a recall copies); recompute_tokens: tokens
         from its first host page to its end (what a cut there prefills again)."""
         est = self.estimates(recall_tokens, recompute_tokens)
-        recall = est is None or est[0] <= est[1]
+        recall = self.always_recall or est is None or est[0] <= est[1]
         if recall:
             self.recalled += 1
         else:
