@@ -71,7 +71,7 @@ def run_condition(model, args, name: str, host_tokens: int, prefetch_pages: int)
                            kv_pool_tokens=max(args.kv_pool_tokens, max_context), prefill_chunk=args.prefill_chunk,
                            max_tokens_cap=args.answer_len, max_queue=args.conversations + 8,
                            kv_host_tokens=host_tokens, kv_prefetch_pages=prefetch_pages,
-                           attention=args.attention)
+                           attention=args.attention, scheduler=args.scheduler)
     engine = Engine(config, model=model)
     engine.pool.recall_choice.always_recall = args.recall == "always"
     engine.warmup()
@@ -286,6 +286,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-host-tokens", type=int, default=8192, help="host tier, in tokens")
     ap.add_argument("--prefetch-pages", type=int, default=64)
     ap.add_argument("--conditions", default="no-host,host,host+prefetch")
+    ap.add_argument("--scheduler", default="hab", choices=["hab", "fcfs"],
+                    help="the engine's (hab: admissions follow measured step times, so counts such as preemptions "
+                         "vary a little with the machine's load; fcfs: the same from run to run)")
     ap.add_argument("--recall", default="measured", choices=["measured", "always"],
                     help="host pages of a matched prefix: recall or recompute by measured cost (the engine's "
                          "choice), or always recall (a CPU run, whose prefill is cheap, then schedules like a GPU "
