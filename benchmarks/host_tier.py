@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import random
@@ -56,6 +55,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from run_record import provenance, save_json  # noqa: E402  (beside this script)
 
 
 def run_condition(model, args, name: str, host_tokens: int, prefetch_pages: int) -> dict:
@@ -322,8 +323,6 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--conditions: unknown {bad}; choose from {list(known)}")
 
-    import jax
-
     from stratum_jax.model.config import PRESETS
     from stratum_jax.model.loader import load_model
     model = load_model(args.model, dtype=args.dtype, seed=0)
@@ -336,9 +335,7 @@ def main(argv=None) -> int:
         stretched = (model.config.max_position_embeddings, args.context + args.page_size)
         model = dataclasses.replace(model, config=dataclasses.replace(model.config, max_position_embeddings=stretched[1]))
         print(f"{args.model}: max_position_embeddings stretched from {stretched[0]} to {stretched[1]} (random weights)")
-    dev = jax.devices()[0]
-    result = {"model": args.model, "device": dev.device_kind if dev.platform != "cpu" else f"cpu ({os.cpu_count()} cores)",
-              "jax": jax.__version__, "date": datetime.date.today().isoformat(), "args": vars(args), "conditions": []}
+    result = {"model": args.model, **provenance("host_tier"), "args": vars(args), "conditions": []}
     if args.recall_vs_recompute:
         result.pop("conditions")
         result["max_position_stretched"] = stretched
@@ -353,9 +350,7 @@ def main(argv=None) -> int:
               f"{r['recompute_over_recall_median'] or 0:.1f}x); all recalled: {r['all_recalled']}; tier upload "
               f"{r['tier_upload_gbps_warm_median'] or 0:.1f} GB/s (median of the warm recalls)", flush=True)
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-            print(f"wrote {args.out}")
+            print(f"wrote {save_json(args.out, result)}")
         return 0
     result["earlier_rounds"] = []
     for rnd in range(args.rounds):
@@ -369,8 +364,7 @@ def main(argv=None) -> int:
             print(f"[round {rnd + 1}/{args.rounds}] ", end="")
             print_row(r)
             if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(result, f, indent=1)
+                save_json(args.out, result)
         if not last:
             result["earlier_rounds"].append(rows)
     digests = {r["final_answers_digest"] for r in result["conditions"]}
@@ -379,9 +373,7 @@ def main(argv=None) -> int:
     # legitimately differ between conditions there; with float32 they should not.
     print(f"same answers in every condition: {len(digests) == 1}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.out}")
+        print(f"wrote {save_json(args.out, result)}")
         try:
             plot(result, os.path.splitext(args.out)[0] + ".png")
         except ImportError:

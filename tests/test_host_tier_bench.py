@@ -21,6 +21,7 @@ def test_always_recall_turns_the_recomputed_history_into_host_hits(bench, tmp_pa
     out = tmp_path / "ht.json"
     assert bench.main(WORKLOAD + ["--recall", "always", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["benchmark"] == "host_tier" and result["device"].startswith("cpu")
     assert result["args"]["recall"] == "always" and result["same_answers_in_every_condition"]
     no_host, host = result["conditions"]
     assert (no_host["condition"], host["condition"]) == ("no-host", "host")

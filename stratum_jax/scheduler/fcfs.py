@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterable
 
 from stratum_jax.config import PAGE_SIZE_CLASSES, RuntimeConfig
 from stratum_jax.kv.block_table import BlockTable
