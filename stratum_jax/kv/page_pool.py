@@ -157,7 +157,7 @@ class PagePool(HostTierMoves):
         The prefix's host-tier pages need fresh HBM pages to be recalled into. Its unowned cached pages count
         in `free_slots` now but stop counting once the request holds them, so they are not room for its new
         pages: counting them let a request whose tail did not fit be admitted, preempt itself at its first
-        chunk and be admitted again the next step, recalling its host pages every time."""
+        chunk and be admitted again the next step, over and over."""
         recalls = sum(not isinstance(p, Page) for p in prefix)
         taken_back = sum(p.page_size for p in prefix if isinstance(p, Page) and p.ref_count == 0)
         return (new_pages + recalls) * page_size <= self.free_slots - taken_back

@@ -23,12 +23,11 @@ log = logging.getLogger(__name__)
 class RecallChoice:
     """prefill_tokens_per_s: the engine's measured prefill throughput now (None while unmeasured)."""
 
-    def __init__(self, prefill_tokens_per_s: Callable[[], float | None], window: int = 16,
-                 always_recall: bool = False):
+    def __init__(self, prefill_tokens_per_s: Callable[[], float | None], window: int = 16):
         self.prefill_tokens_per_s = prefill_tokens_per_s
         # Recall whatever the estimates say (still counted and logged): benchmarks/host_tier.py --recall always,
         # so that a CPU run, whose cheap prefill makes the measured choice recompute, schedules like a GPU run.
-        self.always_recall = always_recall
+        self.always_recall = False
         self._copies: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=window)
         self.recalled = 0          # choices made, each way
         self.recomputed = 0
