@@ -1,7 +1,8 @@
 # Session 46, one device call (repo root; carry .whl and .carry/traces): on an H200, #12's e2e and kernel bars
 # (gpu_s40_granule.sh); on an H100, the #13 pool-pressure stacks replay (262K-token pools, w0 / w1 at 4x) after and
 # then before the admission fix (session 45; reverted with benchmarks/results/admission_unfix_s46.patch, applied to
-# the tree in place). ~450 s. MODEL, SA (server args), EXTRA (replay args) override for a CPU check of the script.
+# the tree in place). ~450 s. VERSIONS="after" runs the fixed tree only. MODEL, SA (server args), EXTRA (replay
+# args) override for a CPU check of the script.
 G=$(nvidia-smi 2>/dev/null --query-gpu=name --format=csv,noheader | head -1); echo "GPU: $G"
 if echo "$G" | grep -q H200; then
   STEP=e2e TAG=s46_h200 T1=140 bash benchmarks/gpu_s40_granule.sh
@@ -16,7 +17,7 @@ T=.carry/traces/mooncake_conversation.jsonl
 timeout 200 python3 benchmarks/serving.py --model ${MODEL:-llama-1b} --trace $T --num-requests 4 --length-scale 0.01 --arrivals burst \
   --rates 1 --configs "w1=$S --stratum-weight 1" --server-args "$SA" --request-timeout 60 --out-prefix prime > /tmp/prime.log 2>&1
 echo "prime: exit $? at ${SECONDS}s"; rm -f benchmarks/results/prime*
-for v in after before; do
+for v in ${VERSIONS:-after before}; do
   [ $v = before ] && { patch -s -p1 < benchmarks/results/admission_unfix_s46.patch || exit 4; }
   P=serving_stacks_pool256k_admission_${v}_s46_h100
   TL=240; [ $v = before ] && TL=$(( 570 - SECONDS ))
