@@ -1,12 +1,12 @@
 # Session 46, one device call (repo root; carry .whl and .carry/traces): on an H200, #12's e2e and kernel bars
 # (gpu_s40_granule.sh); on an H100, the #13 pool-pressure stacks replay (262K-token pools, w0 / w1 at 4x) after and
 # then before the admission fix (session 45; reverted with benchmarks/results/admission_unfix_s46.patch, applied to
-# the tree in place). ~450 s. VERSIONS="after" runs the fixed tree only. MODEL, SA (server args), EXTRA (replay
+# the tree in place). ~450 s. VERSIONS="after" runs the fixed tree only; DEADLINE (s, default 570) bounds the call. MODEL, SA (server args), EXTRA (replay
 # args) override for a CPU check of the script.
 G=$(nvidia-smi 2>/dev/null --query-gpu=name --format=csv,noheader | head -1); echo "GPU: $G"
 if echo "$G" | grep -q H200; then
   STEP=e2e TAG=s46_h200 T1=140 bash benchmarks/gpu_s40_granule.sh
-  STEP=bars TAG=s46_h200 CONTEXTS=4096,16384,1024 PAGES=mixed,16 T1=$((560-SECONDS)) bash benchmarks/gpu_s40_granule.sh
+  STEP=bars TAG=s46_h200 CONTEXTS=4096,16384,1024 PAGES=mixed,16 T1=$(( ${DEADLINE:-570} - 10 - SECONDS )) bash benchmarks/gpu_s40_granule.sh
   exit 0
 fi
 source benchmarks/gpu_env.sh
@@ -20,7 +20,7 @@ echo "prime: exit $? at ${SECONDS}s"; rm -f benchmarks/results/prime*
 for v in ${VERSIONS:-after before}; do
   [ $v = before ] && { patch -s -p1 < benchmarks/results/admission_unfix_s46.patch || exit 4; }
   P=serving_stacks_pool256k_admission_${v}_s46_h100
-  TL=240; [ $v = before ] && TL=$(( 570 - SECONDS ))
+  TL=240; [ $v = before ] && TL=$(( ${DEADLINE:-570} - SECONDS ))
   timeout $TL python3 benchmarks/serving.py --model ${MODEL:-llama-1b} --trace $T \
     --num-requests 120 --rates 4 ${EXTRA:-} --configs "$CONFIGS" --compare-baseline w0 --server-args "$SA" \
     --run-timeout $(( TL - 15 )) --request-timeout 120 --out-prefix $P --server-log-dir $OUT/logs_$v 2>&1 | grep -v Warn | tail -8
