@@ -2,7 +2,8 @@
 # (gpu_s40_granule.sh); on an H100, the #13 pool-pressure stacks replay (262K-token pools, w0 / w1 at 4x) after and
 # then before the admission fix (session 45; reverted with benchmarks/results/admission_unfix_s46.patch, applied to
 # the tree in place). ~450 s. VERSIONS="after" runs the fixed tree only; DEADLINE (s, default 570) bounds the call.
-# MODEL, SA (server args), EXTRA (replay args) override for a CPU check of the script.
+# PRIME=0 skips the first, untimed server start that fills the compilation cache. MODEL, SA (server args), EXTRA
+# (replay args) override for a CPU check of the script.
 G=$(nvidia-smi 2>/dev/null --query-gpu=name --format=csv,noheader | head -1); echo "GPU: $G"
 if echo "$G" | grep -q H200; then
   STEP=e2e TAG=s46_h200 T1=140 bash benchmarks/gpu_s40_granule.sh
@@ -16,7 +17,7 @@ SA=${SA:-'--dtype bfloat16 --max-batch-size 64 --max-context 32768 --kv-pool-tok
 S='--stacks stratum,baseline'
 CONFIGS="w0=$S --stratum-weight 0;w1=$S --stratum-weight 1"
 T=.carry/traces/mooncake_conversation.jsonl
-timeout 200 python3 benchmarks/serving.py --model ${MODEL:-llama-1b} --trace $T --num-requests 4 --length-scale 0.01 \
+[ "${PRIME:-1}" = 1 ] && timeout 200 python3 benchmarks/serving.py --model ${MODEL:-llama-1b} --trace $T --num-requests 4 --length-scale 0.01 \
   --arrivals burst --rates 1 --configs "w1=$S --stratum-weight 1" --server-args "$SA" --request-timeout 60 \
   --out-prefix prime > /tmp/prime.log 2>&1
 echo "prime: exit $? at ${SECONDS}s"; rm -f benchmarks/results/prime*
