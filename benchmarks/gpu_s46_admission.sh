@@ -21,10 +21,11 @@ T=.carry/traces/mooncake_conversation.jsonl
   --num-requests 4 --length-scale 0.01 --arrivals burst --rates 1 --configs "w1=$S --stratum-weight 1" \
   --server-args "$SA" --request-timeout 60 --out-prefix prime > /tmp/prime.log 2>&1
 echo "prime: exit $? at ${SECONDS}s"; rm -f benchmarks/results/prime*
-for v in ${VERSIONS:-after before}; do
+set -- ${VERSIONS:-after before}
+for v in "$@"; do
   [ $v = before ] && { patch -s -p1 < benchmarks/results/admission_unfix_s46.patch || exit 4; }
   P=serving_stacks_pool256k_admission_${v}_s46_h100
-  TL=240; [ $v = before ] && TL=$(( ${DEADLINE:-570} - SECONDS ))
+  LEFT=$(( $# )); shift; TL=$(( (${DEADLINE:-570} - SECONDS) / LEFT ))    # the time left, shared by what is left
   timeout $TL python3 benchmarks/serving.py --model ${MODEL:-llama-1b} --trace $T \
     --num-requests 120 --rates 4 ${EXTRA:-} --configs "$CONFIGS" --compare-baseline w0 --server-args "$SA" \
     --run-timeout $(( TL - 15 )) --request-timeout 120 --out-prefix $P --server-log-dir $OUT/logs_$v 2>&1 \
