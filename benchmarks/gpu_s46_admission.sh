@@ -17,10 +17,12 @@ SA=${SA:-'--dtype bfloat16 --max-batch-size 64 --max-context 32768 --kv-pool-tok
 S='--stacks stratum,baseline'
 CONFIGS="w0=$S --stratum-weight 0;w1=$S --stratum-weight 1"
 T=.carry/traces/mooncake_conversation.jsonl
-[ "${PRIME:-1}" = 1 ] && timeout 200 python3 benchmarks/serving.py --model ${MODEL:-llama-1b} --trace $T \
-  --num-requests 4 --length-scale 0.01 --arrivals burst --rates 1 --configs "w1=$S --stratum-weight 1" \
-  --server-args "$SA" --request-timeout 60 --out-prefix prime > /tmp/prime.log 2>&1
-[ "${PRIME:-1}" = 1 ] && echo "prime: exit $? at ${SECONDS}s"; rm -f benchmarks/results/prime*
+if [ "${PRIME:-1}" = 1 ]; then
+  timeout 200 python3 benchmarks/serving.py --model ${MODEL:-llama-1b} --trace $T \
+    --num-requests 4 --length-scale 0.01 --arrivals burst --rates 1 --configs "w1=$S --stratum-weight 1" \
+    --server-args "$SA" --request-timeout 60 --out-prefix prime > /tmp/prime.log 2>&1
+  echo "prime: exit $? at ${SECONDS}s"; rm -f benchmarks/results/prime*
+fi
 set -- ${VERSIONS:-after before}
 for v in "$@"; do
   [ $v = before ] && { patch -s -p1 < benchmarks/results/admission_unfix_s46.patch || exit 4; }
