@@ -1,9 +1,9 @@
 # Session 46, one device call (repo root; carry .whl and .carry/traces): on an H200, #12's e2e and kernel bars
 # (gpu_s40_granule.sh); on an H100, the #13 pool-pressure stacks replay (262K-token pools, w0 / w1 at 4x) after and
 # then before the admission fix (session 45; reverted with benchmarks/results/admission_unfix_s46.patch, applied to
-# the tree in place); not yet timed on a GPU. VERSIONS="after" runs the fixed tree only; DEADLINE (s, default 570) bounds the call.
-# The replay is gpu_stacks_session.sh's STEP=split with two configs. PRIME=0 skips its first, untimed server
-# starts. MODEL, SA (server args), EXTRA (replay args) override for a CPU check of the script.
+# the tree in place); not yet timed on a GPU. VERSIONS="after" runs the fixed tree only; DEADLINE (s, default 570)
+# bounds the call. The replay is gpu_stacks_session.sh's STEP=split with two configs. PRIME=0 skips its first,
+# untimed server starts. MODEL, SA (server args), EXTRA (replay args) override for a CPU check of the script.
 G=$(nvidia-smi 2>/dev/null --query-gpu=name --format=csv,noheader | head -1); echo "GPU: $G"
 if echo "$G" | grep -q H200; then
   STEP=e2e TAG=s46_h200 T1=140 bash benchmarks/gpu_s40_granule.sh
